@@ -1,0 +1,196 @@
+"""The run spec: typed dataclasses loaded from TOML and validated once, with errors that name the field.
+
+Both sides use this module: the Train node writes a spec, the trainer program reads it. It imports
+only the standard library so that loading it in the ComfyUI process costs nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+SPEC_VERSION = 1
+
+TARGET_PRESETS = ("attention", "attention_ff", "all_linear")
+OPTIMIZERS = ("adamw", "adamw8bit")
+SCHEDULES = ("constant", "linear", "cosine")
+PRECISIONS = ("fp32", "bf16")
+PREDICTIONS = ("auto", "epsilon", "v_prediction")
+
+
+class RunSpecError(ValueError):
+    """A run spec that cannot be used; the message names the file and the field."""
+
+
+@dataclass
+class ModelSpec:
+    path: str = ""  # diffusion-model weights with ComfyUI keys (what UNETLoader reads)
+    family: str = "auto"
+    prediction: str = "auto"  # taken from the graph's MODEL by the Train node
+    comfyui_path: str = ""  # ComfyUI install whose model code rebuilds the model
+
+
+@dataclass
+class DataSpec:
+    manifest: str = ""  # dataset manifest written by the cache (see cache/manifest.py)
+    shuffle: bool = True
+
+
+@dataclass
+class AdapterSpec:
+    kind: str = "lora"
+    rank: int = 16
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: str = "attention"
+
+
+@dataclass
+class TrainSpec:
+    steps: int = 100
+    batch_size: int = 1
+    grad_accum: int = 1
+    learning_rate: float = 1e-4
+    optimizer: str = "adamw"
+    weight_decay: float = 0.01
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    precision: str = "bf16"
+    gradient_checkpointing: bool = False
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    save_every: int = 0  # 0: only the final adapter
+    eval_quantiles: list = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
+    eval_every: int = 0  # 0: evaluate before the first step and after the last only
+    resume: str = ""  # "": fresh run; "latest": newest complete checkpoint; or a checkpoint tag
+
+
+@dataclass
+class OutputSpec:
+    lora_path: str = ""  # final adapter, written atomically (normally into ComfyUI's models/loras)
+    name: str = "lora"
+
+
+@dataclass
+class DistributedSpec:
+    zero_stage: int = 0
+
+
+@dataclass
+class RunSpec:
+    version: int = SPEC_VERSION
+    run_dir: str = ""
+    parent_pid: int = 0  # the trainer exits when this process dies (0: no watchdog)
+    model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    adapter: AdapterSpec = field(default_factory=AdapterSpec)
+    train: TrainSpec = field(default_factory=TrainSpec)
+    output: OutputSpec = field(default_factory=OutputSpec)
+    distributed: DistributedSpec = field(default_factory=DistributedSpec)
+
+    def validate(self, source: str = "run spec") -> "RunSpec":
+        problems = []
+
+        def need(ok: bool, where: str, msg: str):
+            if not ok:
+                problems.append(f"{where}: {msg}")
+
+        t, a = self.train, self.adapter
+        need(self.version == SPEC_VERSION, "version", f"must be {SPEC_VERSION} (got {self.version})")
+        need(bool(self.run_dir), "run_dir", "is required")
+        need(bool(self.model.path), "model.path", "is required")
+        need(self.model.prediction in PREDICTIONS, "model.prediction", f"must be one of {PREDICTIONS}")
+        need(bool(self.data.manifest), "data.manifest", "is required")
+        need(a.kind == "lora", "adapter.kind", "must be 'lora'")
+        need(a.rank >= 1, "adapter.rank", f"must be at least 1 (got {a.rank})")
+        need(a.alpha > 0 and math.isfinite(a.alpha), "adapter.alpha", f"must be a positive number (got {a.alpha})")
+        need(0.0 <= a.dropout < 1.0, "adapter.dropout", f"must be in [0, 1) (got {a.dropout})")
+        need(a.targets in TARGET_PRESETS, "adapter.targets", f"must be one of {TARGET_PRESETS} (got {a.targets!r})")
+        need(t.steps >= 1, "train.steps", f"must be at least 1 (got {t.steps})")
+        need(t.batch_size >= 1, "train.batch_size", f"must be at least 1 (got {t.batch_size})")
+        need(t.grad_accum >= 1, "train.grad_accum", f"must be at least 1 (got {t.grad_accum})")
+        need(t.learning_rate > 0, "train.learning_rate", f"must be positive (got {t.learning_rate})")
+        need(t.optimizer in OPTIMIZERS, "train.optimizer", f"must be one of {OPTIMIZERS} (got {t.optimizer!r})")
+        need(t.lr_schedule in SCHEDULES, "train.lr_schedule", f"must be one of {SCHEDULES} (got {t.lr_schedule!r})")
+        need(t.warmup_steps >= 0, "train.warmup_steps", f"must be 0 or more (got {t.warmup_steps})")
+        need(t.precision in PRECISIONS, "train.precision", f"must be one of {PRECISIONS} (got {t.precision!r})")
+        need(t.save_every >= 0, "train.save_every", f"must be 0 or more (got {t.save_every})")
+        need(t.eval_every >= 0, "train.eval_every", f"must be 0 or more (got {t.eval_every})")
+        need(all(0.0 < q < 1.0 for q in t.eval_quantiles), "train.eval_quantiles", "values must lie in (0, 1)")
+        need(bool(self.output.lora_path), "output.lora_path", "is required")
+        need(self.distributed.zero_stage in (0, 1, 2, 3), "distributed.zero_stage", "must be 0, 1, 2 or 3")
+        if problems:
+            raise RunSpecError(f"{source}: " + "; ".join(problems))
+        return self
+
+
+def _from_dict(cls, data: dict, where: str):
+    if not isinstance(data, dict):
+        raise RunSpecError(f"{where}: expected a table")
+    hints = get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise RunSpecError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        value, hint, path = data[f.name], hints[f.name], f"{where}.{f.name}" if where else f.name
+        if dataclasses.is_dataclass(hint):
+            value = _from_dict(hint, value, path)
+        elif hint is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        elif hint in (int, float, str, bool) and not (isinstance(value, hint) and not (hint is int and isinstance(value, bool))):
+            raise RunSpecError(f"{path}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def spec_from_dict(data: dict, source: str = "run spec") -> RunSpec:
+    try:
+        spec = _from_dict(RunSpec, data, "")
+    except RunSpecError as exc:
+        raise RunSpecError(f"{source}: {exc}") from None
+    return spec.validate(source)
+
+
+def load_run_spec(path: str | Path) -> RunSpec:
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RunSpecError(f"{path}: run spec not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise RunSpecError(f"{path}: not valid TOML ({exc})") from None
+    return spec_from_dict(data, str(path))
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def dump_run_spec(spec: RunSpec) -> str:
+    lines, tables = [], []
+    for f in dataclasses.fields(spec):
+        value = getattr(spec, f.name)
+        if dataclasses.is_dataclass(value):
+            tables.append((f.name, value))
+        else:
+            lines.append(f"{f.name} = {_toml_value(value)}")
+    for name, table in tables:
+        lines.append(f"\n[{name}]")
+        for f in dataclasses.fields(table):
+            lines.append(f"{f.name} = {_toml_value(getattr(table, f.name))}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,66 @@
+"""DeepSpeed at any world size, 1 included: process-group set-up and the engine's configuration."""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+
+def ensure_dist_env():
+    """A process started without a launcher is rank 0 of a world of 1."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def import_deepspeed():
+    import deepspeed
+    import deepspeed.ops
+    # the shared-memory collective op costs a 44 s JIT compile on CPU and gloo does the job
+    getattr(deepspeed.ops, "__compatible_ops__", {})["deepspeed_shm_comm"] = False
+    return deepspeed
+
+
+def init_distributed():
+    ensure_dist_env()
+    deepspeed = import_deepspeed()
+    backend = None if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    return deepspeed
+
+
+def deepspeed_config(spec) -> dict:
+    t = spec.train
+    config = {
+        "train_micro_batch_size_per_gpu": t.batch_size,
+        "gradient_accumulation_steps": t.grad_accum,
+        "train_batch_size": t.batch_size * t.grad_accum * world_size(),
+        "gradient_clipping": t.max_grad_norm if t.max_grad_norm > 0 else 0.0,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        "zero_optimization": {"stage": spec.distributed.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": t.precision == "bf16"},
+    }
+    return config
+
+
+def destroy():
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

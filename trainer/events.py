@@ -1,0 +1,74 @@
+"""The event stream contract (DESIGN.md): versioned JSON objects, one per line, written by rank 0.
+
+Events go to their own file in the run directory, never to stdout, so nothing DeepSpeed or
+bitsandbytes prints can be mistaken for one. Readers tail the file by byte offset.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+EVENT_VERSION = 1
+EVENT_TYPES = ("started", "step", "eval", "sample", "checkpoint", "log", "finished", "error")
+EVENTS_FILE = "events.jsonl"
+
+
+class EventWriter:
+    def __init__(self, path: str | Path, enabled: bool = True):
+        self.path = Path(path)
+        self.enabled = enabled
+        self._file = open(self.path, "a", encoding="utf-8") if enabled else None
+
+    def emit(self, type_: str, **fields) -> dict:
+        if type_ not in EVENT_TYPES:
+            raise ValueError(f"unknown event type {type_!r}")
+        event = {"v": EVENT_VERSION, "type": type_, "time": round(time.time(), 3), **fields}
+        if self._file is not None:
+            self._file.write(json.dumps(event, allow_nan=False, default=float) + "\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        return event
+
+    def close(self):
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class EventReader:
+    """Incremental reader: each poll returns the complete lines added since the last one."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._offset = 0
+        self._partial = b""
+
+    def poll(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(chunk)
+        data = self._partial + chunk
+        lines = data.split(b"\n")
+        self._partial = lines.pop()  # an incomplete last line waits for the next poll
+        events = []
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(event, dict) and event.get("type") in EVENT_TYPES:
+                events.append(event)
+        return events
+
+
+def read_events(path: str | Path, since: int = 0) -> list[dict]:
+    """All events in a run's event file from index `since` on."""
+    return EventReader(path).poll()[since:]

@@ -1,0 +1,196 @@
+"""The training run: components from the spec, the DeepSpeed engine, the step loop, checkpoints, export."""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from . import checkpoint as ckpt
+from .adapters import comfy_lora_state_dict, inject_lora, kohya_metadata, save_adapter_atomic
+from .comfy_env import import_comfy
+from .config import RunSpec
+from .data import StepSampler, load_cached_dataset
+from .distributed import deepspeed_config, init_distributed, rank, world_size
+from .evaluation import evaluate
+from .events import EventWriter
+from .models import Batch, ModelFamily, load_family
+
+log = logging.getLogger("ingraph_trainer.trainer")
+
+STOP_FILE = "STOP"  # created in the run directory to ask for a checkpoint and a clean end
+
+
+class TrainingModule(torch.nn.Module):
+    """What DeepSpeed wraps: the diffusion model (with its adapter); forward returns the loss."""
+
+    def __init__(self, family: ModelFamily):
+        super().__init__()
+        self.diffusion_model = family.diffusion_model
+        self.family = family
+
+    def forward(self, latents, cond, noise, timesteps):
+        return self.family.loss(Batch(latents, cond, None, noise, timesteps))
+
+
+def enable_gradient_checkpointing(blocks):
+    for block in blocks:
+        forward = block.forward
+
+        def checkpointed(*args, _forward=forward, **kwargs):
+            return torch.utils.checkpoint.checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+        block.forward = checkpointed
+
+
+def lr_lambda(spec: RunSpec):
+    t = spec.train
+
+    def factor(step: int) -> float:
+        if t.warmup_steps and step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        if t.lr_schedule == "constant":
+            return 1.0
+        progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+        progress = min(max(progress, 0.0), 1.0)
+        if t.lr_schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return factor
+
+
+def build_optimizer(spec: RunSpec, params):
+    t = spec.train
+    if t.optimizer == "adamw8bit":
+        import bitsandbytes as bnb
+        return bnb.optim.AdamW8bit(params, lr=t.learning_rate, weight_decay=t.weight_decay)
+    return torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
+
+
+def _grad_norm(params) -> float | None:
+    grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
+    return torch.stack(grads).norm().item() if grads else None
+
+
+class Trainer:
+    def __init__(self, spec: RunSpec, events: EventWriter):
+        self.spec = spec
+        self.events = events
+        self.run_dir = Path(spec.run_dir)
+        self.is_rank0 = rank() == 0
+
+    def _global_mean(self, value: float) -> float:
+        if world_size() == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(t)
+        return t.item() / world_size()
+
+    def run(self):
+        spec, t = self.spec, self.spec.train
+        started_at = time.time()
+        import_comfy(spec.model.comfyui_path)
+        family = load_family(spec.model.path, spec.model.family, spec.model.prediction)
+        dataset = load_cached_dataset(spec.data.manifest)
+        repeats = max(1, len(dataset) // len(set(dataset.sources)))
+        eval_indices = list(range(0, len(dataset), repeats))
+
+        torch.manual_seed(t.seed)  # adapter initialisation
+        targets = family.adapter_targets(spec.adapter.targets)
+        params = inject_lora(family.diffusion_model, targets, spec.adapter.rank, spec.adapter.alpha, spec.adapter.dropout)
+        if t.gradient_checkpointing:
+            enable_gradient_checkpointing(family.checkpoint_blocks())
+        module = TrainingModule(family)
+        optimizer = build_optimizer(spec, params)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(spec))
+
+        deepspeed = init_distributed()
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
+                                               config=deepspeed_config(spec))
+        self.device = engine.device
+        world = world_size()
+        global_batch = t.batch_size * t.grad_accum * world
+        sampler = StepSampler(len(dataset), global_batch, t.seed, spec.data.shuffle)
+
+        start_step = 0
+        resume_from = ckpt.resolve_resume(self.run_dir, t.resume)
+        if resume_from is not None:
+            state = ckpt.load_checkpoint(engine, resume_from)
+            start_step = int(state["step"])
+
+        self.events.emit("started", run_dir=str(self.run_dir), total=t.steps, start_step=start_step,
+                         world_size=world, family=family.name, prediction=family.prediction,
+                         adapted_modules=len(targets), trainable_params=sum(p.numel() for p in params),
+                         dataset_items=len(eval_indices), samples=len(dataset),
+                         resumed_from=str(resume_from) if resume_from else None)
+
+        def run_eval(step: int):
+            result = evaluate(module, dataset, eval_indices, t.eval_quantiles, t.seed, t.batch_size, self.device)
+            self.events.emit("eval", step=step, **result)
+            return result
+
+        eval_before = run_eval(start_step) if start_step == 0 else None
+        step_times: list[float] = []
+        data_wait = 0.0
+        final_loss = None
+        stopped = False
+        step = start_step
+        latent_shape = tuple(dataset.latents[0].shape)
+        for step in range(start_step, t.steps):
+            t0 = time.perf_counter()
+            indices = sampler.indices(step)
+            noise, timesteps = sampler.noise_and_timesteps(step, latent_shape)
+            lr = optimizer.param_groups[0]["lr"]
+            losses, grad_norm = [], None
+            for micro in range(t.grad_accum):
+                d0 = time.perf_counter()
+                lo = (micro * world + rank()) * t.batch_size
+                sel = indices[lo:lo + t.batch_size]
+                latents = torch.stack([dataset.latents[i] for i in sel]).to(self.device)
+                cond = torch.stack([dataset.conds[i] for i in sel]).to(self.device)
+                data_wait += time.perf_counter() - d0
+                loss = engine(latents, cond, noise[lo:lo + t.batch_size].to(self.device),
+                              timesteps[lo:lo + t.batch_size].to(self.device))
+                engine.backward(loss)
+                if engine.is_gradient_accumulation_boundary():
+                    grad_norm = _grad_norm(params)
+                engine.step()
+                losses.append(loss.item())
+            final_loss = self._global_mean(sum(losses) / len(losses))
+            grad_norm = engine.get_global_grad_norm() or grad_norm
+            step_time = time.perf_counter() - t0
+            step_times.append(step_time)
+            recent = step_times[-20:]
+            avg = sum(recent) / len(recent)
+            done = step + 1
+            self.events.emit("step", step=done, total=t.steps, loss=final_loss, lr=lr,
+                             grad_norm=float(grad_norm) if grad_norm is not None else None,
+                             samples_per_s=global_batch / step_time, step_time_s=step_time,
+                             eta_s=avg * (t.steps - done), data_wait_s=round(data_wait, 4),
+                             timestep_mean=timesteps.mean().item(), timestep_std=timesteps.std().item() if len(timesteps) > 1 else 0.0)
+            if t.eval_every and done % t.eval_every == 0 and done < t.steps:
+                run_eval(done)
+            stop_requested = (self.run_dir / STOP_FILE).exists()
+            if done < t.steps and ((t.save_every and done % t.save_every == 0) or stop_requested):
+                path = ckpt.save_checkpoint(engine, self.run_dir, done, {"step": done, "seed": t.seed}, self.is_rank0)
+                self.events.emit("checkpoint", step=done, path=str(path))
+            if stop_requested and done < t.steps:
+                stopped = True
+                break
+        else:
+            step = t.steps - 1
+        steps_done = step + 1
+
+        eval_after = run_eval(steps_done)
+        adapter_path = None
+        if self.is_rank0:
+            tensors = comfy_lora_state_dict(family.diffusion_model, spec.adapter.alpha)
+            meta = kohya_metadata(spec, family, len(eval_indices), steps_done, started_at)
+            adapter_path = str(save_adapter_atomic(spec.output.lora_path, tensors, meta))
+        steady = step_times[1:] or step_times
+        self.events.emit("finished", adapter=adapter_path, steps=steps_done, stopped=stopped, final_loss=final_loss,
+                         eval_before=eval_before["loss"] if eval_before else None, eval_after=eval_after["loss"],
+                         mean_step_s=sum(steady) / len(steady) if steady else None,
+                         data_wait_s=round(data_wait, 4), wall_s=time.time() - started_at)
+        return adapter_path

@@ -1,0 +1,71 @@
+"""The trainer program: `python <pack>/trainer --config run.toml` (or under `deepspeed`)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from .config import RunSpecError, load_run_spec
+from .events import EVENTS_FILE, EventWriter
+
+EXIT_BAD_SPEC = 2
+EXIT_FAILED = 1
+EXIT_ORPHANED = 3
+
+
+def start_parent_watchdog(parent_pid: int, events: EventWriter, interval: float = 1.0):
+    """Exit when the process that launched us (ComfyUI) is gone: nobody would read our results."""
+    if parent_pid <= 0:
+        return
+
+    def watch():
+        while True:
+            time.sleep(interval)
+            try:
+                os.kill(parent_pid, 0)
+            except ProcessLookupError:
+                events.emit("error", message=f"parent process {parent_pid} exited; trainer stopping")
+                os._exit(EXIT_ORPHANED)
+            except PermissionError:
+                pass
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="ingraph-trainer", description="Train an adapter from a run spec.")
+    parser.add_argument("--config", required=True, help="run spec (TOML) written by the Train node or by hand")
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by deepspeed
+    opts = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        spec = load_run_spec(opts.config)
+    except RunSpecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_SPEC
+
+    from .distributed import destroy, ensure_dist_env, rank
+    ensure_dist_env()
+    run_dir = Path(spec.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    events = EventWriter(run_dir / EVENTS_FILE, enabled=rank() == 0)
+    start_parent_watchdog(spec.parent_pid, events)
+    try:
+        from .loop import Trainer
+        Trainer(spec, events).run()
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the node as an error event
+        tb = traceback.format_exc()
+        print(tb, file=sys.stderr, flush=True)
+        message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        events.emit("error", message=message, rank=rank(), traceback=tb[-4000:])
+        # also written by every rank to its own file so that any rank's failure is visible
+        (run_dir / f"error_rank{rank()}.txt").write_text(tb, encoding="utf-8")
+        return EXIT_FAILED
+    finally:
+        destroy()
+        events.close()
+    return 0
