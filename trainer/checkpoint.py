@@ -7,12 +7,14 @@ from pathlib import Path
 
 import torch
 
+from .layout import CHECKPOINTS_DIR
+
 COMPLETE_MARK = "COMPLETE"
 STATE_FILE = "trainer_state.json"
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return Path(run_dir) / CHECKPOINTS_DIR
 
 
 def tag_for(step: int) -> str:

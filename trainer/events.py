@@ -12,7 +12,7 @@ from pathlib import Path
 
 EVENT_VERSION = 1
 EVENT_TYPES = ("started", "step", "eval", "sample", "checkpoint", "log", "finished", "error")
-EVENTS_FILE = "events.jsonl"
+from .layout import EVENTS_FILE  # noqa: F401  (re-exported)
 
 
 class EventWriter:

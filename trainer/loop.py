@@ -20,7 +20,7 @@ from .models import Batch, ModelFamily, load_family
 
 log = logging.getLogger("ingraph_trainer.trainer")
 
-STOP_FILE = "STOP"  # created in the run directory to ask for a checkpoint and a clean end
+from .layout import STOP_FILE
 
 
 class TrainingModule(torch.nn.Module):

@@ -1,0 +1,38 @@
+from comfy_api.latest import io
+
+from ..trainer.config import AdapterSpec
+from .types import CATEGORY, Adapter
+
+TARGET_PRESETS = {"attention": "attention", "attention + feed-forward": "attention_ff", "all linear layers": "all_linear"}
+
+
+class LoRAAdapter(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="InGraphLoRAAdapter",
+            display_name="LoRA Adapter",
+            category=CATEGORY,
+            description="Settings of the LoRA to train.",
+            inputs=[
+                io.Int.Input("rank", default=16, min=1, max=1024,
+                             tooltip="LoRA rank (network dim): larger learns more detail and makes a bigger file."),
+                io.Float.Input("alpha", default=16.0, min=0.01, max=4096.0, step=0.01,
+                               tooltip="LoRA alpha: the update is scaled by alpha / rank. Saved as-is in the file."),
+                io.Float.Input("dropout", default=0.0, min=0.0, max=0.9, step=0.01,
+                               tooltip="Dropout on the LoRA path during training (0 = off)."),
+                io.Combo.Input("targets", options=list(TARGET_PRESETS), default="attention",
+                               tooltip="Which layers get a LoRA: attention projections; attention and feed-forward; "
+                                       "or every linear layer of the diffusion model."),
+            ],
+            outputs=[Adapter.Output(display_name="adapter", tooltip="Adapter settings for Train LoRA.")],
+        )
+
+    @classmethod
+    def execute(cls, rank, alpha, dropout, targets) -> io.NodeOutput:
+        if rank < 1:
+            raise ValueError(f"rank must be at least 1 (got {rank})")
+        if targets not in TARGET_PRESETS:
+            raise ValueError(f"targets must be one of {list(TARGET_PRESETS)} (got {targets!r})")
+        return io.NodeOutput(AdapterSpec(rank=rank, alpha=float(alpha), dropout=float(dropout),
+                                         targets=TARGET_PRESETS[targets]))

@@ -1,0 +1,65 @@
+import logging
+
+from comfy_api.latest import io
+
+from ..cache.encoding import encode_latents, encode_text
+from ..cache.store import CacheStore
+from ..runner.paths import cache_root
+from .types import CATEGORY, Dataset
+
+log = logging.getLogger("ingraph_trainer")
+
+
+def _progress(total: int):
+    import comfy.utils
+    bar = comfy.utils.ProgressBar(total)
+    return lambda done, total: bar.update_absolute(done, total)
+
+
+class CacheLatents(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="InGraphCacheLatents",
+            display_name="Cache Latents",
+            category=CATEGORY,
+            description="Encodes each image once with the graph's VAE into the on-disk cache the trainer reads. "
+                        "Unchanged images are reused from the cache.",
+            inputs=[
+                Dataset.Input("dataset", tooltip="Images from Load Training Images."),
+                io.Vae.Input("vae", tooltip="The VAE of the model you train (e.g. from Load Checkpoint)."),
+            ],
+            outputs=[Dataset.Output(display_name="dataset", tooltip="The dataset with its latents cached."),
+                     io.Int.Output(display_name="encoded", tooltip="Images encoded in this run."),
+                     io.Int.Output(display_name="reused", tooltip="Images taken from the cache.")],
+        )
+
+    @classmethod
+    def execute(cls, dataset, vae) -> io.NodeOutput:
+        dataset, encoded, reused = encode_latents(dataset, vae, CacheStore(cache_root()), _progress(len(dataset)))
+        log.info("InGraph Trainer: latents: %d encoded, %d reused", encoded, reused)
+        return io.NodeOutput(dataset, encoded, reused)
+
+
+class CacheTextEmbeddings(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="InGraphCacheTextEmbeddings",
+            display_name="Cache Text Embeddings",
+            category=CATEGORY,
+            description="Encodes each caption once with the graph's CLIP into the on-disk cache the trainer reads.",
+            inputs=[
+                Dataset.Input("dataset", tooltip="Images and captions from Load Training Images or Cache Latents."),
+                io.Clip.Input("clip", tooltip="The text encoder of the model you train (e.g. from Load Checkpoint)."),
+            ],
+            outputs=[Dataset.Output(display_name="dataset", tooltip="The dataset with its caption embeddings cached."),
+                     io.Int.Output(display_name="encoded", tooltip="Captions encoded in this run."),
+                     io.Int.Output(display_name="reused", tooltip="Captions taken from the cache.")],
+        )
+
+    @classmethod
+    def execute(cls, dataset, clip) -> io.NodeOutput:
+        dataset, encoded, reused = encode_text(dataset, clip, CacheStore(cache_root()), _progress(len(dataset)))
+        log.info("InGraph Trainer: text embeddings: %d encoded, %d reused", encoded, reused)
+        return io.NodeOutput(dataset, encoded, reused)

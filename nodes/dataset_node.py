@@ -1,0 +1,50 @@
+from comfy_api.latest import io
+
+from ..cache.dataset import MISSING_CAPTION_ACTIONS, scan_image_folder
+from ..runner.paths import resolve_input_folder
+from .types import CATEGORY, Dataset
+
+
+class LoadTrainingImages(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="InGraphLoadTrainingImages",
+            display_name="Load Training Images",
+            category=CATEGORY,
+            description="A folder of images with captions in .txt files beside them. Only paths and captions "
+                        "are kept; pixels are read when the latents are cached.",
+            inputs=[
+                io.String.Input("folder", default="training_images",
+                                tooltip="Folder of images: a sub-folder of ComfyUI's input directory, or an absolute path."),
+                io.Int.Input("resolution", default=512, min=64, max=4096, step=8,
+                             tooltip="Images are resized (short side) and centre-cropped to this square size."),
+                io.Int.Input("repeats", default=1, min=1, max=1000,
+                             tooltip="How many times each image appears in one epoch."),
+                io.String.Input("caption_prefix", default="",
+                                tooltip="Text put in front of every caption, e.g. a trigger word followed by ', '."),
+                io.Combo.Input("missing_caption", options=list(MISSING_CAPTION_ACTIONS), default="error",
+                               tooltip="What to do with an image that has no .txt caption: stop with an error "
+                                       "naming it, or use the default caption."),
+                io.String.Input("default_caption", default="",
+                                tooltip="Caption for images without a .txt file when missing_caption allows it."),
+            ],
+            outputs=[Dataset.Output(display_name="dataset", tooltip="Image paths and captions.")],
+        )
+
+    @classmethod
+    def execute(cls, folder, resolution, repeats, caption_prefix, missing_caption, default_caption) -> io.NodeOutput:
+        dataset = scan_image_folder(resolve_input_folder(folder), resolution=resolution, repeats=repeats,
+                                    caption_prefix=caption_prefix, missing_caption=missing_caption,
+                                    default_caption=default_caption)
+        return io.NodeOutput(dataset)
+
+    @classmethod
+    def fingerprint_inputs(cls, folder, **kwargs):
+        # re-scan when files in the folder change, even if the inputs did not
+        import os
+        try:
+            path = resolve_input_folder(folder)
+            return tuple(sorted((e.name, e.stat().st_mtime_ns, e.stat().st_size) for e in os.scandir(path)))
+        except OSError:
+            return float("nan")

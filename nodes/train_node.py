@@ -1,0 +1,125 @@
+import logging
+
+from comfy_api.latest import io
+
+from ..trainer.config import TrainSpec
+from .types import CATEGORY, Adapter, Dataset
+
+log = logging.getLogger("ingraph_trainer")
+
+OPTIMIZERS = {"AdamW": "adamw", "AdamW 8-bit": "adamw8bit"}
+SCHEDULES = {"constant": "constant", "linear decay": "linear", "cosine decay": "cosine"}
+EVENT_NAME = "ingraph.event"
+
+
+def _send(event: dict, node_id: str, run_id: str):
+    from server import PromptServer
+    server = PromptServer.instance
+    server.send_sync(EVENT_NAME, {"node": node_id, "run_id": run_id, "event": event}, server.client_id)
+
+
+class TrainLoRA(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="InGraphTrainLoRA",
+            display_name="Train LoRA",
+            category=CATEGORY,
+            description="Trains a LoRA on the MODEL in a separate trainer process (DeepSpeed), streaming progress "
+                        "to this node. The LoRA is written into models/loras.",
+            is_output_node=True,
+            inputs=[
+                io.Model.Input("model", tooltip="The model to train on, exactly as the graph gives it "
+                                                "(LoRAs applied upstream are part of what is trained on)."),
+                Dataset.Input("dataset", tooltip="A dataset whose latents and text embeddings are cached."),
+                Adapter.Input("adapter", tooltip="LoRA settings from the LoRA Adapter node."),
+                io.Int.Input("steps", default=500, min=1, max=1_000_000,
+                             tooltip="Optimizer steps to train for."),
+                io.Int.Input("batch_size", default=1, min=1, max=1024, tooltip="Images per step on each process."),
+                io.Int.Input("gradient_accumulation", default=1, min=1, max=1024,
+                             tooltip="Batches whose gradients are summed before each optimizer step."),
+                io.Float.Input("learning_rate", default=1e-4, min=1e-8, max=1.0, step=1e-6,
+                               tooltip="Peak learning rate."),
+                io.Combo.Input("optimizer", options=list(OPTIMIZERS), default="AdamW",
+                               tooltip="AdamW, or bitsandbytes' 8-bit AdamW (less optimizer memory)."),
+                io.Combo.Input("lr_schedule", options=list(SCHEDULES), default="constant",
+                               tooltip="How the learning rate changes after warm-up."),
+                io.Int.Input("warmup_steps", default=0, min=0, max=100_000,
+                             tooltip="Steps over which the learning rate rises linearly from 0 to its peak."),
+                io.Combo.Input("precision", options=["bf16", "fp32"], default="bf16",
+                               tooltip="bf16: half the memory, faster on most GPUs; fp32: exact, reproducible."),
+                io.Boolean.Input("gradient_checkpointing", default=False,
+                                 tooltip="Recompute activations in the backward pass: less memory, slower steps."),
+                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=False,
+                             tooltip="Seed for the LoRA initialisation, data order, noise and timesteps."),
+                io.Int.Input("save_every", default=0, min=0, max=1_000_000,
+                             tooltip="Save a resumable checkpoint every N steps (0 = only the final LoRA)."),
+                io.String.Input("output_name", default="ingraph_lora",
+                                tooltip="File name in models/loras (sub-folders allowed). An existing file of "
+                                        "that name is replaced when the run finishes."),
+            ],
+            outputs=[
+                io.Model.Output(display_name="model", tooltip="The input MODEL with the trained LoRA applied."),
+                io.String.Output(display_name="lora_name", tooltip="The LoRA's name as LoraLoader lists it."),
+                io.Image.Output(display_name="loss_chart", tooltip="Training loss (raw and smoothed) and "
+                                                                   "evaluation loss over the run."),
+            ],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def validate_inputs(cls, output_name):
+        # no **kwargs: that would switch off ComfyUI's own min/max checks of every other input
+        from ..runner.paths import lora_output_path
+        try:
+            lora_output_path(output_name)
+        except ValueError as exc:
+            return str(exc)
+        return True
+
+    @classmethod
+    def execute(cls, model, dataset, adapter, steps, batch_size, gradient_accumulation, learning_rate, optimizer,
+                lr_schedule, warmup_steps, precision, gradient_checkpointing, seed, save_every,
+                output_name) -> io.NodeOutput:
+        import comfy.model_management
+        import comfy.sd
+        import comfy.utils
+
+        from ..runner import paths
+        from ..runner.launcher import TrainerProcess
+        from ..runner.loss_chart import chart_tensor, render_loss_chart
+        from ..runner.model_source import materialise_model, prediction_of
+        from ..runner.session import prepare_run, watch_run
+
+        if not dataset.has_latents:
+            raise ValueError("dataset: latents are not cached; connect it through Cache Latents first")
+        if not dataset.has_text:
+            raise ValueError("dataset: captions are not encoded; connect it through Cache Text Embeddings first")
+        lora_path, lora_name = paths.lora_output_path(output_name)
+        train = TrainSpec(steps=steps, batch_size=batch_size, grad_accum=gradient_accumulation,
+                          learning_rate=learning_rate, optimizer=OPTIMIZERS[optimizer],
+                          lr_schedule=SCHEDULES[lr_schedule], warmup_steps=warmup_steps, precision=precision,
+                          gradient_checkpointing=gradient_checkpointing, seed=seed, save_every=save_every)
+        prediction = prediction_of(model)
+        model_path = materialise_model(model, paths.models_root())
+        run_dir, spec_path = prepare_run(runs_root=paths.runs_root(), name=lora_name[: -len(".safetensors")],
+                                         model_path=model_path, prediction=prediction, dataset=dataset,
+                                         adapter=adapter, train=train, lora_path=lora_path,
+                                         comfyui_path=paths.comfyui_root())
+        node_id = cls.hidden.unique_id
+        bar = comfy.utils.ProgressBar(steps, node_id=node_id)
+
+        def on_event(event):
+            if event["type"] == "step":
+                bar.update_absolute(int(event["step"]), steps)
+            _send(event, node_id, run_dir.name)
+
+        process = TrainerProcess(run_dir, spec_path, comfyui_path=paths.comfyui_root()).start()
+        log.info("InGraph Trainer: run %s started (pid %d), log: %s", run_dir.name, process.pid, process.log_path)
+        result = watch_run(process, on_event, comfy.model_management.throw_exception_if_processing_interrupted)
+        log.info("InGraph Trainer: run %s finished; LoRA written to %s", run_dir.name, result.adapter_path)
+
+        lora = comfy.utils.load_torch_file(result.adapter_path, safe_load=True)
+        trained_model, _ = comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0.0)
+        chart = chart_tensor(render_loss_chart(result.steps, result.losses, result.evals))
+        return io.NodeOutput(trained_model, lora_name, chart)

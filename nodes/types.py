@@ -1,0 +1,7 @@
+"""Socket types this pack adds to ComfyUI."""
+from comfy_api.latest import io
+
+Dataset = io.Custom("INGRAPH_DATASET")
+Adapter = io.Custom("INGRAPH_ADAPTER")
+
+CATEGORY = "InGraph Trainer"

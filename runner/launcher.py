@@ -1,0 +1,95 @@
+"""Start the trainer in its own process group, read its events, stop it without leaving orphans."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..trainer.events import EventReader
+from ..trainer.layout import EVENTS_FILE, LOG_FILE, PID_FILE
+
+PACK_ROOT = Path(__file__).resolve().parent.parent
+
+
+class TrainerProcess:
+    def __init__(self, run_dir: str | Path, spec_path: str | Path, python: str = sys.executable,
+                 comfyui_path: str | None = None):
+        self.run_dir = Path(run_dir)
+        self.spec_path = Path(spec_path)
+        self.python = python
+        self.comfyui_path = comfyui_path
+        self.proc: subprocess.Popen | None = None
+        self.events = EventReader(self.run_dir / EVENTS_FILE)
+        self.log_path = self.run_dir / LOG_FILE
+
+    def command(self) -> list[str]:
+        return [self.python, str(PACK_ROOT / "trainer"), "--config", str(self.spec_path)]
+
+    def start(self) -> "TrainerProcess":
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.comfyui_path:
+            env["COMFYUI_PATH"] = str(self.comfyui_path)
+        with open(self.log_path, "ab") as log:
+            # own session: a signal to the group reaches every process of the run and nothing else
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         cwd=self.run_dir, env=env, start_new_session=True)
+        (self.run_dir / PID_FILE).write_text(str(self.proc.pid))
+        return self
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def poll_events(self) -> list[dict]:
+        return self.events.poll()
+
+    def terminate(self, grace_s: float = 2.0) -> int:
+        """SIGTERM to the whole group, SIGKILL after `grace_s`; returns once the leader is reaped."""
+        if self.proc is None:
+            return 0
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout=wait_s)
+                if sig == signal.SIGTERM:
+                    self._kill_stragglers()
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        return self.proc.returncode
+
+    def _kill_stragglers(self):
+        try:  # workers of a multi-process run may outlive the leader
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - 64 * 1024))
+                text = f.read().decode("utf-8", "replace")
+        except FileNotFoundError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def wait_for_exit(process: TrainerProcess, timeout: float) -> int | None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rc = process.poll()
+        if rc is not None:
+            return rc
+        time.sleep(0.05)
+    return None

@@ -1,0 +1,48 @@
+"""Where the pack keeps its files inside a ComfyUI install."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _output_root() -> Path:
+    import folder_paths
+    return Path(folder_paths.get_output_directory()) / "ingraph"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("INGRAPH_CACHE_DIR") or _output_root() / "cache")
+
+
+def runs_root() -> Path:
+    return _output_root() / "runs"
+
+
+def models_root() -> Path:
+    return _output_root() / "models"
+
+
+def comfyui_root() -> str:
+    import folder_paths
+    return str(Path(folder_paths.__file__).resolve().parent)
+
+
+def resolve_input_folder(folder: str) -> Path:
+    """An absolute path as given; anything else relative to ComfyUI's input directory."""
+    import folder_paths
+    path = Path(folder.strip()).expanduser()
+    return path if path.is_absolute() else Path(folder_paths.get_input_directory()) / path
+
+
+def lora_output_path(output_name: str) -> tuple[Path, str]:
+    """(absolute file in the first models/loras folder, the name LoraLoader lists it under)."""
+    import folder_paths
+    name = output_name.strip().replace("\\", "/")
+    if name.endswith(".safetensors"):
+        name = name[: -len(".safetensors")]
+    parts = [p for p in name.split("/") if p]
+    if not parts or any(p in (".", "..") for p in parts) or name.startswith("/"):
+        raise ValueError(f"output_name {output_name!r} must be a file name, optionally with sub-folders, "
+                         "inside models/loras")
+    relative = "/".join(parts) + ".safetensors"
+    return Path(folder_paths.get_folder_paths("loras")[0]) / relative, relative

@@ -1,0 +1,100 @@
+"""HTTP routes over run records. Run ids are validated; nothing outside the runs directory is read."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from aiohttp import web
+
+from ..trainer.events import read_events
+from ..trainer.layout import EVENTS_FILE, PID_FILE, STOP_FILE
+from . import paths
+from .runs import run_dir_for
+
+TERMINAL = {"finished": "finished", "error": "failed"}
+
+
+def _alive(run_dir: Path) -> bool:
+    try:
+        pid = int((run_dir / PID_FILE).read_text())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return False
+    try:  # a zombie (exited, not yet reaped by the node) is not running
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] != "Z"
+    except OSError:
+        return True
+
+
+def run_record(run_dir: Path, with_events: bool = False) -> dict:
+    events = read_events(run_dir / EVENTS_FILE)
+    last = events[-1] if events else None
+    terminal = next((e for e in reversed(events) if e["type"] in TERMINAL), None)
+    if terminal is not None:
+        state = "stopped" if terminal.get("stopped") else TERMINAL[terminal["type"]]
+    elif _alive(run_dir):
+        state = "running"
+    else:
+        state = "interrupted" if events else "pending"
+    last_step = next((e for e in reversed(events) if e["type"] == "step"), None)
+    record = {
+        "id": run_dir.name, "state": state, "last_event": last, "events": len(events),
+        "step": last_step["step"] if last_step else 0, "total": last_step["total"] if last_step else None,
+        "artifacts": {
+            "adapter": terminal.get("adapter") if terminal else None,
+            "checkpoints": sorted(p.name for p in (run_dir / "checkpoints").glob("step_*") if (p / "COMPLETE").is_file()),
+        },
+    }
+    return record
+
+
+def _lookup(request) -> Path:
+    run_dir = run_dir_for(paths.runs_root(), request.match_info["run_id"])
+    if run_dir is None:
+        raise web.HTTPNotFound(text="unknown run")
+    return run_dir
+
+
+async def list_runs(request):
+    root = paths.runs_root()
+    runs = [run_record(p) for p in sorted(root.iterdir(), reverse=True) if p.is_dir()] if root.is_dir() else []
+    return web.json_response({"runs": runs})
+
+
+async def get_run(request):
+    return web.json_response(run_record(_lookup(request)))
+
+
+async def get_events(request):
+    run_dir = _lookup(request)
+    try:
+        since = max(0, int(request.query.get("since", "0")))
+    except ValueError:
+        raise web.HTTPBadRequest(text="since must be an integer")
+    events = read_events(run_dir / EVENTS_FILE)
+    return web.json_response({"since": since, "next": len(events), "events": events[since:]})
+
+
+async def stop_run(request):
+    run_dir = _lookup(request)
+    record = run_record(run_dir)
+    if record["state"] != "running":
+        return web.json_response({"id": run_dir.name, "state": record["state"], "stop_requested": False}, status=409)
+    (run_dir / STOP_FILE).write_text("stop requested\n")
+    return web.json_response({"id": run_dir.name, "state": "running", "stop_requested": True})
+
+
+def register(routes):
+    routes.get("/ingraph/runs")(list_runs)
+    routes.get("/ingraph/runs/{run_id}")(get_run)
+    routes.get("/ingraph/runs/{run_id}/events")(get_events)
+    routes.post("/ingraph/runs/{run_id}/stop")(stop_run)
+
+
+try:
+    from server import PromptServer
+    if getattr(PromptServer, "instance", None) is not None:
+        register(PromptServer.instance.routes)
+except ImportError:  # imported outside a ComfyUI server (tests, tools)
+    pass

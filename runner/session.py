@@ -1,0 +1,92 @@
+"""One training run from the ComfyUI side: write the run directory, launch the trainer, watch it."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..cache.store import write_manifest
+from ..trainer.config import AdapterSpec, RunSpec, TrainSpec, dump_run_spec
+from .launcher import TrainerProcess
+from .runs import MANIFEST_FILE, SPEC_FILE, create_run_dir
+
+log = logging.getLogger("ingraph_trainer")
+
+
+class TrainingFailed(RuntimeError):
+    """The trainer exited with an error; the message carries its error and the tail of its log."""
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    adapter_path: str
+    steps: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    evals: list[tuple[int, float]] = field(default_factory=list)
+    finished: dict = field(default_factory=dict)
+
+
+def prepare_run(*, runs_root: Path, name: str, model_path: Path, prediction: str, dataset, adapter: AdapterSpec,
+                train: TrainSpec, lora_path: Path, comfyui_path: str) -> tuple[Path, Path]:
+    run_dir = create_run_dir(runs_root, name)
+    manifest = write_manifest(run_dir / MANIFEST_FILE, dataset)
+    spec = RunSpec(run_dir=str(run_dir), parent_pid=os.getpid(), adapter=dataclasses.replace(adapter),
+                   train=dataclasses.replace(train))
+    spec.model.path = str(model_path)
+    spec.model.prediction = prediction
+    spec.model.comfyui_path = comfyui_path
+    spec.data.manifest = str(manifest)
+    spec.output.lora_path = str(lora_path)
+    spec.output.name = name
+    spec.validate(str(run_dir / SPEC_FILE))
+    spec_path = run_dir / SPEC_FILE
+    spec_path.write_text(dump_run_spec(spec), encoding="utf-8")
+    return run_dir, spec_path
+
+
+def watch_run(process: TrainerProcess, on_event: Callable[[dict], None], check_interrupt: Callable[[], None],
+              poll_s: float = 0.1) -> RunResult:
+    """Relays events until the trainer exits. Any exception (an interrupt included) stops the whole run."""
+    result = RunResult(run_dir=process.run_dir, adapter_path="")
+    error_event = None
+
+    def handle(events):
+        nonlocal error_event
+        for event in events:
+            kind = event.get("type")
+            if kind == "step":
+                result.steps.append(int(event["step"]))
+                result.losses.append(float(event["loss"]))
+            elif kind == "eval":
+                result.evals.append((int(event["step"]), float(event["loss"])))
+            elif kind == "finished":
+                result.finished = event
+                result.adapter_path = event.get("adapter") or ""
+            elif kind == "error":
+                error_event = event
+            on_event(event)
+
+    try:
+        while True:
+            handle(process.poll_events())
+            rc = process.poll()
+            if rc is not None:
+                handle(process.poll_events())
+                break
+            check_interrupt()
+            time.sleep(poll_s)
+    except BaseException:
+        started = time.monotonic()
+        process.terminate()
+        log.info("InGraph Trainer: stopped run %s in %.2f s", process.run_dir.name, time.monotonic() - started)
+        raise
+    if rc != 0 or not result.finished:
+        message = error_event.get("message") if error_event else f"trainer exited with code {rc}"
+        raise TrainingFailed(f"Training failed ({process.run_dir.name}): {message}\n"
+                             f"--- last lines of {process.log_path} ---\n{process.log_tail()}")
+    return result

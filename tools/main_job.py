@@ -1,0 +1,99 @@
+"""The main job: train a LoRA on the embedded default through a real, headless ComfyUI.
+
+Makes a tiny random-weight SD1.5 checkpoint and a captioned image set, starts ComfyUI with this
+pack, queues workflows/train_lora_api.json through POST /prompt, shows progress, prints where the
+LoRA was written, and stops the server.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from client.api import ComfyClient  # noqa: E402
+from tools.comfy_server import ComfyServer, comfyui_available, comfyui_path  # noqa: E402
+from tools.embedded_default import build_checkpoint, build_images  # noqa: E402
+
+CHECKPOINT_NAME = "ingraph_tiny_sd15.safetensors"
+IMAGE_FOLDER = "ingraph_example"
+WORKFLOW = REPO / "workflows" / "train_lora_api.json"
+
+
+def prepare_base(base: Path):
+    ckpt = base / "models" / "checkpoints" / CHECKPOINT_NAME
+    if not ckpt.exists():
+        print(f"making the embedded default checkpoint {ckpt} ...", flush=True)
+        build_checkpoint(ckpt)
+    images = base / "input" / IMAGE_FOLDER
+    if not images.exists():
+        build_images(images, count=8, size=64)
+
+
+def progress_printer(train_node: str):
+    state = {"last": 0.0}
+
+    def on_message(message):
+        kind, data = message.get("type"), message.get("data") or {}
+        if kind == "executing" and data.get("node"):
+            print(f"  running node {data['node']}", flush=True)
+        elif kind == "ingraph.event":
+            event = data.get("event", {})
+            if event.get("type") == "step":
+                step, total = event["step"], event["total"]
+                width = 30
+                bar = "#" * int(width * step / total)
+                line = (f"\r  train [{bar:<{width}}] {step}/{total} loss {event['loss']:.4f} "
+                        f"{event['samples_per_s']:.1f} samples/s eta {event['eta_s']:.0f}s")
+                print(line, end="\n" if step == total else "", flush=True)
+            elif event.get("type") == "eval":
+                print(f"\n  eval at step {event['step']}: loss {event['loss']:.4f}", flush=True)
+            elif event.get("type") == "started":
+                print(f"  trainer started: {event['adapted_modules']} adapted modules, "
+                      f"{event['trainable_params']} trainable parameters", flush=True)
+        elif kind == "execution_error":
+            print(f"\n  error in node {data.get('node_id')}: {data.get('exception_message')}", flush=True)
+    return on_message
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-dir", type=Path, default=Path(os.environ.get("INGRAPH_WORK_DIR", REPO / ".work" / "main_job")),
+                        help="ComfyUI base directory for this job (models, input, output)")
+    parser.add_argument("--steps", type=int, default=None, help="override the workflow's training steps")
+    opts = parser.parse_args(argv)
+    if not comfyui_available():
+        print(f"ComfyUI not found at {comfyui_path()}: set COMFYUI_PATH", file=sys.stderr)
+        return 2
+    base = opts.base_dir.resolve()
+    prepare_base(base)
+    workflow = json.loads(WORKFLOW.read_text())
+    if opts.steps:
+        workflow["6"]["inputs"]["steps"] = opts.steps
+    server = ComfyServer(base)
+    print(f"starting ComfyUI ({comfyui_path()}) on {server.address}, base directory {base} ...", flush=True)
+    t0 = time.monotonic()
+    with server:
+        print(f"ComfyUI ready in {time.monotonic() - t0:.1f} s; queueing {WORKFLOW.name}", flush=True)
+        client = ComfyClient(server.address)
+        outcome = client.run(workflow, timeout=3600, on_message=progress_printer("6"))
+        client.close()
+        if not outcome.ok:
+            err = outcome.error or {}
+            print(f"\nFAILED: {outcome.status}: {err.get('exception_message', '')}", file=sys.stderr)
+            print(server.log_tail(30), file=sys.stderr)
+            return 1
+        lora_name = workflow["6"]["inputs"]["output_name"] + ".safetensors"
+        lora_path = base / "models" / "loras" / lora_name
+        print(f"\nLoRA written to {lora_path}")
+        print(f"loss chart and a sample image are in {base / 'temp'}")
+    return 0 if lora_path.is_file() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

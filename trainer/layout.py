@@ -1,0 +1,8 @@
+"""Names of the files in a run directory (shared by the trainer, the node and the HTTP routes)."""
+SPEC_FILE = "run.toml"  # the run spec as given; never rewritten
+MANIFEST_FILE = "dataset.json"
+EVENTS_FILE = "events.jsonl"
+LOG_FILE = "trainer.log"  # everything the trainer's processes print
+PID_FILE = "trainer.pid"
+STOP_FILE = "STOP"  # created to ask for a checkpoint and a clean end
+CHECKPOINTS_DIR = "checkpoints"
