@@ -39,11 +39,15 @@ def start_parent_watchdog(parent_pid: int, events: EventWriter, interval: float 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="ingraph-trainer", description="Train an adapter from a run spec.")
     parser.add_argument("--config", required=True, help="run spec (TOML) written by the Train node or by hand")
+    parser.add_argument("--resume", default=None, metavar="latest|TAG",
+                        help="continue from the newest complete checkpoint of the run directory, or from one tag")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by deepspeed
     opts = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         spec = load_run_spec(opts.config)
+        if opts.resume is not None:  # the saved spec stays as it was given
+            spec.train.resume = opts.resume
     except RunSpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_SPEC

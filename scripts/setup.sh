@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Set up everything on a fresh machine: ComfyUI (COMFYUI_PATH), a virtual environment with torch
+# pinned first, ComfyUI's requirements and this pack's. Safe to run again: it skips what is done.
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${INGRAPH_VENV:-$REPO/.venv}"
+export COMFYUI_PATH="${COMFYUI_PATH:-/opt/ComfyUI}"
+PYTHON="${PYTHON:-python3}"
+TORCH_PINS="${INGRAPH_TORCH_PINS:-torch==2.14.1 torchvision==0.29.1}"
+
+if [ ! -f "$COMFYUI_PATH/main.py" ]; then
+  echo "setup: ComfyUI not found at $COMFYUI_PATH; trying to clone it" >&2
+  git clone --depth 1 https://github.com/comfyanonymous/ComfyUI "$COMFYUI_PATH" >&2 \
+    || echo "setup: could not get ComfyUI; set COMFYUI_PATH to an install. ComfyUI tests will be skipped." >&2
+fi
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+
+comfy_reqs=""
+[ -f "$COMFYUI_PATH/requirements.txt" ] && comfy_reqs="$COMFYUI_PATH/requirements.txt"
+stamp="$VENV/.ingraph-setup-stamp"
+want="$(cat "$REPO/requirements.txt" "$REPO/requirements-dev.txt" ${comfy_reqs:+"$comfy_reqs"} | sha256sum | cut -c1-16) $TORCH_PINS"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  echo "setup: environment $VENV is up to date" >&2
+  exit 0
+fi
+
+# torch first, pinned: anything unpinned would pull a multi-GB CUDA build
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  echo "setup: installing $TORCH_PINS" >&2
+  # shellcheck disable=SC2086
+  "${PIP[@]}" $TORCH_PINS
+fi
+constraints="$VENV/.torch-constraints.txt"
+"$VENV/bin/python" -m pip freeze | grep -E '^(torch|torchvision|nvidia-[a-z0-9-]+|triton)==' > "$constraints" || true
+
+reqs=(-r "$REPO/requirements.txt" -r "$REPO/requirements-dev.txt" requests)
+if [ -n "$comfy_reqs" ]; then
+  # torchaudio is optional for ComfyUI (audio nodes only) and would pull another torch
+  grep -v -E '^\s*(torch|torchvision|torchaudio)\s*($|[<>=!~;])' "$comfy_reqs" > "$VENV/.comfyui-requirements.txt"
+  reqs+=(-r "$VENV/.comfyui-requirements.txt")
+fi
+echo "setup: installing requirements into $VENV" >&2
+"${PIP[@]}" -c "$constraints" "${reqs[@]}"
+echo "$want" > "$stamp"
+echo "setup: done" >&2

@@ -1,0 +1,109 @@
+"""Test tiers: unit (always), trainer program and ComfyUI server (need COMFYUI_PATH).
+
+Where ComfyUI is absent, every test that needs it is skipped and one line says so.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tools.comfy_server import ComfyServer, comfyui_available, comfyui_path  # noqa: E402
+
+COMFYUI_MISSING = f"skipped: ComfyUI not found at {comfyui_path()} (set COMFYUI_PATH)"
+ARTIFACTS = Path(os.environ.get("INGRAPH_TEST_ARTIFACTS", REPO / "test-artifacts"))
+CHECKPOINT_NAME = "ingraph_tiny_sd15.safetensors"
+IMAGE_FOLDER = "ingraph_example"
+
+
+def pytest_report_header(config):
+    return f"ComfyUI: {comfyui_path()}" if comfyui_available() else COMFYUI_MISSING
+
+
+def pytest_collection_modifyitems(config, items):
+    if comfyui_available():
+        return
+    skip = pytest.mark.skip(reason=COMFYUI_MISSING)
+    for item in items:
+        if "comfyui" in item.keywords:
+            item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not comfyui_available():
+        terminalreporter.write_line(COMFYUI_MISSING, yellow=True, bold=True)
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory):
+    """The embedded default: tiny SD1.5 checkpoint and 8 captioned 64x64 images."""
+    if not comfyui_available():
+        pytest.skip(COMFYUI_MISSING)
+    root = tmp_path_factory.mktemp("assets")
+    ckpt, images = root / CHECKPOINT_NAME, root / "images"
+    subprocess.run([sys.executable, str(REPO / "tools" / "embedded_default.py"), "--checkpoint", str(ckpt),
+                    "--images", str(images)], check=True, capture_output=True, timeout=300)
+    return {"checkpoint": ckpt, "images": images}
+
+
+@pytest.fixture(scope="session")
+def comfy(tmp_path_factory, assets):
+    """One real ComfyUI server, headless, with the pack installed under a non-identifier folder name."""
+    base = tmp_path_factory.mktemp("comfy")
+    server = ComfyServer(base, pack_name="InGraph-Trainer (test copy)")
+    (server.dir("models", "checkpoints") / CHECKPOINT_NAME).symlink_to(assets["checkpoint"])
+    images = server.dir("input", IMAGE_FOLDER)
+    for f in assets["images"].iterdir():
+        (images / f.name).write_bytes(f.read_bytes())
+    server.start().wait_ready(180)
+    yield server
+    server.stop()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    (ARTIFACTS / "comfyui-server.log").write_text(server.log_text())
+
+
+@pytest.fixture
+def client(comfy):
+    from client.api import ComfyClient
+    c = ComfyClient(comfy.address)
+    yield c
+    c.close()
+
+
+def load_workflow(name: str = "train_lora_api.json") -> dict:
+    return json.loads((REPO / "workflows" / name).read_text())
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory, assets):
+    """A cache and materialised model shared by trainer-tier tests; `make_run(**overrides)` writes a spec."""
+    work = tmp_path_factory.mktemp("trainer")
+    counter = {"n": 0}
+
+    def make_run(**overrides) -> Path:
+        counter["n"] += 1
+        run_dir = work / f"run{counter['n']}"
+        args = [sys.executable, str(REPO / "tools" / "prepare_run.py"), "--checkpoint", str(assets["checkpoint"]),
+                "--images", str(assets["images"]), "--run-dir", str(run_dir)]
+        for key, value in overrides.items():
+            args += ["--set", f"{key.replace('__', '.')}={json.dumps(value)}"]
+        out = subprocess.run(args, check=True, capture_output=True, text=True, timeout=300)
+        return Path(out.stdout.strip().splitlines()[-1])
+    return make_run
+
+
+def run_trainer(spec_path: Path, *extra, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "trainer"), "--config", str(spec_path), *extra],
+                          capture_output=True, text=True, timeout=timeout, cwd=spec_path.parent)
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []

@@ -1,0 +1,174 @@
+"""Unit tier: no ComfyUI, no model weights."""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+if "ingraph_trainer" not in sys.modules:
+    pkg = types.ModuleType("ingraph_trainer")
+    pkg.__path__ = [str(REPO)]
+    sys.modules["ingraph_trainer"] = pkg
+
+config = importlib.import_module("ingraph_trainer.trainer.config")
+events = importlib.import_module("ingraph_trainer.trainer.events")
+dataset = importlib.import_module("ingraph_trainer.cache.dataset")
+runs = importlib.import_module("ingraph_trainer.runner.runs")
+chart = importlib.import_module("ingraph_trainer.runner.loss_chart")
+
+
+def valid_spec_dict(**train):
+    spec = config.RunSpec(run_dir="/tmp/r")
+    spec.model.path, spec.data.manifest, spec.output.lora_path = "/m.safetensors", "/d.json", "/l.safetensors"
+    data = dataclasses.asdict(spec)
+    data["train"].update(train)
+    return data
+
+
+def test_spec_round_trips_through_toml(tmp_path):
+    spec = config.spec_from_dict(valid_spec_dict(steps=7, learning_rate=3e-4, eval_quantiles=[0.2, 0.8]))
+    path = tmp_path / "run.toml"
+    path.write_text(config.dump_run_spec(spec))
+    assert config.load_run_spec(path) == spec
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("steps", 0, "train.steps: must be at least 1"),
+    ("batch_size", 0, "train.batch_size"),
+    ("optimizer", "sgd", "train.optimizer"),
+    ("precision", "fp8", "train.precision"),
+    ("steps", "ten", "train.steps: expected int"),
+])
+def test_spec_errors_name_the_field(field, value, needle):
+    with pytest.raises(config.RunSpecError, match=needle.replace(".", r"\.")):
+        config.spec_from_dict(valid_spec_dict(**{field: value}), "run.toml")
+
+
+def test_spec_rejects_rank_below_one_and_unknown_fields():
+    data = valid_spec_dict()
+    data["adapter"]["rank"] = 0
+    with pytest.raises(config.RunSpecError, match="adapter.rank"):
+        config.spec_from_dict(data)
+    data = valid_spec_dict()
+    data["train"]["stepz"] = 3
+    with pytest.raises(config.RunSpecError, match="unknown field.*stepz"):
+        config.spec_from_dict(data)
+
+
+def test_load_run_spec_names_the_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("version = [")
+    with pytest.raises(config.RunSpecError, match="bad.toml: not valid TOML"):
+        config.load_run_spec(bad)
+
+
+def test_event_reader_returns_only_complete_lines(tmp_path):
+    path = tmp_path / "events.jsonl"
+    writer = events.EventWriter(path)
+    writer.emit("started", total=3)
+    reader = events.EventReader(path)
+    assert [e["type"] for e in reader.poll()] == ["started"]
+    with open(path, "a") as f:
+        f.write('{"v": 1, "type": "step", "step": 1')  # half-written line
+        f.write("\nDeepSpeed noise that is not an event\n")
+    assert reader.poll() == []
+    writer.emit("finished", adapter="x")
+    assert [e["type"] for e in reader.poll()] == ["finished"]
+    assert all(e["v"] == events.EVENT_VERSION for e in events.read_events(path))
+    with pytest.raises(ValueError):
+        writer.emit("bogus")
+
+
+def _png(path, colour=(200, 10, 10)):
+    from PIL import Image
+    Image.new("RGB", (64, 64), colour).save(path)
+
+
+def test_scan_reads_captions_prefix_and_skips_non_images(tmp_path, caplog):
+    _png(tmp_path / "a.png")
+    (tmp_path / "a.txt").write_text("a red square\n")
+    _png(tmp_path / "b.png")
+    (tmp_path / "b.txt").write_text("another")
+    (tmp_path / "notes.md").write_text("x")
+    (tmp_path / "data.csv").write_text("x")
+    with caplog.at_level("INFO", logger="ingraph_trainer"):
+        ds = dataset.scan_image_folder(tmp_path, resolution=64, caption_prefix="ohwx, ", repeats=2)
+    assert [i.caption for i in ds.items] == ["ohwx, a red square", "ohwx, another"]
+    assert ds.repeats == 2 and sorted(ds.skipped_files) == ["data.csv", "notes.md"]
+    assert "ignored 2 non-image file(s)" in caplog.text
+
+
+def test_scan_errors_name_the_folder_or_file(tmp_path):
+    with pytest.raises(dataset.DatasetError, match="does not exist"):
+        dataset.scan_image_folder(tmp_path / "nope", resolution=64)
+    (tmp_path / "readme.txt").write_text("x")
+    with pytest.raises(dataset.DatasetError, match="contains no images"):
+        dataset.scan_image_folder(tmp_path, resolution=64)
+    _png(tmp_path / "ok.png")
+    with pytest.raises(dataset.DatasetError, match=r"ok\.png has no caption file ok\.txt"):
+        dataset.scan_image_folder(tmp_path, resolution=64)
+    ds = dataset.scan_image_folder(tmp_path, resolution=64, missing_caption="use default caption",
+                                   default_caption="a photo")
+    assert ds.items[0].caption == "a photo"
+    (tmp_path / "ok.txt").write_text("fine")
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"garbage" * 20)
+    (tmp_path / "broken.txt").write_text("x")
+    with pytest.raises(dataset.DatasetError, match=r"cannot read image .*broken\.png"):
+        dataset.scan_image_folder(tmp_path, resolution=64)
+
+
+def test_image_tensor_is_resized_and_centre_cropped(tmp_path):
+    from PIL import Image
+    Image.new("RGB", (200, 100), (255, 0, 0)).save(tmp_path / "wide.png")
+    t = dataset.load_image_tensor(str(tmp_path / "wide.png"), 64)
+    assert tuple(t.shape) == (1, 64, 64, 3) and abs(t[0, 0, 0, 0].item() - 1.0) < 1e-6
+
+
+@pytest.mark.parametrize("run_id,ok", [("20260101-000000-x-ab12", True), ("../x", False), ("a/b", False),
+                                       ("..", False), ("", False), (".hidden", False)])
+def test_run_ids_are_validated(run_id, ok, tmp_path):
+    assert runs.valid_run_id(run_id) is ok
+    assert (runs.run_dir_for(tmp_path, run_id) is not None) is False  # nothing exists yet
+
+
+def test_run_dir_lookup_stays_inside_the_root(tmp_path):
+    root = tmp_path / "runs"
+    made = runs.create_run_dir(root, "my lora/../../etc")
+    assert made.parent == root and ".." not in made.name
+    assert runs.run_dir_for(root, made.name) == made.resolve()
+    (tmp_path / "outside").mkdir()
+    assert runs.run_dir_for(root, "../outside") is None
+
+
+def test_loss_chart_renders_points():
+    img = chart.render_loss_chart([1, 2, 3, 4], [1.0, 0.8, 0.9, 0.5], [(0, 1.1), (4, 0.6)])
+    assert img.size == (640, 360)
+    t = chart.chart_tensor(img)
+    assert tuple(t.shape) == (1, 360, 640, 3) and 0.0 <= t.min() and t.max() <= 1.0
+    assert chart.smooth([1.0, 1.0, 1.0]) == pytest.approx([1.0, 1.0, 1.0])
+
+
+def test_pack_import_is_light():
+    """Loading the pack's modules outside the trainer never imports the heavy training stack."""
+    code = ("import sys, types; p = types.ModuleType('ingraph_trainer'); p.__path__ = [%r]; "
+            "sys.modules['ingraph_trainer'] = p; "
+            "import ingraph_trainer.trainer.config, ingraph_trainer.runner.session, ingraph_trainer.cache.encoding; "
+            "heavy = [m for m in ('peft', 'diffusers', 'deepspeed', 'bitsandbytes', 'torch') if m in sys.modules]; "
+            "print(heavy)") % str(REPO)
+    import subprocess
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_requirements_match_pyproject():
+    import tomllib
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    reqs = [line.strip() for line in (REPO / "requirements.txt").read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+    assert sorted(deps) == sorted(reqs)
