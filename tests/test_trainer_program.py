@@ -1,0 +1,125 @@
+"""Trainer tier: the trainer launched for real as a program on the tiny model."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from conftest import REPO, read_events, run_trainer
+
+pytestmark = pytest.mark.comfyui
+
+
+def test_two_steps_write_events_and_a_comfy_format_adapter(prepared):
+    spec = prepared(train__steps=2, train__batch_size=2, train__precision="fp32", adapter__alpha=4.0,
+                    adapter__rank=4)
+    proc = run_trainer(spec)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = spec.parent
+    events = read_events(run_dir)
+    kinds = [e["type"] for e in events]
+    assert kinds == ["started", "eval", "step", "step", "eval", "finished"]
+    steps = [e for e in events if e["type"] == "step"]
+    for e in steps:
+        assert {"step", "total", "loss", "lr", "grad_norm", "samples_per_s", "eta_s"} <= set(e)
+        assert e["total"] == 2 and e["grad_norm"] > 0
+    finished = events[-1]
+    adapter = Path(finished["adapter"])
+    assert adapter == run_dir / "lora.safetensors" and oct(adapter.stat().st_mode & 0o777) == "0o644"
+    tensors = load_file(adapter)
+    downs = [k for k in tensors if k.endswith(".lora_down.weight")]
+    assert len(downs) == events[0]["adapted_modules"] > 0
+    for key in downs:
+        module = key[: -len(".lora_down.weight")]
+        assert key.startswith("diffusion_model.")
+        assert tensors[f"{module}.lora_up.weight"].shape[1] == tensors[key].shape[0] == 4
+        alpha = tensors[f"{module}.alpha"]
+        assert alpha.dtype == __import__("torch").float32 and alpha.item() == 4.0
+    assert not any("lora_A" in k or "lora_B" in k or ".default" in k for k in tensors)
+    with safe_open(str(adapter), "pt") as f:
+        meta = f.metadata()
+    assert meta["ss_network_dim"] == "4" and meta["ss_network_alpha"] == "4.0"
+    assert meta["ss_base_model_version"] == "sd_v1" and meta["ss_steps"] == "2"
+    assert not list(run_dir.glob(".lora-*.partial"))
+
+
+def test_bad_spec_exits_2_naming_the_field(prepared, tmp_path):
+    spec = prepared(train__steps=1)
+    bad = tmp_path / "bad.toml"
+    bad.write_text(spec.read_text().replace("steps = 1", "steps = 0"))
+    proc = run_trainer(bad)
+    assert proc.returncode == 2
+    assert "bad.toml" in proc.stderr and "train.steps: must be at least 1" in proc.stderr
+
+
+def test_stdout_noise_never_becomes_an_event(prepared):
+    spec = prepared(train__steps=1, train__precision="fp32")
+    proc = run_trainer(spec)
+    assert proc.returncode == 0
+    # DeepSpeed and ComfyUI print plenty to the log; the event file has only well-formed events
+    assert "accelerator" in (proc.stdout + proc.stderr).lower()
+    for line in (spec.parent / "events.jsonl").read_text().splitlines():
+        assert json.loads(line)["v"] == 1
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_resume_after_kill_matches_uninterrupted_run_bit_for_bit(prepared):
+    """fp32 on CPU: killed after the step-3 checkpoint and resumed == never interrupted."""
+    common = dict(train__steps=6, train__batch_size=2, train__precision="fp32", train__save_every=3,
+                  adapter__dropout=0.1, train__lr_schedule="cosine", train__warmup_steps=2)
+    straight = prepared(**common)
+    assert run_trainer(straight).returncode == 0
+
+    interrupted = prepared(**common)
+    run_dir = interrupted.parent
+    proc = subprocess.Popen([sys.executable, str(REPO / "trainer"), "--config", str(interrupted)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        _wait_for(lambda: any(e["type"] == "checkpoint" for e in read_events(run_dir)), 240, "checkpoint event")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert not (run_dir / "lora.safetensors").exists()
+    spec_before = interrupted.read_text()
+    resumed = run_trainer(interrupted, "--resume", "latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert interrupted.read_text() == spec_before  # the saved spec is never rewritten
+    started = [e for e in read_events(run_dir) if e["type"] == "started"]
+    assert started[-1]["start_step"] == 3 and started[-1]["resumed_from"].endswith("step_000003")
+
+    a = load_file(straight.parent / "lora.safetensors")
+    b = load_file(run_dir / "lora.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert (a[key] == b[key]).all(), key
+    losses = lambda d: [e["loss"] for e in read_events(d) if e["type"] == "step"]  # noqa: E731
+    assert losses(straight.parent)[3:] == losses(run_dir)[-3:]
+
+
+def test_incomplete_checkpoint_is_never_resumed(prepared):
+    spec = prepared(train__steps=2, train__precision="fp32")
+    half = spec.parent / "checkpoints" / "step_000001"
+    half.mkdir(parents=True)
+    (half / "trainer_state.json").write_text('{"step": 1}')  # no COMPLETE mark
+    proc = run_trainer(spec, "--resume", "latest")
+    assert proc.returncode == 0
+    assert read_events(spec.parent)[0]["start_step"] == 0
