@@ -260,3 +260,24 @@ def test_pack_adds_under_half_a_second_to_startup(comfy):
     print(f"\npack import time reported by ComfyUI: {match.group(1)} s")
     assert float(match.group(1)) < 0.5
     assert not re.search(r"IMPORT FAILED.*InGraph-Trainer", comfy.log_text())
+
+
+def test_ui_workflow_matches_object_info(client):
+    """Every node type of the UI-format workflow exists, and every link joins matching types."""
+    import json
+    ui = json.loads((REPO / "workflows" / "train_lora.json").read_text())
+    info = client.get("/object_info")
+    nodes = {n["id"]: n for n in ui["nodes"]}
+    for node in nodes.values():
+        assert node["type"] in info, f"unknown node type {node['type']}"
+    assert ui["links"], "the workflow has no links"
+    for link_id, src, src_slot, dst, dst_slot, ltype in ui["links"]:
+        out_type = info[nodes[src]["type"]]["output"][src_slot]
+        target = nodes[dst]["inputs"][dst_slot]
+        assert target["link"] == link_id
+        spec = info[nodes[dst]["type"]]["input"]
+        in_type = {**spec.get("required", {}), **spec.get("optional", {})}[target["name"]][0]
+        assert out_type == in_type == ltype, (link_id, out_type, in_type, ltype)
+        assert link_id in nodes[src]["outputs"][src_slot]["links"]
+    api = load_workflow()
+    assert sorted(n["type"] for n in ui["nodes"]) == sorted(v["class_type"] for v in api.values())

@@ -1,0 +1,83 @@
+"""Turn an API-format workflow into the UI (litegraph) format the ComfyUI frontend opens.
+
+Needs a running ComfyUI with the pack (for /object_info):
+    python tools/make_ui_workflow.py workflows/train_lora_api.json workflows/train_lora.json --server HOST:PORT
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+
+
+def is_widget(spec) -> bool:
+    kind = spec[0]
+    options = spec[1] if len(spec) > 1 else {}
+    return (isinstance(kind, list) or kind in WIDGET_TYPES) and not options.get("forceInput")
+
+
+def convert(api: dict, info: dict) -> dict:
+    ids = {key: n for n, key in enumerate(api, start=1)}
+    nodes, links = [], []
+    out_links: dict[tuple[int, int], list[int]] = {}
+    columns = {"1": 0, "2": 0, "3": 1, "4": 2, "5": 2, "6": 3, "7": 4}
+    for key, node in api.items():
+        spec = info[node["class_type"]]
+        required, optional = spec["input"].get("required", {}), spec["input"].get("optional", {})
+        order = spec.get("input_order", {})
+        names = order.get("required", list(required)) + order.get("optional", list(optional))
+        all_inputs = {**required, **optional}
+        inputs, widgets = [], []
+        for name in names:
+            value = node["inputs"].get(name)
+            ispec = all_inputs[name]
+            if isinstance(value, list) and len(value) == 2 and isinstance(value[0], str):
+                src, slot = ids[value[0]], value[1]
+                link_id = len(links) + 1
+                ltype = info[api[value[0]]["class_type"]]["output"][slot]
+                links.append([link_id, src, slot, ids[key], len(inputs), ltype])
+                out_links.setdefault((src, slot), []).append(link_id)
+                entry = {"name": name, "type": ltype if not isinstance(ispec[0], list) else "COMBO", "link": link_id}
+                if is_widget(ispec):
+                    entry["widget"] = {"name": name}
+                inputs.append(entry)
+            elif is_widget(ispec):
+                widgets.append(value)
+                if len(ispec) > 1 and ispec[1].get("control_after_generate"):
+                    widgets.append("fixed")
+        col = columns.get(key, 5 + (int(key) - 8) // 3)
+        row = (int(key) - 1) % 4 if key not in columns else {"1": 0, "2": 1, "3": 1, "4": 1, "5": 2, "6": 0, "7": 1}[key]
+        nodes.append({"id": ids[key], "type": node["class_type"], "pos": [40 + 380 * col, 60 + 320 * row],
+                      "size": [340, 260], "flags": {}, "order": ids[key] - 1, "mode": 0, "inputs": inputs,
+                      "outputs": [], "properties": {"Node name for S&R": node["class_type"]},
+                      "widgets_values": widgets, "title": node.get("_meta", {}).get("title")})
+    for node in nodes:
+        spec = info[node["type"]]
+        node["outputs"] = [{"name": name, "type": otype, "links": out_links.get((node["id"], slot), []),
+                            "slot_index": slot}
+                           for slot, (name, otype) in enumerate(zip(spec["output_name"], spec["output"]))]
+    return {"last_node_id": len(nodes), "last_link_id": len(links), "nodes": nodes, "links": links,
+            "groups": [], "config": {}, "extra": {}, "version": 0.4}
+
+
+def main(argv=None):
+    from client.api import ComfyClient
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("api_json", type=Path)
+    parser.add_argument("ui_json", type=Path)
+    parser.add_argument("--server", required=True)
+    opts = parser.parse_args(argv)
+    api = json.loads(opts.api_json.read_text())
+    info = ComfyClient(opts.server).get("/object_info")
+    opts.ui_json.write_text(json.dumps(convert(api, info), indent=1) + "\n")
+    print(opts.ui_json)
+
+
+if __name__ == "__main__":
+    main()
