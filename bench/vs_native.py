@@ -1,0 +1,137 @@
+"""Steady-state seconds per step: ComfyUI's own TrainLoraNode vs our Train LoRA, in one ComfyUI server.
+
+Same checkpoint (the embedded tiny SD1.5), same 8 images at 64x64, same rank, batch size and
+precision. TrainLoraNode reports no per-step progress, so its steady state is measured
+differentially: (time of a long run - time of a short run) / (step difference), which cancels its
+set-up. Ours is measured the same way, and also read from the trainer's own step events.
+
+    python bench/vs_native.py [--short 10 --long 40 --rank 8 --batch 2 --precision bf16]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from client.api import ComfyClient  # noqa: E402
+from tools.comfy_server import ComfyServer, comfyui_available  # noqa: E402
+from tools.embedded_default import build_checkpoint, build_images  # noqa: E402
+
+CKPT = "ingraph_tiny_sd15.safetensors"
+
+
+def native_workflow(steps, rank, batch, precision, seed):
+    return {
+        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": CKPT}},
+        "2": {"class_type": "LoadImageTextSetFromFolderNode",
+              "inputs": {"folder": "bench_images", "clip": ["1", 1], "resize_method": "None",
+                         "width": -1, "height": -1}},
+        "3": {"class_type": "VAEEncode", "inputs": {"pixels": ["2", 0], "vae": ["1", 2]}},
+        "4": {"class_type": "TrainLoraNode",
+              "inputs": {"model": ["1", 0], "latents": ["3", 0], "positive": ["2", 1], "batch_size": batch,
+                         "grad_accumulation_steps": 1, "steps": steps, "learning_rate": 1e-3, "rank": rank,
+                         "optimizer": "AdamW", "loss_function": "MSE", "seed": seed, "training_dtype": precision,
+                         "lora_dtype": precision, "algorithm": "LoRA", "gradient_checkpointing": False,
+                         "existing_lora": "[None]"}},
+        "5": {"class_type": "SaveLoRANode", "inputs": {"lora": ["4", 1], "prefix": f"loras/native_{steps}"}},
+    }
+
+
+def ours_workflow(steps, rank, batch, precision, seed, targets):
+    return {
+        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": CKPT}},
+        "2": {"class_type": "InGraphLoadTrainingImages",
+              "inputs": {"folder": "bench_images", "resolution": 64, "repeats": 1, "caption_prefix": "",
+                         "missing_caption": "error", "default_caption": ""}},
+        "3": {"class_type": "InGraphCacheLatents", "inputs": {"dataset": ["2", 0], "vae": ["1", 2]}},
+        "4": {"class_type": "InGraphCacheTextEmbeddings", "inputs": {"dataset": ["3", 0], "clip": ["1", 1]}},
+        "5": {"class_type": "InGraphLoRAAdapter",
+              "inputs": {"rank": rank, "alpha": float(rank), "dropout": 0.0, "targets": targets}},
+        "6": {"class_type": "InGraphTrainLoRA",
+              "inputs": {"model": ["1", 0], "dataset": ["4", 0], "adapter": ["5", 0], "steps": steps,
+                         "batch_size": batch, "gradient_accumulation": 1, "learning_rate": 1e-3,
+                         "optimizer": "AdamW", "lr_schedule": "constant", "warmup_steps": 0, "precision": precision,
+                         "gradient_checkpointing": False, "seed": seed, "save_every": 0,
+                         "output_name": f"bench_ours_{targets}_{steps}"}},
+    }
+
+
+def node_seconds(outcome, node: str) -> float:
+    """Wall time from the 'executing' message for `node` to the next 'executing' (or the end of the prompt)."""
+    marks = [(m["_t"], (m.get("data") or {}).get("node")) for m in outcome.messages
+             if m.get("type") in ("executing", "execution_success")]
+    for (t0, n), (t1, _) in zip(marks, marks[1:]):
+        if n == node:
+            return t1 - t0
+    raise RuntimeError(f"node {node} did not run: {outcome.status} {outcome.error}")
+
+
+def timed_run(client, wf):
+    t_queue = time.monotonic()
+    first_step = {}
+
+    def stamp(message):
+        message["_t"] = time.monotonic()
+        if message.get("type") == "ingraph.event" and message["data"]["event"]["type"] == "step":
+            first_step.setdefault("t", message["_t"])
+    outcome = client.run(wf, timeout=3600, on_message=stamp)
+    if not outcome.ok:
+        raise RuntimeError(f"{outcome.status}: {outcome.error}")
+    return outcome, (first_step.get("t", t_queue) - t_queue)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--short", type=int, default=10)
+    parser.add_argument("--long", type=int, default=40)
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    opts = parser.parse_args(argv)
+    if not comfyui_available():
+        sys.exit("ComfyUI not found (set COMFYUI_PATH)")
+    with tempfile.TemporaryDirectory(prefix="ingraph-bench-") as tmp:
+        base = Path(tmp)
+        build_checkpoint(base / "models" / "checkpoints" / CKPT)
+        build_images(base / "input" / "bench_images", count=8, size=64)
+        with ComfyServer(base) as server:
+            client = ComfyClient(server.address)
+            args = (opts.rank, opts.batch, opts.precision)
+            # warm-up: caches, first model load
+            timed_run(client, native_workflow(2, *args, seed=99))
+            timed_run(client, ours_workflow(2, *args, seed=99, targets="attention"))
+            results = {}
+            n_short, _ = timed_run(client, native_workflow(opts.short, *args, seed=1))
+            n_long, _ = timed_run(client, native_workflow(opts.long, *args, seed=1))
+            results["native"] = (node_seconds(n_long, "4") - node_seconds(n_short, "4")) / (opts.long - opts.short)
+            first_step = {}
+            for targets in ("attention", "all linear layers"):
+                o_short, _ = timed_run(client, ours_workflow(opts.short, *args, seed=1, targets=targets))
+                o_long, first_step[targets] = timed_run(client, ours_workflow(opts.long, *args, seed=1, targets=targets))
+                diff = (node_seconds(o_long, "6") - node_seconds(o_short, "6")) / (opts.long - opts.short)
+                steps = [m["data"]["event"]["step_time_s"] for m in o_long.messages
+                         if m.get("type") == "ingraph.event" and m["data"]["event"]["type"] == "step"][2:]
+                results[targets] = (diff, statistics.median(steps))
+            client.close()
+    native = results["native"]
+    print(f"setup: tiny SD1.5, 8 images 64x64, rank {opts.rank}, batch {opts.batch}, {opts.precision}, "
+          f"steps {opts.short} vs {opts.long}, CPU")
+    print(f"native TrainLoraNode (LoRA on every weight + bias diffs): {native:.4f} s/step")
+    for targets in ("attention", "all linear layers"):
+        diff, median = results[targets]
+        print(f"ours, targets={targets!r}: {diff:.4f} s/step (differential), {median:.4f} s/step (trainer events), "
+              f"queue to first step {first_step[targets]:.1f} s")
+    diff_all, _ = results["all linear layers"]
+    diff_att, _ = results["attention"]
+    print(f"ratio ours/native s/step: attention {diff_att / native:.3f}; all linear layers {diff_all / native:.3f}")
+    print(f"ratio ours/native (all linear layers): {diff_all / native:.3f}")
+
+
+if __name__ == "__main__":
+    main()
