@@ -18,6 +18,20 @@ def _send(event: dict, node_id: str, run_id: str):
     server.send_sync(EVENT_NAME, {"node": node_id, "run_id": run_id, "event": event}, server.client_id)
 
 
+def _resumable() -> list[str]:
+    from ..runner import paths
+    from ..runner.runs import resumable_checkpoints
+    try:
+        return resumable_checkpoints(paths.runs_root())
+    except Exception:  # never break the node list over a damaged runs folder
+        return []
+
+
+def _saved_spec(spec_path):
+    from ..trainer.config import load_run_spec
+    return load_run_spec(spec_path)
+
+
 class TrainLoRA(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -57,6 +71,10 @@ class TrainLoRA(io.ComfyNode):
                 io.String.Input("output_name", default="ingraph_lora",
                                 tooltip="File name in models/loras (sub-folders allowed). An existing file of "
                                         "that name is replaced when the run finishes."),
+                io.Combo.Input("resume", options=["off", "latest", *_resumable()], default="off", optional=True,
+                               tooltip="off: a new run. latest: continue the newest run with this output_name "
+                                       "from its last complete checkpoint (a new run if there is none). Or pick a "
+                                       "checkpoint. A resumed run uses the settings saved with it."),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The input MODEL with the trained LoRA applied."),
@@ -80,7 +98,7 @@ class TrainLoRA(io.ComfyNode):
     @classmethod
     def execute(cls, model, dataset, adapter, steps, batch_size, gradient_accumulation, learning_rate, optimizer,
                 lr_schedule, warmup_steps, precision, gradient_checkpointing, seed, save_every,
-                output_name) -> io.NodeOutput:
+                output_name, resume="off") -> io.NodeOutput:
         import comfy.model_management
         import comfy.sd
         import comfy.utils
@@ -89,6 +107,7 @@ class TrainLoRA(io.ComfyNode):
         from ..runner.launcher import TrainerProcess
         from ..runner.loss_chart import chart_tensor, render_loss_chart
         from ..runner.model_source import materialise_model, prediction_of
+        from ..runner.runs import SPEC_FILE, resolve_resume_choice
         from ..runner.session import prepare_run, watch_run
 
         if not dataset.has_latents:
@@ -100,13 +119,28 @@ class TrainLoRA(io.ComfyNode):
                           learning_rate=learning_rate, optimizer=OPTIMIZERS[optimizer],
                           lr_schedule=SCHEDULES[lr_schedule], warmup_steps=warmup_steps, precision=precision,
                           gradient_checkpointing=gradient_checkpointing, seed=seed, save_every=save_every)
-        prediction = prediction_of(model)
-        model_path = materialise_model(model, paths.models_root())
-        run_dir, spec_path = prepare_run(runs_root=paths.runs_root(), name=lora_name[: -len(".safetensors")],
-                                         model_path=model_path, prediction=prediction, dataset=dataset,
-                                         adapter=adapter, train=train, lora_path=lora_path,
-                                         comfyui_path=paths.comfyui_root())
+        name = lora_name[: -len(".safetensors")]
+        resume_from = resolve_resume_choice(paths.runs_root(), resume, name)
+        if resume_from is not None:  # the run continues with the spec saved in its own directory
+            run_dir, resume_tag = resume_from
+            spec_path = run_dir / SPEC_FILE
+            saved = _saved_spec(spec_path)
+            steps = saved.train.steps
+            lora_path = saved.output.lora_path
+            lora_name = paths.lora_name_of(lora_path)
+            log.info("InGraph Trainer: resuming run %s from %s", run_dir.name, resume_tag)
+        else:
+            if resume == "latest":
+                log.info("InGraph Trainer: no checkpoint of %r to resume; starting a new run", name)
+            resume_tag = None
+            prediction = prediction_of(model)
+            model_path = materialise_model(model, paths.models_root())
+            run_dir, spec_path = prepare_run(runs_root=paths.runs_root(), name=name, model_path=model_path,
+                                             prediction=prediction, dataset=dataset, adapter=adapter, train=train,
+                                             lora_path=lora_path, comfyui_path=paths.comfyui_root())
         node_id = cls.hidden.unique_id
+        from ..runner.runs import write_owner
+        write_owner(run_dir, node_id)
         bar = comfy.utils.ProgressBar(steps, node_id=node_id)
 
         def on_event(event):
@@ -114,7 +148,7 @@ class TrainLoRA(io.ComfyNode):
                 bar.update_absolute(int(event["step"]), steps)
             _send(event, node_id, run_dir.name)
 
-        process = TrainerProcess(run_dir, spec_path, comfyui_path=paths.comfyui_root()).start()
+        process = TrainerProcess(run_dir, spec_path, comfyui_path=paths.comfyui_root(), resume=resume_tag).start()
         log.info("InGraph Trainer: run %s started (pid %d), log: %s", run_dir.name, process.pid, process.log_path)
         result = watch_run(process, on_event, comfy.model_management.throw_exception_if_processing_interrupted)
         log.info("InGraph Trainer: run %s finished; LoRA written to %s", run_dir.name, result.adapter_path)

@@ -16,17 +16,24 @@ PACK_ROOT = Path(__file__).resolve().parent.parent
 
 class TrainerProcess:
     def __init__(self, run_dir: str | Path, spec_path: str | Path, python: str = sys.executable,
-                 comfyui_path: str | None = None):
+                 comfyui_path: str | None = None, resume: str | None = None, watch_parent: bool = True):
         self.run_dir = Path(run_dir)
         self.spec_path = Path(spec_path)
         self.python = python
         self.comfyui_path = comfyui_path
+        self.resume = resume
+        self.watch_parent = watch_parent
         self.proc: subprocess.Popen | None = None
         self.events = EventReader(self.run_dir / EVENTS_FILE)
         self.log_path = self.run_dir / LOG_FILE
 
     def command(self) -> list[str]:
-        return [self.python, str(PACK_ROOT / "trainer"), "--config", str(self.spec_path)]
+        cmd = [self.python, str(PACK_ROOT / "trainer"), "--config", str(self.spec_path)]
+        if self.resume:
+            cmd += ["--resume", self.resume]
+        if self.watch_parent:
+            cmd += ["--parent-pid", str(os.getpid())]
+        return cmd
 
     def start(self) -> "TrainerProcess":
         env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -46,3 +46,15 @@ def lora_output_path(output_name: str) -> tuple[Path, str]:
                          "inside models/loras")
     relative = "/".join(parts) + ".safetensors"
     return Path(folder_paths.get_folder_paths("loras")[0]) / relative, relative
+
+
+def lora_name_of(path: str | Path) -> str:
+    """The name LoraLoader lists a file under (relative to a loras folder), else its file name."""
+    import folder_paths
+    path = Path(path).resolve()
+    for folder in folder_paths.get_folder_paths("loras"):
+        try:
+            return path.relative_to(Path(folder).resolve()).as_posix()
+        except ValueError:
+            continue
+    return path.name

@@ -9,7 +9,7 @@ from aiohttp import web
 from ..trainer.events import read_events
 from ..trainer.layout import EVENTS_FILE, PID_FILE, STOP_FILE
 from . import paths
-from .runs import run_dir_for
+from .runs import complete_checkpoints, read_owner, run_dir_for
 
 TERMINAL = {"finished": "finished", "error": "failed"}
 
@@ -39,11 +39,11 @@ def run_record(run_dir: Path, with_events: bool = False) -> dict:
         state = "interrupted" if events else "pending"
     last_step = next((e for e in reversed(events) if e["type"] == "step"), None)
     record = {
-        "id": run_dir.name, "state": state, "last_event": last, "events": len(events),
+        "id": run_dir.name, "node": read_owner(run_dir), "state": state, "last_event": last, "events": len(events),
         "step": last_step["step"] if last_step else 0, "total": last_step["total"] if last_step else None,
         "artifacts": {
             "adapter": terminal.get("adapter") if terminal else None,
-            "checkpoints": sorted(p.name for p in (run_dir / "checkpoints").glob("step_*") if (p / "COMPLETE").is_file()),
+            "checkpoints": complete_checkpoints(run_dir),
         },
     }
     return record

@@ -41,3 +41,73 @@ def run_dir_for(runs_root: str | Path, run_id: str) -> Path | None:
     if path.parent != root or not path.is_dir():
         return None
     return path
+
+
+def write_owner(run_dir: Path, node_id: str):
+    import json
+    from ..trainer.layout import OWNER_FILE
+    (Path(run_dir) / OWNER_FILE).write_text(json.dumps({"node": str(node_id)}))
+
+
+def read_owner(run_dir: Path) -> str | None:
+    import json
+    from ..trainer.layout import OWNER_FILE
+    try:
+        return str(json.loads((Path(run_dir) / OWNER_FILE).read_text())["node"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _spec_output_name(run_dir: Path) -> str | None:
+    import tomllib
+    try:
+        return tomllib.loads((run_dir / SPEC_FILE).read_text(encoding="utf-8")).get("output", {}).get("name")
+    except (OSError, ValueError):
+        return None
+
+
+def complete_checkpoints(run_dir: Path) -> list[str]:
+    from ..trainer.layout import CHECKPOINTS_DIR
+    root = run_dir / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir()
+                  if p.name.startswith("step_") and (p / "COMPLETE").is_file() and (p / "trainer_state.json").is_file())
+
+
+def resumable_checkpoints(runs_root: str | Path, limit: int = 50) -> list[str]:
+    """'<run id>/<checkpoint>' for every complete checkpoint, newest run first."""
+    root = Path(runs_root)
+    if not root.is_dir():
+        return []
+    out = []
+    for run_dir in sorted((p for p in root.iterdir() if p.is_dir()), reverse=True):
+        out += [f"{run_dir.name}/{tag}" for tag in reversed(complete_checkpoints(run_dir))]
+        if len(out) >= limit:
+            break
+    return out[:limit]
+
+
+def find_latest_resumable(runs_root: str | Path, output_name: str) -> tuple[Path, str] | None:
+    """The newest run of this output name that has a complete checkpoint: (run dir, checkpoint tag)."""
+    root = Path(runs_root)
+    if not root.is_dir():
+        return None
+    for run_dir in sorted((p for p in root.iterdir() if p.is_dir()), reverse=True):
+        tags = complete_checkpoints(run_dir)
+        if tags and _spec_output_name(run_dir) == output_name:
+            return run_dir, tags[-1]
+    return None
+
+
+def resolve_resume_choice(runs_root: str | Path, choice: str, output_name: str) -> tuple[Path, str] | None:
+    """Train node's resume input: 'off' → None; 'latest'; or '<run id>/<checkpoint>'."""
+    if choice in ("", "off"):
+        return None
+    if choice == "latest":
+        return find_latest_resumable(runs_root, output_name)
+    run_id, _, tag = choice.partition("/")
+    run_dir = run_dir_for(runs_root, run_id)
+    if run_dir is None or tag not in complete_checkpoints(run_dir):
+        raise ValueError(f"resume: checkpoint {choice!r} does not exist or is incomplete")
+    return run_dir, tag

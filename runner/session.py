@@ -35,7 +35,7 @@ def prepare_run(*, runs_root: Path, name: str, model_path: Path, prediction: str
                 train: TrainSpec, lora_path: Path, comfyui_path: str) -> tuple[Path, Path]:
     run_dir = create_run_dir(runs_root, name)
     manifest = write_manifest(run_dir / MANIFEST_FILE, dataset)
-    spec = RunSpec(run_dir=str(run_dir), parent_pid=os.getpid(), adapter=dataclasses.replace(adapter),
+    spec = RunSpec(run_dir=str(run_dir), adapter=dataclasses.replace(adapter),
                    train=dataclasses.replace(train))
     spec.model.path = str(model_path)
     spec.model.prediction = prediction

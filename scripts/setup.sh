@@ -14,6 +14,14 @@ if [ ! -f "$COMFYUI_PATH/main.py" ]; then
     || echo "setup: could not get ComfyUI; set COMFYUI_PATH to an install. ComfyUI tests will be skipped." >&2
 fi
 
+# Debian's Chromium for the browser test of the web extension (playwright drives it; no browser download)
+if [ "${INGRAPH_BROWSER:-1}" = "1" ] && ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
+   && [ "$(id -u)" = "0" ]; then
+  echo "setup: installing Debian's chromium" >&2
+  apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; } \
+    || echo "setup: could not install chromium; the browser test will fail" >&2
+fi
+
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 

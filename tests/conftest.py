@@ -57,7 +57,7 @@ def assets(tmp_path_factory):
 def comfy(tmp_path_factory, assets):
     """One real ComfyUI server, headless, with the pack installed under a non-identifier folder name."""
     base = tmp_path_factory.mktemp("comfy")
-    server = ComfyServer(base, pack_name="InGraph-Trainer (test copy)")
+    server = ComfyServer(base, pack_name="InGraph-Trainer-test.v1")
     (server.dir("models", "checkpoints") / CHECKPOINT_NAME).symlink_to(assets["checkpoint"])
     images = server.dir("input", IMAGE_FOLDER)
     for f in assets["images"].iterdir():

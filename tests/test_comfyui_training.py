@@ -255,7 +255,7 @@ def test_run_routes_validate_ids(comfy, client):
 
 def test_pack_adds_under_half_a_second_to_startup(comfy):
     """ComfyUI times each custom node folder's import; ours must stay under 0.5 s."""
-    match = re.search(r"^\s*([\d.]+) seconds: .*InGraph-Trainer \(test copy\)\s*$", comfy.log_text(), re.M)
+    match = re.search(r"^\s*([\d.]+) seconds: .*InGraph-Trainer-test\.v1\s*$", comfy.log_text(), re.M)
     assert match, comfy.log_text()[-3000:]
     print(f"\npack import time reported by ComfyUI: {match.group(1)} s")
     assert float(match.group(1)) < 0.5

@@ -123,3 +123,16 @@ def test_incomplete_checkpoint_is_never_resumed(prepared):
     proc = run_trainer(spec, "--resume", "latest")
     assert proc.returncode == 0
     assert read_events(spec.parent)[0]["start_step"] == 0
+
+
+def test_tensorboard_has_the_health_metrics(prepared):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    spec = prepared(train__steps=3, train__precision="fp32")
+    assert run_trainer(spec).returncode == 0
+    acc = EventAccumulator(str(spec.parent / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("train/loss", "train/lr", "train/grad_norm", "train/param_norm", "perf/step_time_s",
+                "perf/samples_per_s", "data/timestep_mean", "data/timestep_std", "data/latent_std", "eval/loss"):
+        assert tag in tags, tag
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3]

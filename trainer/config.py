@@ -83,7 +83,6 @@ class DistributedSpec:
 class RunSpec:
     version: int = SPEC_VERSION
     run_dir: str = ""
-    parent_pid: int = 0  # the trainer exits when this process dies (0: no watchdog)
     model: ModelSpec = field(default_factory=ModelSpec)
     data: DataSpec = field(default_factory=DataSpec)
     adapter: AdapterSpec = field(default_factory=AdapterSpec)

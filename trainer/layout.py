@@ -4,5 +4,6 @@ MANIFEST_FILE = "dataset.json"
 EVENTS_FILE = "events.jsonl"
 LOG_FILE = "trainer.log"  # everything the trainer's processes print
 PID_FILE = "trainer.pid"
+OWNER_FILE = "owner.json"  # which graph node started the run (for the UI panel after a reload)
 STOP_FILE = "STOP"  # created to ask for a checkpoint and a clean end
 CHECKPOINTS_DIR = "checkpoints"

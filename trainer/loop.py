@@ -16,6 +16,7 @@ from .data import StepSampler, load_cached_dataset
 from .distributed import deepspeed_config, init_distributed, rank, world_size
 from .evaluation import evaluate
 from .events import EventWriter
+from .metrics import HealthLog
 from .models import Batch, ModelFamily, load_family
 
 log = logging.getLogger("ingraph_trainer.trainer")
@@ -125,9 +126,12 @@ class Trainer:
                          dataset_items=len(eval_indices), samples=len(dataset),
                          resumed_from=str(resume_from) if resume_from else None)
 
+        health = HealthLog(self.run_dir, self.is_rank0)
+
         def run_eval(step: int):
             result = evaluate(module, dataset, eval_indices, t.eval_quantiles, t.seed, t.batch_size, self.device)
             self.events.emit("eval", step=step, **result)
+            health.eval(step, result)
             return result
 
         eval_before = run_eval(start_step) if start_step == 0 else None
@@ -142,7 +146,7 @@ class Trainer:
             indices = sampler.indices(step)
             noise, timesteps = sampler.noise_and_timesteps(step, latent_shape)
             lr = optimizer.param_groups[0]["lr"]
-            losses, grad_norm = [], None
+            losses, grad_norm, latent_std = [], None, []
             for micro in range(t.grad_accum):
                 d0 = time.perf_counter()
                 lo = (micro * world + rank()) * t.batch_size
@@ -150,6 +154,7 @@ class Trainer:
                 latents = torch.stack([dataset.latents[i] for i in sel]).to(self.device)
                 cond = torch.stack([dataset.conds[i] for i in sel]).to(self.device)
                 data_wait += time.perf_counter() - d0
+                latent_std.append(latents.float().std().item())
                 loss = engine(latents, cond, noise[lo:lo + t.batch_size].to(self.device),
                               timesteps[lo:lo + t.batch_size].to(self.device))
                 engine.backward(loss)
@@ -169,6 +174,13 @@ class Trainer:
                              samples_per_s=global_batch / step_time, step_time_s=step_time,
                              eta_s=avg * (t.steps - done), data_wait_s=round(data_wait, 4),
                              timestep_mean=timesteps.mean().item(), timestep_std=timesteps.std().item() if len(timesteps) > 1 else 0.0)
+            health.step(done, **{"train/loss": final_loss, "train/lr": lr, "train/grad_norm": grad_norm,
+                                 "train/param_norm": torch.stack([p.detach().float().norm() for p in params]).norm().item(),
+                                 "perf/step_time_s": step_time, "perf/samples_per_s": global_batch / step_time,
+                                 "perf/data_wait_s": data_wait,
+                                 "data/timestep_mean": timesteps.mean().item(),
+                                 "data/timestep_std": timesteps.std().item() if len(timesteps) > 1 else 0.0,
+                                 "data/latent_std": sum(latent_std) / len(latent_std)})
             if t.eval_every and done % t.eval_every == 0 and done < t.steps:
                 run_eval(done)
             stop_requested = (self.run_dir / STOP_FILE).exists()
@@ -183,6 +195,7 @@ class Trainer:
         steps_done = step + 1
 
         eval_after = run_eval(steps_done)
+        health.close()
         adapter_path = None
         if self.is_rank0:
             tensors = comfy_lora_state_dict(family.diffusion_model, spec.adapter.alpha)

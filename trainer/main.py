@@ -41,6 +41,8 @@ def main(argv=None) -> int:
     parser.add_argument("--config", required=True, help="run spec (TOML) written by the Train node or by hand")
     parser.add_argument("--resume", default=None, metavar="latest|TAG",
                         help="continue from the newest complete checkpoint of the run directory, or from one tag")
+    parser.add_argument("--parent-pid", type=int, default=0,
+                        help="exit when this process (the ComfyUI that launched the run) is gone")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by deepspeed
     opts = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -57,7 +59,7 @@ def main(argv=None) -> int:
     run_dir = Path(spec.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     events = EventWriter(run_dir / EVENTS_FILE, enabled=rank() == 0)
-    start_parent_watchdog(spec.parent_pid, events)
+    start_parent_watchdog(opts.parent_pid, events)
     try:
         from .loop import Trainer
         Trainer(spec, events).run()

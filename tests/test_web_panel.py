@@ -1,0 +1,68 @@
+"""The web extension in headless Chromium against the real ComfyUI frontend (screenshot saved)."""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+
+from conftest import ARTIFACTS, REPO
+
+pytestmark = pytest.mark.comfyui
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def test_panel_shows_rising_steps_and_a_loss_chart(comfy, tmp_path):
+    from playwright.sync_api import sync_playwright
+    workflow = json.loads((REPO / "workflows" / "train_lora.json").read_text())
+    train = next(n for n in workflow["nodes"] if n["type"] == "InGraphTrainLoRA")
+    train["widgets_values"][0] = 40  # steps
+    train["widgets_values"][-1] = "browser_test_lora"  # output_name
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    settings = comfy.dir("user", "default") / "comfy.settings.json"  # a returning user: no template dialog
+    settings.write_text(json.dumps({"Comfy.TutorialCompleted": True}))
+    console = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1600, "height": 1000})
+            page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+            page.goto(f"http://{comfy.address}/", wait_until="domcontentloaded", timeout=60_000)
+            page.wait_for_function("() => window.app && window.app.graph && window.app.extensionManager", timeout=60_000)
+            page.wait_for_function(
+                "() => (window.app.extensions || []).some(e => e.name === 'ingraph.trainer.panel')"
+                " || (window.app.extensionManager && true)", timeout=30_000)
+            page.keyboard.press("Escape")
+            page.evaluate("async (wf) => { await window.app.loadGraphData(wf); }", workflow)
+            page.wait_for_selector(".ingraph-panel", state="attached", timeout=30_000)
+            page.evaluate("async () => { await window.app.queuePrompt(0, 1); }")
+
+            step_of = ("() => { const s = document.querySelector('.ingraph-panel [data-role=step]');"
+                       " const m = s && s.textContent.match(/^(\\d+) \\/ (\\d+)$/); return m ? Number(m[1]) : 0; }")
+            page.wait_for_function(f"() => ({step_of})() >= 1", timeout=180_000)
+            first = page.evaluate(step_of)
+            page.wait_for_function(f"() => ({step_of})() > {first} + 3", timeout=120_000)
+            later = page.evaluate(step_of)
+            points = int(page.get_attribute(".ingraph-panel canvas[data-role=chart]", "data-points"))
+            assert later > first and points >= later - 1 and points > 0
+            page.wait_for_function(
+                "() => /finished/.test(document.querySelector('.ingraph-panel [data-role=state]').textContent)",
+                timeout=180_000)
+            # centre the view on the Train node so the screenshot shows the panel
+            page.evaluate("""() => { const n = window.app.graph._nodes.find(n => n.type === 'InGraphTrainLoRA');
+                const c = window.app.canvas; c.ds.scale = 1.0;
+                c.ds.offset[0] = -n.pos[0] + 500; c.ds.offset[1] = -n.pos[1] + 120; c.setDirty(true, true); }""")
+            time.sleep(0.5)  # one animation frame for the canvas redraw before the screenshot
+            page.screenshot(path=str(ARTIFACTS / "web_panel.png"))
+            final_points = int(page.get_attribute(".ingraph-panel canvas[data-role=chart]", "data-points"))
+            assert final_points == 40
+            assert int(page.get_attribute(".ingraph-panel canvas[data-role=chart]", "data-evals")) == 2
+            text = page.inner_text(".ingraph-panel")
+            assert "40 / 40" in text and "img/s" in text
+        finally:
+            (ARTIFACTS / "web_console.log").write_text("\n".join(console))
+            browser.close()
