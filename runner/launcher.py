@@ -36,6 +36,7 @@ class TrainerProcess:
         return cmd
 
     def start(self) -> "TrainerProcess":
+        self.events = EventReader(self.run_dir / EVENTS_FILE, from_end=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if self.comfyui_path:
             env["COMFYUI_PATH"] = str(self.comfyui_path)

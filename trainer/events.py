@@ -40,9 +40,10 @@ class EventWriter:
 class EventReader:
     """Incremental reader: each poll returns the complete lines added since the last one."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, from_end: bool = False):
+        """`from_end`: skip what the file holds already (a resumed run appends to its old events)."""
         self.path = Path(path)
-        self._offset = 0
+        self._offset = self.path.stat().st_size if from_end and self.path.exists() else 0
         self._partial = b""
 
     def poll(self) -> list[dict]:

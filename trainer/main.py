@@ -18,21 +18,33 @@ EXIT_FAILED = 1
 EXIT_ORPHANED = 3
 
 
+def _process_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:  # killed but not yet reaped: a zombie is gone too
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[-1][:1] == "Z"
+    except OSError:
+        return False
+
+
 def start_parent_watchdog(parent_pid: int, events: EventWriter, interval: float = 1.0):
     """Exit when the process that launched us (ComfyUI) is gone: nobody would read our results."""
     if parent_pid <= 0:
         return
 
+    direct_child = os.getppid() == parent_pid
+
     def watch():
         while True:
             time.sleep(interval)
-            try:
-                os.kill(parent_pid, 0)
-            except ProcessLookupError:
+            if (direct_child and os.getppid() != parent_pid) or _process_gone(parent_pid):
                 events.emit("error", message=f"parent process {parent_pid} exited; trainer stopping")
                 os._exit(EXIT_ORPHANED)
-            except PermissionError:
-                pass
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 

@@ -1,0 +1,192 @@
+"""Controlling runs: Stop route, resume from the node, headless client exit codes, ComfyUI death, latency."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from conftest import CHECKPOINT_NAME, IMAGE_FOLDER, REPO, load_workflow
+from tools.comfy_server import ComfyServer
+
+pytestmark = pytest.mark.comfyui
+
+
+def training_only(name: str, steps: int, **train_inputs) -> dict:
+    wf = {k: v for k, v in load_workflow().items() if k in {"1", "2", "3", "4", "5", "6", "7"}}
+    wf["6"]["inputs"].update(steps=steps, output_name=name, **train_inputs)
+    return wf
+
+
+def wait_first_step(client, prompt_id, timeout=240) -> dict:
+    """Follows websocket messages until the first training step; returns the ingraph.event data."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        client._ws.settimeout(5)
+        try:
+            raw = client._ws.recv()
+        except Exception:
+            continue
+        if isinstance(raw, bytes):
+            continue
+        m = json.loads(raw)
+        if m.get("type") == "ingraph.event" and m["data"]["event"]["type"] == "step":
+            return m["data"]
+        if m.get("type") in ("execution_error", "execution_success", "execution_interrupted"):
+            raise AssertionError(f"prompt ended before training: {m}")
+    raise AssertionError("no step event")
+
+
+def test_stop_saves_a_checkpoint_writes_the_lora_and_ends_cleanly(comfy, client):
+    prompt_id = client.queue(training_only("stopped_run", 5000))
+    run_id = wait_first_step(client, prompt_id)["run_id"]
+    reply = client.post(f"/ingraph/runs/{run_id}/stop")
+    assert reply["stop_requested"] is True
+    outcome = client.follow(prompt_id, timeout=120)
+    assert outcome.ok, outcome.error
+    events = [m["data"]["event"] for m in outcome.messages if m.get("type") == "ingraph.event"]
+    finished = [e for e in events if e["type"] == "finished"][-1]
+    assert finished["stopped"] is True and finished["steps"] < 5000
+    assert [e for e in events if e["type"] == "checkpoint"][-1]["step"] == finished["steps"]
+    record = client.get(f"/ingraph/runs/{run_id}")
+    assert record["state"] == "stopped" and record["artifacts"]["checkpoints"]
+    assert (comfy.base_dir / "models" / "loras" / "stopped_run.safetensors").is_file()
+
+    # resume: latest continues the same run from its checkpoint, with the settings saved in the run
+    resumed = training_only("stopped_run", 5000, resume="latest")
+    resumed["6"]["inputs"]["learning_rate"] = 0.5  # ignored: a resumed run uses its saved spec
+    prompt_id = client.queue(resumed)
+    data = wait_first_step(client, prompt_id)
+    assert data["run_id"] == run_id and data["event"]["step"] == finished["steps"] + 1
+    assert abs(data["event"]["lr"] - 0.001) < 1e-12
+    client.interrupt()
+    assert client.follow(prompt_id, timeout=60).status == "execution_interrupted"
+    with pytest.raises(urllib.error.HTTPError) as info:  # not running any more
+        client.post(f"/ingraph/runs/{run_id}/stop")
+    assert info.value.code == 409
+
+
+def test_server_stays_responsive_while_training(comfy, client):
+    prompt_id = client.queue(training_only("latency_run", 5000))
+    wait_first_step(client, prompt_id)
+    timings = []
+    try:
+        for n in range(50):
+            path = "/system_stats" if n % 2 else "/queue"
+            t0 = time.perf_counter()
+            urllib.request.urlopen(f"http://{comfy.address}{path}", timeout=5).read()
+            timings.append(time.perf_counter() - t0)
+    finally:
+        client.interrupt()
+        client.follow(prompt_id, timeout=60)
+    p95 = sorted(timings)[int(0.95 * len(timings)) - 1]
+    print(f"\n/system_stats + /queue while training: p95 {p95 * 1000:.1f} ms, max {max(timings) * 1000:.1f} ms")
+    assert p95 < 0.2
+
+
+def run_client(*args, timeout=600):
+    return subprocess.run([sys.executable, str(REPO / "client"), *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_headless_client_exit_codes(comfy, tmp_path):
+    ok = tmp_path / "ok.json"
+    ok.write_text(json.dumps(training_only("client_ok", 3)))
+    proc = run_client("run", str(ok), "--server", comfy.address)
+    assert proc.returncode == 0, proc.stderr
+    assert "client_ok.safetensors" in proc.stdout and "3/3" in proc.stderr
+
+    bad = tmp_path / "bad.json"
+    wf = training_only("client_bad", 3)
+    wf["2"]["inputs"]["folder"] = "does_not_exist"
+    bad.write_text(json.dumps(wf))
+    proc = run_client("run", str(bad), "--server", comfy.address)
+    assert proc.returncode == 1 and "does_not_exist" in proc.stderr
+
+    rejected = tmp_path / "rejected.json"
+    wf = training_only("client_rejected", 3)
+    wf["5"]["inputs"]["rank"] = 0
+    rejected.write_text(json.dumps(wf))
+    proc = run_client("run", str(rejected), "--server", comfy.address)
+    assert proc.returncode == 2 and "rank" in proc.stderr
+
+    ui = run_client("run", str(REPO / "workflows" / "train_lora.json"), "--server", comfy.address)
+    assert ui.returncode == 2 and "API-format" in ui.stderr
+
+    long = tmp_path / "long.json"
+    long.write_text(json.dumps(training_only("client_interrupted", 5000)))
+    child = subprocess.Popen([sys.executable, str(REPO / "client"), "run", str(long), "--server", comfy.address],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    from client.api import ComfyClient
+    watcher = ComfyClient(comfy.address)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:  # interrupt once the client's run is training
+        runs = watcher.get("/ingraph/runs")["runs"]
+        if any(r["state"] == "running" and "client_interrupted" in r["id"] and r["step"] > 0 for r in runs):
+            break
+        time.sleep(0.2)
+    watcher.interrupt()
+    out, err = child.communicate(timeout=60)
+    assert child.returncode == 3, err
+
+    with socket_closed_port() as port:
+        proc = run_client("run", str(ok), "--server", f"127.0.0.1:{port}")
+    assert proc.returncode == 5
+
+
+class socket_closed_port:
+    def __enter__(self):
+        import socket
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        self.port = s.getsockname()[1]
+        s.close()
+        return self.port
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_trainer_exits_within_10s_when_comfyui_dies(assets, tmp_path):
+    server = ComfyServer(tmp_path / "dying", pack_name="ingraph_trainer")
+    (server.dir("models", "checkpoints") / CHECKPOINT_NAME).symlink_to(assets["checkpoint"])
+    images = server.dir("input", IMAGE_FOLDER)
+    for f in assets["images"].iterdir():
+        (images / f.name).write_bytes(f.read_bytes())
+    server.start().wait_ready(180)
+    from client.api import ComfyClient
+    client = ComfyClient(server.address)
+    try:
+        prompt_id = client.queue(training_only("orphan", 5000, save_every=2))
+        run_id = wait_first_step(client, prompt_id)["run_id"]
+        run_dir = server.base_dir / "output" / "ingraph" / "runs" / run_id
+        deadline = time.monotonic() + 60
+        while not any(e for e in (run_dir / "checkpoints").glob("step_*/COMPLETE")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pid = int((run_dir / "trainer.pid").read_text())
+        client.close()
+        os.kill(server.proc.pid, signal.SIGKILL)  # ComfyUI dies; the trainer is in its own session
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 10:
+            try:
+                os.killpg(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        elapsed = time.monotonic() - t0
+        print(f"\ntrainer gone {elapsed:.1f} s after ComfyUI was killed")
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)
+        assert elapsed < 10
+        checkpoints = sorted(p.parent.name for p in (run_dir / "checkpoints").glob("step_*/COMPLETE"))
+        assert checkpoints, "no complete checkpoint to resume from"
+        events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+        assert events[-1]["type"] == "error" and "parent process" in events[-1]["message"]
+    finally:
+        server.stop()
