@@ -47,7 +47,9 @@ def ours_workflow(steps, rank, batch, precision, seed, targets):
     return {
         "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": CKPT}},
         "2": {"class_type": "InGraphLoadTrainingImages",
-              "inputs": {"folder": "bench_images", "resolution": 64, "repeats": 1, "caption_prefix": "",
+              "inputs": {"folder": "bench_images", "resolution": 64, "bucketing": False, "min_side": 64,
+                         "max_side": 256, "max_upscale": 1.0, "crop": "center", "flip": False,
+                         "repeats": 1, "caption_prefix": "",
                          "missing_caption": "error", "default_caption": ""}},
         "3": {"class_type": "InGraphCacheLatents", "inputs": {"dataset": ["2", 0], "vae": ["1", 2]}},
         "4": {"class_type": "InGraphCacheTextEmbeddings", "inputs": {"dataset": ["3", 0], "clip": ["1", 1]}},

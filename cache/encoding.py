@@ -1,12 +1,18 @@
-"""Encode a dataset's images (graph's VAE) and captions (graph's CLIP) into the cache, once per item."""
+"""Encode a dataset's images (graph's VAE) and captions (graph's CLIP) into the cache, once per item.
+
+A latent's key covers the image bytes, its bucket, crop, flip and the VAE's weights; a text
+embedding's key covers the caption and the text encoder's weights and settings. Unchanged items are
+never encoded again; any change re-encodes exactly what depends on it.
+"""
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
-from .dataset import TrainingDataset, file_digest, load_image_tensor
+from .dataset import TrainingDataset, load_image_tensor
 from .store import CacheStore, content_key, fingerprint_state_dict
 
-LATENT_FORMAT = 1
+LATENT_FORMAT = 2
 TEXT_FORMAT = 1
 
 Progress = Callable[[int, int], None]
@@ -26,22 +32,28 @@ def clip_identity(clip) -> str:
     return content_key(**ident)[:32]
 
 
+def latent_key(digest: str, item, dataset: TrainingDataset, encoder: str) -> str:
+    return content_key(kind="latent", format=LATENT_FORMAT, source=digest, bucket=list(item.bucket),
+                       crop=dataset.buckets.crop, flip=item.flip, encoder=encoder)
+
+
 def encode_latents(dataset: TrainingDataset, vae, store: CacheStore, progress: Progress | None = None):
     """Returns (dataset with latent entries, encoded count, reused count)."""
     encoder = vae_identity(vae)
     items, encoded, reused = [], 0, 0
     for n, item in enumerate(dataset.items):
-        key = content_key(kind="latent", format=LATENT_FORMAT, source=file_digest(item.path),
-                          resolution=dataset.resolution, crop="center", flip=False, encoder=encoder)
-        path = store.get_path("latents", key)
-        if path is None:
-            pixels = load_image_tensor(item.path, dataset.resolution)
+        digest = store.source_digest(item.path)
+        key = latent_key(digest, item, dataset, encoder)
+        entry = store.lookup(key)
+        if entry is None:
+            pixels = load_image_tensor(item.path, item.bucket, dataset.buckets.crop, item.flip, digest)
             latent = vae.encode(pixels[:, :, :, :3])
-            path = store.put("latents", key, {"latent": latent[0].float()}, {"source": item.path})
+            entry = store.put("latent", key, {"latent": latent[0].float()},
+                              {"source": item.path, "bucket": f"{item.bucket[0]}x{item.bucket[1]}"})
             encoded += 1
         else:
             reused += 1
-        items.append(_replace(item, latent=str(path)))
+        items.append(dataclasses.replace(item, latent=entry.key, latent_sha=entry.checksum))
         if progress:
             progress(n + 1, len(dataset.items))
     return dataset.with_items(items), encoded, reused
@@ -54,23 +66,24 @@ def encode_text(dataset: TrainingDataset, clip, store: CacheStore, progress: Pro
     for n, item in enumerate(dataset.items):
         key = content_key(kind="text", format=TEXT_FORMAT, caption=item.caption, encoder=encoder)
         if key not in done:
-            path = store.get_path("text", key)
-            if path is None:
+            entry = store.lookup(key)
+            if entry is None:
                 out = clip.encode_from_tokens(clip.tokenize(item.caption), return_pooled=True, return_dict=True)
                 tensors = {"cond": out["cond"][0].float()}
                 if out.get("pooled_output") is not None:
                     tensors["pooled"] = out["pooled_output"][0].float()
-                path = store.put("text", key, tensors, {"caption": item.caption})
+                entry = store.put("text", key, tensors, {"caption": item.caption})
                 encoded += 1
             else:
                 reused += 1
-            done[key] = path
-        items.append(_replace(item, text=str(done[key])))
+            done[key] = entry
+        items.append(dataclasses.replace(item, text=done[key].key, text_sha=done[key].checksum))
         if progress:
             progress(n + 1, len(dataset.items))
     return dataset.with_items(items), encoded, reused
 
 
-def _replace(item, **changes):
-    import dataclasses
-    return dataclasses.replace(item, **changes)
+def record_usage(dataset: TrainingDataset, store: CacheStore):
+    """Marks the entries this dataset uses, so that pruning keeps them."""
+    keys = [k for item in dataset.items for k in (item.latent, item.text) if k]
+    store.set_dataset(dataset.identity, dataset.folder, keys)

@@ -2,7 +2,7 @@ import logging
 
 from comfy_api.latest import io
 
-from ..cache.encoding import encode_latents, encode_text
+from ..cache.encoding import encode_latents, encode_text, record_usage
 from ..cache.store import CacheStore
 from ..runner.paths import cache_root
 from .types import CATEGORY, Dataset
@@ -23,6 +23,7 @@ class CacheLatents(io.ComfyNode):
             node_id="InGraphCacheLatents",
             display_name="Cache Latents",
             category=CATEGORY,
+            is_output_node=True,  # a graph that only fills the cache runs without a Train node
             description="Encodes each image once with the graph's VAE into the on-disk cache the trainer reads. "
                         "Unchanged images are reused from the cache.",
             inputs=[
@@ -36,9 +37,14 @@ class CacheLatents(io.ComfyNode):
 
     @classmethod
     def execute(cls, dataset, vae) -> io.NodeOutput:
-        dataset, encoded, reused = encode_latents(dataset, vae, CacheStore(cache_root()), _progress(len(dataset)))
+        store = CacheStore(cache_root())
+        try:
+            dataset, encoded, reused = encode_latents(dataset, vae, store, _progress(len(dataset)))
+            record_usage(dataset, store)
+        finally:
+            store.close()
         log.info("InGraph Trainer: latents: %d encoded, %d reused", encoded, reused)
-        return io.NodeOutput(dataset, encoded, reused)
+        return io.NodeOutput(dataset, encoded, reused, ui={"text": [f"latents: {encoded} encoded, {reused} reused"]})
 
 
 class CacheTextEmbeddings(io.ComfyNode):
@@ -48,6 +54,7 @@ class CacheTextEmbeddings(io.ComfyNode):
             node_id="InGraphCacheTextEmbeddings",
             display_name="Cache Text Embeddings",
             category=CATEGORY,
+            is_output_node=True,
             description="Encodes each caption once with the graph's CLIP into the on-disk cache the trainer reads.",
             inputs=[
                 Dataset.Input("dataset", tooltip="Images and captions from Load Training Images or Cache Latents."),
@@ -60,6 +67,11 @@ class CacheTextEmbeddings(io.ComfyNode):
 
     @classmethod
     def execute(cls, dataset, clip) -> io.NodeOutput:
-        dataset, encoded, reused = encode_text(dataset, clip, CacheStore(cache_root()), _progress(len(dataset)))
+        store = CacheStore(cache_root())
+        try:
+            dataset, encoded, reused = encode_text(dataset, clip, store, _progress(len(dataset)))
+            record_usage(dataset, store)
+        finally:
+            store.close()
         log.info("InGraph Trainer: text embeddings: %d encoded, %d reused", encoded, reused)
-        return io.NodeOutput(dataset, encoded, reused)
+        return io.NodeOutput(dataset, encoded, reused, ui={"text": [f"text: {encoded} encoded, {reused} reused"]})

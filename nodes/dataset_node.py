@@ -1,5 +1,6 @@
 from comfy_api.latest import io
 
+from ..cache.buckets import BucketSettings
 from ..cache.dataset import MISSING_CAPTION_ACTIONS, scan_image_folder
 from ..runner.paths import resolve_input_folder
 from .types import CATEGORY, Dataset
@@ -18,7 +19,23 @@ class LoadTrainingImages(io.ComfyNode):
                 io.String.Input("folder", default="training_images",
                                 tooltip="Folder of images: a sub-folder of ComfyUI's input directory, or an absolute path."),
                 io.Int.Input("resolution", default=512, min=64, max=4096, step=8,
-                             tooltip="Images are resized (short side) and centre-cropped to this square size."),
+                             tooltip="Training size: with bucketing, images keep their aspect ratio at about "
+                                     "this many pixels squared; without, they are cropped to this square."),
+                io.Boolean.Input("bucketing", default=True,
+                                 tooltip="Aspect-ratio buckets (sides in steps of 64): every batch comes from one "
+                                         "bucket, so nothing is squashed or cropped away more than needed."),
+                io.Int.Input("min_side", default=256, min=64, max=4096, step=64,
+                             tooltip="Smallest bucket side in pixels (bucketing only)."),
+                io.Int.Input("max_side", default=1024, min=64, max=8192, step=64,
+                             tooltip="Largest bucket side in pixels (bucketing only)."),
+                io.Float.Input("max_upscale", default=1.0, min=1.0, max=8.0, step=0.1,
+                               tooltip="Images are never enlarged more than this factor; small images get a "
+                                       "smaller bucket instead."),
+                io.Combo.Input("crop", options=["center", "random"], default="center",
+                               tooltip="Which part is kept when an image is cropped to its bucket: the centre, or a "
+                                       "random box (fixed per image, so its cache entry stays valid)."),
+                io.Boolean.Input("flip", default=False,
+                                 tooltip="Also train on the horizontally mirrored images (doubles the items)."),
                 io.Int.Input("repeats", default=1, min=1, max=1000,
                              tooltip="How many times each image appears in one epoch."),
                 io.String.Input("caption_prefix", default="",
@@ -33,8 +50,11 @@ class LoadTrainingImages(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, folder, resolution, repeats, caption_prefix, missing_caption, default_caption) -> io.NodeOutput:
-        dataset = scan_image_folder(resolve_input_folder(folder), resolution=resolution, repeats=repeats,
+    def execute(cls, folder, resolution, bucketing, min_side, max_side, max_upscale, crop, flip, repeats,
+                caption_prefix, missing_caption, default_caption) -> io.NodeOutput:
+        buckets = BucketSettings(resolution=resolution, enabled=bucketing, min_side=min_side, max_side=max_side,
+                                 max_upscale=max_upscale, crop=crop, flip=flip)
+        dataset = scan_image_folder(resolve_input_folder(folder), buckets=buckets, repeats=repeats,
                                     caption_prefix=caption_prefix, missing_caption=missing_caption,
                                     default_caption=default_caption)
         return io.NodeOutput(dataset)

@@ -136,7 +136,8 @@ class TrainLoRA(io.ComfyNode):
             prediction = prediction_of(model)
             model_path = materialise_model(model, paths.models_root())
             run_dir, spec_path = prepare_run(runs_root=paths.runs_root(), name=name, model_path=model_path,
-                                             prediction=prediction, dataset=dataset, adapter=adapter, train=train,
+                                             prediction=prediction, dataset=dataset, cache_root=paths.cache_root(),
+                                             adapter=adapter, train=train,
                                              lora_path=lora_path, comfyui_path=paths.comfyui_root())
         node_id = cls.hidden.unique_id
         from ..runner.runs import write_owner

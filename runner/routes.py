@@ -85,7 +85,28 @@ async def stop_run(request):
     return web.json_response({"id": run_dir.name, "state": "running", "stop_requested": True})
 
 
+async def cache_info(request):
+    from ..cache.store import CacheStore
+    store = CacheStore(paths.cache_root())
+    try:
+        return web.json_response(store.stats())
+    finally:
+        store.close()
+
+
+async def cache_prune(request):
+    from ..cache.store import CacheStore
+    store = CacheStore(paths.cache_root())
+    try:
+        result = store.prune()
+        return web.json_response({**result, "after": store.stats()})
+    finally:
+        store.close()
+
+
 def register(routes):
+    routes.get("/ingraph/cache")(cache_info)
+    routes.post("/ingraph/cache/prune")(cache_prune)
     routes.get("/ingraph/runs")(list_runs)
     routes.get("/ingraph/runs/{run_id}")(get_run)
     routes.get("/ingraph/runs/{run_id}/events")(get_events)

@@ -31,10 +31,10 @@ class RunResult:
     finished: dict = field(default_factory=dict)
 
 
-def prepare_run(*, runs_root: Path, name: str, model_path: Path, prediction: str, dataset, adapter: AdapterSpec,
-                train: TrainSpec, lora_path: Path, comfyui_path: str) -> tuple[Path, Path]:
+def prepare_run(*, runs_root: Path, name: str, model_path: Path, prediction: str, dataset, cache_root: Path,
+                adapter: AdapterSpec, train: TrainSpec, lora_path: Path, comfyui_path: str) -> tuple[Path, Path]:
     run_dir = create_run_dir(runs_root, name)
-    manifest = write_manifest(run_dir / MANIFEST_FILE, dataset)
+    manifest = write_manifest(run_dir / MANIFEST_FILE, dataset, cache_root)
     spec = RunSpec(run_dir=str(run_dir), adapter=dataclasses.replace(adapter),
                    train=dataclasses.replace(train))
     spec.model.path = str(model_path)

@@ -31,7 +31,8 @@ def _bootstrap():
         args.cpu = True
 
 
-def prepare(checkpoint: Path, images: Path, run_dir: Path, overrides: dict, resolution: int = 64) -> Path:
+def prepare(checkpoint: Path, images: Path, run_dir: Path, overrides: dict, resolution: int = 64,
+            bucketing: bool = False) -> Path:
     _bootstrap()
     import comfy.sd
     from ingraph_trainer.cache.dataset import scan_image_folder
@@ -44,11 +45,13 @@ def prepare(checkpoint: Path, images: Path, run_dir: Path, overrides: dict, reso
     model, clip, vae, _ = comfy.sd.load_checkpoint_guess_config(str(checkpoint))
     work = run_dir.parent
     store = CacheStore(work / "cache")
-    dataset = scan_image_folder(images, resolution=resolution)
+    from ingraph_trainer.cache.buckets import BucketSettings
+    dataset = scan_image_folder(images, buckets=BucketSettings(resolution=resolution, enabled=bucketing,
+                                                               min_side=64, max_side=4 * resolution))
     dataset, _, _ = encode_latents(dataset, vae, store)
     dataset, _, _ = encode_text(dataset, clip, store)
     run_dir.mkdir(parents=True, exist_ok=True)
-    manifest = write_manifest(run_dir / "dataset.json", dataset)
+    manifest = write_manifest(run_dir / "dataset.json", dataset, store.root)
     spec = RunSpec(run_dir=str(run_dir))
     spec.model.path = str(materialise_model(model, work / "models"))
     spec.model.prediction = prediction_of(model)
@@ -72,6 +75,7 @@ def main(argv=None):
     parser.add_argument("--images", type=Path, required=True)
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--resolution", type=int, default=64)
+    parser.add_argument("--bucketing", action="store_true", help="aspect-ratio buckets (min side 64)")
     parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=JSON",
                         help="override a spec field, value as JSON (e.g. train.steps=4, train.precision=\"fp32\")")
     opts = parser.parse_args(argv)
@@ -82,7 +86,7 @@ def main(argv=None):
             overrides[key] = json.loads(value)
         except json.JSONDecodeError:
             overrides[key] = value
-    print(prepare(opts.checkpoint, opts.images, opts.run_dir, overrides, opts.resolution))
+    print(prepare(opts.checkpoint, opts.images, opts.run_dir, overrides, opts.resolution, opts.bucketing))
 
 
 if __name__ == "__main__":

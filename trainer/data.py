@@ -1,45 +1,77 @@
-"""The cached dataset as the trainer sees it, and a data order that depends only on (seed, step).
+"""The cached dataset as the trainer sees it: lazy, bucketed, in an order that depends only on (seed, step).
 
-Because the order and the noise of step s are pure functions of the seed and s, a resumed run and
-a run on a different number of processes draw exactly the same samples.
+Because the batches and the noise of step s are pure functions of the seed and s, a resumed run and
+a run on a different number of processes draw exactly the same samples. Every batch comes from one
+aspect-ratio bucket. Shards are read (and checksum-verified) when a batch needs them, one step ahead
+in a background thread, so nothing but the index lives in memory.
 """
 from __future__ import annotations
 
+import math
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from ..cache.store import load_entry, read_manifest
+from ..cache.store import load_checked, read_manifest
 
 
 @dataclass
 class CachedDataset:
-    latents: list[torch.Tensor]
-    conds: list[torch.Tensor]
-    pooled: list[torch.Tensor | None]
+    root: str
+    latent_keys: list[str]
+    latent_shas: list[str]
+    text_keys: list[str]
+    text_shas: list[str]
+    buckets: list[tuple[int, int]]
     sources: list[str]
-    resolution: int
+    unique: list[int]  # one index per cached item (repeats excluded), for evaluation
 
     def __len__(self):
-        return len(self.latents)
+        return len(self.latent_keys)
+
+    def __post_init__(self):
+        self._text_cache: OrderedDict[str, dict] = OrderedDict()
+
+    def latent(self, i: int) -> torch.Tensor:
+        return load_checked(self.root, "latent", self.latent_keys[i], self.latent_shas[i])["latent"]
+
+    def text(self, i: int) -> dict:
+        key = self.text_keys[i]
+        if key in self._text_cache:
+            self._text_cache.move_to_end(key)
+            return self._text_cache[key]
+        value = load_checked(self.root, "text", key, self.text_shas[i])
+        self._text_cache[key] = value
+        if len(self._text_cache) > 256:
+            self._text_cache.popitem(last=False)
+        return value
+
+    def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        latents = torch.stack([self.latent(i) for i in indices])
+        cond = torch.stack([self.text(i)["cond"] for i in indices])
+        return latents, cond
 
 
 def load_cached_dataset(manifest_path: str) -> CachedDataset:
     manifest = read_manifest(manifest_path)
-    latents, conds, pooled, sources = [], [], [], []
-    text_cache: dict[str, dict] = {}
-    for item in manifest["items"]:
-        latent = load_entry(item["latent"])["latent"]
-        text = text_cache.setdefault(item["text"], load_entry(item["text"]))
-        for _ in range(int(manifest.get("repeats", 1))):
-            latents.append(latent)
-            conds.append(text["cond"])
-            pooled.append(text.get("pooled"))
-            sources.append(item["source"])
-    shapes = {tuple(t.shape) for t in latents}
-    if len(shapes) != 1:
-        raise ValueError(f"{manifest_path}: latents of different sizes {sorted(shapes)}; use one resolution")
-    return CachedDataset(latents, conds, pooled, sources, int(manifest.get("resolution", 0)))
+    fields = manifest["fields"]
+    col = {name: fields.index(name) for name in fields}
+    repeats = int(manifest.get("repeats", 1))
+    lk, ls, tk, ts, buckets, sources, unique = [], [], [], [], [], [], []
+    for row in manifest["items"]:
+        if not row[col["latent"]] or not row[col["text"]]:
+            raise ValueError(f"{manifest_path}: item {row[col['source']]} has no cached latent or text embedding")
+        unique.append(len(lk))
+        for _ in range(repeats):
+            lk.append(row[col["latent"]])
+            ls.append(row[col["latent_sha256"]])
+            tk.append(row[col["text"]])
+            ts.append(row[col["text_sha256"]])
+            buckets.append((int(row[col["width"]]), int(row[col["height"]])))
+            sources.append(row[col["source"]])
+    return CachedDataset(manifest["cache_root"], lk, ls, tk, ts, buckets, sources, unique)
 
 
 def _generator(*parts: int) -> torch.Generator:
@@ -50,30 +82,63 @@ def _generator(*parts: int) -> torch.Generator:
 
 
 class StepSampler:
-    """Indices, noise and timesteps for each optimizer step's global batch (all ranks, all micro-batches)."""
+    """Indices, noise and timesteps of each optimizer step's global batch (all ranks, all micro-batches).
 
-    def __init__(self, dataset_size: int, global_batch: int, seed: int, shuffle: bool = True):
-        self.n = dataset_size
+    An epoch: each bucket's items shuffled and cut into global batches (the last one filled up from
+    the same bucket), and the batches shuffled. Every epoch has the same number of batches.
+    """
+
+    def __init__(self, buckets: list[tuple[int, int]], global_batch: int, seed: int, shuffle: bool = True):
         self.global_batch = global_batch
         self.seed = seed
         self.shuffle = shuffle
-        self._epoch_orders: dict[int, list[int]] = {}
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, b in enumerate(buckets):
+            groups.setdefault(b, []).append(i)
+        self.groups = [torch.tensor(v) for _, v in sorted(groups.items())]
+        self.bucket_sizes = [b for b, _ in sorted(groups.items())]
+        self.batches_per_epoch = sum(math.ceil(len(g) / global_batch) for g in self.groups)
+        self._epoch: tuple[int, list[list[int]]] | None = None
 
-    def _order(self, epoch: int) -> list[int]:
-        if epoch not in self._epoch_orders:
-            self._epoch_orders = {epoch: torch.randperm(self.n, generator=_generator(self.seed, 1, epoch)).tolist()
-                                  if self.shuffle else list(range(self.n))}
-        return self._epoch_orders[epoch]
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        if self._epoch is not None and self._epoch[0] == epoch:
+            return self._epoch[1]
+        batches = []
+        for b, group in enumerate(self.groups):
+            order = group[torch.randperm(len(group), generator=_generator(self.seed, 1, epoch, b))] \
+                if self.shuffle else group
+            n = math.ceil(len(order) / self.global_batch) * self.global_batch
+            padded = order.repeat(math.ceil(n / len(order)))[:n]  # fill up from the same bucket
+            batches += padded.view(-1, self.global_batch).tolist()
+        if self.shuffle:
+            perm = torch.randperm(len(batches), generator=_generator(self.seed, 4, epoch)).tolist()
+            batches = [batches[i] for i in perm]
+        self._epoch = (epoch, batches)
+        return batches
 
     def indices(self, step: int) -> list[int]:
-        start = step * self.global_batch
-        out = []
-        for pos in range(start, start + self.global_batch):
-            out.append(self._order(pos // self.n)[pos % self.n])
-        return out
+        return self.epoch_batches(step // self.batches_per_epoch)[step % self.batches_per_epoch]
 
     def noise_and_timesteps(self, step: int, latent_shape: tuple[int, ...]):
         g = _generator(self.seed, 2, step)
         noise = torch.randn((self.global_batch, *latent_shape), generator=g)
         timesteps = torch.rand((self.global_batch,), generator=g)
         return noise, timesteps
+
+
+class Prefetcher:
+    """Loads the next step's batches in a background thread while the current step computes."""
+
+    def __init__(self, load):
+        self._load = load
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
+        self._pending: dict[int, object] = {}
+
+    def get(self, step: int, next_step: int | None):
+        future = self._pending.pop(step, None) or self._pool.submit(self._load, step)
+        if next_step is not None and next_step not in self._pending:
+            self._pending[next_step] = self._pool.submit(self._load, next_step)
+        return future.result()
+
+    def close(self):
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -12,7 +12,7 @@ from . import checkpoint as ckpt
 from .adapters import comfy_lora_state_dict, inject_lora, kohya_metadata, save_adapter_atomic
 from .comfy_env import import_comfy
 from .config import RunSpec
-from .data import StepSampler, load_cached_dataset
+from .data import Prefetcher, StepSampler, load_cached_dataset
 from .distributed import deepspeed_config, init_distributed, rank, world_size
 from .evaluation import evaluate
 from .events import EventWriter
@@ -94,8 +94,7 @@ class Trainer:
         import_comfy(spec.model.comfyui_path)
         family = load_family(spec.model.path, spec.model.family, spec.model.prediction)
         dataset = load_cached_dataset(spec.data.manifest)
-        repeats = max(1, len(dataset) // len(set(dataset.sources)))
-        eval_indices = list(range(0, len(dataset), repeats))
+        eval_indices = dataset.unique
 
         torch.manual_seed(t.seed)  # adapter initialisation
         targets = family.adapter_targets(spec.adapter.targets)
@@ -112,7 +111,7 @@ class Trainer:
         self.device = engine.device
         world = world_size()
         global_batch = t.batch_size * t.grad_accum * world
-        sampler = StepSampler(len(dataset), global_batch, t.seed, spec.data.shuffle)
+        sampler = StepSampler(dataset.buckets, global_batch, t.seed, spec.data.shuffle)
 
         start_step = 0
         resume_from = ckpt.resolve_resume(self.run_dir, t.resume)
@@ -140,20 +139,25 @@ class Trainer:
         final_loss = None
         stopped = False
         step = start_step
-        latent_shape = tuple(dataset.latents[0].shape)
+
+        def load_step(step: int):
+            indices = sampler.indices(step)
+            mine = [indices[(m * world + rank()) * t.batch_size:][:t.batch_size] for m in range(t.grad_accum)]
+            batches = [dataset.batch(sel) for sel in mine]
+            noise, timesteps = sampler.noise_and_timesteps(step, tuple(batches[0][0].shape[1:]))
+            return indices, batches, noise, timesteps
+
+        prefetch = Prefetcher(load_step)
         for step in range(start_step, t.steps):
             t0 = time.perf_counter()
-            indices = sampler.indices(step)
-            noise, timesteps = sampler.noise_and_timesteps(step, latent_shape)
+            indices, batches, noise, timesteps = prefetch.get(step, step + 1 if step + 1 < t.steps else None)
+            data_wait += time.perf_counter() - t0
+            step_buckets = sorted({dataset.buckets[i] for i in indices})
             lr = optimizer.param_groups[0]["lr"]
             losses, grad_norm, latent_std = [], None, []
             for micro in range(t.grad_accum):
-                d0 = time.perf_counter()
                 lo = (micro * world + rank()) * t.batch_size
-                sel = indices[lo:lo + t.batch_size]
-                latents = torch.stack([dataset.latents[i] for i in sel]).to(self.device)
-                cond = torch.stack([dataset.conds[i] for i in sel]).to(self.device)
-                data_wait += time.perf_counter() - d0
+                latents, cond = (x.to(self.device) for x in batches[micro])
                 latent_std.append(latents.float().std().item())
                 loss = engine(latents, cond, noise[lo:lo + t.batch_size].to(self.device),
                               timesteps[lo:lo + t.batch_size].to(self.device))
@@ -173,6 +177,7 @@ class Trainer:
                              grad_norm=float(grad_norm) if grad_norm is not None else None,
                              samples_per_s=global_batch / step_time, step_time_s=step_time,
                              eta_s=avg * (t.steps - done), data_wait_s=round(data_wait, 4),
+                             buckets=[list(b) for b in step_buckets],
                              timestep_mean=timesteps.mean().item(), timestep_std=timesteps.std().item() if len(timesteps) > 1 else 0.0)
             health.step(done, **{"train/loss": final_loss, "train/lr": lr, "train/grad_norm": grad_norm,
                                  "train/param_norm": torch.stack([p.detach().float().norm() for p in params]).norm().item(),
@@ -192,6 +197,7 @@ class Trainer:
                 break
         else:
             step = t.steps - 1
+        prefetch.close()
         steps_done = step + 1
 
         eval_after = run_eval(steps_done)
