@@ -81,7 +81,23 @@ def build_checkpoint(out: Path, seed: int = 0) -> Path:
     return out
 
 
-def build_images(folder: Path, count: int = 8, size: int = 64, seed: int = 0) -> list[Path]:
+def build_vae(out: Path, seed: int = 1) -> Path:
+    """A TAESD VAE with other random weights than the checkpoint's: a "different VAE" for cache tests."""
+    sys.path.insert(0, str(_comfy_path()))
+    import torch
+    from safetensors.torch import save_file
+    from comfy.cli_args import args
+    args.cpu = not torch.cuda.is_available()
+    import comfy.taesd.taesd
+    taesd = comfy.taesd.taesd.TAESD()
+    _init_weights(taesd, torch.Generator().manual_seed(seed))
+    state = {k: v.contiguous() for k, v in taesd.state_dict().items() if k.startswith(("taesd_encoder.", "taesd_decoder."))}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out))
+    return out
+
+
+def build_images(folder: Path, count: int = 8, size: int | tuple[int, int] = 64, seed: int = 0) -> list[Path]:
     """Simple coloured shapes with captions that describe them, so a LoRA has something to learn."""
     from PIL import Image, ImageDraw
     import random
@@ -93,9 +109,11 @@ def build_images(folder: Path, count: int = 8, size: int = 64, seed: int = 0) ->
     for i in range(count):
         colour = list(colours)[i % len(colours)]
         shape = ["circle", "square"][(i // len(colours)) % 2]
-        img = Image.new("RGB", (size, size), (rng.randint(200, 255),) * 3)
+        w, h = (size, size) if isinstance(size, int) else size
+        img = Image.new("RGB", (w, h), (rng.randint(200, 255),) * 3)
         draw = ImageDraw.Draw(img)
-        a, b = rng.randint(4, size // 4), rng.randint(size // 2, size - 4)
+        side = min(w, h)
+        a, b = rng.randint(4, side // 4), rng.randint(side // 2, side - 4)
         (draw.ellipse if shape == "circle" else draw.rectangle)([a, a, b, b], fill=colours[colour])
         path = folder / f"item_{i:03d}.png"
         img.save(path)
@@ -108,6 +126,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", type=Path, help="where to write the tiny SD1.5 checkpoint")
     parser.add_argument("--images", type=Path, help="folder to fill with captioned images")
+    parser.add_argument("--vae", type=Path, help="write a TAESD VAE with other random weights here")
     parser.add_argument("--count", type=int, default=8)
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
@@ -115,6 +134,9 @@ def main(argv=None):
     if opts.checkpoint and not opts.checkpoint.exists():
         build_checkpoint(opts.checkpoint, opts.seed)
         print(f"checkpoint: {opts.checkpoint}")
+    if opts.vae:
+        build_vae(opts.vae, opts.seed)
+        print(f"vae: {opts.vae}")
     if opts.images:
         build_images(opts.images, opts.count, opts.size, opts.seed)
         print(f"images: {opts.images}")

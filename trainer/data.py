@@ -59,19 +59,17 @@ def load_cached_dataset(manifest_path: str) -> CachedDataset:
     fields = manifest["fields"]
     col = {name: fields.index(name) for name in fields}
     repeats = int(manifest.get("repeats", 1))
-    lk, ls, tk, ts, buckets, sources, unique = [], [], [], [], [], [], []
-    for row in manifest["items"]:
+    rows = manifest["items"]
+    for row in rows:
         if not row[col["latent"]] or not row[col["text"]]:
             raise ValueError(f"{manifest_path}: item {row[col['source']]} has no cached latent or text embedding")
-        unique.append(len(lk))
-        for _ in range(repeats):
-            lk.append(row[col["latent"]])
-            ls.append(row[col["latent_sha256"]])
-            tk.append(row[col["text"]])
-            ts.append(row[col["text_sha256"]])
-            buckets.append((int(row[col["width"]]), int(row[col["height"]])))
-            sources.append(row[col["source"]])
-    return CachedDataset(manifest["cache_root"], lk, ls, tk, ts, buckets, sources, unique)
+
+    def column(name):  # each item `repeats` times in a row
+        return [row[col[name]] for row in rows for _ in range(repeats)]
+    widths, heights = column("width"), column("height")
+    return CachedDataset(manifest["cache_root"], column("latent"), column("latent_sha256"), column("text"),
+                         column("text_sha256"), list(zip(widths, heights)), column("source"),
+                         list(range(0, len(rows) * repeats, repeats)))
 
 
 def _generator(*parts: int) -> torch.Generator:

@@ -1,0 +1,66 @@
+"""Fill the cache for a folder of images outside a ComfyUI server, with the library code the cache nodes use.
+
+    python tools/cache_dataset.py --checkpoint CKPT --images DIR --cache ROOT [--resolution 64 --bucketing]
+        [--vae VAE_FILE]
+Prints one JSON line: {"latents": {"encoded": n, "reused": m}, "text": {...}, "seconds": s}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tools.prepare_run import _bootstrap  # noqa: E402
+
+
+def load_encoders(checkpoint: Path, vae_file: Path | None = None):
+    _bootstrap()
+    import comfy.sd
+    import comfy.utils
+    _, clip, vae, _ = comfy.sd.load_checkpoint_guess_config(str(checkpoint), output_model=False)
+    if vae_file is not None:
+        vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(vae_file)))
+    return clip, vae
+
+
+def cache_folder(images: Path, cache_root: Path, clip, vae, resolution: int = 64, bucketing: bool = False,
+                 text: bool = True) -> dict:
+    from ingraph_trainer.cache.buckets import BucketSettings
+    from ingraph_trainer.cache.dataset import scan_image_folder
+    from ingraph_trainer.cache.encoding import encode_latents, encode_text, record_usage
+    from ingraph_trainer.cache.store import CacheStore
+    t0 = time.perf_counter()
+    store = CacheStore(cache_root)
+    dataset = scan_image_folder(images, buckets=BucketSettings(resolution=resolution, enabled=bucketing, min_side=64,
+                                                               max_side=4 * resolution))
+    dataset, le, lr = encode_latents(dataset, vae, store)
+    result = {"latents": {"encoded": le, "reused": lr}}
+    if text:
+        dataset, te, tr = encode_text(dataset, clip, store)
+        result["text"] = {"encoded": te, "reused": tr}
+    record_usage(dataset, store)
+    store.close()
+    result["seconds"] = time.perf_counter() - t0
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", type=Path, required=True)
+    parser.add_argument("--images", type=Path, required=True)
+    parser.add_argument("--cache", type=Path, required=True)
+    parser.add_argument("--vae", type=Path, default=None, help="a VAE file to use instead of the checkpoint's")
+    parser.add_argument("--resolution", type=int, default=64)
+    parser.add_argument("--bucketing", action="store_true")
+    opts = parser.parse_args(argv)
+    clip, vae = load_encoders(opts.checkpoint, opts.vae)
+    print(json.dumps(cache_folder(opts.images, opts.cache, clip, vae, opts.resolution, opts.bucketing)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
