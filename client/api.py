@@ -89,6 +89,9 @@ class ComfyClient:
             except ValueError:
                 parsed = {"error": body.decode("utf-8", "replace")}
             raise PromptRejected(exc.code, parsed) from None
+        if reply.get("node_errors"):
+            # ComfyUI still runs the outputs that are valid; the graph as a whole is not
+            raise PromptRejected(200, reply)
         return reply["prompt_id"]
 
     def interrupt(self):

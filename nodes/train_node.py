@@ -120,6 +120,7 @@ class TrainLoRA(io.ComfyNode):
                           lr_schedule=SCHEDULES[lr_schedule], warmup_steps=warmup_steps, precision=precision,
                           gradient_checkpointing=gradient_checkpointing, seed=seed, save_every=save_every)
         name = lora_name[: -len(".safetensors")]
+        resume = resume or "off"
         resume_from = resolve_resume_choice(paths.runs_root(), resume, name)
         if resume_from is not None:  # the run continues with the spec saved in its own directory
             run_dir, resume_tag = resume_from

@@ -166,10 +166,9 @@ def test_cache_nodes_alone_report_encoded_and_reused(comfy, client):
 
 
 def test_prune_removes_entries_no_dataset_uses(comfy, client):
+    from tools.embedded_default import build_images
     folder = comfy.dir("input", "prune_me")
-    for png in sorted((comfy.base_dir / "input" / "ingraph_example").glob("*.png"))[:4]:
-        shutil.copy(png, folder / png.name)
-        shutil.copy(png.with_suffix(".txt"), folder / png.with_suffix(".txt").name)
+    build_images(folder, count=4, size=64, seed=1234)  # content no other dataset shares
     assert client.run(cache_only_workflow("prune_me"), timeout=300).ok
     victim = sorted(folder.glob("*.png"))[0]
     from PIL import Image

@@ -156,7 +156,6 @@ def test_rank_or_steps_below_one_are_rejected_before_running(client, comfy, node
     wf[node]["inputs"][field] = value
     with pytest.raises(PromptRejected) as info:
         client.queue(wf)
-    assert info.value.status == 400
     errors = info.value.body["node_errors"][node]["errors"]
     assert any(e["extra_info"]["input_name"] == field for e in errors)
     assert not (comfy.base_dir / "models" / "loras" / f"rejected_{field}.safetensors").exists()
@@ -270,6 +269,7 @@ def test_ui_workflow_matches_object_info(client):
     nodes = {n["id"]: n for n in ui["nodes"]}
     for node in nodes.values():
         assert node["type"] in info, f"unknown node type {node['type']}"
+        assert None not in node["widgets_values"], f"node {node['id']} has an unset widget"
     assert ui["links"], "the workflow has no links"
     for link_id, src, src_slot, dst, dst_slot, ltype in ui["links"]:
         out_type = info[nodes[src]["type"]]["output"][src_slot]

@@ -20,8 +20,13 @@ def test_panel_shows_rising_steps_and_a_loss_chart(comfy, tmp_path):
     from playwright.sync_api import sync_playwright
     workflow = json.loads((REPO / "workflows" / "train_lora.json").read_text())
     train = next(n for n in workflow["nodes"] if n["type"] == "InGraphTrainLoRA")
-    train["widgets_values"][0] = 40  # steps
-    train["widgets_values"][-1] = "browser_test_lora"  # output_name
+    from client.api import ComfyClient
+    info = ComfyClient(comfy.address).get("/object_info/InGraphTrainLoRA")["InGraphTrainLoRA"]
+    linked = {i["name"] for i in train["inputs"]}
+    order = info["input_order"]
+    widgets = [n for n in order["required"] + order.get("optional", []) if n not in linked]
+    train["widgets_values"][widgets.index("steps")] = 40
+    train["widgets_values"][widgets.index("output_name")] = "browser_test_lora"
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     settings = comfy.dir("user", "default") / "comfy.settings.json"  # a returning user: no template dialog
     settings.write_text(json.dumps({"Comfy.TutorialCompleted": True}))

@@ -48,6 +48,9 @@ def convert(api: dict, info: dict) -> dict:
                     entry["widget"] = {"name": name}
                 inputs.append(entry)
             elif is_widget(ispec):
+                if name not in node["inputs"]:  # not in the API file: the input's default
+                    options = ispec[1] if len(ispec) > 1 else {}
+                    value = options.get("default", ispec[0][0] if isinstance(ispec[0], list) else None)
                 widgets.append(value)
                 if len(ispec) > 1 and ispec[1].get("control_after_generate"):
                     widgets.append("fixed")
