@@ -16,19 +16,25 @@ PACK_ROOT = Path(__file__).resolve().parent.parent
 
 class TrainerProcess:
     def __init__(self, run_dir: str | Path, spec_path: str | Path, python: str = sys.executable,
-                 comfyui_path: str | None = None, resume: str | None = None, watch_parent: bool = True):
+                 comfyui_path: str | None = None, resume: str | None = None, watch_parent: bool = True,
+                 processes: int = 1, hostfile: str = ""):
         self.run_dir = Path(run_dir)
         self.spec_path = Path(spec_path)
         self.python = python
         self.comfyui_path = comfyui_path
         self.resume = resume
         self.watch_parent = watch_parent
+        self.processes = processes
+        self.hostfile = hostfile
         self.proc: subprocess.Popen | None = None
         self.events = EventReader(self.run_dir / EVENTS_FILE)
         self.log_path = self.run_dir / LOG_FILE
 
     def command(self) -> list[str]:
         cmd = [self.python, str(PACK_ROOT / "trainer"), "--config", str(self.spec_path)]
+        if self.processes > 1 or self.hostfile:
+            cmd = deepspeed_launch_command(self.python, self.processes, self.hostfile) + \
+                [str(PACK_ROOT / "trainer" / "__main__.py"), *cmd[2:]]
         if self.resume:
             cmd += ["--resume", self.resume]
         if self.watch_parent:
@@ -91,6 +97,21 @@ class TrainerProcess:
         except FileNotFoundError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
+
+
+def deepspeed_launch_command(python: str, processes: int, hostfile: str = "", master_port: int | None = None):
+    """The `deepspeed` launcher (the same command a user runs on a cluster), as a module of this Python."""
+    import socket
+    if master_port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            master_port = s.getsockname()[1]
+    cmd = [python, "-m", "deepspeed.launcher.runner", "--master_port", str(master_port)]
+    if hostfile:
+        cmd += ["--hostfile", hostfile]
+    else:
+        cmd += ["--num_gpus", str(processes), "--master_addr", "127.0.0.1"]
+    return cmd
 
 
 def wait_for_exit(process: TrainerProcess, timeout: float) -> int | None:

@@ -17,6 +17,12 @@ sys.path.insert(0, str(REPO))
 
 from tools.comfy_server import ComfyServer, comfyui_available, comfyui_path  # noqa: E402
 
+if "ingraph_trainer" not in sys.modules:  # the pack as a package, as ComfyUI and the trainer see it
+    import types
+    _pkg = types.ModuleType("ingraph_trainer")
+    _pkg.__path__ = [str(REPO)]
+    sys.modules["ingraph_trainer"] = _pkg
+
 COMFYUI_MISSING = f"skipped: ComfyUI not found at {comfyui_path()} (set COMFYUI_PATH)"
 ARTIFACTS = Path(os.environ.get("INGRAPH_TEST_ARTIFACTS", REPO / "test-artifacts"))
 CHECKPOINT_NAME = "ingraph_tiny_sd15.safetensors"

@@ -76,7 +76,10 @@ class OutputSpec:
 
 @dataclass
 class DistributedSpec:
+    processes: int = 1  # processes (GPUs) per machine
     zero_stage: int = 0
+    offload_optimizer: bool = False  # optimizer state in CPU memory (ZeRO 1-3)
+    hostfile: str = ""  # DeepSpeed hostfile for several machines ("" = this machine only)
 
 
 @dataclass
@@ -120,7 +123,12 @@ class RunSpec:
         need(t.eval_every >= 0, "train.eval_every", f"must be 0 or more (got {t.eval_every})")
         need(all(0.0 < q < 1.0 for q in t.eval_quantiles), "train.eval_quantiles", "values must lie in (0, 1)")
         need(bool(self.output.lora_path), "output.lora_path", "is required")
-        need(self.distributed.zero_stage in (0, 1, 2, 3), "distributed.zero_stage", "must be 0, 1, 2 or 3")
+        d = self.distributed
+        need(d.zero_stage in (0, 1, 2, 3), "distributed.zero_stage", f"must be 0, 1, 2 or 3 (got {d.zero_stage})")
+        need(d.processes >= 1, "distributed.processes", f"must be at least 1 (got {d.processes})")
+        need(not d.offload_optimizer or d.zero_stage >= 1, "distributed.offload_optimizer",
+             "needs ZeRO stage 1, 2 or 3")
+        need(not d.hostfile or Path(d.hostfile).is_file(), "distributed.hostfile", f"{d.hostfile} does not exist")
         if problems:
             raise RunSpecError(f"{source}: " + "; ".join(problems))
         return self

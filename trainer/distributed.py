@@ -39,6 +39,9 @@ def import_deepspeed():
 
 def init_distributed():
     ensure_dist_env()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    if not torch.cuda.is_available() and local_world > 1:  # CPU processes share the cores, not oversubscribe them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     deepspeed = import_deepspeed()
     backend = None if torch.cuda.is_available() else "gloo"
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
@@ -56,8 +59,11 @@ def deepspeed_config(spec) -> dict:
         "wall_clock_breakdown": False,
         "zero_optimization": {"stage": spec.distributed.zero_stage},
         "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,  # offload with torch's AdamW or bitsandbytes' (no 1-minute JIT)
         "bf16": {"enabled": t.precision == "bf16"},
     }
+    if spec.distributed.offload_optimizer:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     return config
 
 

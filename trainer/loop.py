@@ -69,6 +69,14 @@ def build_optimizer(spec: RunSpec, params):
     return torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
 
 
+def gathered(deepspeed, params, zero_stage: int):
+    """Under ZeRO-3 each rank holds a slice of every parameter; gather them to read whole tensors."""
+    import contextlib
+    if zero_stage == 3:
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    return contextlib.nullcontext()
+
+
 def _grad_norm(params) -> float | None:
     grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
     return torch.stack(grads).norm().item() if grads else None
@@ -203,8 +211,9 @@ class Trainer:
         eval_after = run_eval(steps_done)
         health.close()
         adapter_path = None
-        if self.is_rank0:
+        with gathered(deepspeed, params, spec.distributed.zero_stage):  # collective: every rank enters
             tensors = comfy_lora_state_dict(family.diffusion_model, spec.adapter.alpha)
+        if self.is_rank0:
             meta = kohya_metadata(spec, family, len(eval_indices), steps_done, started_at)
             adapter_path = str(save_adapter_atomic(spec.output.lora_path, tensors, meta))
         steady = step_times[1:] or step_times
