@@ -4,9 +4,11 @@ from comfy_api.latest import ComfyExtension, io
 from .adapter_node import LoRAAdapter
 from .cache_nodes import CacheLatents, CacheTextEmbeddings
 from .dataset_node import LoadTrainingImages
+from .distributed_node import DeepSpeedSettings
 from .train_node import TrainLoRA
 
-NODES: list[type[io.ComfyNode]] = [LoadTrainingImages, CacheLatents, CacheTextEmbeddings, LoRAAdapter, TrainLoRA]
+NODES: list[type[io.ComfyNode]] = [LoadTrainingImages, CacheLatents, CacheTextEmbeddings, LoRAAdapter, DeepSpeedSettings,
+                                       TrainLoRA]
 
 
 class InGraphTrainerExtension(ComfyExtension):

@@ -3,7 +3,7 @@ import logging
 from comfy_api.latest import io
 
 from ..trainer.config import TrainSpec
-from .types import CATEGORY, Adapter, Dataset
+from .types import CATEGORY, Adapter, Dataset, Distributed
 
 log = logging.getLogger("ingraph_trainer")
 
@@ -71,6 +71,9 @@ class TrainLoRA(io.ComfyNode):
                 io.String.Input("output_name", default="ingraph_lora",
                                 tooltip="File name in models/loras (sub-folders allowed). An existing file of "
                                         "that name is replaced when the run finishes."),
+                Distributed.Input("distributed", optional=True,
+                                  tooltip="DeepSpeed settings (processes, ZeRO, offload, hostfile); one process "
+                                          "when not connected."),
                 io.Combo.Input("resume", options=["off", "latest", *_resumable()], default="off", optional=True,
                                tooltip="off: a new run. latest: continue the newest run with this output_name "
                                        "from its last complete checkpoint (a new run if there is none). Or pick a "
@@ -98,7 +101,7 @@ class TrainLoRA(io.ComfyNode):
     @classmethod
     def execute(cls, model, dataset, adapter, steps, batch_size, gradient_accumulation, learning_rate, optimizer,
                 lr_schedule, warmup_steps, precision, gradient_checkpointing, seed, save_every,
-                output_name, resume="off") -> io.NodeOutput:
+                output_name, resume="off", distributed=None) -> io.NodeOutput:
         import comfy.model_management
         import comfy.sd
         import comfy.utils
@@ -138,7 +141,7 @@ class TrainLoRA(io.ComfyNode):
             model_path = materialise_model(model, paths.models_root())
             run_dir, spec_path = prepare_run(runs_root=paths.runs_root(), name=name, model_path=model_path,
                                              prediction=prediction, dataset=dataset, cache_root=paths.cache_root(),
-                                             adapter=adapter, train=train,
+                                             adapter=adapter, train=train, distributed=distributed,
                                              lora_path=lora_path, comfyui_path=paths.comfyui_root())
         node_id = cls.hidden.unique_id
         from ..runner.runs import write_owner
@@ -150,7 +153,9 @@ class TrainLoRA(io.ComfyNode):
                 bar.update_absolute(int(event["step"]), steps)
             _send(event, node_id, run_dir.name)
 
-        process = TrainerProcess(run_dir, spec_path, comfyui_path=paths.comfyui_root(), resume=resume_tag).start()
+        layout = _saved_spec(spec_path).distributed
+        process = TrainerProcess(run_dir, spec_path, comfyui_path=paths.comfyui_root(), resume=resume_tag,
+                                 processes=layout.processes, hostfile=layout.hostfile).start()
         log.info("InGraph Trainer: run %s started (pid %d), log: %s", run_dir.name, process.pid, process.log_path)
         result = watch_run(process, on_event, comfy.model_management.throw_exception_if_processing_interrupted)
         log.info("InGraph Trainer: run %s finished; LoRA written to %s", run_dir.name, result.adapter_path)

@@ -3,5 +3,6 @@ from comfy_api.latest import io
 
 Dataset = io.Custom("INGRAPH_DATASET")
 Adapter = io.Custom("INGRAPH_ADAPTER")
+Distributed = io.Custom("INGRAPH_DISTRIBUTED")
 
 CATEGORY = "InGraph Trainer"

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..cache.store import write_manifest
-from ..trainer.config import AdapterSpec, RunSpec, TrainSpec, dump_run_spec
+from ..trainer.config import AdapterSpec, DistributedSpec, RunSpec, TrainSpec, dump_run_spec
 from .launcher import TrainerProcess
 from .runs import MANIFEST_FILE, SPEC_FILE, create_run_dir
 
@@ -32,11 +32,12 @@ class RunResult:
 
 
 def prepare_run(*, runs_root: Path, name: str, model_path: Path, prediction: str, dataset, cache_root: Path,
-                adapter: AdapterSpec, train: TrainSpec, lora_path: Path, comfyui_path: str) -> tuple[Path, Path]:
+                adapter: AdapterSpec, train: TrainSpec, lora_path: Path, comfyui_path: str,
+                distributed: DistributedSpec | None = None) -> tuple[Path, Path]:
     run_dir = create_run_dir(runs_root, name)
     manifest = write_manifest(run_dir / MANIFEST_FILE, dataset, cache_root)
     spec = RunSpec(run_dir=str(run_dir), adapter=dataclasses.replace(adapter),
-                   train=dataclasses.replace(train))
+                   train=dataclasses.replace(train), distributed=dataclasses.replace(distributed or DistributedSpec()))
     spec.model.path = str(model_path)
     spec.model.prediction = prediction
     spec.model.comfyui_path = comfyui_path
@@ -87,6 +88,10 @@ def watch_run(process: TrainerProcess, on_event: Callable[[dict], None], check_i
         raise
     if rc != 0 or not result.finished:
         message = error_event.get("message") if error_event else f"trainer exited with code {rc}"
+        for rank_file in sorted(process.run_dir.glob("error_rank*.txt")):  # failures of any rank
+            lines = rank_file.read_text(encoding="utf-8", errors="replace").strip().splitlines()
+            if lines and not (error_event and rank_file.name == "error_rank0.txt"):
+                message += f"\n{rank_file.stem.replace('error_', '')}: {lines[-1]}"
         raise TrainingFailed(f"Training failed ({process.run_dir.name}): {message}\n"
                              f"--- last lines of {process.log_path} ---\n{process.log_tail()}")
     return result

@@ -133,3 +133,85 @@ def test_two_machines_over_loopback_match_one_machine(prepared, two_process_zero
     ref, got = step_losses(two_process_zero0), step_losses(spec.parent)
     assert max(abs(a - b) for a, b in zip(ref, got)) < 1e-5, (ref, got)
     adapters_agree(two_process_zero0, spec.parent)
+
+
+def _two_process_workflow(name: str, steps: int) -> dict:
+    from conftest import load_workflow
+    wf = {k: v for k, v in load_workflow().items() if k in {"1", "2", "3", "4", "5", "6", "7"}}
+    wf["6"]["inputs"].update(steps=steps, output_name=name, precision="fp32", distributed=["30", 0])
+    wf["30"] = {"class_type": "InGraphDeepSpeedSettings",
+                "inputs": {"processes": 2, "zero_stage": "1", "offload_optimizer": False, "hostfile": ""}}
+    return wf
+
+
+def _wait_step(client, prompt_id):
+    from test_run_control import wait_first_step
+    return wait_first_step(client, prompt_id)
+
+
+def _pids_of_group(pgid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(") ", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(entry.name))
+    return out
+
+
+def test_two_process_run_from_comfyui_loads_in_lora_loader(comfy, client):
+    outcome = client.run(_two_process_workflow("two_proc", 3), timeout=600)
+    assert outcome.ok, outcome.error
+    started = [m["data"]["event"] for m in outcome.messages if m.get("type") == "ingraph.event"
+               and m["data"]["event"]["type"] == "started"][0]
+    assert started["world_size"] == 2
+    from conftest import load_workflow
+    wf = load_workflow()
+    loader = {k: wf[k] for k in ("1", "8", "9", "10", "11", "12")}
+    loader["20"] = {"class_type": "LoraLoader", "inputs": {"model": ["1", 0], "clip": ["1", 1],
+                                                           "lora_name": "two_proc.safetensors",
+                                                           "strength_model": 1.0, "strength_clip": 0.0}}
+    loader["11"]["inputs"]["model"] = ["20", 0]
+    loader["21"] = {"class_type": "PreviewImage", "inputs": {"images": ["12", 0]}}
+    assert client.run(loader, timeout=300).ok
+    assert "lora key not loaded" not in comfy.log_text()
+
+
+def test_cancelling_a_two_process_run_leaves_no_process(comfy, client):
+    prompt_id = client.queue(_two_process_workflow("two_proc_cancel", 5000))
+    run_id = _wait_step(client, prompt_id)["run_id"]
+    pgid = int((comfy.base_dir / "output" / "ingraph" / "runs" / run_id / "trainer.pid").read_text())
+    assert len(_pids_of_group(pgid)) >= 3  # launcher + 2 workers
+    t0 = time.monotonic()
+    client.interrupt()
+    assert client.follow(prompt_id, timeout=60).status == "execution_interrupted"
+    while _pids_of_group(pgid) and time.monotonic() - t0 < 10:
+        time.sleep(0.05)
+    assert _pids_of_group(pgid) == [], "a process of the run survived"
+    print(f"\n2-process run: no process left {time.monotonic() - t0:.2f} s after POST /interrupt")
+
+
+def test_killed_worker_fails_the_node_within_5s(comfy, client):
+    prompt_id = client.queue(_two_process_workflow("two_proc_killed", 5000))
+    run_id = _wait_step(client, prompt_id)["run_id"]
+    run_dir = comfy.base_dir / "output" / "ingraph" / "runs" / run_id
+    pgid = int((run_dir / "trainer.pid").read_text())
+    workers = [p for p in _pids_of_group(pgid) if p != pgid and "--local_rank" in
+               Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
+    assert len(workers) == 2
+    t0 = time.monotonic()
+    os.kill(max(workers), signal.SIGKILL)  # rank 1 (started second)
+    outcome = client.follow(prompt_id, timeout=60)
+    elapsed = time.monotonic() - t0
+    assert outcome.status == "execution_error"
+    assert elapsed < 5.0, f"{elapsed:.1f} s"
+    message = outcome.error["exception_message"]
+    assert "Training failed" in message and "last lines of" in message
+    deadline = time.monotonic() + 10
+    while _pids_of_group(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _pids_of_group(pgid) == []
+    print(f"\nworker SIGKILL to node error: {elapsed:.2f} s")
