@@ -15,7 +15,9 @@ EVENT_NAME = "ingraph.event"
 def _send(event: dict, node_id: str, run_id: str):
     from server import PromptServer
     server = PromptServer.instance
-    server.send_sync(EVENT_NAME, {"node": node_id, "run_id": run_id, "event": event}, server.client_id)
+    # to every client: a reloaded page or a second browser follows the run too (prompt_id lets API clients filter)
+    server.send_sync(EVENT_NAME, {"node": node_id, "run_id": run_id, "prompt_id": getattr(server, "last_prompt_id", None),
+                                  "event": event}, None)
 
 
 def _resumable() -> list[str]:

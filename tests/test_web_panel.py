@@ -54,6 +54,14 @@ def test_panel_shows_rising_steps_and_a_loss_chart(comfy, tmp_path):
             later = page.evaluate(step_of)
             points = int(page.get_attribute(".ingraph-panel canvas[data-role=chart]", "data-points"))
             assert later > first and points >= later - 1 and points > 0
+            # reload mid-run: the panel rebuilds its history from the run record and keeps following
+            page.reload(wait_until="domcontentloaded")
+            page.wait_for_function("() => window.app && window.app.graph", timeout=60_000)
+            page.keyboard.press("Escape")
+            page.wait_for_selector(".ingraph-panel", state="attached", timeout=30_000)
+            page.wait_for_function(
+                f"() => Number(document.querySelector('.ingraph-panel canvas[data-role=chart]').dataset.points) >= {later}",
+                timeout=60_000)
             page.wait_for_function(
                 "() => /finished/.test(document.querySelector('.ingraph-panel [data-role=state]').textContent)",
                 timeout=180_000)

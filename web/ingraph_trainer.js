@@ -56,6 +56,7 @@ class Panel {
   }
 
   handle(runId, event) {
+    if (this.buffer) { this.buffer.push([runId, event]); return; } // a restore is replaying history
     // a new run starts a new chart; a resumed run continues the chart of the same run
     if (event.type === "started" && (runId !== this.runId || !(event.start_step > 0))) this.reset();
     this.runId = runId;
@@ -65,6 +66,7 @@ class Panel {
         this.$("state").textContent = `run ${runId}` + (event.resumed_from ? ` (resumed at step ${event.start_step})` : "");
         break;
       case "step":
+        if (this.steps.length && event.step <= this.steps[this.steps.length - 1]) break; // replayed already
         this.state = "running"; this.total = event.total;
         this.steps.push(event.step); this.losses.push(event.loss);
         this.$("bar").style.width = `${(100 * event.step) / event.total}%`;
@@ -75,6 +77,7 @@ class Panel {
         this.$("eta").textContent = fmtTime(event.eta_s);
         break;
       case "eval":
+        if (this.evals.some((e) => e[0] === event.step)) break;
         this.evals.push([event.step, event.loss]);
         break;
       case "checkpoint":
@@ -129,16 +132,25 @@ class Panel {
 
   // after a page reload: rebuild the history of this node's newest run from the run record
   async restore() {
+    this.buffer = []; // live events that arrive meanwhile are applied after the history
+    let events = [], runId = null;
     try {
       const runs = (await (await api.fetchApi("/ingraph/runs")).json()).runs || [];
       const mine = runs.filter((r) => r.node === String(this.node.id));
       const run = mine.find((r) => r.state === "running") || mine[0];
-      if (!run || this.runId) return;
-      const reply = await (await api.fetchApi(`/ingraph/runs/${encodeURIComponent(run.id)}/events?since=0`)).json();
-      for (const event of reply.events) this.handle(run.id, event);
+      if (run) {
+        runId = run.id;
+        events = (await (await api.fetchApi(`/ingraph/runs/${encodeURIComponent(run.id)}/events?since=0`)).json()).events;
+      }
     } catch (e) {
       console.warn("InGraph Trainer: could not restore the run history", e);
     }
+    const live = this.buffer;
+    this.buffer = null;
+    if (runId && !live.some(([id, e]) => id !== runId && e.type === "started")) {
+      for (const event of events) this.handle(runId, event);
+    }
+    for (const [id, event] of live) this.handle(id, event); // duplicates of the history are skipped
   }
 }
 
