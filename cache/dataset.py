@@ -166,11 +166,3 @@ def load_image_tensor(path: str, bucket: tuple[int, int] | int, crop: str = "cen
         img = ImageOps.mirror(img)
     array = np.asarray(img, dtype=np.float32) / 255.0
     return torch.from_numpy(array).unsqueeze(0)
-
-
-def file_digest(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()

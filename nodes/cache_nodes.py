@@ -10,10 +10,18 @@ from .types import CATEGORY, Dataset
 log = logging.getLogger("ingraph_trainer")
 
 
-def _progress(total: int):
+def _encode(encode, label: str, dataset, encoder) -> io.NodeOutput:
+    """Runs one encoder over the dataset into the cache, with ComfyUI's progress bar (and its interrupt)."""
     import comfy.utils
-    bar = comfy.utils.ProgressBar(total)
-    return lambda done, total: bar.update_absolute(done, total)
+    bar = comfy.utils.ProgressBar(len(dataset))
+    store = CacheStore(cache_root())
+    try:
+        dataset, encoded, reused = encode(dataset, encoder, store, lambda done, total: bar.update_absolute(done, total))
+        record_usage(dataset, store)
+    finally:
+        store.close()
+    log.info("InGraph Trainer: %s: %d encoded, %d reused", label, encoded, reused)
+    return io.NodeOutput(dataset, encoded, reused, ui={"text": [f"{label}: {encoded} encoded, {reused} reused"]})
 
 
 class CacheLatents(io.ComfyNode):
@@ -37,14 +45,7 @@ class CacheLatents(io.ComfyNode):
 
     @classmethod
     def execute(cls, dataset, vae) -> io.NodeOutput:
-        store = CacheStore(cache_root())
-        try:
-            dataset, encoded, reused = encode_latents(dataset, vae, store, _progress(len(dataset)))
-            record_usage(dataset, store)
-        finally:
-            store.close()
-        log.info("InGraph Trainer: latents: %d encoded, %d reused", encoded, reused)
-        return io.NodeOutput(dataset, encoded, reused, ui={"text": [f"latents: {encoded} encoded, {reused} reused"]})
+        return _encode(encode_latents, "latents", dataset, vae)
 
 
 class CacheTextEmbeddings(io.ComfyNode):
@@ -67,11 +68,4 @@ class CacheTextEmbeddings(io.ComfyNode):
 
     @classmethod
     def execute(cls, dataset, clip) -> io.NodeOutput:
-        store = CacheStore(cache_root())
-        try:
-            dataset, encoded, reused = encode_text(dataset, clip, store, _progress(len(dataset)))
-            record_usage(dataset, store)
-        finally:
-            store.close()
-        log.info("InGraph Trainer: text embeddings: %d encoded, %d reused", encoded, reused)
-        return io.NodeOutput(dataset, encoded, reused, ui={"text": [f"text: {encoded} encoded, {reused} reused"]})
+        return _encode(encode_text, "text", dataset, clip)

@@ -113,3 +113,26 @@ def run_trainer(spec_path: Path, *extra, timeout: float = 300) -> subprocess.Com
 def read_events(run_dir: Path) -> list[dict]:
     path = run_dir / "events.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def wait_first_step(client, prompt_id: str, timeout: float = 240) -> dict:
+    """Follows websocket messages until the prompt's first training step; returns that ingraph.event's data."""
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        client._ws.settimeout(5)
+        try:
+            raw = client._ws.recv()
+        except Exception:
+            continue
+        if isinstance(raw, bytes):
+            continue
+        m = json.loads(raw)
+        data = m.get("data") or {}
+        if data.get("prompt_id") not in (None, prompt_id):
+            continue
+        if m.get("type") == "ingraph.event" and data["event"]["type"] == "step":
+            return data
+        if m.get("type") in ("execution_error", "execution_success", "execution_interrupted"):
+            raise AssertionError(f"prompt ended before training: {m}")
+    raise AssertionError("no step event")

@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file
 
 from client.api import PromptRejected
-from conftest import REPO, load_workflow
+from conftest import REPO, load_workflow, wait_first_step
 
 pytestmark = pytest.mark.comfyui
 
@@ -161,31 +161,6 @@ def test_rank_or_steps_below_one_are_rejected_before_running(client, comfy, node
     assert not (comfy.base_dir / "models" / "loras" / f"rejected_{field}.safetensors").exists()
 
 
-def _wait_first_step(client, prompt_id, timeout=240):
-    events = []
-
-    def on_message(m):
-        if m.get("type") == "ingraph.event":
-            events.append(m["data"])
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        client._ws.settimeout(5)
-        try:
-            raw = client._ws.recv()
-        except Exception:
-            continue
-        if isinstance(raw, bytes):
-            continue
-        import json
-        m = json.loads(raw)
-        on_message(m)
-        if any(e["event"]["type"] == "step" for e in events):
-            return events
-        if m.get("type") in ("execution_error", "execution_success", "execution_interrupted"):
-            raise AssertionError(f"prompt ended before training: {m}")
-    raise AssertionError("no step event")
-
-
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -197,8 +172,8 @@ def _group_alive(pgid: int) -> bool:
 def test_interrupt_stops_the_trainer_within_3s_and_no_process_survives(comfy, client):
     wf = only_training(training_workflow("interrupted", steps=5000))
     prompt_id = client.queue(wf)
-    events = _wait_first_step(client, prompt_id)
-    run_dir = comfy.base_dir / "output" / "ingraph" / "runs" / events[-1]["run_id"]
+    first = wait_first_step(client, prompt_id)
+    run_dir = comfy.base_dir / "output" / "ingraph" / "runs" / first["run_id"]
     pid = int((run_dir / "trainer.pid").read_text())
     t0 = time.monotonic()
     client.interrupt()
@@ -218,8 +193,8 @@ def test_interrupt_stops_the_trainer_within_3s_and_no_process_survives(comfy, cl
 def test_killed_trainer_fails_the_node_with_its_log_tail_and_server_keeps_serving(comfy, client):
     wf = only_training(training_workflow("killed", steps=5000))
     prompt_id = client.queue(wf)
-    events = _wait_first_step(client, prompt_id)
-    run_dir = comfy.base_dir / "output" / "ingraph" / "runs" / events[-1]["run_id"]
+    first = wait_first_step(client, prompt_id)
+    run_dir = comfy.base_dir / "output" / "ingraph" / "runs" / first["run_id"]
     pid = int((run_dir / "trainer.pid").read_text())
     t0 = time.monotonic()
     os.kill(pid, signal.SIGKILL)
@@ -233,7 +208,7 @@ def test_killed_trainer_fails_the_node_with_its_log_tail_and_server_keeps_servin
     # re-queueing the same graph trains again instead of serving a cached failure
     wf["6"]["inputs"]["steps"] = 5000
     again = client.queue(wf)
-    _wait_first_step(client, again)
+    wait_first_step(client, again)
     client.interrupt()
     assert client.follow(again, timeout=60).status == "execution_interrupted"
 

@@ -145,7 +145,7 @@ def _two_process_workflow(name: str, steps: int) -> dict:
 
 
 def _wait_step(client, prompt_id):
-    from test_run_control import wait_first_step
+    from conftest import wait_first_step
     return wait_first_step(client, prompt_id)
 
 

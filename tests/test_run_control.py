@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from conftest import CHECKPOINT_NAME, IMAGE_FOLDER, REPO, load_workflow
+from conftest import CHECKPOINT_NAME, IMAGE_FOLDER, REPO, load_workflow, wait_first_step
 from tools.comfy_server import ComfyServer
 
 pytestmark = pytest.mark.comfyui
@@ -22,25 +22,6 @@ def training_only(name: str, steps: int, **train_inputs) -> dict:
     wf = {k: v for k, v in load_workflow().items() if k in {"1", "2", "3", "4", "5", "6", "7"}}
     wf["6"]["inputs"].update(steps=steps, output_name=name, **train_inputs)
     return wf
-
-
-def wait_first_step(client, prompt_id, timeout=240) -> dict:
-    """Follows websocket messages until the first training step; returns the ingraph.event data."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        client._ws.settimeout(5)
-        try:
-            raw = client._ws.recv()
-        except Exception:
-            continue
-        if isinstance(raw, bytes):
-            continue
-        m = json.loads(raw)
-        if m.get("type") == "ingraph.event" and m["data"]["event"]["type"] == "step":
-            return m["data"]
-        if m.get("type") in ("execution_error", "execution_success", "execution_interrupted"):
-            raise AssertionError(f"prompt ended before training: {m}")
-    raise AssertionError("no step event")
 
 
 def test_stop_saves_a_checkpoint_writes_the_lora_and_ends_cleanly(comfy, client):
