@@ -99,15 +99,21 @@ class Panel {
         this.$("state").textContent = `error: ${event.message}`;
         break;
     }
-    this.$("stop").disabled = this.state !== "running";
+    const stop = this.$("stop");
+    stop.disabled = this.state !== "running";
+    stop.style.opacity = stop.disabled ? "0.4" : "1";
+    stop.style.cursor = stop.disabled ? "default" : "pointer";
     this.draw();
   }
 
   draw() {
     const canvas = this.$("chart");
-    const w = (canvas.width = Math.max(100, canvas.clientWidth));
-    const h = (canvas.height = Math.max(60, canvas.clientHeight));
+    const dpr = window.devicePixelRatio || 1; // sharp lines and text on high-density screens
+    const w = Math.max(100, canvas.clientWidth), h = Math.max(60, canvas.clientHeight);
+    canvas.width = Math.round(w * dpr);
+    canvas.height = Math.round(h * dpr);
     const ctx = canvas.getContext("2d");
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
     ctx.clearRect(0, 0, w, h);
     canvas.dataset.points = String(this.losses.length);
     canvas.dataset.evals = String(this.evals.length);
