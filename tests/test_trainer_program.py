@@ -136,3 +136,14 @@ def test_tensorboard_has_the_health_metrics(prepared):
                 "perf/samples_per_s", "data/timestep_mean", "data/timestep_std", "data/latent_std", "eval/loss"):
         assert tag in tags, tag
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3]
+
+
+def test_8bit_adamw_with_optimizer_offload_under_zero1(prepared):
+    spec = prepared(train__steps=4, train__precision="fp32", train__optimizer="adamw8bit",
+                    distributed__zero_stage=1, distributed__offload_optimizer=True, train__learning_rate=1e-3)
+    proc = run_trainer(spec)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = read_events(spec.parent)
+    finished = events[-1]
+    assert finished["type"] == "finished" and finished["eval_after"] < finished["eval_before"]
+    assert load_file(spec.parent / "lora.safetensors")
