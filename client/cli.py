@@ -30,12 +30,9 @@ class TerminalProgress:
                     if isinstance(item, dict) and item.get("filename"):
                         self.artifacts.append(f"{item.get('type', 'output')}/{item.get('subfolder', '')}/{item['filename']}".replace("//", "/"))
 
-    _training = False
-
     def _event(self, event: dict, run_id: str):
         kind = event.get("type")
         if kind == "started":
-            self._training = True
             self._line(f"run {run_id}: {event.get('total')} steps, {event.get('trainable_params')} trainable parameters")
         elif kind == "step":
             step, total = event["step"], event["total"]

@@ -119,21 +119,17 @@ class TrainLoRA(io.ComfyNode):
             raise ValueError("dataset: latents are not cached; connect it through Cache Latents first")
         if not dataset.has_text:
             raise ValueError("dataset: captions are not encoded; connect it through Cache Text Embeddings first")
-        lora_path, lora_name = paths.lora_output_path(output_name)
+        lora_path, new_lora_name = paths.lora_output_path(output_name)
         train = TrainSpec(steps=steps, batch_size=batch_size, grad_accum=gradient_accumulation,
                           learning_rate=learning_rate, optimizer=OPTIMIZERS[optimizer],
                           lr_schedule=SCHEDULES[lr_schedule], warmup_steps=warmup_steps, precision=precision,
                           gradient_checkpointing=gradient_checkpointing, seed=seed, save_every=save_every)
-        name = lora_name[: -len(".safetensors")]
+        name = new_lora_name[: -len(".safetensors")]
         resume = resume or "off"
         resume_from = resolve_resume_choice(paths.runs_root(), resume, name)
         if resume_from is not None:  # the run continues with the spec saved in its own directory
             run_dir, resume_tag = resume_from
             spec_path = run_dir / SPEC_FILE
-            saved = _saved_spec(spec_path)
-            steps = saved.train.steps
-            lora_path = saved.output.lora_path
-            lora_name = paths.lora_name_of(lora_path)
             log.info("InGraph Trainer: resuming run %s from %s", run_dir.name, resume_tag)
         else:
             if resume == "latest":
@@ -145,6 +141,8 @@ class TrainLoRA(io.ComfyNode):
                                              prediction=prediction, dataset=dataset, cache_root=paths.cache_root(),
                                              adapter=adapter, train=train, distributed=distributed,
                                              lora_path=lora_path, comfyui_path=paths.comfyui_root())
+        saved = _saved_spec(spec_path)  # what the trainer will run, for a new run and a resumed one alike
+        steps, lora_name = saved.train.steps, paths.lora_name_of(saved.output.lora_path)
         node_id = cls.hidden.unique_id
         from ..runner.runs import write_owner
         write_owner(run_dir, node_id)
@@ -155,9 +153,8 @@ class TrainLoRA(io.ComfyNode):
                 bar.update_absolute(int(event["step"]), steps)
             _send(event, node_id, run_dir.name)
 
-        layout = _saved_spec(spec_path).distributed
         process = TrainerProcess(run_dir, spec_path, comfyui_path=paths.comfyui_root(), resume=resume_tag,
-                                 processes=layout.processes, hostfile=layout.hostfile).start()
+                                 processes=saved.distributed.processes, hostfile=saved.distributed.hostfile).start()
         log.info("InGraph Trainer: run %s started (pid %d), log: %s", run_dir.name, process.pid, process.log_path)
         result = watch_run(process, on_event, comfy.model_management.throw_exception_if_processing_interrupted)
         log.info("InGraph Trainer: run %s finished; LoRA written to %s", run_dir.name, result.adapter_path)

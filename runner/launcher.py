@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from ..trainer.events import EventReader
@@ -113,12 +112,3 @@ def deepspeed_launch_command(python: str, processes: int, hostfile: str = "", ma
         cmd += ["--num_gpus", str(processes), "--master_addr", "127.0.0.1"]
     return cmd
 
-
-def wait_for_exit(process: TrainerProcess, timeout: float) -> int | None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        rc = process.poll()
-        if rc is not None:
-            return rc
-        time.sleep(0.05)
-    return None

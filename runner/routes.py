@@ -1,13 +1,13 @@
 """HTTP routes over run records. Run ids are validated; nothing outside the runs directory is read."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from aiohttp import web
 
 from ..trainer.events import read_events
 from ..trainer.layout import EVENTS_FILE, PID_FILE, STOP_FILE
+from ..trainer.process_state import process_gone
 from . import paths
 from .runs import complete_checkpoints, read_owner, run_dir_for
 
@@ -17,14 +17,9 @@ TERMINAL = {"finished": "finished", "error": "failed"}
 def _alive(run_dir: Path) -> bool:
     try:
         pid = int((run_dir / PID_FILE).read_text())
-        os.kill(pid, 0)
     except (OSError, ValueError):
         return False
-    try:  # a zombie (exited, not yet reaped by the node) is not running
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[-1][:1] != "Z"
-    except OSError:
-        return True
+    return not process_gone(pid)
 
 
 def run_record(run_dir: Path, with_events: bool = False) -> dict:

@@ -6,8 +6,9 @@ import secrets
 import time
 from pathlib import Path
 
-RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 from ..trainer.layout import MANIFEST_FILE, SPEC_FILE  # noqa: F401
+
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
 def valid_run_id(run_id: str) -> bool:
@@ -67,12 +68,9 @@ def _spec_output_name(run_dir: Path) -> str | None:
 
 
 def complete_checkpoints(run_dir: Path) -> list[str]:
-    from ..trainer.layout import CHECKPOINTS_DIR
-    root = run_dir / CHECKPOINTS_DIR
-    if not root.is_dir():
-        return []
-    return sorted(p.name for p in root.iterdir()
-                  if p.name.startswith("step_") and (p / "COMPLETE").is_file() and (p / "trainer_state.json").is_file())
+    """Tags of the run's complete checkpoints, oldest first (the trainer's own definition of complete)."""
+    from ..trainer.checkpoint import complete_checkpoints as complete
+    return [path.name for path in complete(run_dir)]
 
 
 def resumable_checkpoints(runs_root: str | Path, limit: int = 50) -> list[str]:

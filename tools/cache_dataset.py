@@ -28,8 +28,9 @@ def load_encoders(checkpoint: Path, vae_file: Path | None = None):
     return clip, vae
 
 
-def cache_folder(images: Path, cache_root: Path, clip, vae, resolution: int = 64, bucketing: bool = False,
-                 text: bool = True) -> dict:
+def encode_folder(images: Path, cache_root: Path, clip, vae, resolution: int = 64, bucketing: bool = False,
+                  text: bool = True):
+    """Scans and caches a folder as the cache nodes do; returns (cached dataset, counts and seconds)."""
     from ingraph_trainer.cache.buckets import BucketSettings
     from ingraph_trainer.cache.dataset import scan_image_folder
     from ingraph_trainer.cache.encoding import encode_latents, encode_text, record_usage
@@ -46,7 +47,12 @@ def cache_folder(images: Path, cache_root: Path, clip, vae, resolution: int = 64
     record_usage(dataset, store)
     store.close()
     result["seconds"] = time.perf_counter() - t0
-    return result
+    return dataset, result
+
+
+def cache_folder(images: Path, cache_root: Path, clip, vae, resolution: int = 64, bucketing: bool = False,
+                 text: bool = True) -> dict:
+    return encode_folder(images, cache_root, clip, vae, resolution, bucketing, text)[1]
 
 
 def main(argv=None):

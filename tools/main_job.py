@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from client.api import ComfyClient  # noqa: E402
+from client.cli import TerminalProgress  # noqa: E402
 from tools.comfy_server import ComfyServer, comfyui_available, comfyui_path  # noqa: E402
 from tools.embedded_default import build_checkpoint, build_images  # noqa: E402
 
@@ -33,32 +34,6 @@ def prepare_base(base: Path):
     images = base / "input" / IMAGE_FOLDER
     if not images.exists():
         build_images(images, count=8, size=64)
-
-
-def progress_printer(train_node: str):
-    state = {"last": 0.0}
-
-    def on_message(message):
-        kind, data = message.get("type"), message.get("data") or {}
-        if kind == "executing" and data.get("node"):
-            print(f"  running node {data['node']}", flush=True)
-        elif kind == "ingraph.event":
-            event = data.get("event", {})
-            if event.get("type") == "step":
-                step, total = event["step"], event["total"]
-                width = 30
-                bar = "#" * int(width * step / total)
-                line = (f"\r  train [{bar:<{width}}] {step}/{total} loss {event['loss']:.4f} "
-                        f"{event['samples_per_s']:.1f} samples/s eta {event['eta_s']:.0f}s")
-                print(line, end="\n" if step == total else "", flush=True)
-            elif event.get("type") == "eval":
-                print(f"\n  eval at step {event['step']}: loss {event['loss']:.4f}", flush=True)
-            elif event.get("type") == "started":
-                print(f"  trainer started: {event['adapted_modules']} adapted modules, "
-                      f"{event['trainable_params']} trainable parameters", flush=True)
-        elif kind == "execution_error":
-            print(f"\n  error in node {data.get('node_id')}: {data.get('exception_message')}", flush=True)
-    return on_message
 
 
 def main(argv=None) -> int:
@@ -81,7 +56,7 @@ def main(argv=None) -> int:
     with server:
         print(f"ComfyUI ready in {time.monotonic() - t0:.1f} s; queueing {WORKFLOW.name}", flush=True)
         client = ComfyClient(server.address)
-        outcome = client.run(workflow, timeout=3600, on_message=progress_printer("6"))
+        outcome = client.run(workflow, timeout=3600, on_message=TerminalProgress(sys.stdout))
         client.close()
         if not outcome.ok:
             err = outcome.error or {}

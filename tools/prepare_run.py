@@ -35,27 +35,22 @@ def prepare(checkpoint: Path, images: Path, run_dir: Path, overrides: dict, reso
             bucketing: bool = False) -> Path:
     _bootstrap()
     import comfy.sd
-    from ingraph_trainer.cache.dataset import scan_image_folder
-    from ingraph_trainer.cache.encoding import encode_latents, encode_text
-    from ingraph_trainer.cache.store import CacheStore, write_manifest
+    from ingraph_trainer.cache.store import write_manifest
+    from tools.cache_dataset import encode_folder
     from ingraph_trainer.runner.model_source import materialise_model, prediction_of
     from ingraph_trainer.trainer.config import RunSpec, dump_run_spec, spec_from_dict
     import dataclasses
 
     model, clip, vae, _ = comfy.sd.load_checkpoint_guess_config(str(checkpoint))
     work = run_dir.parent
-    store = CacheStore(work / "cache")
-    from ingraph_trainer.cache.buckets import BucketSettings
-    dataset = scan_image_folder(images, buckets=BucketSettings(resolution=resolution, enabled=bucketing,
-                                                               min_side=64, max_side=4 * resolution))
-    dataset, _, _ = encode_latents(dataset, vae, store)
-    dataset, _, _ = encode_text(dataset, clip, store)
+    dataset, _ = encode_folder(images, work / "cache", clip, vae, resolution, bucketing)
     run_dir.mkdir(parents=True, exist_ok=True)
-    manifest = write_manifest(run_dir / "dataset.json", dataset, store.root)
+    manifest = write_manifest(run_dir / "dataset.json", dataset, work / "cache")
     spec = RunSpec(run_dir=str(run_dir))
     spec.model.path = str(materialise_model(model, work / "models"))
     spec.model.prediction = prediction_of(model)
-    spec.model.comfyui_path = str(sys.path[0])
+    from tools.comfy_server import comfyui_path
+    spec.model.comfyui_path = str(comfyui_path())
     spec.data.manifest = str(manifest)
     spec.output.lora_path = str(run_dir / "lora.safetensors")
     data = dataclasses.asdict(spec)

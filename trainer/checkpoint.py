@@ -5,9 +5,9 @@ import json
 import os
 from pathlib import Path
 
-import torch
-
 from .layout import CHECKPOINTS_DIR
+
+# torch is imported where it is used: the ComfyUI side reads checkpoint state through this module
 
 COMPLETE_MARK = "COMPLETE"
 STATE_FILE = "trainer_state.json"
@@ -47,6 +47,7 @@ def resolve_resume(run_dir: str | Path, resume: str) -> Path | None:
 
 def save_checkpoint(engine, run_dir: str | Path, step: int, state: dict, is_rank0: bool) -> Path:
     """`state` must be JSON-serialisable; random states travel in DeepSpeed's client state."""
+    import torch
     root = checkpoints_dir(run_dir)
     tag = tag_for(step)
     engine.save_checkpoint(str(root), tag=tag, client_state={"trainer": state, "rng": rng_state()}, save_latest=False,
@@ -78,8 +79,10 @@ def load_checkpoint(engine, path: Path) -> dict:
 
 
 def rng_state() -> dict:
+    import torch
     return {"torch": torch.get_rng_state()}
 
 
 def set_rng_state(state: dict):
+    import torch
     torch.set_rng_state(state["torch"])

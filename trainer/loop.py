@@ -16,12 +16,11 @@ from .data import Prefetcher, StepSampler, load_cached_dataset
 from .distributed import deepspeed_config, init_distributed, rank, world_size
 from .evaluation import evaluate
 from .events import EventWriter
+from .layout import STOP_FILE
 from .metrics import HealthLog
 from .models import Batch, ModelFamily, load_family
 
 log = logging.getLogger("ingraph_trainer.trainer")
-
-from .layout import STOP_FILE
 
 
 class TrainingModule(torch.nn.Module):
@@ -149,26 +148,27 @@ class Trainer:
         step = start_step
 
         def load_step(step: int):
+            """This rank's micro-batches of the step: (latents, cond, noise, timesteps) each."""
             indices = sampler.indices(step)
-            mine = [indices[(m * world + rank()) * t.batch_size:][:t.batch_size] for m in range(t.grad_accum)]
-            batches = [dataset.batch(sel) for sel in mine]
+            starts = [(m * world + rank()) * t.batch_size for m in range(t.grad_accum)]
+            batches = [dataset.batch(indices[lo:lo + t.batch_size]) for lo in starts]
             noise, timesteps = sampler.noise_and_timesteps(step, tuple(batches[0][0].shape[1:]))
-            return indices, batches, noise, timesteps
+            micro = [(latents, cond, noise[lo:lo + t.batch_size], timesteps[lo:lo + t.batch_size])
+                     for (latents, cond), lo in zip(batches, starts)]
+            return indices, micro, timesteps
 
         prefetch = Prefetcher(load_step)
         for step in range(start_step, t.steps):
             t0 = time.perf_counter()
-            indices, batches, noise, timesteps = prefetch.get(step, step + 1 if step + 1 < t.steps else None)
+            indices, micro_batches, timesteps = prefetch.get(step, step + 1 if step + 1 < t.steps else None)
             data_wait += time.perf_counter() - t0
             step_buckets = sorted({dataset.buckets[i] for i in indices})
             lr = optimizer.param_groups[0]["lr"]
             losses, grad_norm, latent_std = [], None, []
-            for micro in range(t.grad_accum):
-                lo = (micro * world + rank()) * t.batch_size
-                latents, cond = (x.to(self.device) for x in batches[micro])
+            for inputs in micro_batches:
+                latents, cond, noise, micro_t = (x.to(self.device) for x in inputs)
                 latent_std.append(latents.float().std().item())
-                loss = engine(latents, cond, noise[lo:lo + t.batch_size].to(self.device),
-                              timesteps[lo:lo + t.batch_size].to(self.device))
+                loss = engine(latents, cond, noise, micro_t)
                 engine.backward(loss)
                 if engine.is_gradient_accumulation_boundary():
                     grad_norm = _grad_norm(params)
@@ -181,19 +181,19 @@ class Trainer:
             recent = step_times[-20:]
             avg = sum(recent) / len(recent)
             done = step + 1
-            self.events.emit("step", step=done, total=t.steps, loss=final_loss, lr=lr,
-                             grad_norm=float(grad_norm) if grad_norm is not None else None,
-                             samples_per_s=global_batch / step_time, step_time_s=step_time,
+            grad_norm = float(grad_norm) if grad_norm is not None else None
+            samples_per_s = global_batch / step_time
+            t_mean = timesteps.mean().item()
+            t_std = timesteps.std().item() if len(timesteps) > 1 else 0.0
+            self.events.emit("step", step=done, total=t.steps, loss=final_loss, lr=lr, grad_norm=grad_norm,
+                             samples_per_s=samples_per_s, step_time_s=step_time,
                              eta_s=avg * (t.steps - done), data_wait_s=round(data_wait, 4),
-                             buckets=[list(b) for b in step_buckets],
-                             timestep_mean=timesteps.mean().item(), timestep_std=timesteps.std().item() if len(timesteps) > 1 else 0.0)
+                             buckets=[list(b) for b in step_buckets], timestep_mean=t_mean, timestep_std=t_std)
             health.step(done, **{"train/loss": final_loss, "train/lr": lr, "train/grad_norm": grad_norm,
                                  "train/param_norm": torch.stack([p.detach().float().norm() for p in params]).norm().item(),
-                                 "perf/step_time_s": step_time, "perf/samples_per_s": global_batch / step_time,
-                                 "perf/data_wait_s": data_wait,
-                                 "data/timestep_mean": timesteps.mean().item(),
-                                 "data/timestep_std": timesteps.std().item() if len(timesteps) > 1 else 0.0,
-                                 "data/latent_std": sum(latent_std) / len(latent_std)})
+                                 "perf/step_time_s": step_time, "perf/samples_per_s": samples_per_s,
+                                 "perf/data_wait_s": data_wait, "data/timestep_mean": t_mean,
+                                 "data/timestep_std": t_std, "data/latent_std": sum(latent_std) / len(latent_std)})
             if t.eval_every and done % t.eval_every == 0 and done < t.steps:
                 run_eval(done)
             stop_requested = (self.run_dir / STOP_FILE).exists()

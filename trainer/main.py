@@ -12,24 +12,11 @@ from pathlib import Path
 
 from .config import RunSpecError, load_run_spec
 from .events import EVENTS_FILE, EventWriter
+from .process_state import process_gone
 
 EXIT_BAD_SPEC = 2
 EXIT_FAILED = 1
 EXIT_ORPHANED = 3
-
-
-def _process_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:  # killed but not yet reaped: a zombie is gone too
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[-1][:1] == "Z"
-    except OSError:
-        return False
 
 
 def start_parent_watchdog(parent_pid: int, events: EventWriter, interval: float = 1.0):
@@ -42,7 +29,7 @@ def start_parent_watchdog(parent_pid: int, events: EventWriter, interval: float 
     def watch():
         while True:
             time.sleep(interval)
-            if (direct_child and os.getppid() != parent_pid) or _process_gone(parent_pid):
+            if (direct_child and os.getppid() != parent_pid) or process_gone(parent_pid):
                 events.emit("error", message=f"parent process {parent_pid} exited; trainer stopping")
                 os._exit(EXIT_ORPHANED)
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()

@@ -1,0 +1,19 @@
+"""Is a process still there? Shared by the trainer's parent watchdog and the run-record routes."""
+from __future__ import annotations
+
+import os
+
+
+def process_gone(pid: int) -> bool:
+    """True when `pid` no longer runs: it does not exist, or it was killed and is not yet reaped (a zombie)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[-1][:1] == "Z"
+    except OSError:
+        return False
