@@ -43,7 +43,15 @@ def digest_state_dict(state_dict: dict) -> str:
 
 
 def materialise_model(model, root: str | Path) -> Path:
-    state = patched_state_dict(model)
+    return materialise_state_dict(patched_state_dict(model), root, "diffusion model")
+
+
+def materialise_vae(vae, root: str | Path) -> Path:
+    """The graph's VAE weights (ComfyUI keys, what comfy.sd.VAE reads) in a content-addressed file."""
+    return materialise_state_dict(vae.get_sd(), root, "VAE")
+
+
+def materialise_state_dict(state: dict, root: str | Path, what: str) -> Path:
     digest = digest_state_dict(state)
     root = Path(root)
     path = root / f"{digest[:32]}.safetensors"
@@ -60,5 +68,5 @@ def materialise_model(model, root: str | Path) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    log.info("InGraph Trainer: wrote the graph's diffusion model to %s", path)
+    log.info("InGraph Trainer: wrote the graph's %s to %s", what, path)
     return path

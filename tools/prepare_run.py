@@ -53,6 +53,12 @@ def prepare(checkpoint: Path, images: Path, run_dir: Path, overrides: dict, reso
     spec.model.comfyui_path = str(comfyui_path())
     spec.data.manifest = str(manifest)
     spec.output.lora_path = str(run_dir / "lora.safetensors")
+    if overrides.get("samples.every"):
+        from ingraph_trainer.runner.previews import PreviewSettings, encode_prompts, write_preview_inputs
+        prompts = overrides.get("samples.prompts") or ["a photo"]
+        settings = PreviewSettings(spec.samples, encode_prompts(clip, prompts, ""), vae)
+        settings.spec.prompts = prompts
+        spec.samples = write_preview_inputs(settings, run_dir, work / "models")
     data = dataclasses.asdict(spec)
     for dotted, value in overrides.items():
         table, _, key = dotted.rpartition(".")

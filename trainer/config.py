@@ -19,6 +19,7 @@ OPTIMIZERS = ("adamw", "adamw8bit")
 SCHEDULES = ("constant", "linear", "cosine")
 PRECISIONS = ("fp32", "bf16")
 PREDICTIONS = ("auto", "epsilon", "v_prediction")
+TASKS = ("train", "evaluate")
 
 
 class RunSpecError(ValueError):
@@ -35,8 +36,9 @@ class ModelSpec:
 
 @dataclass
 class DataSpec:
-    manifest: str = ""  # dataset manifest written by the cache (see cache/manifest.py)
+    manifest: str = ""  # dataset manifest written by the cache (see cache/store.py)
     shuffle: bool = True
+    eval_manifest: str = ""  # held-out evaluation set ("" = evaluate on the training images)
 
 
 @dataclass
@@ -69,6 +71,22 @@ class TrainSpec:
 
 
 @dataclass
+class SampleSpec:
+    """Preview images rendered with ComfyUI's sampling on the current weights during training."""
+    every: int = 0  # 0: no previews
+    conditioning: str = ""  # safetensors with the encoded prompts (written by the Train node)
+    vae_path: str = ""  # VAE weights (ComfyUI keys) that decode the previews
+    prompts: list = field(default_factory=list)  # the prompt texts, for labels
+    steps: int = 20
+    cfg: float = 7.0
+    sampler: str = "euler"
+    scheduler: str = "normal"
+    seed: int = 0
+    width: int = 512
+    height: int = 512
+
+
+@dataclass
 class OutputSpec:
     lora_path: str = ""  # final adapter, written atomically (normally into ComfyUI's models/loras)
     name: str = "lora"
@@ -85,6 +103,7 @@ class DistributedSpec:
 @dataclass
 class RunSpec:
     version: int = SPEC_VERSION
+    task: str = "train"  # or "evaluate": held-out loss of the model as given, nothing trained
     run_dir: str = ""
     model: ModelSpec = field(default_factory=ModelSpec)
     data: DataSpec = field(default_factory=DataSpec)
@@ -92,6 +111,7 @@ class RunSpec:
     train: TrainSpec = field(default_factory=TrainSpec)
     output: OutputSpec = field(default_factory=OutputSpec)
     distributed: DistributedSpec = field(default_factory=DistributedSpec)
+    samples: SampleSpec = field(default_factory=SampleSpec)
 
     def validate(self, source: str = "run spec") -> "RunSpec":
         problems = []
@@ -102,6 +122,7 @@ class RunSpec:
 
         t, a = self.train, self.adapter
         need(self.version == SPEC_VERSION, "version", f"must be {SPEC_VERSION} (got {self.version})")
+        need(self.task in TASKS, "task", f"must be one of {TASKS} (got {self.task!r})")
         need(bool(self.run_dir), "run_dir", "is required")
         need(bool(self.model.path), "model.path", "is required")
         need(self.model.prediction in PREDICTIONS, "model.prediction", f"must be one of {PREDICTIONS}")
@@ -121,8 +142,18 @@ class RunSpec:
         need(t.precision in PRECISIONS, "train.precision", f"must be one of {PRECISIONS} (got {t.precision!r})")
         need(t.save_every >= 0, "train.save_every", f"must be 0 or more (got {t.save_every})")
         need(t.eval_every >= 0, "train.eval_every", f"must be 0 or more (got {t.eval_every})")
-        need(all(0.0 < q < 1.0 for q in t.eval_quantiles), "train.eval_quantiles", "values must lie in (0, 1)")
-        need(bool(self.output.lora_path), "output.lora_path", "is required")
+        need(bool(t.eval_quantiles) and all(isinstance(q, (int, float)) and 0.0 < q < 1.0 for q in t.eval_quantiles),
+             "train.eval_quantiles", "must be a non-empty list of values in (0, 1)")
+        need(self.task != "train" or bool(self.output.lora_path), "output.lora_path", "is required")
+        s = self.samples
+        need(s.every >= 0, "samples.every", f"must be 0 or more (got {s.every})")
+        if s.every:
+            need(bool(s.conditioning), "samples.conditioning", "is required when samples.every > 0")
+            need(bool(s.vae_path), "samples.vae_path", "is required when samples.every > 0")
+            need(bool(s.prompts), "samples.prompts", "needs at least one prompt")
+            need(s.steps >= 1, "samples.steps", f"must be at least 1 (got {s.steps})")
+            need(s.width >= 8 and s.width % 8 == 0 and s.height >= 8 and s.height % 8 == 0, "samples.width/height",
+                 f"must be multiples of 8 (got {s.width}x{s.height})")
         d = self.distributed
         need(d.zero_stage in (0, 1, 2, 3), "distributed.zero_stage", f"must be 0, 1, 2 or 3 (got {d.zero_stage})")
         need(d.processes >= 1, "distributed.processes", f"must be at least 1 (got {d.processes})")

@@ -72,7 +72,7 @@ def load_cached_dataset(manifest_path: str) -> CachedDataset:
                          list(range(0, len(rows) * repeats, repeats)))
 
 
-def _generator(*parts: int) -> torch.Generator:
+def seeded_generator(*parts: int) -> torch.Generator:
     seed = 0
     for p in parts:
         seed = (seed * 1_000_003 + int(p)) % (2**63 - 1)
@@ -103,13 +103,13 @@ class StepSampler:
             return self._epoch[1]
         batches = []
         for b, group in enumerate(self.groups):
-            order = group[torch.randperm(len(group), generator=_generator(self.seed, 1, epoch, b))] \
+            order = group[torch.randperm(len(group), generator=seeded_generator(self.seed, 1, epoch, b))] \
                 if self.shuffle else group
             n = math.ceil(len(order) / self.global_batch) * self.global_batch
             padded = order.repeat(math.ceil(n / len(order)))[:n]  # fill up from the same bucket
             batches += padded.view(-1, self.global_batch).tolist()
         if self.shuffle:
-            perm = torch.randperm(len(batches), generator=_generator(self.seed, 4, epoch)).tolist()
+            perm = torch.randperm(len(batches), generator=seeded_generator(self.seed, 4, epoch)).tolist()
             batches = [batches[i] for i in perm]
         self._epoch = (epoch, batches)
         return batches
@@ -118,7 +118,7 @@ class StepSampler:
         return self.epoch_batches(step // self.batches_per_epoch)[step % self.batches_per_epoch]
 
     def noise_and_timesteps(self, step: int, latent_shape: tuple[int, ...]):
-        g = _generator(self.seed, 2, step)
+        g = seeded_generator(self.seed, 2, step)
         noise = torch.randn((self.global_batch, *latent_shape), generator=g)
         timesteps = torch.rand((self.global_batch,), generator=g)
         return noise, timesteps

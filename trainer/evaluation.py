@@ -1,30 +1,107 @@
-"""Loss at fixed timestep quantiles with fixed noise (diffusion-pipe's evaluation), deterministic."""
+"""Held-out loss at fixed timestep quantiles with fixed noise (diffusion-pipe's evaluation).
+
+Deterministic on any number of processes: the batches are cut the same way whatever the world size,
+each rank computes whole batches (round-robin), and the per-image losses are summed across ranks
+into zeros, which is exact, before the mean is taken in one fixed order.
+"""
 from __future__ import annotations
 
 import torch
 
-from .data import CachedDataset, _generator
+from .data import CachedDataset, seeded_generator
+from .distributed import rank, world_size
 from .models import Batch
 
+EVAL_NOISE_STREAM = 3  # generator stream of the evaluation noise (data.py uses 1, 2 and 4)
 
-@torch.no_grad()
-def evaluate(module, dataset: CachedDataset, indices: list[int], quantiles: list[float], seed: int,
-             batch_size: int, device) -> dict:
-    was_training = module.training
-    module.eval()
-    per_quantile = {}
+
+def eval_chunks(dataset: CachedDataset, indices: list[int], batch_size: int) -> list[list[int]]:
+    """Batches of one bucket each, in a fixed order (independent of the number of processes)."""
     by_bucket: dict[tuple[int, int], list[int]] = {}
     for i in indices:
         by_bucket.setdefault(dataset.buckets[i], []).append(i)
-    chunks = [group[s:s + batch_size] for _, group in sorted(by_bucket.items()) for s in range(0, len(group), batch_size)]
-    for q in quantiles:
-        losses = []
-        for chunk in chunks:
-            latents, cond = dataset.batch(chunk)
-            noise = torch.stack([torch.randn(latents.shape[1:], generator=_generator(seed, 3, i)) for i in chunk])
-            batch = Batch(latents=latents.to(device), cond=cond.to(device),
-                          pooled=None, noise=noise.to(device), timesteps=torch.full((len(chunk),), q, device=device))
-            losses.append(module.family.loss(batch, reduce=False).float().cpu())
-        per_quantile[f"{q:g}"] = torch.cat(losses).mean().item()
+    return [group[s:s + batch_size] for _, group in sorted(by_bucket.items()) for s in range(0, len(group), batch_size)]
+
+
+def evaluate(module, dataset: CachedDataset, indices: list[int], quantiles: list[float], seed: int,
+             batch_size: int, device) -> dict:
+    """{"loss": mean over quantiles, "quantiles": {"0.1": loss, ...}}. Every rank must call it."""
+    if torch.device(device).type != "cpu":
+        return _evaluate(module, dataset, indices, quantiles, seed, batch_size, device)
+    # CPU kernels split their sums by thread count, and CPU workers share the cores: one thread each
+    # makes the numbers independent of the number of processes
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _evaluate(module, dataset, indices, quantiles, seed, batch_size, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@torch.no_grad()
+def _evaluate(module, dataset, indices, quantiles, seed, batch_size, device) -> dict:
+    was_training = module.training
+    module.eval()
+    chunks = eval_chunks(dataset, indices, batch_size)
+    world, me = world_size(), rank()
+    position = {item: n for n, item in enumerate(indices)}
+    per_item = torch.zeros(len(quantiles), len(indices), dtype=torch.float64)
+    # the same number of forward passes on every rank: ZeRO-3 gathers weights collectively in each one
+    rounds = -(-len(chunks) // world)
+    for r in range(rounds):
+        slot = r * world + me
+        chunk = chunks[slot] if slot < len(chunks) else chunks[-1]
+        latents, cond = dataset.batch(chunk)
+        noise = torch.stack([torch.randn(latents.shape[1:], generator=seeded_generator(seed, EVAL_NOISE_STREAM, i))
+                             for i in chunk])
+        for qn, q in enumerate(quantiles):
+            batch = Batch(latents=latents.to(device), cond=cond.to(device), pooled=None, noise=noise.to(device),
+                          timesteps=torch.full((len(chunk),), float(q), device=device))
+            losses = module.family.loss(batch, reduce=False).double().cpu()
+            if slot < len(chunks):
+                for item, loss in zip(chunk, losses):
+                    per_item[qn, position[item]] = loss
+    if world > 1:
+        per_item = per_item.to(device)
+        torch.distributed.all_reduce(per_item)
+        per_item = per_item.cpu()
     module.train(was_training)
-    return {"loss": sum(per_quantile.values()) / len(per_quantile), "quantiles": per_quantile}
+    per_quantile = {f"{q:g}": per_item[qn].mean().item() for qn, q in enumerate(quantiles)}
+    return {"loss": sum(per_quantile.values()) / len(per_quantile), "quantiles": per_quantile,
+            "items": len(indices)}
+
+
+class _EvalModule(torch.nn.Module):
+    def __init__(self, family):
+        super().__init__()
+        self.diffusion_model = family.diffusion_model
+        self.family = family
+
+
+def run_evaluation(spec, events) -> dict:
+    """The `evaluate` task: the loss of the model as given (adapters merged upstream) on a cached dataset."""
+    import time
+
+    from .comfy_env import import_comfy
+    from .data import load_cached_dataset
+    from .distributed import init_distributed
+    from .models import load_family
+
+    started = time.time()
+    import_comfy(spec.model.comfyui_path)
+    family = load_family(spec.model.path, spec.model.family, spec.model.prediction)
+    dataset = load_cached_dataset(spec.data.eval_manifest or spec.data.manifest)
+    if world_size() > 1:
+        init_distributed()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dtype = torch.bfloat16 if spec.train.precision == "bf16" else torch.float32
+    module = _EvalModule(family).to(device=device, dtype=dtype)
+    family.diffusion_model.requires_grad_(False)
+    events.emit("started", run_dir=spec.run_dir, total=0, start_step=0, world_size=world_size(), family=family.name,
+                prediction=family.prediction, eval_items=len(dataset.unique), task="evaluate")
+    t = spec.train
+    result = evaluate(module, dataset, dataset.unique, t.eval_quantiles, t.seed, t.batch_size, device)
+    events.emit("eval", step=0, **result)
+    events.emit("finished", adapter=None, steps=0, stopped=False, task="evaluate", evaluation=result,
+                wall_s=time.time() - started)
+    return result

@@ -15,10 +15,11 @@ from .config import RunSpec
 from .data import Prefetcher, StepSampler, load_cached_dataset
 from .distributed import deepspeed_config, init_distributed, rank, world_size
 from .evaluation import evaluate
-from .events import EventWriter
+from .events import EVENTS_FILE, EventWriter, read_events
 from .layout import STOP_FILE
 from .metrics import HealthLog
 from .models import Batch, ModelFamily, load_family
+from .sampling import PreviewSampler, sample_due
 
 log = logging.getLogger("ingraph_trainer.trainer")
 
@@ -101,7 +102,8 @@ class Trainer:
         import_comfy(spec.model.comfyui_path)
         family = load_family(spec.model.path, spec.model.family, spec.model.prediction)
         dataset = load_cached_dataset(spec.data.manifest)
-        eval_indices = dataset.unique
+        eval_dataset = load_cached_dataset(spec.data.eval_manifest) if spec.data.eval_manifest else dataset
+        eval_indices = eval_dataset.unique
 
         torch.manual_seed(t.seed)  # adapter initialisation
         targets = family.adapter_targets(spec.adapter.targets)
@@ -129,14 +131,22 @@ class Trainer:
         self.events.emit("started", run_dir=str(self.run_dir), total=t.steps, start_step=start_step,
                          world_size=world, family=family.name, prediction=family.prediction,
                          adapted_modules=len(targets), trainable_params=sum(p.numel() for p in params),
-                         dataset_items=len(eval_indices), samples=len(dataset),
+                         dataset_items=len(dataset.unique), samples=len(dataset), eval_items=len(eval_indices),
                          resumed_from=str(resume_from) if resume_from else None)
 
         health = HealthLog(self.run_dir, self.is_rank0)
+        best: dict = {}
+        if start_step:  # the best evaluation before the interruption still counts
+            for event in read_events(self.run_dir / EVENTS_FILE):
+                if event["type"] == "eval" and event["step"] <= start_step and event["loss"] < best.get("loss", math.inf):
+                    best.update(step=event["step"], loss=event["loss"])
+        previews = PreviewSampler(spec.samples, family, self.run_dir, self.is_rank0) if spec.samples.every else None
 
         def run_eval(step: int):
-            result = evaluate(module, dataset, eval_indices, t.eval_quantiles, t.seed, t.batch_size, self.device)
-            self.events.emit("eval", step=step, **result)
+            result = evaluate(module, eval_dataset, eval_indices, t.eval_quantiles, t.seed, t.batch_size, self.device)
+            if not best or result["loss"] < best["loss"]:
+                best.update(step=step, loss=result["loss"])
+            self.events.emit("eval", step=step, best_step=best["step"], **result)
             health.eval(step, result)
             return result
 
@@ -196,6 +206,8 @@ class Trainer:
                                  "data/timestep_std": t_std, "data/latent_std": sum(latent_std) / len(latent_std)})
             if t.eval_every and done % t.eval_every == 0 and done < t.steps:
                 run_eval(done)
+            if previews is not None and sample_due(spec.samples, done, t.steps):
+                self.events.emit("sample", step=done, images=previews.render(module, done), prompts=spec.samples.prompts)
             stop_requested = (self.run_dir / STOP_FILE).exists()
             if done < t.steps and ((t.save_every and done % t.save_every == 0) or stop_requested):
                 path = ckpt.save_checkpoint(engine, self.run_dir, done, {"step": done, "seed": t.seed}, self.is_rank0)
@@ -219,6 +231,7 @@ class Trainer:
         steady = step_times[1:] or step_times
         self.events.emit("finished", adapter=adapter_path, steps=steps_done, stopped=stopped, final_loss=final_loss,
                          eval_before=eval_before["loss"] if eval_before else None, eval_after=eval_after["loss"],
+                         best_eval_step=best.get("step"), best_eval_loss=best.get("loss"),
                          mean_step_s=sum(steady) / len(steady) if steady else None,
                          data_wait_s=round(data_wait, 4), wall_s=time.time() - started_at)
         return adapter_path

@@ -60,8 +60,12 @@ def main(argv=None) -> int:
     events = EventWriter(run_dir / EVENTS_FILE, enabled=rank() == 0)
     start_parent_watchdog(opts.parent_pid, events)
     try:
-        from .loop import Trainer
-        Trainer(spec, events).run()
+        if spec.task == "evaluate":
+            from .evaluation import run_evaluation
+            run_evaluation(spec, events)
+        else:
+            from .loop import Trainer
+            Trainer(spec, events).run()
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the node as an error event
         tb = traceback.format_exc()
         print(tb, file=sys.stderr, flush=True)

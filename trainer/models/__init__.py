@@ -23,7 +23,7 @@ def load_family(model_path: str, family: str = "auto", prediction: str = "auto")
         prediction = detect_prediction(base_model)
     for cls in FAMILIES:
         if (family == "auto" and cls.matches(base_model)) or family == cls.name:
-            return cls(base_model, prediction)
+            return cls(base_model, prediction, patcher)
     raise ValueError(f"{model_path}: no trainer family for ComfyUI model {type(base_model.model_config).__name__} "
                      f"(supported: {', '.join(c.name for c in FAMILIES)})")
 

@@ -27,8 +27,9 @@ class ModelFamily:
     base_model_version = "unknown"  # kohya ss_base_model_version
     target_patterns: dict[str, tuple[str, ...]] = {}
 
-    def __init__(self, base_model, prediction: str):
+    def __init__(self, base_model, prediction: str, patcher=None):
         self.base_model = base_model
+        self.patcher = patcher  # ComfyUI's ModelPatcher around base_model (what its samplers take)
         self.diffusion_model = base_model.diffusion_model
         self.prediction = prediction
 

@@ -13,8 +13,8 @@ class SDUNetFamily(ModelFamily):
         "attention_ff": (r"\.attn[12]\.(to_q|to_k|to_v|to_out\.0)$", r"\.ff\.net\.(0\.proj|2)$"),
     }
 
-    def __init__(self, base_model, prediction: str):
-        super().__init__(base_model, prediction)
+    def __init__(self, base_model, prediction: str, patcher=None):
+        super().__init__(base_model, prediction, patcher)
         name = type(base_model.model_config).__name__
         self.base_model_version = {"SD15": "sd_v1", "SD20": "sd_v2", "SD21UnclipL": "sd_v2",
                                    "SD21UnclipH": "sd_v2"}.get(name, name.lower())

@@ -1,0 +1,41 @@
+"""Sample previews from the ComfyUI side: prompts encoded with the graph's CLIP, handed to the trainer as files."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..trainer.config import SampleSpec
+
+CONDITIONING_FILE = "sample_conditioning.safetensors"
+
+
+@dataclass
+class PreviewSettings:
+    """What the Sample Previews node outputs: the settings plus encoded prompts and the VAE object."""
+    spec: SampleSpec
+    conditioning: dict = field(default_factory=dict)  # flat tensors: positive.<i>.cond, negative.cond, ...
+    vae: object = None
+
+
+def encode_prompts(clip, prompts: list[str], negative: str) -> dict:
+    from ..trainer.sampling import conditioning_tensors
+
+    def encode(text):
+        return clip.encode_from_tokens_scheduled(clip.tokenize(text))
+    tensors = conditioning_tensors(encode(negative), "negative")
+    for i, prompt in enumerate(prompts):
+        tensors.update(conditioning_tensors(encode(prompt), f"positive.{i}"))
+    return tensors
+
+
+def write_preview_inputs(settings: PreviewSettings, run_dir: Path, models_root: Path) -> SampleSpec:
+    """The conditioning into the run directory, the VAE weights into the model store; returns the spec part."""
+    import dataclasses
+
+    from safetensors.torch import save_file
+
+    from .model_source import materialise_vae
+    path = Path(run_dir) / CONDITIONING_FILE
+    save_file(settings.conditioning, str(path))
+    return dataclasses.replace(settings.spec, conditioning=str(path),
+                               vae_path=str(materialise_vae(settings.vae, models_root)))

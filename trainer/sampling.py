@@ -1,0 +1,105 @@
+"""Preview images during training: ComfyUI's own sampler on the current weights, decoded by the graph's VAE.
+
+The Train node encodes the prompts with the graph's CLIP and hands the trainer the conditioning and
+the VAE weights as files, so previews need no text encoder in the trainer. Every rank samples (under
+ZeRO-3 each forward pass gathers weights from all ranks); rank 0 writes the images.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+import torch
+
+from .config import SampleSpec
+
+log = logging.getLogger("ingraph_trainer.sampling")
+
+SAMPLES_DIR = "samples"
+
+
+def conditioning_tensors(conditioning: list, prefix: str) -> dict[str, torch.Tensor]:
+    """ComfyUI conditioning ([[tensor, {extras}]]) as flat tensors; non-tensor extras are dropped."""
+    cond, extras = conditioning[0][0], conditioning[0][1]
+    out = {f"{prefix}.cond": cond.detach().cpu().contiguous()}
+    for key, value in extras.items():
+        if isinstance(value, torch.Tensor):
+            out[f"{prefix}.{key}"] = value.detach().cpu().contiguous()
+    return out
+
+
+def conditioning_from(tensors: dict[str, torch.Tensor], prefix: str) -> list:
+    extras = {k[len(prefix) + 1:]: v for k, v in tensors.items() if k.startswith(prefix + ".") and k != f"{prefix}.cond"}
+    return [[tensors[f"{prefix}.cond"], extras]]
+
+
+def sample_due(spec: SampleSpec, step: int, total: int) -> bool:
+    return bool(spec.every) and step > 0 and (step % spec.every == 0 or step == total)
+
+
+def image_names(step: int, count: int) -> list[str]:
+    return [f"{SAMPLES_DIR}/step{step:06d}_{i}.png" for i in range(count)]
+
+
+class PreviewSampler:
+    def __init__(self, spec: SampleSpec, family, run_dir: Path, write: bool):
+        from safetensors.torch import load_file
+        self.spec = spec
+        self.family = family
+        self.run_dir = Path(run_dir)
+        self.write = write
+        tensors = load_file(spec.conditioning)
+        self.positives = [conditioning_from(tensors, f"positive.{i}") for i in range(len(spec.prompts))]
+        self.negative = conditioning_from(tensors, "negative")
+        self._vae = None
+
+    def vae(self):
+        if self._vae is None:
+            import comfy.sd
+            import comfy.utils
+            self._vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(self.spec.vae_path, safe_load=True))
+        return self._vae
+
+    @contextlib.contextmanager
+    def _inference_weights(self, module):
+        """Eval mode, the model's real dtype for ComfyUI, and the global RNG untouched (dropout, resume)."""
+        diffusion_model = self.family.diffusion_model
+        declared = getattr(diffusion_model, "dtype", None)
+        was_training = module.training
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            module.eval()
+            diffusion_model.dtype = next(diffusion_model.parameters()).dtype
+            try:
+                yield
+            finally:
+                diffusion_model.dtype = declared
+                module.train(was_training)
+
+    def render(self, module, step: int) -> list[str]:
+        """Samples every prompt; returns the images' paths relative to the run directory (rank 0 writes them)."""
+        import comfy.sample
+        s = self.spec
+        patcher = self.family.patcher
+        latent_format = patcher.get_model_object("latent_format")
+        empty = torch.zeros((1, latent_format.latent_channels, s.height // 8, s.width // 8))
+        empty = comfy.sample.fix_empty_latent_channels(patcher, empty)
+        latents = []
+        with self._inference_weights(module):
+            for n, positive in enumerate(self.positives):
+                noise = comfy.sample.prepare_noise(empty, s.seed + n)
+                latents.append(comfy.sample.sample(patcher, noise, s.steps, s.cfg, s.sampler, s.scheduler, positive,
+                                                   self.negative, empty, seed=s.seed + n, disable_pbar=True))
+            images = self.vae().decode(torch.cat(latents)) if self.write else None
+        names = image_names(step, len(self.positives))
+        if self.write:
+            from PIL import Image
+            (self.run_dir / SAMPLES_DIR).mkdir(exist_ok=True)
+            for name, image in zip(names, images.reshape(-1, *images.shape[-3:])):
+                pixels = (image.clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
+                path = self.run_dir / name
+                tmp = path.with_suffix(".partial")
+                Image.fromarray(pixels).save(tmp, format="PNG")
+                tmp.replace(path)
+        return names
