@@ -5,10 +5,13 @@ from .adapter_node import LoRAAdapter
 from .cache_nodes import CacheLatents, CacheTextEmbeddings
 from .dataset_node import LoadTrainingImages
 from .distributed_node import DeepSpeedSettings
+from .compare_node import Compare
+from .evaluate_node import Evaluate
+from .preview_node import SamplePreviews
 from .train_node import TrainLoRA
 
 NODES: list[type[io.ComfyNode]] = [LoadTrainingImages, CacheLatents, CacheTextEmbeddings, LoRAAdapter, DeepSpeedSettings,
-                                       TrainLoRA]
+                                   SamplePreviews, TrainLoRA, Evaluate, Compare]
 
 
 class InGraphTrainerExtension(ComfyExtension):

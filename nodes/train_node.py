@@ -3,7 +3,7 @@ import logging
 from comfy_api.latest import io
 
 from ..trainer.config import TrainSpec
-from .types import CATEGORY, Adapter, Dataset, Distributed
+from .types import CATEGORY, Adapter, Dataset, Distributed, Previews
 
 log = logging.getLogger("ingraph_trainer")
 
@@ -76,6 +76,16 @@ class TrainLoRA(io.ComfyNode):
                 Distributed.Input("distributed", optional=True,
                                   tooltip="DeepSpeed settings (processes, ZeRO, offload, hostfile); one process "
                                           "when not connected."),
+                Dataset.Input("eval_dataset", optional=True,
+                              tooltip="Held-out images (cached like the training set) whose loss at fixed timestep "
+                                      "quantiles is measured before the first step, every eval_every steps and at "
+                                      "the end. Not connected: the training images are evaluated."),
+                io.Int.Input("eval_every", default=0, min=0, max=1_000_000, optional=True,
+                             tooltip="Evaluate every N steps (0 = before the first and after the last step only). "
+                                     "The best step by evaluation loss is kept in the run record."),
+                Previews.Input("previews", optional=True,
+                               tooltip="Sample Previews settings: images rendered on the current weights during "
+                                       "training, shown in this node."),
                 io.Combo.Input("resume", options=["off", "latest", *_resumable()], default="off", optional=True,
                                tooltip="off: a new run. latest: continue the newest run with this output_name "
                                        "from its last complete checkpoint (a new run if there is none). Or pick a "
@@ -103,7 +113,8 @@ class TrainLoRA(io.ComfyNode):
     @classmethod
     def execute(cls, model, dataset, adapter, steps, batch_size, gradient_accumulation, learning_rate, optimizer,
                 lr_schedule, warmup_steps, precision, gradient_checkpointing, seed, save_every,
-                output_name, resume="off", distributed=None) -> io.NodeOutput:
+                output_name, resume="off", distributed=None, eval_dataset=None, eval_every=0,
+                previews=None) -> io.NodeOutput:
         import comfy.model_management
         import comfy.sd
         import comfy.utils
@@ -123,7 +134,10 @@ class TrainLoRA(io.ComfyNode):
         train = TrainSpec(steps=steps, batch_size=batch_size, grad_accum=gradient_accumulation,
                           learning_rate=learning_rate, optimizer=OPTIMIZERS[optimizer],
                           lr_schedule=SCHEDULES[lr_schedule], warmup_steps=warmup_steps, precision=precision,
-                          gradient_checkpointing=gradient_checkpointing, seed=seed, save_every=save_every)
+                          gradient_checkpointing=gradient_checkpointing, seed=seed, save_every=save_every,
+                          eval_every=eval_every or 0)
+        if eval_dataset is not None and not (eval_dataset.has_latents and eval_dataset.has_text):
+            raise ValueError("eval_dataset: connect it through Cache Latents and Cache Text Embeddings first")
         name = new_lora_name[: -len(".safetensors")]
         resume = resume or "off"
         resume_from = resolve_resume_choice(paths.runs_root(), resume, name)
@@ -140,7 +154,9 @@ class TrainLoRA(io.ComfyNode):
             run_dir, spec_path = prepare_run(runs_root=paths.runs_root(), name=name, model_path=model_path,
                                              prediction=prediction, dataset=dataset, cache_root=paths.cache_root(),
                                              adapter=adapter, train=train, distributed=distributed,
-                                             lora_path=lora_path, comfyui_path=paths.comfyui_root())
+                                             lora_path=lora_path, comfyui_path=paths.comfyui_root(),
+                                             eval_dataset=eval_dataset, previews=previews,
+                                             models_root=paths.models_root())
         saved = _saved_spec(spec_path)  # what the trainer will run, for a new run and a resumed one alike
         steps, lora_name = saved.train.steps, paths.lora_name_of(saved.output.lora_path)
         node_id = cls.hidden.unique_id

@@ -6,3 +6,4 @@ Adapter = io.Custom("INGRAPH_ADAPTER")
 Distributed = io.Custom("INGRAPH_DISTRIBUTED")
 
 CATEGORY = "InGraph Trainer"
+Previews = io.Custom("INGRAPH_PREVIEWS")

@@ -53,3 +53,36 @@ def chart_tensor(img):
     import numpy as np
     import torch
     return torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0).unsqueeze(0)
+
+
+def render_quantile_chart(results: dict[str, dict], width: int = 640, height: int = 360):
+    """Evaluation loss by timestep quantile, one line per evaluated model, with each mean in the legend."""
+    from PIL import Image, ImageDraw
+    img = Image.new("RGB", (width, height), (24, 24, 28))
+    draw = ImageDraw.Draw(img)
+    left, right, top, bottom = 56, 16, 40, 36
+    pw, ph = width - left - right, height - top - bottom
+    draw.rectangle([left, top, left + pw, top + ph], outline=(90, 90, 100))
+    values = [v for r in results.values() for v in r["quantiles"].values()]
+    lo, hi = min(values), max(values)
+    if hi - lo < 1e-12:
+        lo, hi = lo - 0.5, hi + 0.5
+
+    def xy(q, value):
+        return (left + pw * q, top + ph * (1 - (value - lo) / (hi - lo)))
+
+    colours = [(120, 200, 255), (255, 170, 60), (140, 220, 120), (230, 110, 160)]
+    for n, (name, result) in enumerate(results.items()):
+        colour = colours[n % len(colours)]
+        points = [xy(float(q), v) for q, v in result["quantiles"].items()]
+        if len(points) > 1:
+            draw.line(points, fill=colour, width=2)
+        for x, y in points:
+            draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=colour)
+        draw.text((left + 8 + 200 * n, 6), f"{name}: mean {result['loss']:.5g}", fill=colour)
+    draw.text((4, top - 4), f"{hi:.4g}", fill=(200, 200, 200))
+    draw.text((4, top + ph - 8), f"{lo:.4g}", fill=(200, 200, 200))
+    for q in (0.0, 0.5, 1.0):
+        draw.text((left + pw * q - (8 if q else 0), height - 28), f"{q:g}", fill=(200, 200, 200))
+    draw.text((left + pw // 2 - 60, height - 14), "timestep quantile (noise level)", fill=(200, 200, 200))
+    return img

@@ -18,6 +18,10 @@ def runs_root() -> Path:
     return _output_root() / "runs"
 
 
+def evals_root() -> Path:
+    return _output_root() / "evals"
+
+
 def models_root() -> Path:
     return _output_root() / "models"
 

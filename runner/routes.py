@@ -6,7 +6,7 @@ from pathlib import Path
 from aiohttp import web
 
 from ..trainer.events import read_events
-from ..trainer.layout import EVENTS_FILE, PID_FILE, STOP_FILE
+from ..trainer.layout import EVENTS_FILE, PID_FILE, SAMPLES_DIR, STOP_FILE
 from ..trainer.process_state import process_gone
 from . import paths
 from .runs import complete_checkpoints, read_owner, run_dir_for
@@ -33,13 +33,17 @@ def run_record(run_dir: Path, with_events: bool = False) -> dict:
     else:
         state = "interrupted" if events else "pending"
     last_step = next((e for e in reversed(events) if e["type"] == "step"), None)
+    evals = [e for e in events if e["type"] == "eval"]
+    best = min(evals, key=lambda e: (e["loss"], e["step"])) if evals else None
     record = {
         "id": run_dir.name, "node": read_owner(run_dir), "state": state, "last_event": last, "events": len(events),
         "step": last_step["step"] if last_step else 0, "total": last_step["total"] if last_step else None,
         "artifacts": {
             "adapter": terminal.get("adapter") if terminal else None,
             "checkpoints": complete_checkpoints(run_dir),
+            "samples": [path for e in events if e["type"] == "sample" for path in e.get("images", [])],
         },
+        "best_eval": {"step": best["step"], "loss": best["loss"]} if best else None,
     }
     return record
 
@@ -69,6 +73,16 @@ async def get_events(request):
         raise web.HTTPBadRequest(text="since must be an integer")
     events = read_events(run_dir / EVENTS_FILE)
     return web.json_response({"since": since, "next": len(events), "events": events[since:]})
+
+
+async def get_sample(request):
+    """A preview image of the run (only PNG files directly inside its samples folder)."""
+    run_dir = _lookup(request)
+    name = request.match_info["name"]
+    path = run_dir / SAMPLES_DIR / name
+    if "/" in name or name.startswith(".") or not name.endswith(".png") or not path.is_file():
+        raise web.HTTPNotFound(text="unknown sample")
+    return web.FileResponse(path, headers={"Cache-Control": "max-age=3600"})
 
 
 async def stop_run(request):
@@ -106,6 +120,7 @@ def register(routes):
     routes.get("/ingraph/runs/{run_id}")(get_run)
     routes.get("/ingraph/runs/{run_id}/events")(get_events)
     routes.post("/ingraph/runs/{run_id}/stop")(stop_run)
+    routes.get("/ingraph/runs/{run_id}/samples/{name}")(get_sample)
 
 
 try:

@@ -30,18 +30,31 @@ class RunResult:
     finished: dict = field(default_factory=dict)
 
 
+EVAL_MANIFEST_FILE = "eval_dataset.json"
+
+
 def prepare_run(*, runs_root: Path, name: str, model_path: Path, prediction: str, dataset, cache_root: Path,
-                adapter: AdapterSpec, train: TrainSpec, lora_path: Path, comfyui_path: str,
-                distributed: DistributedSpec | None = None) -> tuple[Path, Path]:
+                adapter: AdapterSpec | None = None, train: TrainSpec, lora_path: Path | None = None,
+                comfyui_path: str, distributed: DistributedSpec | None = None, task: str = "train",
+                eval_dataset=None, previews=None, models_root: Path | None = None) -> tuple[Path, Path]:
+    """Creates the run directory with its dataset manifest(s) and run spec; returns (run dir, spec path).
+
+    `previews` (runner.previews.PreviewSettings) needs `models_root`, where the VAE weights go.
+    """
     run_dir = create_run_dir(runs_root, name)
     manifest = write_manifest(run_dir / MANIFEST_FILE, dataset, cache_root)
-    spec = RunSpec(run_dir=str(run_dir), adapter=dataclasses.replace(adapter),
+    spec = RunSpec(task=task, run_dir=str(run_dir), adapter=dataclasses.replace(adapter or AdapterSpec()),
                    train=dataclasses.replace(train), distributed=dataclasses.replace(distributed or DistributedSpec()))
     spec.model.path = str(model_path)
     spec.model.prediction = prediction
     spec.model.comfyui_path = comfyui_path
     spec.data.manifest = str(manifest)
-    spec.output.lora_path = str(lora_path)
+    if eval_dataset is not None:
+        spec.data.eval_manifest = str(write_manifest(run_dir / EVAL_MANIFEST_FILE, eval_dataset, cache_root))
+    if previews is not None:
+        from .previews import write_preview_inputs
+        spec.samples = write_preview_inputs(previews, run_dir, models_root)
+    spec.output.lora_path = str(lora_path or "")
     spec.output.name = name
     spec.validate(str(run_dir / SPEC_FILE))
     spec_path = run_dir / SPEC_FILE

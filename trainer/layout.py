@@ -7,3 +7,4 @@ PID_FILE = "trainer.pid"
 OWNER_FILE = "owner.json"  # which graph node started the run (for the UI panel after a reload)
 STOP_FILE = "STOP"  # created to ask for a checkpoint and a clean end
 CHECKPOINTS_DIR = "checkpoints"
+SAMPLES_DIR = "samples"  # preview images of a run

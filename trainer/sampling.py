@@ -13,10 +13,9 @@ from pathlib import Path
 import torch
 
 from .config import SampleSpec
+from .layout import SAMPLES_DIR
 
 log = logging.getLogger("ingraph_trainer.sampling")
-
-SAMPLES_DIR = "samples"
 
 
 def conditioning_tensors(conditioning: list, prefix: str) -> dict[str, torch.Tensor]:

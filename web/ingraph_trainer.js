@@ -46,6 +46,7 @@ class Panel {
 
   reset() {
     this.runId = null; this.steps = []; this.losses = []; this.evals = []; this.state = "idle"; this.seen = 0;
+    if (this.el) this.$("samples").replaceChildren();
   }
 
   async stop() {
@@ -83,13 +84,20 @@ class Panel {
       case "checkpoint":
         this.$("state").textContent = `checkpoint at step ${event.step}`;
         break;
-      case "sample":
-        if (event.url) {
+      case "sample": {
+        // images are files of the run directory ("samples/step000020_0.png"), served by the pack's route
+        const box = this.$("samples");
+        if (box.querySelector(`[data-step="${event.step}"]`)) break; // replayed already
+        (event.images || []).forEach((path, i) => {
           const img = document.createElement("img");
-          img.src = event.url; img.style.cssText = "height:64px;border-radius:3px";
-          this.$("samples").prepend(img);
-        }
+          img.src = api.apiURL(`/ingraph/runs/${encodeURIComponent(runId)}/${path.split("/").map(encodeURIComponent).join("/")}`);
+          img.dataset.step = String(event.step);
+          img.title = `step ${event.step}: ${(event.prompts || [])[i] ?? ""}`;
+          img.style.cssText = "height:64px;border-radius:3px;image-rendering:pixelated";
+          box.prepend(img);
+        });
         break;
+      }
       case "finished":
         this.state = event.stopped ? "stopped" : "finished";
         this.$("state").textContent = `${this.state} at step ${event.steps}: ${event.adapter || ""}`;

@@ -1,0 +1,61 @@
+from comfy_api.latest import io
+
+from .types import CATEGORY, Dataset, Distributed
+
+
+class Evaluate(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="InGraphEvaluate",
+            display_name="Evaluate",
+            category=CATEGORY,
+            description="Held-out loss of a MODEL (with or without a LoRA applied) on a cached dataset, at fixed "
+                        "timestep quantiles with fixed noise: the same inputs always give the same numbers, on any "
+                        "number of processes. Lower is better; compare models on the same dataset and seed.",
+            is_output_node=True,
+            inputs=[
+                io.Model.Input("model", tooltip="The model to evaluate, e.g. a checkpoint, or it with a LoRA loaded."),
+                Dataset.Input("dataset", tooltip="Evaluation images, cached through Cache Latents and Cache Text "
+                                                 "Embeddings (ideally images not trained on)."),
+                io.String.Input("quantiles", default="0.1, 0.3, 0.5, 0.7, 0.9",
+                                tooltip="Points of the noise schedule to measure at (0 = clean, 1 = pure noise)."),
+                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=False,
+                             tooltip="Seed of the fixed noise; keep it the same to compare models."),
+                io.Int.Input("batch_size", default=4, min=1, max=1024,
+                             tooltip="Images per forward pass (memory only; the numbers do not change)."),
+                io.Combo.Input("precision", options=["fp32", "bf16"], default="fp32",
+                               tooltip="fp32: exact, comparable across machines; bf16: half the memory."),
+                Distributed.Input("distributed", optional=True,
+                                  tooltip="DeepSpeed settings: evaluate on several processes (GPUs)."),
+            ],
+            outputs=[
+                io.Float.Output(display_name="mean_loss", tooltip="Mean of the per-quantile losses."),
+                io.String.Output(display_name="table", tooltip="Loss at each quantile and the mean, as text."),
+                io.Image.Output(display_name="chart", tooltip="Loss by timestep quantile."),
+            ],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def validate_inputs(cls, quantiles):
+        from ..runner.evaluation_run import parse_quantiles
+        try:
+            parse_quantiles(quantiles)
+        except ValueError as exc:
+            return str(exc)
+        return True
+
+    @classmethod
+    def execute(cls, model, dataset, quantiles, seed, batch_size, precision, distributed=None) -> io.NodeOutput:
+        import comfy.model_management
+        from ..runner.evaluation_run import evaluate_model, parse_quantiles, quantile_table
+        from ..runner.loss_chart import chart_tensor, render_quantile_chart
+        if not (dataset.has_latents and dataset.has_text):
+            raise ValueError("dataset: connect it through Cache Latents and Cache Text Embeddings first")
+        result = evaluate_model(model, dataset, quantiles=parse_quantiles(quantiles), seed=seed, batch_size=batch_size,
+                                precision=precision, distributed=distributed, on_event=lambda event: None,
+                                check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted)
+        table = quantile_table({"loss": result})
+        chart = chart_tensor(render_quantile_chart({"model": result}))
+        return io.NodeOutput(result["loss"], table, chart, ui={"text": [table]})

@@ -1,0 +1,55 @@
+"""The Evaluate node's work: the trainer program's `evaluate` task on the graph's MODEL and a cached dataset."""
+from __future__ import annotations
+
+from typing import Callable
+
+from ..trainer.config import DistributedSpec, TrainSpec
+
+
+def parse_quantiles(text: str) -> list[float]:
+    """'0.1, 0.5 0.9' → [0.1, 0.5, 0.9]; the error names the input and the bad value."""
+    values = []
+    for part in text.replace(",", " ").split():
+        try:
+            q = float(part)
+        except ValueError:
+            raise ValueError(f"quantiles: {part!r} is not a number") from None
+        if not 0.0 < q < 1.0:
+            raise ValueError(f"quantiles: {part} is not between 0 and 1")
+        values.append(q)
+    if not values:
+        raise ValueError("quantiles: give at least one value between 0 and 1, e.g. 0.1, 0.5, 0.9")
+    return sorted(set(values))
+
+
+def evaluate_model(model, dataset, *, quantiles: list[float], seed: int, batch_size: int, precision: str,
+                   distributed: DistributedSpec | None, on_event: Callable[[dict], None],
+                   check_interrupt: Callable[[], None]) -> dict:
+    """{"loss", "quantiles": {"0.1": loss, ...}, "items"}: same inputs, same numbers, on any number of processes."""
+    from . import paths
+    from .launcher import TrainerProcess
+    from .model_source import materialise_model, prediction_of
+    from .session import prepare_run, watch_run
+
+    train = TrainSpec(steps=1, batch_size=batch_size, precision=precision, seed=seed, eval_quantiles=quantiles)
+    run_dir, spec_path = prepare_run(runs_root=paths.evals_root(), name="eval", task="evaluate",
+                                     model_path=materialise_model(model, paths.models_root()),
+                                     prediction=prediction_of(model), dataset=dataset, cache_root=paths.cache_root(),
+                                     train=train, distributed=distributed, comfyui_path=paths.comfyui_root())
+    d = distributed or DistributedSpec()
+    process = TrainerProcess(run_dir, spec_path, comfyui_path=paths.comfyui_root(), processes=d.processes,
+                             hostfile=d.hostfile).start()
+    result = watch_run(process, on_event, check_interrupt)
+    return result.finished["evaluation"]
+
+
+def quantile_table(results: dict[str, dict]) -> str:
+    """Plain-text table: one row per quantile, one column per evaluated model, the mean last."""
+    names = list(results)
+    quantiles = list(next(iter(results.values()))["quantiles"])
+    width = max(12, *(len(n) + 2 for n in names))
+    lines = ["quantile".ljust(10) + "".join(n.rjust(width) for n in names)]
+    for q in quantiles:
+        lines.append(q.ljust(10) + "".join(f"{results[n]['quantiles'][q]:.6f}".rjust(width) for n in names))
+    lines.append("mean".ljust(10) + "".join(f"{results[n]['loss']:.6f}".rjust(width) for n in names))
+    return "\n".join(lines)
