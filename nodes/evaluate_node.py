@@ -58,4 +58,4 @@ class Evaluate(io.ComfyNode):
                                 check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted)
         table = quantile_table({"loss": result})
         chart = chart_tensor(render_quantile_chart({"model": result}))
-        return io.NodeOutput(result["loss"], table, chart, ui={"text": [table]})
+        return io.NodeOutput(result["loss"], table, chart, ui={"text": [table], "evaluation": [result]})

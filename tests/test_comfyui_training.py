@@ -236,10 +236,11 @@ def test_pack_adds_under_half_a_second_to_startup(comfy):
     assert not re.search(r"IMPORT FAILED.*InGraph-Trainer", comfy.log_text())
 
 
-def test_ui_workflow_matches_object_info(client):
+@pytest.mark.parametrize("name", ["train_lora", "train_evaluate_compare"])
+def test_ui_workflow_matches_object_info(client, name):
     """Every node type of the UI-format workflow exists, and every link joins matching types."""
     import json
-    ui = json.loads((REPO / "workflows" / "train_lora.json").read_text())
+    ui = json.loads((REPO / "workflows" / f"{name}.json").read_text())
     info = client.get("/object_info")
     nodes = {n["id"]: n for n in ui["nodes"]}
     for node in nodes.values():
@@ -254,5 +255,5 @@ def test_ui_workflow_matches_object_info(client):
         in_type = {**spec.get("required", {}), **spec.get("optional", {})}[target["name"]][0]
         assert out_type == in_type == ltype, (link_id, out_type, in_type, ltype)
         assert link_id in nodes[src]["outputs"][src_slot]["links"]
-    api = load_workflow()
+    api = load_workflow(f"{name}_api.json")
     assert sorted(n["type"] for n in ui["nodes"]) == sorted(v["class_type"] for v in api.values())

@@ -215,3 +215,21 @@ def test_killed_worker_fails_the_node_within_5s(comfy, client):
         time.sleep(0.05)
     assert _pids_of_group(pgid) == []
     print(f"\nworker SIGKILL to node error: {elapsed:.2f} s")
+
+
+def test_evaluation_is_identical_on_1_and_2_processes(prepared):
+    """The evaluate task of the same model and data: 1 process and 2 processes give the same numbers."""
+    from ingraph_trainer.trainer.config import dump_run_spec, load_run_spec
+    one = prepared(task="evaluate", train__precision="fp32", train__batch_size=3)
+    spec = load_run_spec(one)
+    two = one.parent.with_name(one.parent.name + "-2proc")
+    two.mkdir()
+    spec.run_dir = str(two)
+    (two / "run.toml").write_text(dump_run_spec(spec))
+    from conftest import run_trainer
+    proc = run_trainer(one)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    launch(two / "run.toml", 2)
+    results = [next(e for e in read_events(d) if e["type"] == "finished")["evaluation"] for d in (one.parent, two)]
+    assert results[0] == results[1]
+    assert results[0]["items"] == 8 and len(results[0]["quantiles"]) == 5

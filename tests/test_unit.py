@@ -172,3 +172,67 @@ def test_requirements_match_pyproject():
     reqs = [line.strip() for line in (REPO / "requirements.txt").read_text().splitlines()
             if line.strip() and not line.startswith("#")]
     assert sorted(deps) == sorted(reqs)
+
+
+def test_evaluation_inputs_are_parsed_with_errors_that_name_the_input():
+    evaluation_run = importlib.import_module("ingraph_trainer.runner.evaluation_run")
+    compare = importlib.import_module("ingraph_trainer.runner.compare")
+    assert evaluation_run.parse_quantiles("0.9, 0.1 0.5,0.5") == [0.1, 0.5, 0.9]
+    for bad, words in (("", "at least one"), ("0.1, x", "'x' is not a number"), ("1.0", "between 0 and 1")):
+        with pytest.raises(ValueError, match="quantiles") as err:
+            evaluation_run.parse_quantiles(bad)
+        assert words in str(err.value)
+    assert compare.parse_seeds("0, 7 3") == [0, 7, 3]
+    with pytest.raises(ValueError, match="seeds: '1.5'"):
+        compare.parse_seeds("1.5")
+    assert compare.parse_prompts("a\n\n  b \n") == ["a", "b"]
+    with pytest.raises(ValueError, match="prompts"):
+        compare.parse_prompts("  \n")
+
+
+def test_quantile_table_and_chart():
+    evaluation_run = importlib.import_module("ingraph_trainer.runner.evaluation_run")
+    results = {"base": {"loss": 0.5, "quantiles": {"0.1": 0.4, "0.9": 0.6}},
+               "trained": {"loss": 0.25, "quantiles": {"0.1": 0.2, "0.9": 0.3}}}
+    table = evaluation_run.quantile_table(results).splitlines()
+    assert table[0].split() == ["quantile", "base", "trained"]
+    assert table[1].split() == ["0.1", "0.400000", "0.200000"]
+    assert table[-1].split() == ["mean", "0.500000", "0.250000"]
+    img = chart.render_quantile_chart(results)
+    assert img.size == (640, 360) and len(img.getcolors(maxcolors=10_000) or []) > 3
+
+
+def test_previews_are_due_every_n_steps_and_at_the_end_and_validated():
+    sampling = importlib.import_module("ingraph_trainer.trainer.sampling")
+    spec = config.SampleSpec(every=4)
+    assert [s for s in range(0, 11) if sampling.sample_due(spec, s, 10)] == [4, 8, 10]
+    assert not any(sampling.sample_due(config.SampleSpec(every=0), s, 10) for s in range(11))
+    data = valid_spec_dict()
+    data["samples"] = {"every": 5, "width": 60}
+    with pytest.raises(config.RunSpecError) as err:
+        config.spec_from_dict(data)
+    for field in ("samples.conditioning", "samples.vae_path", "samples.prompts", "samples.width/height"):
+        assert field in str(err.value)
+
+
+def test_conditioning_survives_the_file_round_trip(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+    sampling = importlib.import_module("ingraph_trainer.trainer.sampling")
+    cond = [[torch.randn(1, 77, 8), {"pooled_output": torch.randn(1, 8), "note": "dropped"}]]
+    save_file(sampling.conditioning_tensors(cond, "positive.0"), str(tmp_path / "c.safetensors"))
+    back = sampling.conditioning_from(load_file(str(tmp_path / "c.safetensors")), "positive.0")
+    assert torch.equal(back[0][0], cond[0][0]) and torch.equal(back[0][1]["pooled_output"], cond[0][1]["pooled_output"])
+    assert set(back[0][1]) == {"pooled_output"}
+
+
+def test_evaluate_task_needs_no_output_file():
+    data = valid_spec_dict()
+    data["task"], data["output"]["lora_path"] = "evaluate", ""
+    assert config.spec_from_dict(data).task == "evaluate"
+    data["task"] = "train"
+    with pytest.raises(config.RunSpecError, match="output.lora_path"):
+        config.spec_from_dict(data)
+    data["task"] = "sample"
+    with pytest.raises(config.RunSpecError, match="task: must be one of"):
+        config.spec_from_dict(data)

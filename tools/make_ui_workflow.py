@@ -22,11 +22,25 @@ def is_widget(spec) -> bool:
     return (isinstance(kind, list) or kind in WIDGET_TYPES) and not options.get("forceInput")
 
 
+def _columns(api: dict) -> dict[str, int]:
+    """Left to right by dependency depth: a node sits one column right of its deepest input."""
+    depth: dict[str, int] = {}
+
+    def of(key: str) -> int:
+        if key not in depth:
+            sources = [v[0] for v in api[key]["inputs"].values()
+                       if isinstance(v, list) and len(v) == 2 and isinstance(v[0], str)]
+            depth[key] = 1 + max((of(k) for k in sources), default=-1)
+        return depth[key]
+    return {key: of(key) for key in api}
+
+
 def convert(api: dict, info: dict) -> dict:
     ids = {key: n for n, key in enumerate(api, start=1)}
     nodes, links = [], []
     out_links: dict[tuple[int, int], list[int]] = {}
-    columns = {"1": 0, "2": 0, "3": 1, "4": 2, "5": 2, "6": 3, "7": 4}
+    columns = _columns(api)
+    rows: dict[int, int] = {}
     for key, node in api.items():
         spec = info[node["class_type"]]
         required, optional = spec["input"].get("required", {}), spec["input"].get("optional", {})
@@ -54,9 +68,9 @@ def convert(api: dict, info: dict) -> dict:
                 widgets.append(value)
                 if len(ispec) > 1 and ispec[1].get("control_after_generate"):
                     widgets.append("fixed")
-        col = columns.get(key, 5 + (int(key) - 8) // 3)
-        row = (int(key) - 1) % 4 if key not in columns else {"1": 0, "2": 1, "3": 1, "4": 1, "5": 2, "6": 0, "7": 1}[key]
-        nodes.append({"id": ids[key], "type": node["class_type"], "pos": [40 + 380 * col, 60 + 320 * row],
+        col = columns[key]
+        row = rows[col] = rows.get(col, -1) + 1
+        nodes.append({"id": ids[key], "type": node["class_type"], "pos": [40 + 380 * col, 60 + 330 * row],
                       "size": [340, 260], "flags": {}, "order": ids[key] - 1, "mode": 0, "inputs": inputs,
                       "outputs": [], "properties": {"Node name for S&R": node["class_type"]},
                       "widgets_values": widgets, "title": node.get("_meta", {}).get("title")})

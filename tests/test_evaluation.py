@@ -1,0 +1,122 @@
+"""Evaluation in the graph: Evaluate node, evaluation and sample previews during training, Compare grid."""
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+
+from conftest import load_workflow, read_events, run_trainer
+
+pytestmark = pytest.mark.comfyui
+
+WORKFLOW = "train_evaluate_compare_api.json"
+TRAIN, EVAL_BASE, EVAL_TRAINED, COMPARE, SAVE_GRID = "7", "9", "10", "11", "12"
+
+
+def executed_outputs(outcome) -> dict[str, dict]:
+    return {d["node"]: d["output"] for d in outcome.of_type("executed")}
+
+
+@pytest.fixture(scope="module")
+def workflow_run(comfy):
+    """The shipped train + evaluate + compare workflow, plus a second, identical evaluation of the trained model."""
+    from client.api import ComfyClient
+    wf = load_workflow(WORKFLOW)
+    wf[TRAIN]["inputs"]["output_name"] = "test_evaluate_compare"
+    wf["14"] = copy.deepcopy(wf[EVAL_TRAINED])
+    client = ComfyClient(comfy.address)
+    outcome = client.run(wf, timeout=600)
+    client.close()
+    assert outcome.ok, (outcome.status, outcome.error, comfy.log_tail())
+    return outcome, wf
+
+
+def events_of(outcome, kind):
+    return [m["data"] for m in outcome.messages
+            if m.get("type") == "ingraph.event" and m["data"]["event"]["type"] == kind]
+
+
+def test_workflow_runs_headless_and_saves_the_grid(workflow_run, client):
+    from PIL import Image
+    outcome, wf = workflow_run
+    images = executed_outputs(outcome)[SAVE_GRID]["images"]
+    assert len(images) == 1
+    raw = client.get(f"/view?filename={images[0]['filename']}&subfolder={images[0]['subfolder']}&type=output")
+    grid = Image.open(io.BytesIO(raw))
+    rows = 2 * 2  # two prompts x two seeds, columns base and trained
+    width, height = wf[COMPARE]["inputs"]["width"], wf[COMPARE]["inputs"]["height"]
+    assert grid.height >= rows * height and grid.width >= 2 * width
+    cells = [grid.crop((180 + c * (max(width, 96) + 4), 22, 180 + c * (max(width, 96) + 4) + width, 22 + height))
+             for c in range(2)]
+    assert cells[0].tobytes() != cells[1].tobytes(), "base and trained images are identical"
+
+
+def test_evaluate_node_adapter_beats_base_and_is_deterministic(workflow_run):
+    outcome, _ = workflow_run
+    out = executed_outputs(outcome)
+    base, trained, again = (out[n]["evaluation"][0] for n in (EVAL_BASE, EVAL_TRAINED, "14"))
+    assert set(base["quantiles"]) == {"0.1", "0.3", "0.5", "0.7", "0.9"} and base["items"] == 8
+    print(f"\nEvaluate: base {base['loss']:.6f}, trained {trained['loss']:.6f}")
+    assert trained["loss"] < base["loss"]
+    assert again == trained  # two evaluations of the same inputs: identical, to the last bit
+    assert "mean" in out[EVAL_TRAINED]["text"][0]
+
+
+def test_training_evaluates_and_previews_at_the_configured_steps(workflow_run, comfy, client):
+    outcome, wf = workflow_run
+    inputs = wf[TRAIN]["inputs"]
+    steps, every = inputs["steps"], inputs["eval_every"]
+    evals = [d["event"] for d in events_of(outcome, "eval") if d["node"] == TRAIN]
+    assert [e["step"] for e in evals] == list(range(0, steps + 1, every))
+    samples = [d for d in events_of(outcome, "sample") if d["node"] == TRAIN]
+    sample_every = wf["6"]["inputs"]["every"]
+    assert [d["event"]["step"] for d in samples] == list(range(sample_every, steps + 1, sample_every))
+    run_id = samples[0]["run_id"]
+    record = client.get(f"/ingraph/runs/{run_id}")
+    best = min(evals, key=lambda e: e["loss"])
+    assert record["best_eval"] == {"step": best["step"], "loss": best["loss"]}
+    prompts = wf["6"]["inputs"]["prompts"].splitlines()
+    for d in samples:
+        assert len(d["event"]["images"]) == len(prompts)
+        for path in d["event"]["images"]:
+            png = client.get(f"/ingraph/runs/{run_id}/{path}")
+            assert png[:8] == b"\x89PNG\r\n\x1a\n", path
+    assert record["artifacts"]["samples"] == [p for d in samples for p in d["event"]["images"]]
+    tensorboard = list((comfy.dir("output", "ingraph", "runs", run_id, "tensorboard")).glob("events.out.*"))
+    assert tensorboard
+
+
+def test_sample_route_refuses_other_files(workflow_run, client):
+    import urllib.error
+    outcome, _ = workflow_run
+    run_id = events_of(outcome, "sample")[0]["run_id"]
+    for path in ("samples/..%2Frun.toml", "samples/.hidden.png", "samples/missing.png", "run.toml"):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            client.get(f"/ingraph/runs/{run_id}/{path}")
+        assert err.value.code == 404, path
+
+
+def test_previews_do_not_change_training(prepared):
+    """Sampling uses the global RNG; it is forked, so a run with previews trains exactly as one without."""
+    common = dict(train__steps=4, train__eval_every=2, train__precision="fp32", adapter__dropout=0.1,
+                  train__eval_quantiles=[0.5])
+    with_previews = prepared(**common, samples__every=3, samples__steps=2, samples__width=64, samples__height=64,
+                             samples__prompts=["a red circle", "a blue square"])
+    proc = run_trainer(with_previews)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from ingraph_trainer.trainer.config import dump_run_spec, load_run_spec
+    spec = load_run_spec(with_previews)
+    plain = with_previews.parent.with_name(with_previews.parent.name + "-plain")
+    plain.mkdir()
+    spec.run_dir, spec.output.lora_path, spec.samples.every = str(plain), str(plain / "lora.safetensors"), 0
+    (plain / "run.toml").write_text(dump_run_spec(spec))
+    proc = run_trainer(plain / "run.toml")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = read_events(with_previews.parent), read_events(plain)
+    assert [e["step"] for e in a if e["type"] == "sample"] == [3, 4]
+    assert not (plain / "samples").exists()
+    for kind in ("step", "eval"):
+        assert [e["loss"] for e in a if e["type"] == kind] == [e["loss"] for e in b if e["type"] == kind]
+    assert sorted(p.name for p in (with_previews.parent / "samples").iterdir()) == \
+        ["step000003_0.png", "step000003_1.png", "step000004_0.png", "step000004_1.png"]
