@@ -18,7 +18,8 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 
 def test_panel_shows_rising_steps_and_a_loss_chart(comfy, tmp_path):
     from playwright.sync_api import sync_playwright
-    workflow = json.loads((REPO / "workflows" / "train_lora.json").read_text())
+    # the train + evaluate + compare workflow: the panel also charts evaluations and shows previews
+    workflow = json.loads((REPO / "workflows" / "train_evaluate_compare.json").read_text())
     train = next(n for n in workflow["nodes"] if n["type"] == "InGraphTrainLoRA")
     from client.api import ComfyClient
     info = ComfyClient(comfy.address).get("/object_info/InGraphTrainLoRA")["InGraphTrainLoRA"]
@@ -65,6 +66,9 @@ def test_panel_shows_rising_steps_and_a_loss_chart(comfy, tmp_path):
             page.wait_for_function(
                 "() => /finished/.test(document.querySelector('.ingraph-panel [data-role=state]').textContent)",
                 timeout=180_000)
+            # previews at steps 20 and 40, two prompts each, loaded from the run's samples route
+            page.wait_for_function("() => [...document.querySelectorAll('.ingraph-panel [data-role=samples] img')]"
+                                   ".filter(i => i.complete && i.naturalWidth === 64).length === 4", timeout=30_000)
             # centre the view on the Train node so the screenshot shows the panel
             page.evaluate("""() => { const n = window.app.graph._nodes.find(n => n.type === 'InGraphTrainLoRA');
                 const c = window.app.canvas; c.ds.scale = 1.0;
@@ -73,9 +77,15 @@ def test_panel_shows_rising_steps_and_a_loss_chart(comfy, tmp_path):
             page.screenshot(path=str(ARTIFACTS / "web_panel.png"))
             final_points = int(page.get_attribute(".ingraph-panel canvas[data-role=chart]", "data-points"))
             assert final_points == 40
-            assert int(page.get_attribute(".ingraph-panel canvas[data-role=chart]", "data-evals")) == 2
+            assert int(page.get_attribute(".ingraph-panel canvas[data-role=chart]", "data-evals")) == 5  # 0, 10, .. 40
             text = page.inner_text(".ingraph-panel")
             assert "40 / 40" in text and "img/s" in text
+            # the rest of the workflow (Evaluate, Compare) finishes before the next test uses the server
+            client = ComfyClient(comfy.address)
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline and (client.get("/queue")["queue_running"] or client.get("/queue")["queue_pending"]):
+                time.sleep(0.5)
+            assert not client.get("/queue")["queue_running"]
         finally:
             (ARTIFACTS / "web_console.log").write_text("\n".join(console))
             browser.close()

@@ -40,7 +40,7 @@ def convert(api: dict, info: dict) -> dict:
     nodes, links = [], []
     out_links: dict[tuple[int, int], list[int]] = {}
     columns = _columns(api)
-    rows: dict[int, int] = {}
+    next_y: dict[int, int] = {}  # per column: where the next node goes
     for key, node in api.items():
         spec = info[node["class_type"]]
         required, optional = spec["input"].get("required", {}), spec["input"].get("optional", {})
@@ -69,9 +69,14 @@ def convert(api: dict, info: dict) -> dict:
                 if len(ispec) > 1 and ispec[1].get("control_after_generate"):
                     widgets.append("fixed")
         col = columns[key]
-        row = rows[col] = rows.get(col, -1) + 1
-        nodes.append({"id": ids[key], "type": node["class_type"], "pos": [40 + 380 * col, 60 + 330 * row],
-                      "size": [340, 260], "flags": {}, "order": ids[key] - 1, "mode": 0, "inputs": inputs,
+        # rough height: title, one line per socket or widget, multi-line text boxes, the Train node's panel
+        lines = max(len(inputs) + len(widgets), len(info[node["class_type"]]["output"]))
+        height = 40 + 24 * lines + 60 * sum(isinstance(w, str) and "\n" in w for w in widgets) \
+            + (230 if node["class_type"] == "InGraphTrainLoRA" else 0)
+        y = next_y.get(col, 60)
+        next_y[col] = y + height + 50
+        nodes.append({"id": ids[key], "type": node["class_type"], "pos": [40 + 380 * col, y],
+                      "size": [340, height], "flags": {}, "order": ids[key] - 1, "mode": 0, "inputs": inputs,
                       "outputs": [], "properties": {"Node name for S&R": node["class_type"]},
                       "widgets_values": widgets, "title": node.get("_meta", {}).get("title")})
     for node in nodes:
