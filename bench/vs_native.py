@@ -54,7 +54,7 @@ def ours_workflow(steps, rank, batch, precision, seed, targets):
         "3": {"class_type": "InGraphCacheLatents", "inputs": {"dataset": ["2", 0], "vae": ["1", 2]}},
         "4": {"class_type": "InGraphCacheTextEmbeddings", "inputs": {"dataset": ["3", 0], "clip": ["1", 1]}},
         "5": {"class_type": "InGraphLoRAAdapter",
-              "inputs": {"rank": rank, "alpha": float(rank), "dropout": 0.0, "targets": targets}},
+              "inputs": {"kind": "LoRA", "rank": rank, "alpha": float(rank), "dropout": 0.0, "targets": targets}},
         "6": {"class_type": "InGraphTrainLoRA",
               "inputs": {"model": ["1", 0], "dataset": ["4", 0], "adapter": ["5", 0], "steps": steps,
                          "batch_size": batch, "gradient_accumulation": 1, "learning_rate": 1e-3,

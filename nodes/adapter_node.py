@@ -3,6 +3,7 @@ from comfy_api.latest import io
 from ..trainer.config import AdapterSpec
 from .types import CATEGORY, Adapter
 
+KINDS = {"LoRA": "lora", "LoHa": "loha", "LoKr": "lokr", "DoRA": "dora", "Full fine-tune": "full"}
 TARGET_PRESETS = {"attention": "attention", "attention + feed-forward": "attention_ff", "all linear layers": "all_linear"}
 
 
@@ -13,14 +14,23 @@ class LoRAAdapter(io.ComfyNode):
             node_id="InGraphLoRAAdapter",
             display_name="LoRA Adapter",
             category=CATEGORY,
-            description="Settings of the LoRA to train.",
+            description="Settings of the adapter to train (LoRA or one of its LyCORIS relatives). Every kind is "
+                        "saved with the keys ComfyUI's Load LoRA reads.",
             inputs=[
+                io.Combo.Input("kind", options=list(KINDS), default="LoRA",
+                               tooltip="LoRA: low-rank update. LoHa: Hadamard product of two low-rank updates (more "
+                                       "expressive at the same rank). LoKr: Kronecker product (very small files). "
+                                       "DoRA: LoRA plus a learned magnitude per output channel. Full fine-tune: every "
+                                       "weight trains (rank, alpha, dropout and targets unused); saved as a diffusion "
+                                       "model for Load Diffusion Model."),
                 io.Int.Input("rank", default=16, min=1, max=1024,
-                             tooltip="LoRA rank (network dim): larger learns more detail and makes a bigger file."),
+                             tooltip="Rank (network dim): larger learns more detail and makes a bigger file. LoKr "
+                                     "uses it for the factored part and keeps small factors whole."),
                 io.Float.Input("alpha", default=16.0, min=0.01, max=4096.0, step=0.01,
                                tooltip="LoRA alpha: the update is scaled by alpha / rank. Saved as-is in the file."),
                 io.Float.Input("dropout", default=0.0, min=0.0, max=0.9, step=0.01,
-                               tooltip="Dropout on the LoRA path during training (0 = off)."),
+                               tooltip="Dropout on the adapter path during training (LoHa/LoKr: rank dropout; "
+                                       "0 = off)."),
                 io.Combo.Input("targets", options=list(TARGET_PRESETS), default="attention",
                                tooltip="Which layers get a LoRA: attention projections; attention and feed-forward; "
                                        "or every linear layer of the diffusion model."),
@@ -29,10 +39,12 @@ class LoRAAdapter(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, rank, alpha, dropout, targets) -> io.NodeOutput:
+    def execute(cls, kind, rank, alpha, dropout, targets) -> io.NodeOutput:
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {list(KINDS)} (got {kind!r})")
         if rank < 1:
             raise ValueError(f"rank must be at least 1 (got {rank})")
         if targets not in TARGET_PRESETS:
             raise ValueError(f"targets must be one of {list(TARGET_PRESETS)} (got {targets!r})")
-        return io.NodeOutput(AdapterSpec(rank=rank, alpha=float(alpha), dropout=float(dropout),
+        return io.NodeOutput(AdapterSpec(kind=KINDS[kind], rank=rank, alpha=float(alpha), dropout=float(dropout),
                                          targets=TARGET_PRESETS[targets]))

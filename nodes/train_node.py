@@ -8,6 +8,7 @@ from .types import CATEGORY, Adapter, Dataset, Distributed, Previews
 log = logging.getLogger("ingraph_trainer")
 
 OPTIMIZERS = {"AdamW": "adamw", "AdamW 8-bit": "adamw8bit"}
+FILE_FORMATS = {"ComfyUI": "comfyui", "kohya (lora_unet_*)": "kohya", "diffusers (peft)": "diffusers"}
 SCHEDULES = {"constant": "constant", "linear decay": "linear", "cosine decay": "cosine"}
 EVENT_NAME = "ingraph.event"
 
@@ -71,8 +72,9 @@ class TrainLoRA(io.ComfyNode):
                 io.Int.Input("save_every", default=0, min=0, max=1_000_000,
                              tooltip="Save a resumable checkpoint every N steps (0 = only the final LoRA)."),
                 io.String.Input("output_name", default="ingraph_lora",
-                                tooltip="File name in models/loras (sub-folders allowed). An existing file of "
-                                        "that name is replaced when the run finishes."),
+                                tooltip="File name in models/loras (a full fine-tune: models/diffusion_models); "
+                                        "sub-folders allowed. An existing file of that name is replaced when the "
+                                        "run finishes."),
                 Distributed.Input("distributed", optional=True,
                                   tooltip="DeepSpeed settings (processes, ZeRO, offload, hostfile); one process "
                                           "when not connected."),
@@ -86,6 +88,11 @@ class TrainLoRA(io.ComfyNode):
                 Previews.Input("previews", optional=True,
                                tooltip="Sample Previews settings: images rendered on the current weights during "
                                        "training, shown in this node."),
+                io.Combo.Input("file_format", options=list(FILE_FORMATS), default="ComfyUI", optional=True,
+                               tooltip="Key layout of the saved file. ComfyUI: what Load LoRA reads natively. kohya: "
+                                       "lora_unet_* keys for kohya-based tools (ComfyUI reads these too). diffusers: "
+                                       "the peft layout diffusers' load_lora_weights reads (plain LoRA only; "
+                                       "alpha / rank folded into the weights)."),
                 io.Combo.Input("resume", options=["off", "latest", *_resumable()], default="off", optional=True,
                                tooltip="off: a new run. latest: continue the newest run with this output_name "
                                        "from its last complete checkpoint (a new run if there is none). Or pick a "
@@ -93,7 +100,9 @@ class TrainLoRA(io.ComfyNode):
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The input MODEL with the trained LoRA applied."),
-                io.String.Output(display_name="lora_name", tooltip="The LoRA's name as LoraLoader lists it."),
+                io.String.Output(display_name="lora_name", tooltip="The LoRA's name as Load LoRA lists it (a full "
+                                                                   "fine-tune: the model's name as Load Diffusion "
+                                                                   "Model lists it)."),
                 io.Image.Output(display_name="loss_chart", tooltip="Training loss (raw and smoothed) and "
                                                                    "evaluation loss over the run."),
             ],
@@ -110,11 +119,27 @@ class TrainLoRA(io.ComfyNode):
             return str(exc)
         return True
 
+    @staticmethod
+    def _trained_model(model, path: str, file_format: str, full: bool):
+        """The input MODEL with the result applied the way ComfyUI's loaders apply it."""
+        import comfy.sd
+        import comfy.utils
+        from ..trainer.export import comfyui_readable, diffusers_module_names
+        tensors = comfy.utils.load_torch_file(path, safe_load=True)
+        if full:  # every weight replaced; the MODEL's own options (sampling, patches on top) are kept
+            trained = model.clone()
+            trained.add_patches({f"diffusion_model.{k}": ("set", (v,)) for k, v in tensors.items()}, 1.0, 0.0)
+            return trained
+        if file_format == "diffusers":
+            tensors = comfyui_readable(tensors, diffusers_module_names(model.model))
+        trained, _ = comfy.sd.load_lora_for_models(model, None, tensors, 1.0, 0.0)
+        return trained
+
     @classmethod
     def execute(cls, model, dataset, adapter, steps, batch_size, gradient_accumulation, learning_rate, optimizer,
                 lr_schedule, warmup_steps, precision, gradient_checkpointing, seed, save_every,
                 output_name, resume="off", distributed=None, eval_dataset=None, eval_every=0,
-                previews=None) -> io.NodeOutput:
+                previews=None, file_format="ComfyUI") -> io.NodeOutput:
         import comfy.model_management
         import comfy.sd
         import comfy.utils
@@ -130,7 +155,9 @@ class TrainLoRA(io.ComfyNode):
             raise ValueError("dataset: latents are not cached; connect it through Cache Latents first")
         if not dataset.has_text:
             raise ValueError("dataset: captions are not encoded; connect it through Cache Text Embeddings first")
-        lora_path, new_lora_name = paths.lora_output_path(output_name)
+        full = adapter.kind == "full"
+        output_folder = "diffusion_models" if full else "loras"
+        lora_path, new_lora_name = paths.lora_output_path(output_name, output_folder)
         train = TrainSpec(steps=steps, batch_size=batch_size, grad_accum=gradient_accumulation,
                           learning_rate=learning_rate, optimizer=OPTIMIZERS[optimizer],
                           lr_schedule=SCHEDULES[lr_schedule], warmup_steps=warmup_steps, precision=precision,
@@ -156,9 +183,12 @@ class TrainLoRA(io.ComfyNode):
                                              adapter=adapter, train=train, distributed=distributed,
                                              lora_path=lora_path, comfyui_path=paths.comfyui_root(),
                                              eval_dataset=eval_dataset, previews=previews,
-                                             models_root=paths.models_root())
+                                             models_root=paths.models_root(),
+                                             file_format=FILE_FORMATS[file_format or "ComfyUI"])
         saved = _saved_spec(spec_path)  # what the trainer will run, for a new run and a resumed one alike
-        steps, lora_name = saved.train.steps, paths.lora_name_of(saved.output.lora_path)
+        full = saved.adapter.kind == "full"  # a resumed run keeps its own kind
+        steps = saved.train.steps
+        lora_name = paths.lora_name_of(saved.output.lora_path, "diffusion_models" if full else "loras")
         node_id = cls.hidden.unique_id
         from ..runner.runs import write_owner
         write_owner(run_dir, node_id)
@@ -175,7 +205,6 @@ class TrainLoRA(io.ComfyNode):
         result = watch_run(process, on_event, comfy.model_management.throw_exception_if_processing_interrupted)
         log.info("InGraph Trainer: run %s finished; LoRA written to %s", run_dir.name, result.adapter_path)
 
-        lora = comfy.utils.load_torch_file(result.adapter_path, safe_load=True)
-        trained_model, _ = comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0.0)
+        trained_model = cls._trained_model(model, result.adapter_path, saved.output.format, full)
         chart = chart_tensor(render_loss_chart(result.steps, result.losses, result.evals))
         return io.NodeOutput(trained_model, lora_name, chart)

@@ -38,8 +38,10 @@ def resolve_input_folder(folder: str) -> Path:
     return path if path.is_absolute() else Path(folder_paths.get_input_directory()) / path
 
 
-def lora_output_path(output_name: str) -> tuple[Path, str]:
-    """(absolute file in the first models/loras folder, the name LoraLoader lists it under)."""
+def lora_output_path(output_name: str, folder: str = "loras") -> tuple[Path, str]:
+    """(absolute file in the first models/<folder> folder, the name the loader lists it under).
+
+    folder: "loras" for adapters (Load LoRA), "diffusion_models" for full fine-tunes (Load Diffusion Model)."""
     import folder_paths
     name = output_name.strip().replace("\\", "/")
     if name.endswith(".safetensors"):
@@ -47,16 +49,16 @@ def lora_output_path(output_name: str) -> tuple[Path, str]:
     parts = [p for p in name.split("/") if p]
     if not parts or any(p in (".", "..") for p in parts) or name.startswith("/"):
         raise ValueError(f"output_name {output_name!r} must be a file name, optionally with sub-folders, "
-                         "inside models/loras")
+                         f"inside models/{folder}")
     relative = "/".join(parts) + ".safetensors"
-    return Path(folder_paths.get_folder_paths("loras")[0]) / relative, relative
+    return Path(folder_paths.get_folder_paths(folder)[0]) / relative, relative
 
 
-def lora_name_of(path: str | Path) -> str:
-    """The name LoraLoader lists a file under (relative to a loras folder), else its file name."""
+def lora_name_of(path: str | Path, folder_name: str = "loras") -> str:
+    """The name a loader lists a file under (relative to a models/<folder_name> folder), else its file name."""
     import folder_paths
     path = Path(path).resolve()
-    for folder in folder_paths.get_folder_paths("loras"):
+    for folder in folder_paths.get_folder_paths(folder_name):
         try:
             return path.relative_to(Path(folder).resolve()).as_posix()
         except ValueError:

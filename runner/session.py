@@ -36,7 +36,8 @@ EVAL_MANIFEST_FILE = "eval_dataset.json"
 def prepare_run(*, runs_root: Path, name: str, model_path: Path, prediction: str, dataset, cache_root: Path,
                 adapter: AdapterSpec | None = None, train: TrainSpec, lora_path: Path | None = None,
                 comfyui_path: str, distributed: DistributedSpec | None = None, task: str = "train",
-                eval_dataset=None, previews=None, models_root: Path | None = None) -> tuple[Path, Path]:
+                eval_dataset=None, previews=None, models_root: Path | None = None,
+                file_format: str = "comfyui") -> tuple[Path, Path]:
     """Creates the run directory with its dataset manifest(s) and run spec; returns (run dir, spec path).
 
     `previews` (runner.previews.PreviewSettings) needs `models_root`, where the VAE weights go.
@@ -56,6 +57,7 @@ def prepare_run(*, runs_root: Path, name: str, model_path: Path, prediction: str
         spec.samples = write_preview_inputs(previews, run_dir, models_root)
     spec.output.lora_path = str(lora_path or "")
     spec.output.name = name
+    spec.output.format = file_format
     spec.validate(str(run_dir / SPEC_FILE))
     spec_path = run_dir / SPEC_FILE
     spec_path.write_text(dump_run_spec(spec), encoding="utf-8")

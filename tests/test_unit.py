@@ -236,3 +236,30 @@ def test_evaluate_task_needs_no_output_file():
     data["task"] = "sample"
     with pytest.raises(config.RunSpecError, match="task: must be one of"):
         config.spec_from_dict(data)
+
+
+def test_export_formats_rename_and_refuse_what_they_cannot_hold():
+    import torch
+    export = importlib.import_module("ingraph_trainer.trainer.export")
+    down, up = torch.randn(4, 16), torch.randn(32, 4)
+    comfy = {"diffusion_model.input_blocks.1.1.proj.lora_down.weight": down,
+             "diffusion_model.input_blocks.1.1.proj.lora_up.weight": up,
+             "diffusion_model.input_blocks.1.1.proj.alpha": torch.tensor(8.0)}
+    names = {"input_blocks.1.1.proj": "down_blocks.0.attentions.0.proj"}
+    kohya = export.convert(comfy, "kohya", names)
+    assert set(kohya) == {"lora_unet_down_blocks_0_attentions_0_proj." + p for p in ("lora_down.weight", "lora_up.weight", "alpha")}
+    diffusers = export.convert(comfy, "diffusers", names)
+    assert torch.equal(diffusers["unet.down_blocks.0.attentions.0.proj.lora_B.weight"], up * 2.0)  # alpha / rank
+    back = export.comfyui_readable(diffusers, names)
+    delta = lambda sd: sd["diffusion_model.input_blocks.1.1.proj.lora_up.weight"] @ \
+        sd["diffusion_model.input_blocks.1.1.proj.lora_down.weight"] * \
+        float(sd["diffusion_model.input_blocks.1.1.proj.alpha"]) / 4
+    assert torch.allclose(delta(back), delta(comfy))
+    assert export.comfyui_readable(kohya, names) is kohya  # ComfyUI reads kohya keys itself
+    loha = {"diffusion_model.a.hada_w1_a": down, "diffusion_model.a.alpha": torch.tensor(1.0)}
+    with pytest.raises(ValueError, match="plain LoRA only"):
+        export.convert(loha, "diffusers", {"a": "b"})
+    data = valid_spec_dict()
+    data["adapter"]["kind"], data["output"]["format"] = "lokr", "diffusers"
+    with pytest.raises(config.RunSpecError, match="output.format: the diffusers format holds plain LoRA only"):
+        config.spec_from_dict(data)

@@ -1,4 +1,4 @@
-"""LoRA through peft, exported with ComfyUI keys, float32 alpha and kohya-style metadata."""
+"""Adapters (LoRA, LoHa, LoKr, DoRA) through peft, exported with ComfyUI keys, float32 alpha, kohya-style metadata."""
 from __future__ import annotations
 
 import json
@@ -9,42 +9,96 @@ from pathlib import Path
 
 import torch
 
+from .config import ADAPTER_KINDS
+
 ADAPTER_NAME = "default"
 
 
-def inject_lora(diffusion_model: torch.nn.Module, targets: list[str], rank: int, alpha: float, dropout: float):
-    """Adds trainable LoRA layers to `targets`; everything else is frozen."""
-    from peft import LoraConfig, inject_adapter_in_model
+def _peft_config(kind: str, targets: list[str], rank: int, alpha: float, dropout: float):
+    from peft import LoHaConfig, LoKrConfig, LoraConfig
+    if kind in ("lora", "dora"):
+        return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                          init_lora_weights=True, bias="none", use_dora=kind == "dora")
+    if kind == "loha":
+        return LoHaConfig(r=rank, alpha=alpha, rank_dropout=dropout, target_modules=targets)
+    if kind == "lokr":
+        return LoKrConfig(r=rank, alpha=alpha, rank_dropout=dropout, target_modules=targets)
+    raise ValueError(f"adapter.kind: {kind!r} is not one of {ADAPTER_KINDS}")
+
+
+def inject_adapter(diffusion_model: torch.nn.Module, targets: list[str], kind: str, rank: int, alpha: float,
+                   dropout: float):
+    """Adds trainable adapter layers (peft) to `targets`; everything else is frozen."""
+    from peft import inject_adapter_in_model
     if not targets:
         raise ValueError("the adapter preset selects no layers of this model")
     diffusion_model.requires_grad_(False)
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
-                        init_lora_weights=True, bias="none")
-    inject_adapter_in_model(config, diffusion_model, adapter_name=ADAPTER_NAME)
+    inject_adapter_in_model(_peft_config(kind, targets, rank, alpha, dropout), diffusion_model,
+                            adapter_name=ADAPTER_NAME)
     return [p for p in diffusion_model.parameters() if p.requires_grad]
 
 
-def comfy_lora_state_dict(diffusion_model: torch.nn.Module, alpha: float) -> dict[str, torch.Tensor]:
-    """peft's lora_A / lora_B become ComfyUI's diffusion_model.<module>.lora_down / lora_up / alpha."""
-    from peft import get_peft_model_state_dict
-    peft_sd = get_peft_model_state_dict(diffusion_model, adapter_name=ADAPTER_NAME)
-    out = {}
+def _f32(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", torch.float32).contiguous()
+
+
+def _by_module(peft_sd: dict) -> dict[str, dict[str, torch.Tensor]]:
+    parts = ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector", "hada_w1_a", "hada_w1_b", "hada_w2_a",
+             "hada_w2_b", "lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
+    modules: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in peft_sd.items():
-        for peft_part, comfy_part in ((".lora_A.weight", "lora_down"), (".lora_B.weight", "lora_up")):
-            if key.endswith(peft_part):
-                module = key[: -len(peft_part)]
-                out[f"diffusion_model.{module}.{comfy_part}.weight"] = tensor.detach().to("cpu", torch.float32).contiguous()
-                out[f"diffusion_model.{module}.alpha"] = torch.tensor(float(alpha), dtype=torch.float32)
-                break
-        else:
+        part = next((p for p in parts if key.endswith("." + p)), None)
+        if part is None:
             raise ValueError(f"unexpected adapter tensor {key}")
+        modules.setdefault(key[: -len(part) - 1], {})[part] = tensor
+    return modules
+
+
+def comfy_adapter_state_dict(diffusion_model: torch.nn.Module, kind: str, alpha: float) -> dict[str, torch.Tensor]:
+    """peft's adapter tensors with the keys and conventions ComfyUI's LoRA loader reads
+    (diffusion_model.<module>.lora_up/lora_down/alpha[/dora_scale], .hada_*, .lokr_*)."""
+    from peft import get_peft_model_state_dict
+    out = {}
+    for module, t in _by_module(get_peft_model_state_dict(diffusion_model, adapter_name=ADAPTER_NAME)).items():
+        prefix = f"diffusion_model.{module}"
+        layer = diffusion_model.get_submodule(module)
+        scale = float(layer.scaling[ADAPTER_NAME])
+        if kind in ("lora", "dora"):
+            down, up = _f32(t["lora_A.weight"]), _f32(t["lora_B.weight"])
+            out[f"{prefix}.lora_down.weight"], out[f"{prefix}.lora_up.weight"] = down, up
+            out[f"{prefix}.alpha"] = torch.tensor(scale * down.shape[0], dtype=torch.float32)
+            if kind == "dora":
+                # peft: (W + dW) * m / |W + dW| per output row. ComfyUI divides an output-axis dora_scale by
+                # |W| instead, so the scale it gets is m * |W| / |W + dW|: the same weight, exactly.
+                weight = _f32(layer.get_base_layer().weight)
+                merged = weight + scale * (up @ down)
+                magnitude = _f32(t["lora_magnitude_vector"]).reshape(-1, 1)
+                out[f"{prefix}.dora_scale"] = (magnitude * weight.norm(dim=1, keepdim=True)
+                                               / merged.norm(dim=1, keepdim=True)).contiguous()
+        elif kind == "loha":
+            for name in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"):
+                out[f"{prefix}.{name}"] = _f32(t[name])
+            out[f"{prefix}.alpha"] = torch.tensor(scale * t["hada_w1_b"].shape[0], dtype=torch.float32)
+        elif kind == "lokr":
+            # ComfyUI scales by alpha / (rank of the factored part) or by 1 when nothing is factored: peft's
+            # scale goes into w1 and alpha is set to that rank, so ComfyUI's factor is exactly 1
+            tensors = {name: _f32(value) for name, value in t.items()}
+            w1 = "lokr_w1" if "lokr_w1" in tensors else "lokr_w1_a"
+            tensors[w1] = tensors[w1] * scale
+            dim = tensors["lokr_w2_b"].shape[0] if "lokr_w2_b" in tensors else \
+                tensors["lokr_w1_b"].shape[0] if "lokr_w1_b" in tensors else 1
+            for name, value in tensors.items():
+                out[f"{prefix}.{name}"] = value.contiguous()
+            out[f"{prefix}.alpha"] = torch.tensor(float(dim), dtype=torch.float32)
+        else:
+            raise ValueError(f"adapter.kind: {kind!r} is not one of {ADAPTER_KINDS}")
     return out
 
 
 def kohya_metadata(spec, family, num_images: int, steps_done: int, started_at: float) -> dict[str, str]:
     t, a = spec.train, spec.adapter
     meta = {
-        "ss_network_module": "networks.lora",
+        "ss_network_module": "networks.lora" if a.kind in ("lora", "dora") else "lycoris.kohya",
         "ss_network_dim": str(a.rank),
         "ss_network_alpha": str(float(a.alpha)),
         "ss_network_dropout": str(a.dropout),
@@ -69,9 +123,11 @@ def kohya_metadata(spec, family, num_images: int, steps_done: int, started_at: f
         "ss_seed": str(t.seed),
         "ss_num_train_images": str(num_images),
         "ss_resolution": "",
-        "ss_network_args": json.dumps({"targets": a.targets}),
+        "ss_network_args": json.dumps({"targets": a.targets, "algo": a.kind,
+                                       **({"dora_wd": True} if a.kind == "dora" else {})}),
         "ingraph_trainer": json.dumps({"spec_version": spec.version, "family": family.name,
-                                       "prediction": family.prediction}),
+                                       "prediction": family.prediction, "kind": a.kind,
+                                       "format": spec.output.format}),
     }
     return meta
 

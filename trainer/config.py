@@ -15,6 +15,8 @@ from typing import Any, get_type_hints
 SPEC_VERSION = 1
 
 TARGET_PRESETS = ("attention", "attention_ff", "all_linear")
+ADAPTER_KINDS = ("lora", "loha", "lokr", "dora", "full")  # full: every weight of the diffusion model trains
+ADAPTER_FORMATS = ("comfyui", "kohya", "diffusers")
 OPTIMIZERS = ("adamw", "adamw8bit")
 SCHEDULES = ("constant", "linear", "cosine")
 PRECISIONS = ("fp32", "bf16")
@@ -88,8 +90,9 @@ class SampleSpec:
 
 @dataclass
 class OutputSpec:
-    lora_path: str = ""  # final adapter, written atomically (normally into ComfyUI's models/loras)
+    lora_path: str = ""  # final adapter (models/loras), or the full fine-tune (models/diffusion_models); atomic
     name: str = "lora"
+    format: str = "comfyui"  # key layout of the adapter file: comfyui, kohya or diffusers (see trainer/export.py)
 
 
 @dataclass
@@ -127,7 +130,7 @@ class RunSpec:
         need(bool(self.model.path), "model.path", "is required")
         need(self.model.prediction in PREDICTIONS, "model.prediction", f"must be one of {PREDICTIONS}")
         need(bool(self.data.manifest), "data.manifest", "is required")
-        need(a.kind == "lora", "adapter.kind", "must be 'lora'")
+        need(a.kind in ADAPTER_KINDS, "adapter.kind", f"must be one of {ADAPTER_KINDS} (got {a.kind!r})")
         need(a.rank >= 1, "adapter.rank", f"must be at least 1 (got {a.rank})")
         need(a.alpha > 0 and math.isfinite(a.alpha), "adapter.alpha", f"must be a positive number (got {a.alpha})")
         need(0.0 <= a.dropout < 1.0, "adapter.dropout", f"must be in [0, 1) (got {a.dropout})")
@@ -145,6 +148,12 @@ class RunSpec:
         need(bool(t.eval_quantiles) and all(isinstance(q, (int, float)) and 0.0 < q < 1.0 for q in t.eval_quantiles),
              "train.eval_quantiles", "must be a non-empty list of values in (0, 1)")
         need(self.task != "train" or bool(self.output.lora_path), "output.lora_path", "is required")
+        need(self.output.format in ADAPTER_FORMATS, "output.format",
+             f"must be one of {ADAPTER_FORMATS} (got {self.output.format!r})")
+        need(a.kind != "full" or self.output.format == "comfyui", "output.format",
+             "a full fine-tune is saved as a diffusion-model file with ComfyUI keys (format 'comfyui')")
+        need(self.output.format != "diffusers" or a.kind in ("lora", "full"), "output.format",
+             f"the diffusers format holds plain LoRA only (adapter.kind is {a.kind!r}); use comfyui or kohya")
         s = self.samples
         need(s.every >= 0, "samples.every", f"must be 0 or more (got {s.every})")
         if s.every:

@@ -1,6 +1,7 @@
 """The training run: components from the spec, the DeepSpeed engine, the step loop, checkpoints, export."""
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -9,7 +10,8 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ckpt
-from .adapters import comfy_lora_state_dict, inject_lora, kohya_metadata, save_adapter_atomic
+from . import export
+from .adapters import comfy_adapter_state_dict, inject_adapter, kohya_metadata, save_adapter_atomic
 from .comfy_env import import_comfy
 from .config import RunSpec
 from .data import Prefetcher, StepSampler, load_cached_dataset
@@ -96,6 +98,32 @@ class Trainer:
         torch.distributed.all_reduce(t)
         return t.item() / world_size()
 
+    def _export(self, deepspeed, family, params, eval_indices, steps_done: int, started_at: float) -> str | None:
+        """Writes the adapter (or, for a full fine-tune, the diffusion model); rank 0 only, every rank joins."""
+        spec, a, zero = self.spec, self.spec.adapter, self.spec.distributed.zero_stage
+        if a.kind == "full":
+            tensors = {}
+            for name, param in family.diffusion_model.named_parameters():  # one at a time: never the whole
+                with gathered(deepspeed, [param], zero):                  # model twice in memory
+                    if self.is_rank0:
+                        tensors[name] = param.detach().to("cpu").clone()
+            for name, buffer in family.diffusion_model.named_buffers():
+                tensors[name] = buffer.detach().to("cpu").clone()
+            meta = {"ingraph_trainer": json.dumps({"spec_version": spec.version, "family": family.name,
+                                                   "prediction": family.prediction, "kind": "full",
+                                                   "steps": steps_done})}
+        else:
+            # DoRA's export reads the base weights too; under ZeRO-3 they are sharded like the rest
+            export_params = list(family.diffusion_model.parameters()) if a.kind == "dora" else params
+            with gathered(deepspeed, export_params, zero):  # collective: every rank enters
+                tensors = comfy_adapter_state_dict(family.diffusion_model, a.kind, a.alpha)
+            tensors = export.convert(tensors, spec.output.format, export.diffusers_module_names(family.base_model)
+                                     if spec.output.format != "comfyui" else {})
+            meta = kohya_metadata(spec, family, len(eval_indices), steps_done, started_at)
+        if not self.is_rank0:
+            return None
+        return str(save_adapter_atomic(spec.output.lora_path, tensors, meta))
+
     def run(self):
         spec, t = self.spec, self.spec.train
         started_at = time.time()
@@ -106,8 +134,13 @@ class Trainer:
         eval_indices = eval_dataset.unique
 
         torch.manual_seed(t.seed)  # adapter initialisation
-        targets = family.adapter_targets(spec.adapter.targets)
-        params = inject_lora(family.diffusion_model, targets, spec.adapter.rank, spec.adapter.alpha, spec.adapter.dropout)
+        a = spec.adapter
+        if a.kind == "full":
+            targets = []
+            params = list(family.diffusion_model.requires_grad_(True).parameters())
+        else:
+            targets = family.adapter_targets(a.targets)
+            params = inject_adapter(family.diffusion_model, targets, a.kind, a.rank, a.alpha, a.dropout)
         if t.gradient_checkpointing:
             enable_gradient_checkpointing(family.checkpoint_blocks())
         module = TrainingModule(family)
@@ -222,12 +255,7 @@ class Trainer:
 
         eval_after = run_eval(steps_done)
         health.close()
-        adapter_path = None
-        with gathered(deepspeed, params, spec.distributed.zero_stage):  # collective: every rank enters
-            tensors = comfy_lora_state_dict(family.diffusion_model, spec.adapter.alpha)
-        if self.is_rank0:
-            meta = kohya_metadata(spec, family, len(eval_indices), steps_done, started_at)
-            adapter_path = str(save_adapter_atomic(spec.output.lora_path, tensors, meta))
+        adapter_path = self._export(deepspeed, family, params, eval_indices, steps_done, started_at)
         steady = step_times[1:] or step_times
         self.events.emit("finished", adapter=adapter_path, steps=steps_done, stopped=stopped, final_loss=final_loss,
                          eval_before=eval_before["loss"] if eval_before else None, eval_after=eval_after["loss"],

@@ -1,0 +1,75 @@
+"""Adapter kinds (LoRA, LoHa, LoKr, DoRA): trained through the graph, loaded by ComfyUI's own LoRA code.
+
+The file is checked by what it does: the Evaluate node's loss of the MODEL that ComfyUI builds from
+the file (Train LoRA's model output is ComfyUI's load_lora_for_models, what Load LoRA runs) equals
+the trainer's own final evaluation with the peft adapter in place.
+"""
+from __future__ import annotations
+
+import pytest
+from safetensors import safe_open
+
+from conftest import load_workflow
+
+pytestmark = pytest.mark.comfyui
+
+KEY_PARTS = {"LoRA": {"lora_up.weight", "lora_down.weight", "alpha"},
+             "LoHa": {"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "alpha"},
+             "LoKr": {"alpha"},  # plus lokr_w1 / lokr_w1_a+b and lokr_w2 / lokr_w2_a+b, as peft factors them
+             "DoRA": {"lora_up.weight", "lora_down.weight", "alpha", "dora_scale"}}
+
+
+@pytest.mark.parametrize("kind", ["LoRA", "LoHa", "LoKr", "DoRA"])
+def test_adapter_kind_loads_in_comfyui_and_reproduces_the_trainer(kind, comfy, client):
+    wf = {k: v for k, v in load_workflow().items() if k in {"1", "2", "3", "4", "5", "6"}}
+    wf["5"]["inputs"].update(kind=kind, rank=4, alpha=4.0, targets="all linear layers")
+    wf["6"]["inputs"].update(steps=3, learning_rate=1e-2, precision="fp32", output_name=f"kinds/{kind.lower()}",
+                             batch_size=2)
+    wf["9"] = {"class_type": "InGraphEvaluate",
+               "inputs": {"model": ["6", 0], "dataset": ["4", 0], "quantiles": "0.1, 0.3, 0.5, 0.7, 0.9", "seed": 0,
+                          "batch_size": 2, "precision": "fp32"}}
+    log_before = len(comfy.log_text())
+    outcome = client.run(wf, timeout=600)
+    assert outcome.ok, (outcome.status, outcome.error, comfy.log_tail())
+    finished = next(m["data"]["event"] for m in outcome.messages
+                    if m.get("type") == "ingraph.event" and m["data"]["event"]["type"] == "finished")
+    evaluated = next(d["output"]["evaluation"][0] for d in outcome.of_type("executed") if d["node"] == "9")
+    assert evaluated["loss"] == pytest.approx(finished["eval_after"], rel=1e-6)
+    assert evaluated["loss"] != pytest.approx(finished["eval_before"], rel=1e-4)  # the adapter changes the model
+    assert "lora key not loaded" not in comfy.log_text()[log_before:]
+    with safe_open(finished["adapter"], "pt") as f:
+        keys = list(f.keys())
+        algo = f.metadata()["ss_network_args"]
+    parts = {".".join(k.split(".")[-2:]) if k.endswith(".weight") else k.split(".")[-1] for k in keys}
+    assert KEY_PARTS[kind] <= parts and all(k.startswith("diffusion_model.") for k in keys)
+    if kind == "LoKr":
+        assert any(p.startswith("lokr_w1") for p in parts) and any(p.startswith("lokr_w2") for p in parts)
+    assert f'"algo": "{kind.lower()}"' in algo
+
+
+def test_full_fine_tune_loads_through_unet_loader_and_reproduces_the_trained_weights(comfy, client):
+    wf = {k: v for k, v in load_workflow().items() if k in {"1", "2", "3", "4", "5", "6"}}
+    wf["5"]["inputs"]["kind"] = "Full fine-tune"
+    wf["6"]["inputs"].update(steps=3, learning_rate=1e-4, precision="fp32", output_name="full/ft_test", batch_size=2)
+    evaluate = {"dataset": ["4", 0], "quantiles": "0.1, 0.3, 0.5, 0.7, 0.9", "seed": 0, "batch_size": 2,
+                "precision": "fp32"}
+    wf["9"] = {"class_type": "InGraphEvaluate", "inputs": {"model": ["6", 0], **evaluate}}
+    outcome = client.run(wf, timeout=600)
+    assert outcome.ok, (outcome.status, outcome.error, comfy.log_tail())
+    finished = next(m["data"]["event"] for m in outcome.messages
+                    if m.get("type") == "ingraph.event" and m["data"]["event"]["type"] == "finished")
+    assert finished["adapter"].endswith("diffusion_models/full/ft_test.safetensors")
+    assert finished["eval_after"] < finished["eval_before"]
+    from_node = next(d["output"]["evaluation"][0] for d in outcome.of_type("executed") if d["node"] == "9")
+    assert from_node["loss"] == finished["eval_after"]  # the node's MODEL output carries the trained weights
+    listed = client.get("/object_info/UNETLoader")["UNETLoader"]["input"]["required"]["unet_name"][0]
+    assert "full/ft_test.safetensors" in listed
+    # a new graph: the stock Load Diffusion Model node reads the file; same weights, bit for bit the same loss
+    loaded = {k: wf[k] for k in ("1", "2", "3", "4")}
+    loaded["20"] = {"class_type": "UNETLoader", "inputs": {"unet_name": "full/ft_test.safetensors",
+                                                           "weight_dtype": "default"}}
+    loaded["21"] = {"class_type": "InGraphEvaluate", "inputs": {"model": ["20", 0], **evaluate}}
+    outcome = client.run(loaded, timeout=600)
+    assert outcome.ok, (outcome.status, outcome.error, comfy.log_tail())
+    from_file = next(d["output"]["evaluation"][0] for d in outcome.of_type("executed") if d["node"] == "21")
+    assert from_file == from_node
