@@ -19,7 +19,7 @@ KEY_PARTS = {"LoRA": {"lora_up.weight", "lora_down.weight", "alpha"},
              "DoRA": {"lora_up.weight", "lora_down.weight", "alpha", "dora_scale"}}
 
 
-@pytest.mark.parametrize("kind", ["LoRA", "LoHa", "LoKr", "DoRA"])
+@pytest.mark.parametrize("kind", ["LoHa", "LoKr", "DoRA"])  # LoRA: test_comfyui_training, test_export_formats
 def test_adapter_kind_loads_in_comfyui_and_reproduces_the_trainer(kind, comfy, client):
     wf = {k: v for k, v in load_workflow().items() if k in {"1", "2", "3", "4", "5", "6"}}
     wf["5"]["inputs"].update(kind=kind, rank=4, alpha=4.0, targets="all linear layers")
@@ -58,7 +58,8 @@ def test_full_fine_tune_loads_through_unet_loader_and_reproduces_the_trained_wei
     assert outcome.ok, (outcome.status, outcome.error, comfy.log_tail())
     finished = next(m["data"]["event"] for m in outcome.messages
                     if m.get("type") == "ingraph.event" and m["data"]["event"]["type"] == "finished")
-    assert finished["adapter"].endswith("diffusion_models/full/ft_test.safetensors")
+    # the first diffusion-models folder (ComfyUI still names it models/unet)
+    assert finished["adapter"].endswith("/full/ft_test.safetensors") and "/models/" in finished["adapter"]
     assert finished["eval_after"] < finished["eval_before"]
     from_node = next(d["output"]["evaluation"][0] for d in outcome.of_type("executed") if d["node"] == "9")
     assert from_node["loss"] == finished["eval_after"]  # the node's MODEL output carries the trained weights
