@@ -233,3 +233,22 @@ def test_evaluation_is_identical_on_1_and_2_processes(prepared):
     results = [next(e for e in read_events(d) if e["type"] == "finished")["evaluation"] for d in (one.parent, two)]
     assert results[0] == results[1]
     assert results[0]["items"] == 8 and len(results[0]["quantiles"]) == 5
+
+
+def test_zero3_full_fine_tune_on_2_processes_matches_1_process(prepared):
+    """Every weight sharded across 2 processes (ZeRO-3), gathered on rank 0 into one diffusion-model file."""
+    full = dict(train__steps=3, train__batch_size=2, train__precision="fp32", train__learning_rate=1e-4,
+                train__eval_quantiles=[0.5], adapter__kind="full")
+    one = prepared(**full, train__grad_accum=2)
+    from conftest import run_trainer
+    proc = run_trainer(one)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = prepared(**full, distributed__processes=2, distributed__zero_stage=3)
+    launch(two, 2)
+    ref, got = step_losses(one.parent), step_losses(two.parent)
+    assert max(abs(a - b) for a, b in zip(ref, got)) < 1e-5, (ref, got)
+    a, b = load_file(one.parent / "lora.safetensors"), load_file(two.parent / "lora.safetensors")
+    assert set(a) == set(b) and all(a[k].shape == b[k].shape for k in a)  # whole tensors, not rank slices
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
+    ea, eb = (next(e for e in read_events(d) if e["type"] == "finished") for d in (one.parent, two.parent))
+    assert eb["eval_after"] < eb["eval_before"] and abs(ea["eval_after"] - eb["eval_after"]) < 1e-5
