@@ -88,6 +88,12 @@ class TrainLoRA(io.ComfyNode):
                 Previews.Input("previews", optional=True,
                                tooltip="Sample Previews settings: images rendered on the current weights during "
                                        "training, shown in this node."),
+                io.Combo.Input("loss", options=["MSE", "Huber"], default="MSE", optional=True,
+                               tooltip="Training loss: MSE, or Huber (less pulled by outlier images and noisy "
+                                       "captions). Evaluation always reports MSE, so runs stay comparable."),
+                io.Float.Input("min_snr_gamma", default=0.0, min=0.0, max=100.0, step=0.5, optional=True,
+                               tooltip="Min-SNR weighting of the training loss (faster convergence; 5 is usual, "
+                                       "0 = off)."),
                 io.Combo.Input("file_format", options=list(FILE_FORMATS), default="ComfyUI", optional=True,
                                tooltip="Key layout of the saved file. ComfyUI: what Load LoRA reads natively. kohya: "
                                        "lora_unet_* keys for kohya-based tools (ComfyUI reads these too). diffusers: "
@@ -139,7 +145,7 @@ class TrainLoRA(io.ComfyNode):
     def execute(cls, model, dataset, adapter, steps, batch_size, gradient_accumulation, learning_rate, optimizer,
                 lr_schedule, warmup_steps, precision, gradient_checkpointing, seed, save_every,
                 output_name, resume="off", distributed=None, eval_dataset=None, eval_every=0,
-                previews=None, file_format="ComfyUI") -> io.NodeOutput:
+                previews=None, file_format="ComfyUI", loss="MSE", min_snr_gamma=0.0) -> io.NodeOutput:
         import comfy.model_management
         import comfy.sd
         import comfy.utils
@@ -162,7 +168,8 @@ class TrainLoRA(io.ComfyNode):
                           learning_rate=learning_rate, optimizer=OPTIMIZERS[optimizer],
                           lr_schedule=SCHEDULES[lr_schedule], warmup_steps=warmup_steps, precision=precision,
                           gradient_checkpointing=gradient_checkpointing, seed=seed, save_every=save_every,
-                          eval_every=eval_every or 0)
+                          eval_every=eval_every or 0, loss=(loss or "MSE").lower(),
+                          min_snr_gamma=float(min_snr_gamma or 0.0))
         if eval_dataset is not None and not (eval_dataset.has_latents and eval_dataset.has_text):
             raise ValueError("eval_dataset: connect it through Cache Latents and Cache Text Embeddings first")
         name = new_lora_name[: -len(".safetensors")]

@@ -127,8 +127,11 @@ def test_incomplete_checkpoint_is_never_resumed(prepared):
 
 def test_tensorboard_has_the_health_metrics(prepared):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    spec = prepared(train__steps=3, train__precision="fp32")
+    # with the non-default objective, so that path runs too (its formulas: tests/test_unit.py)
+    spec = prepared(train__steps=3, train__precision="fp32", train__loss="huber", train__min_snr_gamma=5.0)
     assert run_trainer(spec).returncode == 0
+    started = read_events(spec.parent)[0]
+    assert started["objective"] == {"loss": "huber", "min_snr_gamma": 5.0}
     acc = EventAccumulator(str(spec.parent / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])

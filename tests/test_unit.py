@@ -263,3 +263,21 @@ def test_export_formats_rename_and_refuse_what_they_cannot_hold():
     data["adapter"]["kind"], data["output"]["format"] = "lokr", "diffusers"
     with pytest.raises(config.RunSpecError, match="output.format: the diffusers format holds plain LoRA only"):
         config.spec_from_dict(data)
+
+
+def test_objectives_min_snr_and_huber():
+    import torch
+    objectives = importlib.import_module("ingraph_trainer.trainer.objectives")
+    snr = torch.tensor([0.5, 5.0, 50.0])
+    assert torch.allclose(objectives.min_snr_weight(snr, 5.0, "epsilon"), torch.tensor([1.0, 1.0, 0.1]))
+    assert torch.allclose(objectives.min_snr_weight(snr, 5.0, "v_prediction"), torch.tensor([0.5 / 1.5, 5 / 6, 5 / 51]))
+    pred, target = torch.zeros(2, 1, 2, 2), torch.tensor([0.05, 1.0]).view(2, 1, 1, 1).expand(2, 1, 2, 2)
+    assert torch.allclose(objectives.per_sample_loss(pred, target), torch.tensor([0.0025, 1.0]))
+    # Huber: quadratic (0.5 x^2) below delta, linear (delta * (|x| - delta / 2)) above
+    assert torch.allclose(objectives.per_sample_loss(pred, target, "huber", 0.1), torch.tensor([0.00125, 0.095]))
+    with pytest.raises(ValueError, match="train.loss"):
+        objectives.per_sample_loss(pred, target, "l1")
+    data = valid_spec_dict(loss="l1", min_snr_gamma=-1.0)
+    with pytest.raises(config.RunSpecError) as err:
+        config.spec_from_dict(data)
+    assert "train.loss" in str(err.value) and "train.min_snr_gamma" in str(err.value)

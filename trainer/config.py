@@ -65,6 +65,9 @@ class TrainSpec:
     precision: str = "bf16"
     gradient_checkpointing: bool = False
     max_grad_norm: float = 1.0
+    loss: str = "mse"  # or "huber" (robust to outliers); evaluation always uses MSE
+    huber_delta: float = 0.1  # where the Huber loss turns from quadratic to linear
+    min_snr_gamma: float = 0.0  # min-SNR weighting of the training loss (0 = off; 5 is the usual value)
     seed: int = 0
     save_every: int = 0  # 0: only the final adapter
     eval_quantiles: list = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
@@ -142,6 +145,9 @@ class RunSpec:
         need(t.optimizer in OPTIMIZERS, "train.optimizer", f"must be one of {OPTIMIZERS} (got {t.optimizer!r})")
         need(t.lr_schedule in SCHEDULES, "train.lr_schedule", f"must be one of {SCHEDULES} (got {t.lr_schedule!r})")
         need(t.warmup_steps >= 0, "train.warmup_steps", f"must be 0 or more (got {t.warmup_steps})")
+        need(t.loss in ("mse", "huber"), "train.loss", f"must be 'mse' or 'huber' (got {t.loss!r})")
+        need(t.huber_delta > 0, "train.huber_delta", f"must be positive (got {t.huber_delta})")
+        need(t.min_snr_gamma >= 0, "train.min_snr_gamma", f"must be 0 (off) or positive (got {t.min_snr_gamma})")
         need(t.precision in PRECISIONS, "train.precision", f"must be one of {PRECISIONS} (got {t.precision!r})")
         need(t.save_every >= 0, "train.save_every", f"must be 0 or more (got {t.save_every})")
         need(t.eval_every >= 0, "train.eval_every", f"must be 0 or more (got {t.eval_every})")

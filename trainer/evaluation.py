@@ -57,7 +57,7 @@ def _evaluate(module, dataset, indices, quantiles, seed, batch_size, device) -> 
         for qn, q in enumerate(quantiles):
             batch = Batch(latents=latents.to(device), cond=cond.to(device), pooled=None, noise=noise.to(device),
                           timesteps=torch.full((len(chunk),), float(q), device=device))
-            losses = module.family.loss(batch, reduce=False).double().cpu()
+            losses = module.family.loss(batch, reduce=False, weighted=False).double().cpu()
             if slot < len(chunks):
                 for item, loss in zip(chunk, losses):
                     per_item[qn, position[item]] = loss

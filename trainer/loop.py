@@ -129,6 +129,7 @@ class Trainer:
         started_at = time.time()
         import_comfy(spec.model.comfyui_path)
         family = load_family(spec.model.path, spec.model.family, spec.model.prediction)
+        family.set_objective(t.loss, t.huber_delta, t.min_snr_gamma)
         dataset = load_cached_dataset(spec.data.manifest)
         eval_dataset = load_cached_dataset(spec.data.eval_manifest) if spec.data.eval_manifest else dataset
         eval_indices = eval_dataset.unique
@@ -163,6 +164,7 @@ class Trainer:
 
         self.events.emit("started", run_dir=str(self.run_dir), total=t.steps, start_step=start_step,
                          world_size=world, family=family.name, prediction=family.prediction,
+                         objective={"loss": t.loss, "min_snr_gamma": t.min_snr_gamma},
                          adapted_modules=len(targets), trainable_params=sum(p.numel() for p in params),
                          dataset_items=len(dataset.unique), samples=len(dataset), eval_items=len(eval_indices),
                          resumed_from=str(resume_from) if resume_from else None)

@@ -28,6 +28,7 @@ class ModelFamily:
     target_patterns: dict[str, tuple[str, ...]] = {}
 
     def __init__(self, base_model, prediction: str, patcher=None):
+        self.loss_kind, self.huber_delta, self.min_snr_gamma = "mse", 0.1, 0.0  # see set_objective
         self.base_model = base_model
         self.patcher = patcher  # ComfyUI's ModelPatcher around base_model (what its samplers take)
         self.diffusion_model = base_model.diffusion_model
@@ -52,5 +53,20 @@ class ModelFamily:
     def prepare_latents(self, latents: torch.Tensor) -> torch.Tensor:
         return self.base_model.process_latent_in(latents)
 
-    def loss(self, batch: Batch, reduce: bool = True) -> torch.Tensor:
+    def set_objective(self, loss: str = "mse", huber_delta: float = 0.1, min_snr_gamma: float = 0.0):
+        """How the training loss is computed; evaluation (weighted=False) always uses plain MSE."""
+        self.loss_kind, self.huber_delta, self.min_snr_gamma = loss, huber_delta, min_snr_gamma
+
+    def training_loss(self, prediction: torch.Tensor, target: torch.Tensor, snr: torch.Tensor,
+                      weighted: bool) -> torch.Tensor:
+        """Per-sample loss: the configured objective when `weighted`, else plain MSE."""
+        from ..objectives import min_snr_weight, per_sample_loss
+        if not weighted:
+            return per_sample_loss(prediction, target)
+        loss = per_sample_loss(prediction, target, self.loss_kind, self.huber_delta)
+        if self.min_snr_gamma > 0:
+            loss = loss * min_snr_weight(snr.float(), self.min_snr_gamma, self.prediction)
+        return loss
+
+    def loss(self, batch: Batch, reduce: bool = True, weighted: bool = True) -> torch.Tensor:
         raise NotImplementedError

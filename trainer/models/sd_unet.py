@@ -30,7 +30,7 @@ class SDUNetFamily(ModelFamily):
         unet = self.diffusion_model
         return [*unet.input_blocks, *unet.middle_block, *unet.output_blocks]
 
-    def loss(self, batch: Batch, reduce: bool = True) -> torch.Tensor:
+    def loss(self, batch: Batch, reduce: bool = True, weighted: bool = True) -> torch.Tensor:
         sampling = self.base_model.model_sampling
         dtype = next(self.diffusion_model.parameters()).dtype
         x0 = self.prepare_latents(batch.latents.float())
@@ -45,5 +45,6 @@ class SDUNetFamily(ModelFamily):
             target = (noise - sigma * x0) / (sigma ** 2 + 1.0).sqrt()
         else:
             target = noise
-        per_sample = (out.float() - target).pow(2).mean(dim=(1, 2, 3))
+        snr = 1.0 / sigma.view(-1) ** 2  # alpha_bar / (1 - alpha_bar) on ComfyUI's schedule
+        per_sample = self.training_loss(out, target, snr, weighted)
         return per_sample.mean() if reduce else per_sample

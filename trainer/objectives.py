@@ -1,0 +1,34 @@
+"""Loss functions and per-timestep weightings shared by every model family (pure torch, no ComfyUI).
+
+The training loss may be weighted (min-SNR) or robust (Huber); evaluation always uses the plain
+MSE so that evaluation numbers stay comparable across runs with different objectives.
+"""
+from __future__ import annotations
+
+import torch
+
+LOSSES = ("mse", "huber")
+
+
+def per_sample_loss(prediction: torch.Tensor, target: torch.Tensor, kind: str = "mse",
+                    huber_delta: float = 0.1) -> torch.Tensor:
+    """Mean over every dimension but the batch."""
+    prediction, target = prediction.float(), target.float()
+    if kind == "huber":
+        err = torch.nn.functional.huber_loss(prediction, target, reduction="none", delta=huber_delta)
+    elif kind == "mse":
+        err = (prediction - target).pow(2)
+    else:
+        raise ValueError(f"train.loss: {kind!r} is not one of {LOSSES}")
+    return err.mean(dim=tuple(range(1, err.dim())))
+
+
+def min_snr_weight(snr: torch.Tensor, gamma: float, prediction: str) -> torch.Tensor:
+    """Min-SNR-gamma weighting (Hang et al. 2023), per sample: the target's own loss scale is undone.
+
+    epsilon: min(SNR, gamma) / SNR; v-prediction: min(SNR, gamma) / (SNR + 1);
+    flow matching (velocity target): min(SNR, gamma) / (SNR + 1) as well."""
+    clipped = torch.minimum(snr, torch.full_like(snr, gamma))
+    if prediction == "epsilon":
+        return clipped / snr
+    return clipped / (snr + 1.0)
