@@ -45,16 +45,20 @@ def test_panel_shows_rising_steps_and_a_loss_chart(comfy, tmp_path):
             page.keyboard.press("Escape")
             page.evaluate("async (wf) => { await window.app.loadGraphData(wf); }", workflow)
             page.wait_for_selector(".ingraph-panel", state="attached", timeout=30_000)
+            # the panel may first show an older run of a node with the same id (restored from the run records)
+            run_of = "() => window.app.graph._nodes.find(n => n.type === 'InGraphTrainLoRA').ingraphPanel.runId"
+            old_run = page.evaluate(run_of)
             page.evaluate("async () => { await window.app.queuePrompt(0, 1); }")
 
             step_of = ("() => { const s = document.querySelector('.ingraph-panel [data-role=step]');"
                        " const m = s && s.textContent.match(/^(\\d+) \\/ (\\d+)$/); return m ? Number(m[1]) : 0; }")
-            page.wait_for_function(f"() => ({step_of})() >= 1", timeout=180_000)
+            page.wait_for_function(f"() => ({run_of})() !== {json.dumps(old_run)} && ({step_of})() >= 1",
+                                   timeout=180_000)
             first = page.evaluate(step_of)
-            page.wait_for_function(f"() => ({step_of})() > {first} + 3", timeout=120_000)
+            page.wait_for_function(f"() => ({step_of})() >= {min(first + 3, 40)}", timeout=120_000)
             later = page.evaluate(step_of)
             points = int(page.get_attribute(".ingraph-panel canvas[data-role=chart]", "data-points"))
-            assert later > first and points >= later - 1 and points > 0
+            assert (later > first or first == 40) and points >= later - 1 and points > 0
             # reload mid-run: the panel rebuilds its history from the run record and keeps following
             page.reload(wait_until="domcontentloaded")
             page.wait_for_function("() => window.app && window.app.graph", timeout=60_000)

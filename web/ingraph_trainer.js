@@ -46,7 +46,12 @@ class Panel {
 
   reset() {
     this.runId = null; this.steps = []; this.losses = []; this.evals = []; this.state = "idle"; this.seen = 0;
-    if (this.el) this.$("samples").replaceChildren();
+    if (this.el) { // a new run shows nothing of the previous one
+      this.$("samples").replaceChildren();
+      this.$("bar").style.width = "0";
+      this.$("step").textContent = "starting";
+      for (const role of ["loss", "lr", "speed", "eta"]) this.$(role).textContent = "–";
+    }
   }
 
   async stop() {
