@@ -4,6 +4,11 @@ from ..trainer.config import AdapterSpec
 from .types import CATEGORY, Adapter
 
 KINDS = {"LoRA": "lora", "LoHa": "loha", "LoKr": "lokr", "DoRA": "dora", "Full fine-tune": "full"}
+def _lora_files() -> list[str]:
+    import folder_paths
+    return folder_paths.get_filename_list("loras")
+
+
 TARGET_PRESETS = {"attention": "attention", "attention + feed-forward": "attention_ff", "all linear layers": "all_linear"}
 
 
@@ -34,17 +39,28 @@ class LoRAAdapter(io.ComfyNode):
                 io.Combo.Input("targets", options=list(TARGET_PRESETS), default="attention",
                                tooltip="Which layers get a LoRA: attention projections; attention and feed-forward; "
                                        "or every linear layer of the diffusion model."),
+                io.Combo.Input("continue_from", options=["none", *_lora_files()], default="none", optional=True,
+                               tooltip="Start from an adapter this pack trained (same kind, rank and targets; any "
+                                       "file format) instead of from scratch. none: a new adapter."),
             ],
             outputs=[Adapter.Output(display_name="adapter", tooltip="Adapter settings for Train LoRA.")],
         )
 
     @classmethod
-    def execute(cls, kind, rank, alpha, dropout, targets) -> io.NodeOutput:
+    def execute(cls, kind, rank, alpha, dropout, targets, continue_from="none") -> io.NodeOutput:
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {list(KINDS)} (got {kind!r})")
         if rank < 1:
             raise ValueError(f"rank must be at least 1 (got {rank})")
         if targets not in TARGET_PRESETS:
             raise ValueError(f"targets must be one of {list(TARGET_PRESETS)} (got {targets!r})")
+        init_from = ""
+        if continue_from and continue_from != "none":
+            import folder_paths
+            init_from = folder_paths.get_full_path("loras", continue_from) or ""
+            if not init_from:
+                raise ValueError(f"continue_from: {continue_from} is not in models/loras")
+            if KINDS[kind] == "full":
+                raise ValueError("continue_from: a full fine-tune starts from the MODEL; load the model instead")
         return io.NodeOutput(AdapterSpec(kind=KINDS[kind], rank=rank, alpha=float(alpha), dropout=float(dropout),
-                                         targets=TARGET_PRESETS[targets]))
+                                         targets=TARGET_PRESETS[targets], init_from=init_from))

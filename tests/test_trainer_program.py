@@ -150,3 +150,19 @@ def test_8bit_adamw_with_optimizer_offload_under_zero1(prepared):
     finished = events[-1]
     assert finished["type"] == "finished" and finished["eval_after"] < finished["eval_before"]
     assert load_file(spec.parent / "lora.safetensors")
+
+
+def test_continue_from_an_adapter_file_starts_where_it_ended(prepared):
+    """A run started from another run's kohya-format file evaluates, before its first step, exactly
+    as that run did after its last (another alpha, so the scale is carried over)."""
+    first = prepared(train__steps=3, train__precision="fp32", train__learning_rate=1e-2, adapter__rank=4,
+                     adapter__alpha=8.0, output__format="kohya", train__eval_quantiles=[0.3, 0.7])
+    assert run_trainer(first).returncode == 0
+    ended = next(e for e in read_events(first.parent) if e["type"] == "finished")
+    second = prepared(train__steps=1, train__precision="fp32", adapter__rank=4, adapter__alpha=4.0,
+                      adapter__init_from=ended["adapter"], train__eval_quantiles=[0.3, 0.7])
+    proc = run_trainer(second)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    began = next(e for e in read_events(second.parent) if e["type"] == "eval")
+    assert began["step"] == 0 and began["loss"] == pytest.approx(ended["eval_after"], rel=1e-6)
+    assert began["loss"] != pytest.approx(ended["eval_before"], rel=1e-4)  # not a fresh (zero) adapter

@@ -281,3 +281,36 @@ def test_objectives_min_snr_and_huber():
     with pytest.raises(config.RunSpecError) as err:
         config.spec_from_dict(data)
     assert "train.loss" in str(err.value) and "train.min_snr_gamma" in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["lora", "loha", "lokr", "dora"])
+def test_adapter_file_round_trip_restores_what_the_model_computes(kind, tmp_path):
+    """export (comfy_adapter_state_dict) then load_adapter_weights into a fresh adapter: same outputs,
+    also when the new run uses another alpha (the scale is carried over)."""
+    import torch
+    from safetensors.torch import save_file
+    adapters = importlib.import_module("ingraph_trainer.trainer.adapters")
+
+    def model(alpha):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential()
+        m.add_module("a", torch.nn.Linear(24, 40))
+        m.add_module("b", torch.nn.Linear(40, 16))
+        adapters.inject_adapter(m, ["a", "b"], kind, 4, alpha, 0.0)
+        return m
+    trained = model(4.0)
+    with torch.no_grad():
+        for p in trained.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.1)
+    save_file(adapters.comfy_adapter_state_dict(trained, kind, 4.0), str(tmp_path / "a.safetensors"))
+    resumed = model(2.0)
+    adapters.load_adapter_weights(resumed, kind, str(tmp_path / "a.safetensors"))
+    x = torch.randn(5, 24)
+    with torch.no_grad():
+        assert torch.allclose(resumed(x), trained(x), atol=1e-5)
+    with pytest.raises(ValueError, match="adapter.init_from"):  # the file has a layer this model lacks
+        bad = torch.nn.Sequential()
+        bad.add_module("a", torch.nn.Linear(24, 40))
+        adapters.inject_adapter(bad, ["a"], kind, 4, 4.0, 0.0)
+        adapters.load_adapter_weights(bad, kind, str(tmp_path / "a.safetensors"))

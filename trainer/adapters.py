@@ -95,6 +95,84 @@ def comfy_adapter_state_dict(diffusion_model: torch.nn.Module, kind: str, alpha:
     return out
 
 
+def _comfy_keyed(tensors: dict[str, torch.Tensor], diffusers_names: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Any of our file layouts (comfyui, kohya, diffusers) with ComfyUI keys."""
+    from .export import PREFIX, comfyui_readable
+    tensors = comfyui_readable(tensors, diffusers_names)
+    kohya_to_comfy = {"lora_unet_" + name.replace(".", "_"): comfy for comfy, name in diffusers_names.items()}
+    kohya_to_comfy.update({"lora_unet_" + comfy.replace(".", "_"): comfy for comfy in diffusers_names})
+    out = {}
+    for key, tensor in tensors.items():
+        if key.startswith("lora_unet_"):
+            base, _, part = key.partition(".")
+            if base not in kohya_to_comfy:
+                raise ValueError(f"{key}: no layer of this model has that kohya name")
+            key = f"{PREFIX}{kohya_to_comfy[base]}.{part}"
+        out[key] = tensor
+    return out
+
+
+def load_adapter_weights(diffusion_model: torch.nn.Module, kind: str, path: str,
+                         diffusers_names: dict[str, str] | None = None):
+    """Starts the injected adapter from a file this trainer wrote (any format): the inverse of
+    comfy_adapter_state_dict, so the model computes what the file's model computed."""
+    from safetensors.torch import load_file
+
+    from .export import PREFIX, split_key
+    try:
+        tensors = _comfy_keyed(load_file(path), diffusers_names or {})
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"adapter.init_from: {path}: {exc}") from None
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        if not key.startswith(PREFIX):
+            raise ValueError(f"adapter.init_from: {path}: unexpected key {key}")
+        module, part = split_key(key)
+        modules.setdefault(module, {})[part] = tensor.float()
+    adapted = {name for name, m in diffusion_model.named_modules() if hasattr(m, "scaling") and ADAPTER_NAME in
+               getattr(m, "scaling", {})}
+    if set(modules) != adapted:
+        raise ValueError(f"adapter.init_from: {path} holds {len(modules)} layers, the adapter targets {len(adapted)} "
+                         f"(e.g. {sorted(set(modules) ^ adapted)[:2]}); choose the targets the file was trained with")
+
+    def put(param, value: torch.Tensor, what: str):
+        if tuple(param.shape) != tuple(value.shape):
+            raise ValueError(f"adapter.init_from: {path}: {what} has shape {tuple(value.shape)}, the adapter "
+                             f"{tuple(param.shape)} (a different rank or kind?)")
+        with torch.no_grad():
+            param.copy_(value.to(param.dtype))
+
+    for module, t in modules.items():
+        layer = diffusion_model.get_submodule(module)
+        scale = float(layer.scaling[ADAPTER_NAME])
+        if kind in ("lora", "dora"):
+            down, up = t["lora_down.weight"], t["lora_up.weight"]
+            file_scale = float(t["alpha"]) / down.shape[0] if "alpha" in t else 1.0
+            put(layer.lora_A[ADAPTER_NAME].weight, down, f"{module} lora_down")
+            put(layer.lora_B[ADAPTER_NAME].weight, up * (file_scale / scale), f"{module} lora_up")
+            if kind == "dora":  # the inverse of the export's scale: magnitude = dora_scale * |W + dW| / |W|
+                weight = layer.get_base_layer().weight.detach().float().cpu()
+                merged = weight + file_scale * (up @ down)
+                magnitude = t["dora_scale"] * merged.norm(dim=1, keepdim=True) / weight.norm(dim=1, keepdim=True)
+                put(layer.lora_magnitude_vector[ADAPTER_NAME].weight, magnitude.reshape(-1), f"{module} dora_scale")
+        elif kind == "loha":
+            file_scale = float(t["alpha"]) / t["hada_w1_b"].shape[0] if "alpha" in t else 1.0
+            for name in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"):
+                value = t[name] * (file_scale / scale) if name == "hada_w1_a" else t[name]
+                put(getattr(layer, name)[ADAPTER_NAME], value, f"{module} {name}")
+        elif kind == "lokr":
+            dim = t["lokr_w2_b"].shape[0] if "lokr_w2_b" in t else t["lokr_w1_b"].shape[0] if "lokr_w1_b" in t else None
+            file_scale = float(t["alpha"]) / dim if ("alpha" in t and dim) else 1.0
+            w1 = "lokr_w1" if "lokr_w1" in t else "lokr_w1_a"
+            for name, value in t.items():
+                if name == "alpha":
+                    continue
+                value = value * (file_scale / scale) if name == w1 else value
+                put(getattr(layer, name)[ADAPTER_NAME], value, f"{module} {name}")
+        else:
+            raise ValueError(f"adapter.init_from: continuing is for adapters, not {kind!r}")
+
+
 def kohya_metadata(spec, family, num_images: int, steps_done: int, started_at: float) -> dict[str, str]:
     t, a = spec.train, spec.adapter
     meta = {

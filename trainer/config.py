@@ -50,6 +50,7 @@ class AdapterSpec:
     alpha: float = 16.0
     dropout: float = 0.0
     targets: str = "attention"
+    init_from: str = ""  # continue from this adapter file (one this trainer wrote, any format; same kind and rank)
 
 
 @dataclass
@@ -134,6 +135,9 @@ class RunSpec:
         need(self.model.prediction in PREDICTIONS, "model.prediction", f"must be one of {PREDICTIONS}")
         need(bool(self.data.manifest), "data.manifest", "is required")
         need(a.kind in ADAPTER_KINDS, "adapter.kind", f"must be one of {ADAPTER_KINDS} (got {a.kind!r})")
+        need(not a.init_from or Path(a.init_from).is_file(), "adapter.init_from", f"{a.init_from} does not exist")
+        need(not (a.init_from and a.kind == "full"), "adapter.init_from",
+             "a full fine-tune starts from the graph's MODEL (load the fine-tuned model there instead)")
         need(a.rank >= 1, "adapter.rank", f"must be at least 1 (got {a.rank})")
         need(a.alpha > 0 and math.isfinite(a.alpha), "adapter.alpha", f"must be a positive number (got {a.alpha})")
         need(0.0 <= a.dropout < 1.0, "adapter.dropout", f"must be in [0, 1) (got {a.dropout})")

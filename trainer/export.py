@@ -15,7 +15,7 @@ DIFFUSERS_KINDS = ("lora",)
 PREFIX = "diffusion_model."
 
 
-def _split(key: str) -> tuple[str, str]:
+def split_key(key: str) -> tuple[str, str]:
     """'diffusion_model.<module>.<part>' → (module, part); parts end in .weight or are one word."""
     body = key[len(PREFIX):]
     cut = 2 if body.endswith(".weight") else 1
@@ -31,7 +31,7 @@ def convert(tensors: dict[str, torch.Tensor], fmt: str, diffusers_names: dict[st
         raise ValueError(f"output.format: {fmt!r} is not one of {FORMATS}")
     modules: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        module, part = _split(key)
+        module, part = split_key(key)
         modules.setdefault(module, {})[part] = tensor
     out = {}
     for module, parts in modules.items():

@@ -11,7 +11,8 @@ import torch
 
 from . import checkpoint as ckpt
 from . import export
-from .adapters import comfy_adapter_state_dict, inject_adapter, kohya_metadata, save_adapter_atomic
+from .adapters import (comfy_adapter_state_dict, inject_adapter, kohya_metadata, load_adapter_weights,
+                       save_adapter_atomic)
 from .comfy_env import import_comfy
 from .config import RunSpec
 from .data import Prefetcher, StepSampler, load_cached_dataset
@@ -142,6 +143,9 @@ class Trainer:
         else:
             targets = family.adapter_targets(a.targets)
             params = inject_adapter(family.diffusion_model, targets, a.kind, a.rank, a.alpha, a.dropout)
+            if a.init_from:
+                load_adapter_weights(family.diffusion_model, a.kind, a.init_from,
+                                     export.diffusers_module_names(family.base_model))
         if t.gradient_checkpointing:
             enable_gradient_checkpointing(family.checkpoint_blocks())
         module = TrainingModule(family)
