@@ -99,7 +99,7 @@ class Trainer:
         torch.distributed.all_reduce(t)
         return t.item() / world_size()
 
-    def _export(self, deepspeed, family, params, eval_indices, steps_done: int, started_at: float) -> str | None:
+    def _export(self, deepspeed, family, params, num_images: int, steps_done: int, started_at: float) -> str | None:
         """Writes the adapter (or, for a full fine-tune, the diffusion model); rank 0 only, every rank joins."""
         spec, a, zero = self.spec, self.spec.adapter, self.spec.distributed.zero_stage
         if a.kind == "full":
@@ -120,7 +120,7 @@ class Trainer:
                 tensors = comfy_adapter_state_dict(family.diffusion_model, a.kind, a.alpha)
             tensors = export.convert(tensors, spec.output.format, export.diffusers_module_names(family.base_model)
                                      if spec.output.format != "comfyui" else {})
-            meta = kohya_metadata(spec, family, len(eval_indices), steps_done, started_at)
+            meta = kohya_metadata(spec, family, num_images, steps_done, started_at)
         if not self.is_rank0:
             return None
         return str(save_adapter_atomic(spec.output.lora_path, tensors, meta))
@@ -261,7 +261,7 @@ class Trainer:
 
         eval_after = run_eval(steps_done)
         health.close()
-        adapter_path = self._export(deepspeed, family, params, eval_indices, steps_done, started_at)
+        adapter_path = self._export(deepspeed, family, params, len(dataset.unique), steps_done, started_at)
         steady = step_times[1:] or step_times
         self.events.emit("finished", adapter=adapter_path, steps=steps_done, stopped=stopped, final_loss=final_loss,
                          eval_before=eval_before["loss"] if eval_before else None, eval_after=eval_after["loss"],
