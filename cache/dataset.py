@@ -62,6 +62,14 @@ class TrainingDataset:
     def has_text(self) -> bool:
         return all(item.text for item in self.items)
 
+    def require_cached(self, input_name: str = "dataset"):
+        """What a node needs before training or evaluating on it; the error names the input and the fix."""
+        if not self.has_latents:
+            raise DatasetError(f"{input_name}: latents are not cached; connect it through Cache Latents first")
+        if not self.has_text:
+            raise DatasetError(f"{input_name}: captions are not encoded; connect it through Cache Text Embeddings "
+                               "first")
+
     def with_items(self, items) -> "TrainingDataset":
         return dataclasses.replace(self, items=tuple(items))
 

@@ -4,6 +4,8 @@ from ..trainer.config import AdapterSpec
 from .types import CATEGORY, Adapter
 
 KINDS = {"LoRA": "lora", "LoHa": "loha", "LoKr": "lokr", "DoRA": "dora", "Full fine-tune": "full"}
+
+
 def _lora_files() -> list[str]:
     import folder_paths
     return folder_paths.get_filename_list("loras")

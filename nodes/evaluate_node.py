@@ -51,8 +51,7 @@ class Evaluate(io.ComfyNode):
         import comfy.model_management
         from ..runner.evaluation_run import evaluate_model, parse_quantiles, quantile_table
         from ..runner.loss_chart import chart_tensor, render_quantile_chart
-        if not (dataset.has_latents and dataset.has_text):
-            raise ValueError("dataset: connect it through Cache Latents and Cache Text Embeddings first")
+        dataset.require_cached("dataset")
         result = evaluate_model(model, dataset, quantiles=parse_quantiles(quantiles), seed=seed, batch_size=batch_size,
                                 precision=precision, distributed=distributed, on_event=lambda event: None,
                                 check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted)

@@ -147,7 +147,6 @@ class TrainLoRA(io.ComfyNode):
                 output_name, resume="off", distributed=None, eval_dataset=None, eval_every=0,
                 previews=None, file_format="ComfyUI", loss="MSE", min_snr_gamma=0.0) -> io.NodeOutput:
         import comfy.model_management
-        import comfy.sd
         import comfy.utils
 
         from ..runner import paths
@@ -157,21 +156,16 @@ class TrainLoRA(io.ComfyNode):
         from ..runner.runs import SPEC_FILE, resolve_resume_choice
         from ..runner.session import prepare_run, watch_run
 
-        if not dataset.has_latents:
-            raise ValueError("dataset: latents are not cached; connect it through Cache Latents first")
-        if not dataset.has_text:
-            raise ValueError("dataset: captions are not encoded; connect it through Cache Text Embeddings first")
-        full = adapter.kind == "full"
-        output_folder = "diffusion_models" if full else "loras"
-        lora_path, new_lora_name = paths.lora_output_path(output_name, output_folder)
+        dataset.require_cached("dataset")
+        if eval_dataset is not None:
+            eval_dataset.require_cached("eval_dataset")
+        lora_path, new_lora_name = paths.lora_output_path(output_name, paths.output_folder(adapter.kind))
         train = TrainSpec(steps=steps, batch_size=batch_size, grad_accum=gradient_accumulation,
                           learning_rate=learning_rate, optimizer=OPTIMIZERS[optimizer],
                           lr_schedule=SCHEDULES[lr_schedule], warmup_steps=warmup_steps, precision=precision,
                           gradient_checkpointing=gradient_checkpointing, seed=seed, save_every=save_every,
                           eval_every=eval_every or 0, loss=(loss or "MSE").lower(),
                           min_snr_gamma=float(min_snr_gamma or 0.0))
-        if eval_dataset is not None and not (eval_dataset.has_latents and eval_dataset.has_text):
-            raise ValueError("eval_dataset: connect it through Cache Latents and Cache Text Embeddings first")
         name = new_lora_name[: -len(".safetensors")]
         resume = resume or "off"
         resume_from = resolve_resume_choice(paths.runs_root(), resume, name)
@@ -193,9 +187,8 @@ class TrainLoRA(io.ComfyNode):
                                              models_root=paths.models_root(),
                                              file_format=FILE_FORMATS[file_format or "ComfyUI"])
         saved = _saved_spec(spec_path)  # what the trainer will run, for a new run and a resumed one alike
-        full = saved.adapter.kind == "full"  # a resumed run keeps its own kind
-        steps = saved.train.steps
-        lora_name = paths.lora_name_of(saved.output.lora_path, "diffusion_models" if full else "loras")
+        steps = saved.train.steps  # a resumed run keeps its own kind and steps
+        lora_name = paths.lora_name_of(saved.output.lora_path, paths.output_folder(saved.adapter.kind))
         node_id = cls.hidden.unique_id
         from ..runner.runs import write_owner
         write_owner(run_dir, node_id)
@@ -212,6 +205,7 @@ class TrainLoRA(io.ComfyNode):
         result = watch_run(process, on_event, comfy.model_management.throw_exception_if_processing_interrupted)
         log.info("InGraph Trainer: run %s finished; LoRA written to %s", run_dir.name, result.adapter_path)
 
-        trained_model = cls._trained_model(model, result.adapter_path, saved.output.format, full)
+        trained_model = cls._trained_model(model, result.adapter_path, saved.output.format,
+                                           full=saved.adapter.kind == "full")
         chart = chart_tensor(render_loss_chart(result.steps, result.losses, result.evals))
         return io.NodeOutput(trained_model, lora_name, chart)

@@ -23,18 +23,10 @@ def parse_prompts(text: str, what: str = "prompts") -> list[str]:
     return prompts
 
 
-def sample_images(model, positive, negative, seed: int, *, steps: int, cfg: float, sampler: str, scheduler: str,
-                  width: int, height: int, vae):
-    """One image (H, W, 3 in [0, 1]) the way KSampler + VAE Decode make it."""
-    import torch
-    import comfy.sample
-    latent_format = model.get_model_object("latent_format")
-    empty = torch.zeros((1, latent_format.latent_channels, height // 8, width // 8))
-    empty = comfy.sample.fix_empty_latent_channels(model, empty)
-    noise = comfy.sample.prepare_noise(empty, seed)
-    latent = comfy.sample.sample(model, noise, steps, cfg, sampler, scheduler, positive, negative, empty, seed=seed,
-                                 disable_pbar=True)
-    images = vae.decode(latent)
+def sample_image(model, positive, negative, seed: int, *, vae, **settings):
+    """One image (H, W, 3 in [0, 1]) the way KSampler + VAE Decode make it (settings: see sample_latent)."""
+    from ..trainer.sampling import sample_latent
+    images = vae.decode(sample_latent(model, positive, negative, seed, **settings))
     return images.reshape(-1, *images.shape[-3:])[0]
 
 
@@ -42,6 +34,8 @@ def labelled_grid(columns: list[str], rows: list[str], images: list[list], label
     """A PIL image: a header with the column names, each row labelled on the left."""
     import numpy as np
     from PIL import Image, ImageDraw
+
+    from ..trainer.sampling import to_pixels
     h, w = images[0][0].shape[0], images[0][0].shape[1]
     cell_w, cell_h, header, pad = max(w, 96), max(h, 48), 22, 4
     grid = Image.new("RGB", (label_width + len(columns) * (cell_w + pad), header + len(rows) * (cell_h + pad)),
@@ -54,26 +48,24 @@ def labelled_grid(columns: list[str], rows: list[str], images: list[list], label
         wrapped = textwrap.wrap(label, width=max(8, label_width // 7))[: max(1, cell_h // 12)]
         draw.multiline_text((4, y + 2), "\n".join(wrapped), fill=(200, 200, 200), spacing=2)
         for c, image in enumerate(images[r]):
-            pixels = (image.clamp(0, 1) * 255).round().byte().cpu().numpy()
-            grid.paste(Image.fromarray(np.ascontiguousarray(pixels)), (label_width + c * (cell_w + pad), y))
+            grid.paste(Image.fromarray(np.ascontiguousarray(to_pixels(image))), (label_width + c * (cell_w + pad), y))
     return grid
 
 
 def compare_grid(models: dict, clip, vae, prompts: list[str], negative: str, seeds: list[int], *, steps: int,
                  cfg: float, sampler: str, scheduler: str, width: int, height: int, on_image=None):
     """Rows: every (prompt, seed); columns: the models, in order. Returns a PIL image."""
-    def encode(text):
-        return clip.encode_from_tokens_scheduled(clip.tokenize(text))
-    negative_cond = encode(negative)
+    from .previews import encode_prompt
+    negative_cond = encode_prompt(clip, negative)
     rows, images = [], []
     for prompt in prompts:
-        positive = encode(prompt)
+        positive = encode_prompt(clip, prompt)
         for seed in seeds:
             rows.append(f"{prompt} (seed {seed})")
             row = []
             for model in models.values():
-                row.append(sample_images(model, positive, negative_cond, seed, steps=steps, cfg=cfg, sampler=sampler,
-                                         scheduler=scheduler, width=width, height=height, vae=vae))
+                row.append(sample_image(model, positive, negative_cond, seed, vae=vae, steps=steps, cfg=cfg,
+                                        sampler=sampler, scheduler=scheduler, width=width, height=height))
                 if on_image:
                     on_image()
             images.append(row)

@@ -38,6 +38,11 @@ def resolve_input_folder(folder: str) -> Path:
     return path if path.is_absolute() else Path(folder_paths.get_input_directory()) / path
 
 
+def output_folder(adapter_kind: str) -> str:
+    """The models/ folder a run's result goes to: adapters for Load LoRA, full fine-tunes for Load Diffusion Model."""
+    return "diffusion_models" if adapter_kind == "full" else "loras"
+
+
 def lora_output_path(output_name: str, folder: str = "loras") -> tuple[Path, str]:
     """(absolute file in the first models/<folder> folder, the name the loader lists it under).
 

@@ -17,14 +17,16 @@ class PreviewSettings:
     vae: object = None
 
 
+def encode_prompt(clip, text: str) -> list:
+    """ComfyUI conditioning for one prompt, as CLIP Text Encode makes it."""
+    return clip.encode_from_tokens_scheduled(clip.tokenize(text))
+
+
 def encode_prompts(clip, prompts: list[str], negative: str) -> dict:
     from ..trainer.sampling import conditioning_tensors
-
-    def encode(text):
-        return clip.encode_from_tokens_scheduled(clip.tokenize(text))
-    tensors = conditioning_tensors(encode(negative), "negative")
+    tensors = conditioning_tensors(encode_prompt(clip, negative), "negative")
     for i, prompt in enumerate(prompts):
-        tensors.update(conditioning_tensors(encode(prompt), f"positive.{i}"))
+        tensors.update(conditioning_tensors(encode_prompt(clip, prompt), f"positive.{i}"))
     return tensors
 
 

@@ -97,10 +97,10 @@ def comfy_adapter_state_dict(diffusion_model: torch.nn.Module, kind: str, alpha:
 
 def _comfy_keyed(tensors: dict[str, torch.Tensor], diffusers_names: dict[str, str]) -> dict[str, torch.Tensor]:
     """Any of our file layouts (comfyui, kohya, diffusers) with ComfyUI keys."""
-    from .export import PREFIX, comfyui_readable
+    from .export import PREFIX, comfyui_readable, kohya_name
     tensors = comfyui_readable(tensors, diffusers_names)
-    kohya_to_comfy = {"lora_unet_" + name.replace(".", "_"): comfy for comfy, name in diffusers_names.items()}
-    kohya_to_comfy.update({"lora_unet_" + comfy.replace(".", "_"): comfy for comfy in diffusers_names})
+    kohya_to_comfy = {kohya_name(name): comfy for comfy, name in diffusers_names.items()}
+    kohya_to_comfy.update({kohya_name(comfy): comfy for comfy in diffusers_names})
     out = {}
     for key, tensor in tensors.items():
         if key.startswith("lora_unet_"):

@@ -71,13 +71,6 @@ def _evaluate(module, dataset, indices, quantiles, seed, batch_size, device) -> 
             "items": len(indices)}
 
 
-class _EvalModule(torch.nn.Module):
-    def __init__(self, family):
-        super().__init__()
-        self.diffusion_model = family.diffusion_model
-        self.family = family
-
-
 def run_evaluation(spec, events) -> dict:
     """The `evaluate` task: the loss of the model as given (adapters merged upstream) on a cached dataset."""
     import time
@@ -85,6 +78,7 @@ def run_evaluation(spec, events) -> dict:
     from .comfy_env import import_comfy
     from .data import load_cached_dataset
     from .distributed import init_distributed
+    from .loop import TrainingModule
     from .models import load_family
 
     started = time.time()
@@ -95,7 +89,7 @@ def run_evaluation(spec, events) -> dict:
         init_distributed()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if spec.train.precision == "bf16" else torch.float32
-    module = _EvalModule(family).to(device=device, dtype=dtype)
+    module = TrainingModule(family).to(device=device, dtype=dtype)
     family.diffusion_model.requires_grad_(False)
     events.emit("started", run_dir=spec.run_dir, total=0, start_step=0, world_size=world_size(), family=family.name,
                 prediction=family.prediction, eval_items=len(dataset.unique), task="evaluate")

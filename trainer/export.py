@@ -15,6 +15,11 @@ DIFFUSERS_KINDS = ("lora",)
 PREFIX = "diffusion_model."
 
 
+def kohya_name(module: str) -> str:
+    """kohya's key for a module (diffusers name where the family has one): dots become underscores."""
+    return "lora_unet_" + module.replace(".", "_")
+
+
 def split_key(key: str) -> tuple[str, str]:
     """'diffusion_model.<module>.<part>' → (module, part); parts end in .weight or are one word."""
     body = key[len(PREFIX):]
@@ -37,7 +42,7 @@ def convert(tensors: dict[str, torch.Tensor], fmt: str, diffusers_names: dict[st
     for module, parts in modules.items():
         name = diffusers_names.get(module)
         if fmt == "kohya":
-            base = "lora_unet_" + (name or module).replace(".", "_")
+            base = kohya_name(name or module)
             out.update({f"{base}.{part}": t for part, t in parts.items()})
             continue
         if name is None:

@@ -33,6 +33,23 @@ def conditioning_from(tensors: dict[str, torch.Tensor], prefix: str) -> list:
     return [[tensors[f"{prefix}.cond"], extras]]
 
 
+def sample_latent(patcher, positive, negative, seed: int, *, steps: int, cfg: float, sampler: str, scheduler: str,
+                  width: int, height: int) -> torch.Tensor:
+    """One latent the way ComfyUI's Empty Latent Image + KSampler make it."""
+    import comfy.sample
+    latent_format = patcher.get_model_object("latent_format")
+    empty = torch.zeros((1, latent_format.latent_channels, height // 8, width // 8))
+    empty = comfy.sample.fix_empty_latent_channels(patcher, empty)
+    noise = comfy.sample.prepare_noise(empty, seed)
+    return comfy.sample.sample(patcher, noise, steps, cfg, sampler, scheduler, positive, negative, empty, seed=seed,
+                               disable_pbar=True)
+
+
+def to_pixels(image: torch.Tensor):
+    """A decoded image (H, W, C in [0, 1]) as uint8 numpy pixels for PIL."""
+    return (image.clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
+
+
 def sample_due(spec: SampleSpec, step: int, total: int) -> bool:
     return bool(spec.every) and step > 0 and (step % spec.every == 0 or step == total)
 
@@ -78,27 +95,19 @@ class PreviewSampler:
 
     def render(self, module, step: int) -> list[str]:
         """Samples every prompt; returns the images' paths relative to the run directory (rank 0 writes them)."""
-        import comfy.sample
         s = self.spec
-        patcher = self.family.patcher
-        latent_format = patcher.get_model_object("latent_format")
-        empty = torch.zeros((1, latent_format.latent_channels, s.height // 8, s.width // 8))
-        empty = comfy.sample.fix_empty_latent_channels(patcher, empty)
-        latents = []
         with self._inference_weights(module):
-            for n, positive in enumerate(self.positives):
-                noise = comfy.sample.prepare_noise(empty, s.seed + n)
-                latents.append(comfy.sample.sample(patcher, noise, s.steps, s.cfg, s.sampler, s.scheduler, positive,
-                                                   self.negative, empty, seed=s.seed + n, disable_pbar=True))
+            latents = [sample_latent(self.family.patcher, positive, self.negative, s.seed + n, steps=s.steps, cfg=s.cfg,
+                                     sampler=s.sampler, scheduler=s.scheduler, width=s.width, height=s.height)
+                       for n, positive in enumerate(self.positives)]
             images = self.vae().decode(torch.cat(latents)) if self.write else None
         names = image_names(step, len(self.positives))
         if self.write:
             from PIL import Image
             (self.run_dir / SAMPLES_DIR).mkdir(exist_ok=True)
             for name, image in zip(names, images.reshape(-1, *images.shape[-3:])):
-                pixels = (image.clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
                 path = self.run_dir / name
                 tmp = path.with_suffix(".partial")
-                Image.fromarray(pixels).save(tmp, format="PNG")
+                Image.fromarray(to_pixels(image)).save(tmp, format="PNG")
                 tmp.replace(path)
         return names
