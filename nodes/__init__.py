@@ -7,11 +7,12 @@ from .dataset_node import LoadTrainingImages
 from .distributed_node import DeepSpeedSettings
 from .compare_node import Compare
 from .evaluate_node import Evaluate
+from .new_model_node import NewModel
 from .preview_node import SamplePreviews
 from .train_node import TrainLoRA
 
 NODES: list[type[io.ComfyNode]] = [LoadTrainingImages, CacheLatents, CacheTextEmbeddings, LoRAAdapter, DeepSpeedSettings,
-                                   SamplePreviews, TrainLoRA, Evaluate, Compare]
+                                   SamplePreviews, NewModel, TrainLoRA, Evaluate, Compare]
 
 
 class InGraphTrainerExtension(ComfyExtension):

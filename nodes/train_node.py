@@ -10,6 +10,7 @@ log = logging.getLogger("ingraph_trainer")
 OPTIMIZERS = {"AdamW": "adamw", "AdamW 8-bit": "adamw8bit"}
 FILE_FORMATS = {"ComfyUI": "comfyui", "kohya (lora_unet_*)": "kohya", "diffusers (peft)": "diffusers"}
 SCHEDULES = {"constant": "constant", "linear decay": "linear", "cosine decay": "cosine"}
+TIMESTEP_SAMPLING = {"uniform": "uniform", "logit-normal": "logit_normal"}
 EVENT_NAME = "ingraph.event"
 
 
@@ -28,6 +29,18 @@ def _resumable() -> list[str]:
         return resumable_checkpoints(paths.runs_root())
     except Exception:  # never break the node list over a damaged runs folder
         return []
+
+
+def check_family_settings(model, prediction: str, train, adapter, file_format: str):
+    """Rejects, before anything is written, settings the MODEL's family cannot honour (the trainer checks again)."""
+    from ..trainer.config import OutputSpec, RunSpec
+    from ..trainer.models import UnsupportedSetting, family_for
+    family = family_for(model.model, prediction=prediction)
+    try:
+        family.check_settings(RunSpec(train=train, adapter=adapter, output=OutputSpec(format=file_format)))
+    except UnsupportedSetting as exc:
+        raise ValueError(f"Train LoRA ({family.display_name} model): {exc}") from None
+    log.info("InGraph Trainer: training a %s model (%s)", family.display_name, prediction)
 
 
 def _saved_spec(spec_path):
@@ -99,6 +112,18 @@ class TrainLoRA(io.ComfyNode):
                                        "lora_unet_* keys for kohya-based tools (ComfyUI reads these too). diffusers: "
                                        "the peft layout diffusers' load_lora_weights reads (plain LoRA only; "
                                        "alpha / rank folded into the weights)."),
+                io.Combo.Input("timestep_sampling", options=list(TIMESTEP_SAMPLING), default="uniform", optional=True,
+                               tooltip="Where on the noise schedule training samples fall. uniform: evenly. "
+                                       "logit-normal: concentrated at mid noise (SD3's recipe; usual for "
+                                       "flow-matching models)."),
+                io.Float.Input("flow_shift", default=1.0, min=0.01, max=100.0, step=0.05, optional=True,
+                               tooltip="Flow-matching models (SD3, Flux, Wan): shifts training towards high noise, "
+                                       "sigma = s*t / (1 + (s-1)*t). 1 = no shift; 3 is SD3's value at 1024px. "
+                                       "Epsilon and v-prediction models reject any other value than 1."),
+                io.Float.Input("guidance", default=1.0, min=0.0, max=100.0, step=0.1, optional=True,
+                               tooltip="Guidance-distilled models (Flux dev): the guidance value given to the model "
+                                       "while training (1 is usual for LoRAs). Other models reject any other value "
+                                       "than 1."),
                 io.Combo.Input("resume", options=["off", "latest", *_resumable()], default="off", optional=True,
                                tooltip="off: a new run. latest: continue the newest run with this output_name "
                                        "from its last complete checkpoint (a new run if there is none). Or pick a "
@@ -145,7 +170,8 @@ class TrainLoRA(io.ComfyNode):
     def execute(cls, model, dataset, adapter, steps, batch_size, gradient_accumulation, learning_rate, optimizer,
                 lr_schedule, warmup_steps, precision, gradient_checkpointing, seed, save_every,
                 output_name, resume="off", distributed=None, eval_dataset=None, eval_every=0,
-                previews=None, file_format="ComfyUI", loss="MSE", min_snr_gamma=0.0) -> io.NodeOutput:
+                previews=None, file_format="ComfyUI", loss="MSE", min_snr_gamma=0.0, timestep_sampling="uniform",
+                flow_shift=1.0, guidance=1.0) -> io.NodeOutput:
         import comfy.model_management
         import comfy.utils
 
@@ -165,7 +191,10 @@ class TrainLoRA(io.ComfyNode):
                           lr_schedule=SCHEDULES[lr_schedule], warmup_steps=warmup_steps, precision=precision,
                           gradient_checkpointing=gradient_checkpointing, seed=seed, save_every=save_every,
                           eval_every=eval_every or 0, loss=(loss or "MSE").lower(),
-                          min_snr_gamma=float(min_snr_gamma or 0.0))
+                          min_snr_gamma=float(min_snr_gamma or 0.0),
+                          timestep_sampling=TIMESTEP_SAMPLING[timestep_sampling or "uniform"],
+                          flow_shift=float(flow_shift or 1.0), guidance=float(1.0 if guidance is None else guidance))
+        file_format = FILE_FORMATS[file_format or "ComfyUI"]
         name = new_lora_name[: -len(".safetensors")]
         resume = resume or "off"
         resume_from = resolve_resume_choice(paths.runs_root(), resume, name)
@@ -178,6 +207,7 @@ class TrainLoRA(io.ComfyNode):
                 log.info("InGraph Trainer: no checkpoint of %r to resume; starting a new run", name)
             resume_tag = None
             prediction = prediction_of(model)
+            check_family_settings(model, prediction, train, adapter, file_format)
             model_path = materialise_model(model, paths.models_root())
             run_dir, spec_path = prepare_run(runs_root=paths.runs_root(), name=name, model_path=model_path,
                                              prediction=prediction, dataset=dataset, cache_root=paths.cache_root(),
@@ -185,7 +215,7 @@ class TrainLoRA(io.ComfyNode):
                                              lora_path=lora_path, comfyui_path=paths.comfyui_root(),
                                              eval_dataset=eval_dataset, previews=previews,
                                              models_root=paths.models_root(),
-                                             file_format=FILE_FORMATS[file_format or "ComfyUI"])
+                                             file_format=file_format)
         saved = _saved_spec(spec_path)  # what the trainer will run, for a new run and a resumed one alike
         steps = saved.train.steps  # a resumed run keeps its own kind and steps
         lora_name = paths.lora_name_of(saved.output.lora_path, paths.output_folder(saved.adapter.kind))

@@ -16,14 +16,8 @@ log = logging.getLogger("ingraph_trainer")
 
 def prediction_of(model) -> str:
     """The objective the MODEL is configured for (a ModelSamplingDiscrete node upstream included)."""
-    import comfy.model_sampling as ms
-    sampling = model.get_model_object("model_sampling")
-    if isinstance(sampling, ms.V_PREDICTION):
-        return "v_prediction"
-    if isinstance(sampling, ms.EPS):
-        return "epsilon"
-    raise ValueError(f"model: objective {type(sampling).__name__} is not supported yet "
-                     "(epsilon and v-prediction models only)")
+    from ..trainer.models import prediction_from_sampling
+    return prediction_from_sampling(model.get_model_object("model_sampling"))
 
 
 def patched_state_dict(model) -> dict:

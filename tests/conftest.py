@@ -64,6 +64,10 @@ def comfy(tmp_path_factory, assets):
     """One real ComfyUI server, headless, with the pack installed under a non-identifier folder name."""
     base = tmp_path_factory.mktemp("comfy")
     server = ComfyServer(base, pack_name="InGraph-Trainer-test.v1")
+    # test-only nodes (synthetic text encoders for families whose real ones are too large to build)
+    server.dir("custom_nodes")
+    (base / "custom_nodes" / "ingraph_test_nodes").symlink_to(REPO / "tests" / "comfy_nodes" / "ingraph_test_nodes",
+                                                             target_is_directory=True)
     (server.dir("models", "checkpoints") / CHECKPOINT_NAME).symlink_to(assets["checkpoint"])
     images = server.dir("input", IMAGE_FOLDER)
     for f in assets["images"].iterdir():

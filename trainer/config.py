@@ -20,7 +20,9 @@ ADAPTER_FORMATS = ("comfyui", "kohya", "diffusers")
 OPTIMIZERS = ("adamw", "adamw8bit")
 SCHEDULES = ("constant", "linear", "cosine")
 PRECISIONS = ("fp32", "bf16")
-PREDICTIONS = ("auto", "epsilon", "v_prediction")
+PREDICTIONS = ("auto", "epsilon", "v_prediction", "flow")
+FAMILY_NAMES = ("auto", "sd_unet", "sdxl", "sd3", "flux", "wan", "generic")  # trainer/models (auto: detected)
+TIMESTEP_SAMPLING = ("uniform", "logit_normal")
 TASKS = ("train", "evaluate")
 
 
@@ -69,6 +71,11 @@ class TrainSpec:
     loss: str = "mse"  # or "huber" (robust to outliers); evaluation always uses MSE
     huber_delta: float = 0.1  # where the Huber loss turns from quadratic to linear
     min_snr_gamma: float = 0.0  # min-SNR weighting of the training loss (0 = off; 5 is the usual value)
+    timestep_sampling: str = "uniform"  # or "logit_normal" (SD3's: more steps at mid noise)
+    logit_mean: float = 0.0  # logit-normal location and scale
+    logit_std: float = 1.0
+    flow_shift: float = 1.0  # flow-matching models: sigma = s*t / (1 + (s-1)*t); 1 = no shift, 3 = SD3's
+    guidance: float = 1.0  # the guidance input of guidance-distilled models (Flux dev) while training
     seed: int = 0
     save_every: int = 0  # 0: only the final adapter
     eval_quantiles: list = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
@@ -133,6 +140,8 @@ class RunSpec:
         need(bool(self.run_dir), "run_dir", "is required")
         need(bool(self.model.path), "model.path", "is required")
         need(self.model.prediction in PREDICTIONS, "model.prediction", f"must be one of {PREDICTIONS}")
+        need(self.model.family in FAMILY_NAMES, "model.family", f"must be one of {FAMILY_NAMES} "
+             f"(got {self.model.family!r})")
         need(bool(self.data.manifest), "data.manifest", "is required")
         need(a.kind in ADAPTER_KINDS, "adapter.kind", f"must be one of {ADAPTER_KINDS} (got {a.kind!r})")
         need(not a.init_from or Path(a.init_from).is_file(), "adapter.init_from", f"{a.init_from} does not exist")
@@ -152,6 +161,12 @@ class RunSpec:
         need(t.loss in ("mse", "huber"), "train.loss", f"must be 'mse' or 'huber' (got {t.loss!r})")
         need(t.huber_delta > 0, "train.huber_delta", f"must be positive (got {t.huber_delta})")
         need(t.min_snr_gamma >= 0, "train.min_snr_gamma", f"must be 0 (off) or positive (got {t.min_snr_gamma})")
+        need(t.timestep_sampling in TIMESTEP_SAMPLING, "train.timestep_sampling",
+             f"must be one of {TIMESTEP_SAMPLING} (got {t.timestep_sampling!r})")
+        need(t.logit_std > 0, "train.logit_std", f"must be positive (got {t.logit_std})")
+        need(t.flow_shift > 0 and math.isfinite(t.flow_shift), "train.flow_shift",
+             f"must be a positive number (got {t.flow_shift})")
+        need(t.guidance >= 0, "train.guidance", f"must be 0 or more (got {t.guidance})")
         need(t.precision in PRECISIONS, "train.precision", f"must be one of {PRECISIONS} (got {t.precision!r})")
         need(t.save_every >= 0, "train.save_every", f"must be 0 or more (got {t.save_every})")
         need(t.eval_every >= 0, "train.eval_every", f"must be 0 or more (got {t.eval_every})")

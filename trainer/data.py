@@ -48,10 +48,13 @@ class CachedDataset:
             self._text_cache.popitem(last=False)
         return value
 
-    def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(latents, text embeddings, pooled text vectors or None where the text encoder has none)."""
         latents = torch.stack([self.latent(i) for i in indices])
-        cond = torch.stack([self.text(i)["cond"] for i in indices])
-        return latents, cond
+        texts = [self.text(i) for i in indices]
+        cond = torch.stack([text["cond"] for text in texts])
+        pooled = torch.stack([text["pooled"] for text in texts]) if all("pooled" in text for text in texts) else None
+        return latents, cond, pooled
 
 
 def load_cached_dataset(manifest_path: str) -> CachedDataset:

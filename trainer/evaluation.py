@@ -51,11 +51,12 @@ def _evaluate(module, dataset, indices, quantiles, seed, batch_size, device) -> 
     for r in range(rounds):
         slot = r * world + me
         chunk = chunks[slot] if slot < len(chunks) else chunks[-1]
-        latents, cond = dataset.batch(chunk)
+        latents, cond, pooled = dataset.batch(chunk)
         noise = torch.stack([torch.randn(latents.shape[1:], generator=seeded_generator(seed, EVAL_NOISE_STREAM, i))
                              for i in chunk])
         for qn, q in enumerate(quantiles):
-            batch = Batch(latents=latents.to(device), cond=cond.to(device), pooled=None, noise=noise.to(device),
+            batch = Batch(latents=latents.to(device), cond=cond.to(device),
+                          pooled=pooled.to(device) if pooled is not None else None, noise=noise.to(device),
                           timesteps=torch.full((len(chunk),), float(q), device=device))
             losses = module.family.loss(batch, reduce=False, weighted=False).double().cpu()
             if slot < len(chunks):
@@ -84,6 +85,7 @@ def run_evaluation(spec, events) -> dict:
     started = time.time()
     import_comfy(spec.model.comfyui_path)
     family = load_family(spec.model.path, spec.model.family, spec.model.prediction)
+    family.set_objective(flow_shift=spec.train.flow_shift, guidance=spec.train.guidance)
     dataset = load_cached_dataset(spec.data.eval_manifest or spec.data.manifest)
     if world_size() > 1:
         init_distributed()

@@ -22,6 +22,7 @@ from .events import EVENTS_FILE, EventWriter, read_events
 from .layout import STOP_FILE
 from .metrics import HealthLog
 from .models import Batch, ModelFamily, load_family
+from .objectives import training_timesteps
 from .sampling import PreviewSampler, sample_due
 
 log = logging.getLogger("ingraph_trainer.trainer")
@@ -35,8 +36,8 @@ class TrainingModule(torch.nn.Module):
         self.diffusion_model = family.diffusion_model
         self.family = family
 
-    def forward(self, latents, cond, noise, timesteps):
-        return self.family.loss(Batch(latents, cond, None, noise, timesteps))
+    def forward(self, latents, cond, noise, timesteps, pooled=None):
+        return self.family.loss(Batch(latents, cond, pooled, noise, timesteps))
 
 
 def enable_gradient_checkpointing(blocks):
@@ -130,7 +131,8 @@ class Trainer:
         started_at = time.time()
         import_comfy(spec.model.comfyui_path)
         family = load_family(spec.model.path, spec.model.family, spec.model.prediction)
-        family.set_objective(t.loss, t.huber_delta, t.min_snr_gamma)
+        family.set_objective(t.loss, t.huber_delta, t.min_snr_gamma, t.flow_shift, t.guidance)
+        family.check_settings(spec)
         dataset = load_cached_dataset(spec.data.manifest)
         eval_dataset = load_cached_dataset(spec.data.eval_manifest) if spec.data.eval_manifest else dataset
         eval_indices = eval_dataset.unique
@@ -197,13 +199,14 @@ class Trainer:
         step = start_step
 
         def load_step(step: int):
-            """This rank's micro-batches of the step: (latents, cond, noise, timesteps) each."""
+            """This rank's micro-batches of the step: (latents, cond, noise, timesteps, pooled) each."""
             indices = sampler.indices(step)
             starts = [(m * world + rank()) * t.batch_size for m in range(t.grad_accum)]
             batches = [dataset.batch(indices[lo:lo + t.batch_size]) for lo in starts]
-            noise, timesteps = sampler.noise_and_timesteps(step, tuple(batches[0][0].shape[1:]))
-            micro = [(latents, cond, noise[lo:lo + t.batch_size], timesteps[lo:lo + t.batch_size])
-                     for (latents, cond), lo in zip(batches, starts)]
+            noise, uniform = sampler.noise_and_timesteps(step, tuple(batches[0][0].shape[1:]))
+            timesteps = training_timesteps(uniform, t.timestep_sampling, t.logit_mean, t.logit_std)
+            micro = [(latents, cond, noise[lo:lo + t.batch_size], timesteps[lo:lo + t.batch_size], pooled)
+                     for (latents, cond, pooled), lo in zip(batches, starts)]
             return indices, micro, timesteps
 
         prefetch = Prefetcher(load_step)
@@ -215,9 +218,9 @@ class Trainer:
             lr = optimizer.param_groups[0]["lr"]
             losses, grad_norm, latent_std = [], None, []
             for inputs in micro_batches:
-                latents, cond, noise, micro_t = (x.to(self.device) for x in inputs)
+                latents, cond, noise, micro_t, pooled = (x.to(self.device) if x is not None else None for x in inputs)
                 latent_std.append(latents.float().std().item())
-                loss = engine(latents, cond, noise, micro_t)
+                loss = engine(latents, cond, noise, micro_t, pooled)
                 engine.backward(loss)
                 if engine.is_gradient_accumulation_boundary():
                     grad_norm = _grad_norm(params)

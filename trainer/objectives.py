@@ -32,3 +32,19 @@ def min_snr_weight(snr: torch.Tensor, gamma: float, prediction: str) -> torch.Te
     if prediction == "epsilon":
         return clipped / snr
     return clipped / (snr + 1.0)
+
+
+TIMESTEP_SAMPLING = ("uniform", "logit_normal")
+
+
+def training_timesteps(uniform: torch.Tensor, kind: str = "uniform", mean: float = 0.0, std: float = 1.0) -> torch.Tensor:
+    """Places on the noise schedule for training, from uniform draws in [0, 1).
+
+    logit_normal (SD3): sigmoid of a normal(mean, std) variable, by its inverse CDF, so the same uniform
+    draws (seeded by step) give the same timesteps on any layout and after a resume."""
+    if kind == "uniform":
+        return uniform
+    if kind != "logit_normal":
+        raise ValueError(f"train.timestep_sampling: {kind!r} is not one of {TIMESTEP_SAMPLING}")
+    u = uniform.double().clamp(1e-6, 1.0 - 1e-6)
+    return torch.sigmoid(mean + std * (2.0 ** 0.5) * torch.erfinv(2.0 * u - 1.0)).to(uniform.dtype)

@@ -1,10 +1,19 @@
-"""The model-family interface: what the trainer needs from each family of diffusion model."""
+"""The model-family interface: what the trainer needs from each family of diffusion model.
+
+Every family is rebuilt with ComfyUI's own code, so the conditioning a family needs (SDXL's size
+embedding, Flux's guidance, SD3's pooled vector) comes from ComfyUI's `extra_conds`, exactly as its
+samplers build it, and the noise schedule from ComfyUI's `model_sampling`. A family says only what
+differs: which layers take adapters, which blocks checkpoint, how latents are laid out, and how a
+model of it is built from scratch.
+"""
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
 import torch
+
+PREDICTIONS = ("epsilon", "v_prediction", "flow")
 
 
 @dataclass
@@ -13,31 +22,55 @@ class Batch:
     cond: torch.Tensor  # text-encoder hidden states
     pooled: torch.Tensor | None
     noise: torch.Tensor
-    timesteps: torch.Tensor  # in [0, 1): where on the noise schedule each sample lies
+    timesteps: torch.Tensor  # in [0, 1): where on the noise schedule each sample lies (0 = clean)
+
+
+class UnsupportedSetting(ValueError):
+    """A run setting this model family cannot honour; the message names the setting."""
+
+
+def shifted(u: torch.Tensor, shift: float) -> torch.Tensor:
+    """SD3's timestep shift: more of the schedule at high noise when shift > 1."""
+    return u if shift == 1.0 else shift * u / (1.0 + (shift - 1.0) * u)
 
 
 class ModelFamily:
-    """One family of diffusion model: load, adapter targets, layers, loss.
-
-    `base_model` is ComfyUI's BaseModel (model code and schedule from ComfyUI itself);
-    subclasses say which modules take adapters and how a batch becomes a loss.
-    """
+    """One family of diffusion model: load, adapter targets, layers, conditioning, loss."""
 
     name = "base"
+    display_name = "base"
     base_model_version = "unknown"  # kohya ss_base_model_version
     target_patterns: dict[str, tuple[str, ...]] = {}
+    diffusers_format = False  # whether the diffusers (peft) LoRA layout exists for this family
+    latent_ndim = 4  # dims of a latent batch the diffusion model takes (5: video models, B C T H W)
 
     def __init__(self, base_model, prediction: str, patcher=None):
         self.loss_kind, self.huber_delta, self.min_snr_gamma = "mse", 0.1, 0.0  # see set_objective
+        self.flow_shift, self.guidance = 1.0, 1.0
         self.base_model = base_model
         self.patcher = patcher  # ComfyUI's ModelPatcher around base_model (what its samplers take)
         self.diffusion_model = base_model.diffusion_model
+        if prediction not in PREDICTIONS:
+            raise ValueError(f"model.prediction: {prediction!r} is not one of {PREDICTIONS}")
         self.prediction = prediction
 
     @classmethod
     def matches(cls, base_model) -> bool:
         raise NotImplementedError
 
+    # --- what a run may ask of this family -------------------------------------------------------------
+    def check_settings(self, spec) -> None:
+        """Raises UnsupportedSetting for run settings this family cannot honour (checked by the node and
+        again by the trainer, so a hand-written spec gets the same message)."""
+        t = spec.train
+        if self.prediction != "flow" and t.flow_shift != 1.0:
+            raise UnsupportedSetting(f"train.flow_shift: {self.display_name} is not a flow-matching model "
+                                     f"({self.prediction}); leave the shift at 1")
+        if spec.output.format == "diffusers" and not self.diffusers_format:
+            raise UnsupportedSetting(f"output.format: the diffusers layout is for SD1.x/SD2.x/SDXL UNets, not "
+                                     f"{self.display_name}; use comfyui or kohya")
+
+    # --- adapters and memory ---------------------------------------------------------------------------
     def adapter_targets(self, preset: str) -> list[str]:
         """Names (relative to the diffusion model) of the linear layers an adapter preset trains."""
         linear = [n for n, m in self.diffusion_model.named_modules() if isinstance(m, torch.nn.Linear)]
@@ -50,12 +83,63 @@ class ModelFamily:
         """Blocks whose activations gradient checkpointing recomputes."""
         raise NotImplementedError
 
-    def prepare_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        return self.base_model.process_latent_in(latents)
-
-    def set_objective(self, loss: str = "mse", huber_delta: float = 0.1, min_snr_gamma: float = 0.0):
+    # --- objective -------------------------------------------------------------------------------------
+    def set_objective(self, loss: str = "mse", huber_delta: float = 0.1, min_snr_gamma: float = 0.0,
+                      flow_shift: float = 1.0, guidance: float = 1.0):
         """How the training loss is computed; evaluation (weighted=False) always uses plain MSE."""
         self.loss_kind, self.huber_delta, self.min_snr_gamma = loss, huber_delta, min_snr_gamma
+        self.flow_shift, self.guidance = flow_shift, guidance
+
+    def to_model_layout(self, latents: torch.Tensor) -> torch.Tensor:
+        """A cached latent batch in the layout the diffusion model takes (images as 1-frame videos, say)."""
+        if latents.dim() == 4 and self.latent_ndim == 5:
+            return latents.unsqueeze(2)
+        return latents
+
+    def prepare_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.base_model.process_latent_in(self.to_model_layout(latents))
+
+    def sigmas(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """Noise level of each sample from its place on the schedule (0 = clean, towards 1 = pure noise)."""
+        if self.prediction == "flow":
+            return shifted(timesteps.float().clamp(1e-4, 1.0 - 1e-4), self.flow_shift)
+        sampling = self.base_model.model_sampling  # ComfyUI's discrete schedule: index from the fraction
+        t = (timesteps * len(sampling.sigmas)).long().clamp(0, len(sampling.sigmas) - 1)
+        return sampling.sigmas[t.cpu()].to(timesteps.device).float()
+
+    def model_kwargs(self, batch: Batch, x_noisy: torch.Tensor, dtype) -> dict:
+        """The diffusion model's conditioning inputs, built by ComfyUI's own extra_conds (as its samplers do)."""
+        conds = self.base_model.extra_conds(**self.extra_cond_inputs(batch, x_noisy))
+        out = {}
+        for name, cond in conds.items():
+            if hasattr(cond, "process_cond"):
+                value = cond.process_cond(batch_size=x_noisy.shape[0], area=None, device=x_noisy.device).cond
+            else:
+                value = cond
+            if isinstance(value, torch.Tensor):
+                value = value.to(x_noisy.device, dtype if value.is_floating_point() else value.dtype)
+            out[name] = value
+        out["context"] = out.pop("c_crossattn", None)
+        return out
+
+    def extra_cond_inputs(self, batch: Batch, x_noisy: torch.Tensor) -> dict:
+        """What extra_conds is given: the cached text embedding (and pooled vector), the noisy latent's shape."""
+        inputs = {"noise": x_noisy, "device": x_noisy.device, "cross_attn": batch.cond}
+        if batch.pooled is not None:
+            inputs["pooled_output"] = batch.pooled
+        return inputs
+
+    def target(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        if self.prediction == "flow":  # rectified flow: the model predicts the velocity noise - x0
+            return noise - x0
+        if self.prediction == "v_prediction":
+            return (noise - sigma * x0) / (sigma ** 2 + 1.0).sqrt()
+        return noise
+
+    def snr(self, sigma: torch.Tensor) -> torch.Tensor:
+        if self.prediction == "flow":
+            return ((1.0 - sigma) / sigma) ** 2
+        return 1.0 / sigma ** 2  # alpha_bar / (1 - alpha_bar) on ComfyUI's schedule
 
     def training_loss(self, prediction: torch.Tensor, target: torch.Tensor, snr: torch.Tensor,
                       weighted: bool) -> torch.Tensor:
@@ -69,4 +153,80 @@ class ModelFamily:
         return loss
 
     def loss(self, batch: Batch, reduce: bool = True, weighted: bool = True) -> torch.Tensor:
-        raise NotImplementedError
+        """The diffusion loss of a batch: noise it with ComfyUI's noise scaling, run the model the way
+        ComfyUI's apply_model does (input scaling, timestep, conditioning) and compare the raw output
+        with the family's target."""
+        sampling = self.base_model.model_sampling
+        dtype = next(self.diffusion_model.parameters()).dtype
+        x0 = self.prepare_latents(batch.latents.float())
+        noise = self.to_model_layout(batch.noise.float())
+        sigma = self.sigmas(batch.timesteps).to(x0.device)
+        shape = (-1,) + (1,) * (x0.dim() - 1)
+        x_noisy = sampling.noise_scaling(sigma.view(shape), noise, x0)
+        x_in = sampling.calculate_input(sigma.view(shape), x_noisy)
+        kwargs = self.model_kwargs(batch, x_noisy, dtype)
+        c_concat = kwargs.pop("c_concat", None)
+        if c_concat is not None:
+            x_in = torch.cat([x_in, c_concat.to(x_in.dtype)], dim=1)
+        timestep = sampling.timestep(sigma).float()
+        out = self.diffusion_model(x_in.to(dtype), timestep, transformer_options={}, **kwargs)
+        per_sample = self.training_loss(out, self.target(x0, noise, sigma.view(shape)), self.snr(sigma), weighted)
+        return per_sample.mean() if reduce else per_sample
+
+    # --- building a model of this family from scratch ----------------------------------------------------
+    scratch_sizes: dict[str, dict] = {}  # named sizes for the New Model node: {"tiny": {...}, ...}
+
+    @classmethod
+    def scratch_state_dict(cls, seed: int = 0, **size) -> dict[str, torch.Tensor]:
+        """Random-initialised weights (ComfyUI keys) of a model of this family that ComfyUI detects as it."""
+        raise NotImplementedError(f"{cls.display_name}: training from scratch is not offered for this family")
+
+
+def init_weights(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Fan-in scaled normal weights, unit norms, zero biases: a trainable random start (ComfyUI's model
+    classes skip initialisation)."""
+    import math
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in module.named_parameters():
+        with torch.no_grad():
+            if param.ndim >= 2:
+                param.copy_(torch.randn(param.shape, generator=generator) / math.sqrt(math.prod(param.shape[1:])))
+            elif name.endswith(("weight", "scale")):
+                param.fill_(1.0)
+            else:
+                param.zero_()
+    return module
+
+
+def block_lists(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks of every ModuleList directly under the model (transformer blocks of most DiTs)."""
+    return [block for child in module.children() if isinstance(child, torch.nn.ModuleList) for block in child]
+
+
+class _OutOfPlaceAdd(torch.Tensor):
+    """`x += y` makes a new tensor: ComfyUI's inference code adds residuals in place into tensors a norm layer
+    saved for the backward pass, which autograd refuses. Everything else behaves as a plain tensor."""
+
+    def __iadd__(self, other):
+        return torch.add(self, other)
+
+
+def residuals_out_of_place(blocks) -> None:
+    """Wraps each block so the tensors it receives add out of place, and hands plain tensors back."""
+    def plain(value):
+        if isinstance(value, _OutOfPlaceAdd):
+            return value.as_subclass(torch.Tensor)
+        if isinstance(value, tuple):
+            return tuple(plain(v) for v in value)
+        return value
+
+    for block in blocks:
+        forward = block.forward
+
+        def wrapped(*args, _forward=forward, **kwargs):
+            args = tuple(a.as_subclass(_OutOfPlaceAdd) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                         else a for a in args)
+            kwargs = {k: v.as_subclass(_OutOfPlaceAdd) if k in ("img", "txt", "x") and isinstance(v, torch.Tensor)
+                      else v for k, v in kwargs.items()}
+            return plain(_forward(*args, **kwargs))
+        block.forward = wrapped

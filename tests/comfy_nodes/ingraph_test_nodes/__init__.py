@@ -1,0 +1,66 @@
+"""Test-only ComfyUI nodes, installed into the test server beside the pack (never shipped to users).
+
+SDXL, SD3, Flux and Wan text encoders (CLIP-G, T5-XXL, umT5) are far too large to build in tests, so
+`Synthetic Text Encoder` stands in for them: a CLIP-shaped object that ComfyUI's stock CLIPTextEncode and
+the pack's Cache Text Embeddings both accept, giving each text a fixed pseudo-random embedding (and pooled
+vector) of the family's width. Everything downstream (cache, trainer, LoraLoader, KSampler) is the real code.
+"""
+import hashlib
+
+import torch
+
+# tokens, width of the text embedding, width of the pooled vector (None: the family takes none)
+FAMILY_TEXT = {
+    "sdxl": (77, 2048, 1280),
+    "sd3": (16, 64, 32),  # the tiny SD3 (tools/tiny_models.py) embeds 64-wide text, 32-wide pooled
+    "flux": (16, 4096, 64),  # the tiny Flux's vector input is 64 wide
+    "wan": (16, 4096, None),
+}
+
+
+class SyntheticClip:
+    def __init__(self, family: str):
+        self.family = family
+        self.tokens, self.width, self.pooled_width = FAMILY_TEXT[family]
+        self.layer_idx = None
+
+    def _generator(self, text: str, salt: str) -> torch.Generator:
+        digest = hashlib.sha256(f"{self.family}|{salt}|{text}".encode()).digest()
+        return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") % (2**63))
+
+    def get_sd(self):
+        return {f"synthetic.{self.family}": torch.tensor([self.tokens, self.width, self.pooled_width or 0])}
+
+    def tokenize(self, text, return_word_ids=False, **kwargs):
+        return {"text": text}
+
+    def encode_from_tokens(self, tokens, return_pooled=False, return_dict=False):
+        text = tokens["text"]
+        cond = torch.randn((1, self.tokens, self.width), generator=self._generator(text, "cond"))
+        pooled = None
+        if self.pooled_width:
+            pooled = torch.randn((1, self.pooled_width), generator=self._generator(text, "pooled"))
+        if return_dict:
+            return {"cond": cond, "pooled_output": pooled}
+        return (cond, pooled) if return_pooled else cond
+
+    def encode_from_tokens_scheduled(self, tokens, unprojected=False, add_dict={}, show_pbar=True):
+        out = self.encode_from_tokens(tokens, return_dict=True)
+        extras = {"pooled_output": out["pooled_output"]} if out["pooled_output"] is not None else {}
+        return [[out["cond"], {**extras, **add_dict}]]
+
+
+class SyntheticTextEncoder:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"family": (list(FAMILY_TEXT),)}}
+
+    RETURN_TYPES = ("CLIP",)
+    FUNCTION = "make"
+    CATEGORY = "testing"
+
+    def make(self, family):
+        return (SyntheticClip(family),)
+
+
+NODE_CLASS_MAPPINGS = {"InGraphTestSyntheticTextEncoder": SyntheticTextEncoder}

@@ -1,0 +1,77 @@
+"""Tiny random-weight diffusion models of every family, as files ComfyUI's UNETLoader detects as that
+family, and a 16-channel TAESD VAE for the flow-matching families' latents (tests and benches).
+
+    python tools/tiny_models.py --family sd3 --out tiny_sd3.safetensors [--dtype bf16]
+    python tools/tiny_models.py --vae16 tiny_taesd16.safetensors
+
+Sizes are each family's smallest that ComfyUI still detects (see trainer/models/<family>.py):
+SD3 and Wan are well under a million parameters; SDXL (~485M) and Flux (~400M) cannot shrink further
+because ComfyUI reads their widths from fixed configurations.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import types
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _bootstrap():
+    sys.path.insert(0, str(REPO))
+    if "ingraph_trainer" not in sys.modules:
+        package = types.ModuleType("ingraph_trainer")
+        package.__path__ = [str(REPO)]
+        sys.modules["ingraph_trainer"] = package
+    from ingraph_trainer.trainer.comfy_env import import_comfy
+    import_comfy()
+
+
+def _save(state: dict, out: Path, dtype=None):
+    from safetensors.torch import save_file
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".partial")
+    save_file({k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
+               for k, v in state.items()}, str(tmp))
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, out)
+
+
+def build_family_model(family: str, out: Path, seed: int = 0, size: str = "tiny", dtype: str = "fp32") -> Path:
+    _bootstrap()
+    import torch
+    from ingraph_trainer.trainer.models import FAMILIES
+    cls = next(c for c in FAMILIES if c.name == family)
+    state = cls.scratch_state_dict(seed, **cls.scratch_sizes.get(size, {}))
+    _save(state, out, {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
+    return out
+
+
+def build_vae16(out: Path, seed: int = 2) -> Path:
+    _bootstrap()
+    import comfy.taesd.taesd
+    from ingraph_trainer.trainer.models.base import init_weights
+    taesd = init_weights(comfy.taesd.taesd.TAESD(latent_channels=16), seed)
+    _save({k: v for k, v in taesd.state_dict().items() if k.startswith(("taesd_encoder.", "taesd_decoder."))}, out)
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=["sd_unet", "sdxl", "sd3", "flux", "wan"])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--size", default="tiny")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vae16", type=Path, help="write a 16-channel TAESD VAE here")
+    opts = parser.parse_args(argv)
+    if opts.family:
+        print(build_family_model(opts.family, opts.out, opts.seed, opts.size, opts.dtype))
+    if opts.vae16:
+        print(build_vae16(opts.vae16))
+
+
+if __name__ == "__main__":
+    main()
