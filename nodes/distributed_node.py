@@ -24,14 +24,30 @@ class DeepSpeedSettings(io.ComfyNode):
                 io.String.Input("hostfile", default="",
                                 tooltip="DeepSpeed hostfile for several machines ('host slots=N' per line); empty "
                                         "for this machine only. Every machine needs the same paths."),
+                io.Int.Input("pipeline_stages", default=1, min=1, max=64, optional=True,
+                             tooltip="Split the model's layers across this many processes (pipeline parallel, "
+                                     "partitioned by trainable parameters), for models too big for one GPU. "
+                                     "Must divide the number of processes; the rest is data parallel. Takes ZeRO "
+                                     "0 or 1; no previews. SD1.x/SD2.x/SDXL UNets."),
+                io.Int.Input("block_swap", default=0, min=0, max=1000, optional=True,
+                             tooltip="Adapter training on one stage: keep this many blocks' frozen weights in CPU "
+                                     "memory and copy each to the GPU only while it runs (less GPU memory, slower "
+                                     "steps; those blocks are recomputed in the backward pass). 0 = off."),
             ],
             outputs=[Distributed.Output(display_name="distributed", tooltip="Connect to Train LoRA.")],
         )
 
     @classmethod
-    def execute(cls, processes, zero_stage, offload_optimizer, hostfile) -> io.NodeOutput:
+    def execute(cls, processes, zero_stage, offload_optimizer, hostfile, pipeline_stages=1,
+                block_swap=0) -> io.NodeOutput:
         spec = DistributedSpec(processes=processes, zero_stage=int(zero_stage), offload_optimizer=offload_optimizer,
-                               hostfile=hostfile.strip())
+                               hostfile=hostfile.strip(), pipeline_stages=pipeline_stages, block_swap=block_swap)
+        if not spec.hostfile and processes % pipeline_stages:
+            raise ValueError(f"pipeline_stages: {pipeline_stages} stages do not divide {processes} processes")
+        if pipeline_stages > 1 and spec.zero_stage > 1:
+            raise ValueError(f"pipeline_stages: DeepSpeed pipelines take ZeRO stage 0 or 1 (zero_stage is {zero_stage})")
+        if pipeline_stages > 1 and block_swap:
+            raise ValueError("block_swap: block swap is for one pipeline stage")
         if spec.offload_optimizer and spec.zero_stage == 0:
             raise ValueError("offload_optimizer needs zero_stage 1, 2 or 3")
         if spec.hostfile:

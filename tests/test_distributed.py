@@ -252,3 +252,32 @@ def test_zero3_full_fine_tune_on_2_processes_matches_1_process(prepared):
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
     ea, eb = (next(e for e in read_events(d) if e["type"] == "finished") for d in (one.parent, two.parent))
     assert eb["eval_after"] < eb["eval_before"] and abs(ea["eval_after"] - eb["eval_after"]) < 1e-5
+
+
+def test_two_pipeline_stages_match_one_stage(prepared, reference):
+    """The UNet split into 2 stages (skip connections crossing the cut) on 2 processes, micro-batch 2 with
+    accumulation 2: the same losses and the same adapter as 1 process with the whole model."""
+    spec = prepared(**COMMON, train__grad_accum=2, distributed__processes=2, distributed__pipeline_stages=2)
+    launch(spec, 2)
+    ref, got = step_losses(reference), step_losses(spec.parent)
+    assert len(got) == 5 and max(abs(a - b) for a, b in zip(ref, got)) < 1e-5, (ref, got)
+    adapters_agree(reference, spec.parent)
+    started = read_events(spec.parent)[0]
+    assert started["pipeline_stages"] == 2 and started["data_parallel"] == 1 and started["world_size"] == 2
+    evals = [[e["loss"] for e in read_events(d) if e["type"] == "eval"] for d in (reference, spec.parent)]
+    assert evals[0][0] == pytest.approx(evals[1][0], abs=1e-7)  # evaluation through the stages: same numbers
+    checkpoints = [e for e in read_events(spec.parent) if e["type"] == "checkpoint"]
+    assert [e["step"] for e in checkpoints] == [2, 4]
+
+
+def test_block_swap_and_gradient_checkpointing_match_plain_training(prepared, reference):
+    """Blocks whose frozen weights live in CPU memory (and are recomputed in the backward pass), and gradient
+    checkpointing: the same losses as the plain run."""
+    for extra in ({"distributed__block_swap": 3}, {"train__gradient_checkpointing": True}):
+        spec = prepared(**COMMON, train__grad_accum=2, **extra)
+        from conftest import run_trainer
+        proc = run_trainer(spec)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        ref, got = step_losses(reference), step_losses(spec.parent)
+        assert max(abs(a - b) for a, b in zip(ref, got)) < 1e-6, (extra, ref, got)
+    assert read_events(spec.parent)[0]["block_swap"] == 0

@@ -8,16 +8,16 @@ stock graph: UNETLoader, VAELoader, the pack's cache and Train nodes, LoraLoader
 """
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from conftest import IMAGE_FOLDER, REPO, read_events, run_trainer
+
+FAMILY_FOLDER = "ingraph_family"  # two of the example images: evaluation before and after costs 10 forward passes
 
 pytestmark = pytest.mark.comfyui
 
@@ -30,6 +30,9 @@ FAMILIES = {"sdxl": ("tiny_taesd4.safetensors", "bf16"), "sd3": ("tiny_taesd16.s
 def family_models(comfy):
     """Tiny models of every family in the server's models/diffusion_models, VAEs in models/vae."""
     unets, vaes = comfy.dir("models", "diffusion_models"), comfy.dir("models", "vae")
+    images = comfy.dir("input", FAMILY_FOLDER)
+    for source in sorted(comfy.dir("input", IMAGE_FOLDER).iterdir())[:4]:  # two images and their captions
+        (images / source.name).write_bytes(source.read_bytes())
     tool = str(REPO / "tools" / "tiny_models.py")
     subprocess.run([sys.executable, tool, "--vae16", str(vaes / "tiny_taesd16.safetensors")], check=True,
                    capture_output=True, timeout=120)
@@ -49,7 +52,7 @@ def training_graph(family: str, output_name: str, model: dict | None = None, **t
         "2": {"class_type": "VAELoader", "inputs": {"vae_name": vae_file}},
         "3": {"class_type": "InGraphTestSyntheticTextEncoder", "inputs": {"family": family}},
         "4": {"class_type": "InGraphLoadTrainingImages",
-              "inputs": {"folder": IMAGE_FOLDER, "resolution": 64, "bucketing": False, "min_side": 64,
+              "inputs": {"folder": FAMILY_FOLDER, "resolution": 64, "bucketing": False, "min_side": 64,
                          "max_side": 256, "max_upscale": 1.0, "crop": "center", "flip": False, "repeats": 1,
                          "caption_prefix": "", "missing_caption": "error", "default_caption": ""}},
         "5": {"class_type": "InGraphCacheLatents", "inputs": {"dataset": ["4", 0], "vae": ["2", 0]}},

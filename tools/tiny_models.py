@@ -5,7 +5,7 @@ family, and a 16-channel TAESD VAE for the flow-matching families' latents (test
     python tools/tiny_models.py --vae16 tiny_taesd16.safetensors
 
 Sizes are each family's smallest that ComfyUI still detects (see trainer/models/<family>.py):
-SD3 and Wan are well under a million parameters; SDXL (~485M) and Flux (~400M) cannot shrink further
+SD3 and Wan are well under a million parameters; SDXL and Flux (~400M each) cannot shrink further
 because ComfyUI reads their widths from fixed configurations.
 """
 from __future__ import annotations

@@ -112,6 +112,8 @@ class DistributedSpec:
     zero_stage: int = 0
     offload_optimizer: bool = False  # optimizer state in CPU memory (ZeRO 1-3)
     hostfile: str = ""  # DeepSpeed hostfile for several machines ("" = this machine only)
+    pipeline_stages: int = 1  # the model split across this many processes (layers partitioned by parameters)
+    block_swap: int = 0  # adapter training: this many blocks keep their frozen weights in CPU memory
 
 
 @dataclass
@@ -194,6 +196,18 @@ class RunSpec:
         need(not d.offload_optimizer or d.zero_stage >= 1, "distributed.offload_optimizer",
              "needs ZeRO stage 1, 2 or 3")
         need(not d.hostfile or Path(d.hostfile).is_file(), "distributed.hostfile", f"{d.hostfile} does not exist")
+        need(d.pipeline_stages >= 1, "distributed.pipeline_stages", f"must be at least 1 (got {d.pipeline_stages})")
+        if d.pipeline_stages > 1:
+            need(d.zero_stage <= 1, "distributed.pipeline_stages", "DeepSpeed pipelines take ZeRO stage 0 or 1 "
+                 f"(zero_stage is {d.zero_stage})")
+            need(not s.every, "samples.every", "previews need the whole model in one process; "
+                 "they are not available with pipeline stages")
+            need(d.block_swap == 0, "distributed.block_swap", "block swap is for one pipeline stage")
+        need(d.block_swap >= 0, "distributed.block_swap", f"must be 0 or more (got {d.block_swap})")
+        if d.block_swap:
+            need(a.kind != "full", "distributed.block_swap", "block swap keeps frozen weights in CPU memory; a full "
+                 "fine-tune has none (use ZeRO-3 with offload instead)")
+            need(d.zero_stage <= 2, "distributed.block_swap", "ZeRO-3 partitions the weights itself; use stage 0-2")
         if problems:
             raise RunSpecError(f"{source}: " + "; ".join(problems))
         return self

@@ -48,12 +48,17 @@ def init_distributed():
     return deepspeed
 
 
+def data_parallel_size(spec) -> int:
+    """Model replicas training side by side: every process, or every pipeline of `pipeline_stages` processes."""
+    return world_size() // spec.distributed.pipeline_stages
+
+
 def deepspeed_config(spec) -> dict:
     t = spec.train
     config = {
         "train_micro_batch_size_per_gpu": t.batch_size,
         "gradient_accumulation_steps": t.grad_accum,
-        "train_batch_size": t.batch_size * t.grad_accum * world_size(),
+        "train_batch_size": t.batch_size * t.grad_accum * data_parallel_size(spec),
         "gradient_clipping": t.max_grad_norm if t.max_grad_norm > 0 else 0.0,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,

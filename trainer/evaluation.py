@@ -6,6 +6,8 @@ into zeros, which is exact, before the mean is taken in one fixed order.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .data import CachedDataset, seeded_generator
@@ -23,19 +25,31 @@ def eval_chunks(dataset: CachedDataset, indices: list[int], batch_size: int) -> 
     return [group[s:s + batch_size] for _, group in sorted(by_bucket.items()) for s in range(0, len(group), batch_size)]
 
 
-def evaluate(module, dataset: CachedDataset, indices: list[int], quantiles: list[float], seed: int,
-             batch_size: int, device) -> dict:
-    """{"loss": mean over quantiles, "quantiles": {"0.1": loss, ...}}. Every rank must call it."""
+@contextlib.contextmanager
+def layout_independent_threads(device):
+    """CPU kernels split their sums by thread count, and CPU workers share the cores: one thread each makes
+    the numbers independent of the number of processes."""
     if torch.device(device).type != "cpu":
-        return _evaluate(module, dataset, indices, quantiles, seed, batch_size, device)
-    # CPU kernels split their sums by thread count, and CPU workers share the cores: one thread each
-    # makes the numbers independent of the number of processes
+        yield
+        return
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _evaluate(module, dataset, indices, quantiles, seed, batch_size, device)
+        yield
     finally:
         torch.set_num_threads(threads)
+
+
+def eval_noise(shape, items: list[int], seed: int) -> torch.Tensor:
+    """The fixed noise of each evaluated image (by its index), whatever batch or process computes it."""
+    return torch.stack([torch.randn(shape, generator=seeded_generator(seed, EVAL_NOISE_STREAM, i)) for i in items])
+
+
+def evaluate(module, dataset: CachedDataset, indices: list[int], quantiles: list[float], seed: int,
+             batch_size: int, device) -> dict:
+    """{"loss": mean over quantiles, "quantiles": {"0.1": loss, ...}}. Every rank must call it."""
+    with layout_independent_threads(device):
+        return _evaluate(module, dataset, indices, quantiles, seed, batch_size, device)
 
 
 @torch.no_grad()
@@ -52,8 +66,7 @@ def _evaluate(module, dataset, indices, quantiles, seed, batch_size, device) -> 
         slot = r * world + me
         chunk = chunks[slot] if slot < len(chunks) else chunks[-1]
         latents, cond, pooled = dataset.batch(chunk)
-        noise = torch.stack([torch.randn(latents.shape[1:], generator=seeded_generator(seed, EVAL_NOISE_STREAM, i))
-                             for i in chunk])
+        noise = eval_noise(latents.shape[1:], chunk, seed)
         for qn, q in enumerate(quantiles):
             batch = Batch(latents=latents.to(device), cond=cond.to(device),
                           pooled=pooled.to(device) if pooled is not None else None, noise=noise.to(device),
@@ -67,9 +80,13 @@ def _evaluate(module, dataset, indices, quantiles, seed, batch_size, device) -> 
         torch.distributed.all_reduce(per_item)
         per_item = per_item.cpu()
     module.train(was_training)
+    return summarise(per_item, quantiles, len(indices))
+
+
+def summarise(per_item: torch.Tensor, quantiles: list[float], items: int) -> dict:
+    """Per-quantile means of the per-image losses (quantiles x images), in one fixed order."""
     per_quantile = {f"{q:g}": per_item[qn].mean().item() for qn, q in enumerate(quantiles)}
-    return {"loss": sum(per_quantile.values()) / len(per_quantile), "quantiles": per_quantile,
-            "items": len(indices)}
+    return {"loss": sum(per_quantile.values()) / len(per_quantile), "quantiles": per_quantile, "items": items}
 
 
 def run_evaluation(spec, events) -> dict:

@@ -16,7 +16,7 @@ from .adapters import (comfy_adapter_state_dict, inject_adapter, kohya_metadata,
 from .comfy_env import import_comfy
 from .config import RunSpec
 from .data import Prefetcher, StepSampler, load_cached_dataset
-from .distributed import deepspeed_config, init_distributed, rank, world_size
+from .distributed import data_parallel_size, deepspeed_config, init_distributed, rank, world_size
 from .evaluation import evaluate
 from .events import EVENTS_FILE, EventWriter, read_events
 from .layout import STOP_FILE
@@ -47,6 +47,36 @@ def enable_gradient_checkpointing(blocks):
         def checkpointed(*args, _forward=forward, **kwargs):
             return torch.utils.checkpoint.checkpoint(_forward, *args, use_reentrant=False, **kwargs)
         block.forward = checkpointed
+
+
+def enable_block_swap(blocks, device):
+    """diffusion-pipe's block swap for adapter training: these blocks' frozen weights live in CPU memory and
+    visit the device only while the block runs, in the forward pass and again when the backward pass
+    recomputes it (swapped blocks are checkpointed, so no copy outlives its block's use). Trainable adapter
+    weights stay on the device, where the optimizer holds them."""
+    import threading
+    state = threading.local()
+    pinned = torch.cuda.is_available()
+    for block in blocks:
+        frozen = {name: p for name, p in block.named_parameters() if not p.requires_grad}
+        host = {name: (p.detach().cpu().pin_memory() if pinned else p.detach().cpu()) for name, p in frozen.items()}
+        for name, p in frozen.items():
+            p.data = host[name]  # the device copy is freed
+        forward = block.forward
+
+        def run_on_device(*args, _block=block, _host=host, **kwargs):
+            state.inside = True
+            try:
+                weights = {name: t.to(device, non_blocking=True) for name, t in _host.items()}
+                return torch.func.functional_call(_block, weights, args, kwargs, strict=False)
+            finally:
+                state.inside = False
+
+        def swapped(*args, _forward=forward, _run=run_on_device, **kwargs):
+            if getattr(state, "inside", False):  # functional_call calls the block: run its real forward
+                return _forward(*args, **kwargs)
+            return torch.utils.checkpoint.checkpoint(_run, *args, use_reentrant=False, **kwargs)
+        block.forward = swapped
 
 
 def lr_lambda(spec: RunSpec):
@@ -148,17 +178,31 @@ class Trainer:
             if a.init_from:
                 load_adapter_weights(family.diffusion_model, a.kind, a.init_from,
                                      export.diffusers_module_names(family.base_model))
-        if t.gradient_checkpointing:
-            enable_gradient_checkpointing(family.checkpoint_blocks())
-        module = TrainingModule(family)
-        optimizer = build_optimizer(spec, params)
+        d = spec.distributed
+        deepspeed = init_distributed()  # before the model: pipeline stages need the process group
+        blocks = family.checkpoint_blocks() if (t.gradient_checkpointing or d.block_swap) else []
+        if d.block_swap > len(blocks):
+            raise ValueError(f"distributed.block_swap: this model has {len(blocks)} blocks (got {d.block_swap})")
+        if t.gradient_checkpointing:  # swapped blocks are checkpointed by the swap itself
+            enable_gradient_checkpointing(blocks[d.block_swap:])
+        pipe_loss = pipe_layers = None
+        if d.pipeline_stages > 1:
+            from . import pipeline
+            module, pipe_loss, pipe_layers = pipeline.build(family, d.pipeline_stages)
+            stage_params = [p for p in module.parameters() if p.requires_grad]  # this stage's share
+        else:
+            module = TrainingModule(family)
+            stage_params = params
+        optimizer = build_optimizer(spec, stage_params)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(spec))
 
-        deepspeed = init_distributed()
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                                config=deepspeed_config(spec))
         self.device = engine.device
-        world = world_size()
+        if d.block_swap:
+            enable_block_swap(blocks[:d.block_swap], self.device)
+        world = data_parallel_size(spec)
+        data_rank = engine.grid.get_data_parallel_rank() if pipe_loss is not None else rank()
         global_batch = t.batch_size * t.grad_accum * world
         sampler = StepSampler(dataset.buckets, global_batch, t.seed, spec.data.shuffle)
 
@@ -169,7 +213,8 @@ class Trainer:
             start_step = int(state["step"])
 
         self.events.emit("started", run_dir=str(self.run_dir), total=t.steps, start_step=start_step,
-                         world_size=world, family=family.name, prediction=family.prediction,
+                         world_size=world_size(), data_parallel=world, pipeline_stages=d.pipeline_stages,
+                         block_swap=d.block_swap, family=family.name, prediction=family.prediction,
                          objective={"loss": t.loss, "min_snr_gamma": t.min_snr_gamma},
                          adapted_modules=len(targets), trainable_params=sum(p.numel() for p in params),
                          dataset_items=len(dataset.unique), samples=len(dataset), eval_items=len(eval_indices),
@@ -184,7 +229,13 @@ class Trainer:
         previews = PreviewSampler(spec.samples, family, self.run_dir, self.is_rank0) if spec.samples.every else None
 
         def run_eval(step: int):
-            result = evaluate(module, eval_dataset, eval_indices, t.eval_quantiles, t.seed, t.batch_size, self.device)
+            if pipe_loss is not None:
+                from .pipeline import evaluate as evaluate_stages
+                result = evaluate_stages(engine, pipe_loss, eval_dataset, eval_indices, t.eval_quantiles, t.seed,
+                                         t.batch_size)
+            else:
+                result = evaluate(module, eval_dataset, eval_indices, t.eval_quantiles, t.seed, t.batch_size,
+                                  self.device)
             if not best or result["loss"] < best["loss"]:
                 best.update(step=step, loss=result["loss"])
             self.events.emit("eval", step=step, best_step=best["step"], **result)
@@ -201,7 +252,7 @@ class Trainer:
         def load_step(step: int):
             """This rank's micro-batches of the step: (latents, cond, noise, timesteps, pooled) each."""
             indices = sampler.indices(step)
-            starts = [(m * world + rank()) * t.batch_size for m in range(t.grad_accum)]
+            starts = [(m * world + data_rank) * t.batch_size for m in range(t.grad_accum)]
             batches = [dataset.batch(indices[lo:lo + t.batch_size]) for lo in starts]
             noise, uniform = sampler.noise_and_timesteps(step, tuple(batches[0][0].shape[1:]))
             timesteps = training_timesteps(uniform, t.timestep_sampling, t.logit_mean, t.logit_std)
@@ -216,17 +267,22 @@ class Trainer:
             data_wait += time.perf_counter() - t0
             step_buckets = sorted({dataset.buckets[i] for i in indices})
             lr = optimizer.param_groups[0]["lr"]
-            losses, grad_norm, latent_std = [], None, []
-            for inputs in micro_batches:
-                latents, cond, noise, micro_t, pooled = (x.to(self.device) if x is not None else None for x in inputs)
-                latent_std.append(latents.float().std().item())
-                loss = engine(latents, cond, noise, micro_t, pooled)
-                engine.backward(loss)
-                if engine.is_gradient_accumulation_boundary():
-                    grad_norm = _grad_norm(params)
-                engine.step()
-                losses.append(loss.item())
-            final_loss = self._global_mean(sum(losses) / len(losses))
+            losses, grad_norm = [], None
+            latent_std = [inputs[0].float().std().item() for inputs in micro_batches]
+            if pipe_loss is not None:  # the engine runs the micro-batches through the stages; loss is global
+                from .pipeline import micro_batch
+                final_loss = engine.train_batch(iter([micro_batch(*inputs) for inputs in micro_batches])).item()
+            else:
+                for inputs in micro_batches:
+                    latents, cond, noise, micro_t, pooled = (x.to(self.device) if x is not None else None
+                                                             for x in inputs)
+                    loss = engine(latents, cond, noise, micro_t, pooled)
+                    engine.backward(loss)
+                    if engine.is_gradient_accumulation_boundary():
+                        grad_norm = _grad_norm(params)
+                    engine.step()
+                    losses.append(loss.item())
+                final_loss = self._global_mean(sum(losses) / len(losses))
             grad_norm = engine.get_global_grad_norm() or grad_norm
             step_time = time.perf_counter() - t0
             step_times.append(step_time)
@@ -264,6 +320,9 @@ class Trainer:
 
         eval_after = run_eval(steps_done)
         health.close()
+        if pipe_layers is not None:  # each stage trained its own layers: bring them together for the file
+            from .pipeline import collect_parameters
+            collect_parameters(engine, pipe_layers, trainable_only=spec.adapter.kind != "full")
         adapter_path = self._export(deepspeed, family, params, len(dataset.unique), steps_done, started_at)
         steady = step_times[1:] or step_times
         self.events.emit("finished", adapter=adapter_path, steps=steps_done, stopped=stopped, final_loss=final_loss,

@@ -152,15 +152,12 @@ class ModelFamily:
             loss = loss * min_snr_weight(snr.float(), self.min_snr_gamma, self.prediction)
         return loss
 
-    def loss(self, batch: Batch, reduce: bool = True, weighted: bool = True) -> torch.Tensor:
-        """The diffusion loss of a batch: noise it with ComfyUI's noise scaling, run the model the way
-        ComfyUI's apply_model does (input scaling, timestep, conditioning) and compare the raw output
-        with the family's target."""
+    def model_inputs(self, batch: Batch):
+        """What the diffusion model is called with, the way ComfyUI's apply_model prepares it (input scaling,
+        timestep, conditioning): (x_in, timestep, kwargs)."""
         sampling = self.base_model.model_sampling
         dtype = next(self.diffusion_model.parameters()).dtype
-        x0 = self.prepare_latents(batch.latents.float())
-        noise = self.to_model_layout(batch.noise.float())
-        sigma = self.sigmas(batch.timesteps).to(x0.device)
+        x0, noise, sigma = self.noising(batch.latents, batch.noise, batch.timesteps)
         shape = (-1,) + (1,) * (x0.dim() - 1)
         x_noisy = sampling.noise_scaling(sigma.view(shape), noise, x0)
         x_in = sampling.calculate_input(sigma.view(shape), x_noisy)
@@ -168,10 +165,32 @@ class ModelFamily:
         c_concat = kwargs.pop("c_concat", None)
         if c_concat is not None:
             x_in = torch.cat([x_in, c_concat.to(x_in.dtype)], dim=1)
-        timestep = sampling.timestep(sigma).float()
-        out = self.diffusion_model(x_in.to(dtype), timestep, transformer_options={}, **kwargs)
+        return x_in.to(dtype), sampling.timestep(sigma).float(), kwargs
+
+    def noising(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor):
+        """(clean latents in the model's layout and scale, noise in that layout, sigma per sample)."""
+        x0 = self.prepare_latents(latents.float())
+        return x0, self.to_model_layout(noise.float()), self.sigmas(timesteps).to(x0.device)
+
+    def loss_of_output(self, out: torch.Tensor, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,
+                       reduce: bool = True, weighted: bool = True) -> torch.Tensor:
+        """The loss of the model's raw output against the family's target for these latents and noise."""
+        x0, noise, sigma = self.noising(latents, noise, timesteps)
+        shape = (-1,) + (1,) * (x0.dim() - 1)
         per_sample = self.training_loss(out, self.target(x0, noise, sigma.view(shape)), self.snr(sigma), weighted)
         return per_sample.mean() if reduce else per_sample
+
+    def loss(self, batch: Batch, reduce: bool = True, weighted: bool = True) -> torch.Tensor:
+        """The diffusion loss of a batch: noised with ComfyUI's noise scaling, run as ComfyUI runs the model."""
+        x_in, timestep, kwargs = self.model_inputs(batch)
+        out = self.diffusion_model(x_in, timestep, transformer_options={}, **kwargs)
+        return self.loss_of_output(out, batch.latents, batch.noise, batch.timesteps, reduce, weighted)
+
+    def pipeline_layers(self) -> list[torch.nn.Module]:
+        """The model as a sequence of layers for pipeline stages: each takes and returns a tuple of tensors;
+        the first takes (latents, cond, noise, timesteps[, pooled]), the last returns the raw model output."""
+        raise UnsupportedSetting(f"distributed.pipeline_stages: {self.display_name} models do not split into "
+                                 "pipeline stages yet (SD1.x/SD2.x/SDXL UNets do); use 1 stage")
 
     # --- building a model of this family from scratch ----------------------------------------------------
     scratch_sizes: dict[str, dict] = {}  # named sizes for the New Model node: {"tiny": {...}, ...}

@@ -1,7 +1,9 @@
 """SD1.x / SD2.x UNets: epsilon or v-prediction on ComfyUI's discrete schedule."""
 from __future__ import annotations
 
-from .base import ModelFamily
+import torch
+
+from .base import Batch, ModelFamily
 
 UNET_ATTENTION = (r"\.attn[12]\.(to_q|to_k|to_v|to_out\.0)$",)
 UNET_FEED_FORWARD = (r"\.ff\.net\.(0\.proj|2)$",)
@@ -30,5 +32,72 @@ class SDUNetFamily(ModelFamily):
         return is_unet(base_model) and base_model.model_config.unet_config.get("adm_in_channels") is None
 
     def checkpoint_blocks(self):
+        # ComfyUI's forward_timestep_embed calls a block's layers one by one, never the block's own forward
         unet = self.diffusion_model
-        return [*unet.input_blocks, *unet.middle_block, *unet.output_blocks]
+        return [layer for block in (*unet.input_blocks, *(unet.middle_block or []), *unet.output_blocks)
+                for layer in block]
+
+    def pipeline_layers(self):
+        unet = self.diffusion_model
+        middle = [UNetBlock(unet.middle_block, "middle")] if unet.middle_block is not None else []
+        return [UNetBegin(self), *(UNetBlock(b, "input") for b in unet.input_blocks), *middle,
+                *(UNetBlock(b, "output") for b in unet.output_blocks), UNetEnd(unet)]
+
+
+class UNetBegin(torch.nn.Module):
+    """Stage input: noise the batch, embed the timestep (and SDXL's size vector). Tuple out: (h, emb, context)."""
+
+    def __init__(self, family):
+        super().__init__()
+        unet = family.diffusion_model
+        self.time_embed = unet.time_embed
+        self.label_emb = getattr(unet, "label_emb", None) if unet.num_classes is not None else None
+        self.model_channels = unet.model_channels
+        self._family = [family]  # not a submodule: the family's model is split across the layers
+
+    def forward(self, inputs):
+        from comfy.ldm.modules.diffusionmodules.util import timestep_embedding
+        latents, cond, noise, timesteps, *pooled = inputs
+        x_in, timestep, kwargs = self._family[0].model_inputs(
+            Batch(latents, cond, pooled[0] if pooled else None, noise, timesteps))
+        emb = self.time_embed(timestep_embedding(timestep, self.model_channels, repeat_only=False).to(x_in.dtype))
+        if self.label_emb is not None:
+            emb = emb + self.label_emb(kwargs["y"])
+        outputs = (x_in, emb, kwargs["context"])
+        for tensor in outputs:  # DeepSpeed sends a gradient back for every floating-point tensor between stages
+            tensor.requires_grad_(True)
+        return outputs
+
+
+class UNetBlock(torch.nn.Module):
+    """One input, middle or output block. Tuple: (h, emb, context, *skips); input blocks push their output
+    onto the skips, output blocks pop one and concatenate it, as UNetModel._forward does."""
+
+    def __init__(self, block, kind: str):
+        super().__init__()
+        self.block, self.kind = block, kind
+
+    def forward(self, inputs):
+        from comfy.ldm.modules.diffusionmodules.openaimodel import forward_timestep_embed
+        h, emb, context, *skips = inputs
+        options = {"original_shape": list(h.shape), "transformer_index": 0}
+        if self.kind == "output":
+            h = torch.cat([h, skips.pop()], dim=1)
+            output_shape = skips[-1].shape if skips else None
+            h = forward_timestep_embed(self.block, h, emb, context, options, output_shape)
+        else:
+            h = forward_timestep_embed(self.block, h, emb, context, options)
+        if self.kind == "input":
+            skips.append(h)
+        return (h, emb, context, *skips)
+
+
+class UNetEnd(torch.nn.Module):
+    def __init__(self, unet):
+        super().__init__()
+        self.out = unet.out
+
+    def forward(self, inputs):
+        h, emb, context = inputs
+        # emb and context end here; a zero-weighted use gives them the (zero) gradient DeepSpeed sends back
+        return self.out(h) + 0.0 * (emb.sum() + context.sum())

@@ -12,8 +12,9 @@ from .base import Batch, UnsupportedSetting, init_weights
 from .sd_unet import SDUNetFamily, is_unet
 
 
-def sdxl_unet_config(transformer_depth=(0, 2, 5), transformer_depth_output=(0, 0, 1, 1, 1, 1)) -> dict:
-    """The smallest UNet ComfyUI detects as SDXL-family (KOALA-700M's input depths, lighter outputs)."""
+def sdxl_unet_config(transformer_depth=(0, 2, 5), transformer_depth_output=(0, 0, 0, 0, 0, 0)) -> dict:
+    """The smallest UNet ComfyUI detects as SDXL-family: KOALA-700M's input depths (all detection reads),
+    no transformer blocks on the output side."""
     return dict(image_size=32, in_channels=4, out_channels=4, model_channels=320, num_res_blocks=[1, 1, 1],
                 channel_mult=[1, 2, 4], transformer_depth=list(transformer_depth), transformer_depth_middle=-2,
                 transformer_depth_output=list(transformer_depth_output), num_head_channels=64, context_dim=2048,
@@ -46,7 +47,7 @@ class SDXLFamily(SDUNetFamily):
 
     @classmethod
     def scratch_state_dict(cls, seed: int = 0, **_):
-        """Random weights of the smallest SDXL-family UNet ComfyUI detects (for tests; ~485M parameters)."""
+        """Random weights of the smallest SDXL-family UNet ComfyUI detects (for tests; ~400M parameters)."""
         import comfy.ops
         from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
         model = UNetModel(**sdxl_unet_config(), operations=comfy.ops.disable_weight_init)

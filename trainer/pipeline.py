@@ -1,0 +1,96 @@
+"""Pipeline stages (diffusion-pipe's design on DeepSpeed's PipelineModule): the family's layers split across
+processes by trainable parameters, data parallel across pipelines.
+
+Stage inputs are (latents, cond, noise, timesteps[, pooled]); the labels are (latents, noise, timesteps), from
+which the last stage computes the family's target, so the data order, noise and timesteps of a step are the
+ones a single process draws. Evaluation runs through the stages too (no stage ever holds the whole model on
+its device); the adapter is collected from the stages that trained each layer before it is written.
+"""
+from __future__ import annotations
+
+import torch
+
+from .distributed import world_size
+
+
+class PipelineLoss:
+    """The last stage's loss_fn: the training objective, or per-sample plain MSE while evaluating."""
+
+    def __init__(self, family):
+        self.family = family
+        self.evaluating = False
+
+    def __call__(self, output, labels):
+        latents, noise, timesteps = labels
+        return self.family.loss_of_output(output, latents, noise, timesteps, reduce=not self.evaluating,
+                                          weighted=not self.evaluating)
+
+
+def check_layout(stages: int):
+    if world_size() % stages:
+        raise ValueError(f"distributed.pipeline_stages: {stages} stages do not divide {world_size()} processes")
+
+
+def build(family, stages: int):
+    """(PipelineModule, its loss function, the layers in order)."""
+    from deepspeed.pipe import PipelineModule
+    check_layout(stages)
+    layers = family.pipeline_layers()
+    loss = PipelineLoss(family)
+    module = PipelineModule(layers=layers, num_stages=stages, loss_fn=loss, partition_method="parameters",
+                            dynamic_shape=True)  # aspect-ratio buckets change activation shapes between steps
+    return module, loss, layers
+
+
+def micro_batch(latents, cond, noise, timesteps, pooled=None):
+    """One micro-batch as the pipeline engine takes it: (stage inputs, labels)."""
+    inputs = (latents, cond, noise, timesteps) + ((pooled,) if pooled is not None else ())
+    return inputs, (latents, noise, timesteps)
+
+
+def collect_parameters(engine, layers, trainable_only: bool):
+    """Every process gets the weights each stage trained (broadcast from the stage that owns the layer),
+    so rank 0 can write the whole adapter. Collective: every rank calls it."""
+    module, grid = engine.module, engine.grid
+    bounds = module.parts
+    for index, layer in enumerate(layers):
+        stage = next(s for s in range(module.num_stages) if bounds[s] <= index < bounds[s + 1])
+        source = grid.stage_to_global(stage_id=stage, data=0)
+        for param in layer.parameters():
+            if trainable_only and not param.requires_grad:
+                continue
+            buffer = param.detach().to(engine.device).clone()
+            torch.distributed.broadcast(buffer, src=source)
+            with torch.no_grad():
+                param.copy_(buffer.to(param.device))
+
+
+def evaluate(engine, loss: PipelineLoss, dataset, indices, quantiles, seed: int, batch_size: int) -> dict:
+    """The same numbers as evaluation.evaluate (fixed noise per image, fixed timestep quantiles), computed
+    through the stages: each chunk is one micro-batch; the last stage's per-sample losses reach every rank."""
+    from .evaluation import eval_chunks, eval_noise, layout_independent_threads, summarise
+    per_item = torch.zeros(len(quantiles), len(indices), dtype=torch.float64)
+    position = {item: n for n, item in enumerate(indices)}
+    last = engine.grid.stage_to_global(stage_id=engine.num_stages - 1)
+    loss.evaluating = True
+    try:
+        with layout_independent_threads(engine.device):
+            for chunk in eval_chunks(dataset, indices, batch_size):
+                latents, cond, pooled = dataset.batch(chunk)
+                noise = eval_noise(latents.shape[1:], chunk, seed)
+                for qn, q in enumerate(quantiles):
+                    timesteps = torch.full((len(chunk),), float(q))
+                    engine.total_loss = None  # eval_batch adds into the last training step's scalar otherwise
+                    out = engine.eval_batch(iter([micro_batch(latents, cond, noise, timesteps, pooled)]),
+                                            compute_loss=True, reduce_output=None, bcast_loss=False,
+                                            num_micro_batches=1)
+                    losses = out[0].detach().double().to(engine.device) if engine.is_last_stage() else \
+                        torch.zeros(len(chunk), dtype=torch.float64, device=engine.device)
+                    torch.distributed.broadcast(losses, src=last, group=engine.grid.get_pipe_parallel_group())
+                    for item, value in zip(chunk, losses.cpu()):
+                        per_item[qn, position[item]] = value
+    finally:
+        loss.evaluating = False
+        engine.total_loss = None
+        engine.module.train()
+    return summarise(per_item, quantiles, len(indices))
