@@ -1,10 +1,12 @@
-"""Samples per second of the trainer on the tiny model: 1 process vs 2 processes (data parallel, gloo on CPU).
+"""Samples per second of the trainer on the tiny model: 1 process vs 2 processes (data parallel), and 1 vs 2
+pipeline stages (the UNet split across 2 processes), gloo on CPU.
 
-Same global batch per optimizer step in both layouts (1 process: micro-batch b with gradient
-accumulation 2; 2 processes: micro-batch b each). On a 2-core CPU this measures overhead, not speed-up.
+Same global batch per optimizer step in every layout (1 process: micro-batch b with gradient accumulation 2;
+2 processes: micro-batch b each; 2 stages: micro-batch b, accumulation 2, one pipeline). On a 2-core CPU this
+measures overhead, not speed-up.
 
     python bench/scaling.py [--steps 30 --batch 2]
-The last line holds the ratio (2 processes / 1 process).
+The last line holds the ratios against 1 process (= 1 stage).
 """
 from __future__ import annotations
 
@@ -51,12 +53,15 @@ def main(argv=None):
                   "train.eval_quantiles": [0.5]}
         one = prepare(ckpt, tmp / "images", tmp / "one", {**common, "train.grad_accum": 2})
         two = prepare(ckpt, tmp / "images", tmp / "two", {**common, "distributed.processes": 2})
-        r1, r2 = run(one, 1), run(two, 2)
+        staged = prepare(ckpt, tmp / "images", tmp / "staged", {**common, "train.grad_accum": 2,
+                                                                 "distributed.processes": 2,
+                                                                 "distributed.pipeline_stages": 2})
+        r1, r2, rp = run(one, 1), run(two, 2), run(staged, 2)
     print(f"tiny SD1.5, fp32, global batch {2 * opts.batch} per step, {opts.steps} steps, CPU, gloo")
     print(f"1 process (micro-batch {opts.batch} x accumulation 2): {r1:.2f} samples/s")
     print(f"2 processes (micro-batch {opts.batch} each):             {r2:.2f} samples/s")
-    print("pipeline stages: not measured (pipeline parallelism is not implemented yet)")
-    print(f"ratio 2 processes / 1 process: {r2 / r1:.3f}")
+    print(f"2 pipeline stages (micro-batch {opts.batch} x accumulation 2): {rp:.2f} samples/s")
+    print(f"ratios: 2 processes / 1 process {r2 / r1:.3f}; 2 stages / 1 stage {rp / r1:.3f}")
 
 
 if __name__ == "__main__":

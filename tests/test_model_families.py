@@ -176,7 +176,7 @@ def test_training_from_scratch_reduces_loss(family_models, client):
 def test_generic_family_matches_the_dedicated_one(prepared):
     """The generic fallback (ComfyUI's extra_conds, the model's own sampling, attention layers found by name)
     trains an SD1.5 UNet exactly as the SD family does: the same layers, the same losses."""
-    common = dict(train__steps=3, train__batch_size=2, train__precision="fp32", train__eval_quantiles=[0.5])
+    common = dict(train__steps=2, train__batch_size=2, train__precision="fp32", train__eval_quantiles=[0.5])
     runs = {}
     for family in ("auto", "generic"):
         spec = prepared(**common, model__family=family)

@@ -314,3 +314,56 @@ def test_adapter_file_round_trip_restores_what_the_model_computes(kind, tmp_path
         bad.add_module("a", torch.nn.Linear(24, 40))
         adapters.inject_adapter(bad, ["a"], kind, 4, 4.0, 0.0)
         adapters.load_adapter_weights(bad, kind, str(tmp_path / "a.safetensors"))
+
+
+def test_flow_matching_timesteps_shift_and_logit_normal():
+    import torch
+    objectives = importlib.import_module("ingraph_trainer.trainer.objectives")
+    base = importlib.import_module("ingraph_trainer.trainer.models.base")
+    u = torch.rand(20000, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(objectives.training_timesteps(u), u)
+    t = objectives.training_timesteps(u, "logit_normal", mean=0.5, std=1.0)
+    logit = torch.log(t / (1 - t))
+    # the logit of a logit-normal sample is normal(mean, std); the same draws always give the same timesteps
+    assert abs(logit.mean().item() - 0.5) < 0.03 and abs(logit.std().item() - 1.0) < 0.03
+    assert torch.equal(t, objectives.training_timesteps(u, "logit_normal", mean=0.5, std=1.0))
+    assert torch.all(t[1:][u[1:] > u[:-1]] > t[:-1][u[1:] > u[:-1]])  # monotone in u: quantiles stay quantiles
+    with pytest.raises(ValueError, match="train.timestep_sampling"):
+        objectives.training_timesteps(u, "beta")
+    # SD3's shift: s*t / (1 + (s-1)*t); 1 leaves t alone, 3 moves mid-schedule to 0.75
+    assert torch.equal(base.shifted(u, 1.0), u)
+    assert base.shifted(torch.tensor([0.0, 0.5, 1.0]), 3.0).tolist() == [0.0, 0.75, 1.0]
+
+
+@pytest.mark.parametrize("table,values,needle", [
+    ("train", {"flow_shift": 0.0}, "train.flow_shift"),
+    ("train", {"timestep_sampling": "beta"}, "train.timestep_sampling"),
+    ("train", {"logit_std": 0.0}, "train.logit_std"),
+    ("model", {"family": "unet3"}, "model.family"),
+    ("model", {"prediction": "x0"}, "model.prediction"),
+    ("distributed", {"processes": 2, "pipeline_stages": 2, "zero_stage": 2}, "ZeRO stage 0 or 1"),
+    ("distributed", {"pipeline_stages": 0}, "distributed.pipeline_stages"),
+    ("distributed", {"pipeline_stages": 2, "block_swap": 2}, "block swap is for one pipeline stage"),
+    ("distributed", {"block_swap": -1}, "distributed.block_swap"),
+    ("distributed", {"block_swap": 4, "zero_stage": 3}, "ZeRO-3 partitions the weights"),
+])
+def test_spec_validates_family_objective_and_layout_settings(table, values, needle):
+    data = valid_spec_dict()
+    data[table].update(values)
+    with pytest.raises(config.RunSpecError, match=needle.replace(".", r"\.")):
+        config.spec_from_dict(data, "run.toml")
+
+
+def test_block_swap_refuses_full_fine_tuning_and_pipelines_refuse_previews():
+    data = valid_spec_dict()
+    data["adapter"]["kind"], data["distributed"]["block_swap"] = "full", 2
+    with pytest.raises(config.RunSpecError, match="a full fine-tune has none"):
+        config.spec_from_dict(data)
+    data = valid_spec_dict()
+    data["distributed"]["pipeline_stages"] = 2
+    data["samples"].update(every=5, conditioning="/c.safetensors", vae_path="/v.safetensors", prompts=["a"])
+    with pytest.raises(config.RunSpecError, match="samples.every: previews need the whole model"):
+        config.spec_from_dict(data)
+    flow = valid_spec_dict(flow_shift=3.0, timestep_sampling="logit_normal", guidance=3.5)
+    flow["model"].update(family="flux", prediction="flow")
+    assert config.spec_from_dict(flow).train.flow_shift == 3.0
