@@ -28,7 +28,7 @@ class DeepSpeedSettings(io.ComfyNode):
                              tooltip="Split the model's layers across this many processes (pipeline parallel, "
                                      "partitioned by trainable parameters), for models too big for one GPU. "
                                      "Must divide the number of processes; the rest is data parallel. Takes ZeRO "
-                                     "0 or 1; no previews. SD1.x/SD2.x/SDXL UNets."),
+                                     "0 or 1; no previews. SD1.x/SD2.x, SDXL, SD3, Flux and Wan models."),
                 io.Int.Input("block_swap", default=0, min=0, max=1000, optional=True,
                              tooltip="Adapter training on one stage: keep this many blocks' frozen weights in CPU "
                                      "memory and copy each to the GPU only while it runs (less GPU memory, slower "

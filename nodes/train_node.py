@@ -31,13 +31,14 @@ def _resumable() -> list[str]:
         return []
 
 
-def check_family_settings(model, prediction: str, train, adapter, file_format: str):
+def check_family_settings(model, prediction: str, train, adapter, file_format: str, distributed=None):
     """Rejects, before anything is written, settings the MODEL's family cannot honour (the trainer checks again)."""
-    from ..trainer.config import OutputSpec, RunSpec
+    from ..trainer.config import DistributedSpec, OutputSpec, RunSpec
     from ..trainer.models import UnsupportedSetting, family_for
     family = family_for(model.model, prediction=prediction)
     try:
-        family.check_settings(RunSpec(train=train, adapter=adapter, output=OutputSpec(format=file_format)))
+        family.check_settings(RunSpec(train=train, adapter=adapter, output=OutputSpec(format=file_format),
+                                      distributed=distributed or DistributedSpec()))
     except UnsupportedSetting as exc:
         raise ValueError(f"Train LoRA ({family.display_name} model): {exc}") from None
     log.info("InGraph Trainer: training a %s model (%s)", family.display_name, prediction)
@@ -207,7 +208,7 @@ class TrainLoRA(io.ComfyNode):
                 log.info("InGraph Trainer: no checkpoint of %r to resume; starting a new run", name)
             resume_tag = None
             prediction = prediction_of(model)
-            check_family_settings(model, prediction, train, adapter, file_format)
+            check_family_settings(model, prediction, train, adapter, file_format, distributed)
             model_path = materialise_model(model, paths.models_root())
             run_dir, spec_path = prepare_run(runs_root=paths.runs_root(), name=name, model_path=model_path,
                                              prediction=prediction, dataset=dataset, cache_root=paths.cache_root(),

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import IMAGE_FOLDER, REPO, read_events, run_trainer
+from conftest import IMAGE_FOLDER, REPO
 
 FAMILY_FOLDER = "ingraph_family"  # two of the example images: evaluation before and after costs 10 forward passes
 
@@ -173,18 +173,73 @@ def test_training_from_scratch_reduces_loss(family_models, client):
     assert torch.isfinite(saved_latent(comfy, "scratch_sd3")).all()
 
 
-def test_generic_family_matches_the_dedicated_one(prepared):
-    """The generic fallback (ComfyUI's extra_conds, the model's own sampling, attention layers found by name)
-    trains an SD1.5 UNet exactly as the SD family does: the same layers, the same losses."""
-    common = dict(train__steps=2, train__batch_size=2, train__precision="fp32", train__eval_quantiles=[0.5])
-    runs = {}
-    for family in ("auto", "generic"):
-        spec = prepared(**common, model__family=family)
-        proc = run_trainer(spec)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[family] = read_events(spec.parent)
-    started = {f: next(e for e in ev if e["type"] == "started") for f, ev in runs.items()}
-    assert started["auto"]["family"] == "sd_unet" and started["generic"]["family"] == "generic"
-    assert started["auto"]["adapted_modules"] == started["generic"]["adapted_modules"] > 0
-    losses = {f: [e["loss"] for e in ev if e["type"] == "step"] for f, ev in runs.items()}
-    assert losses["auto"] == pytest.approx(losses["generic"], abs=1e-6)
+def _distributed(processes: int, stages: int) -> dict:
+    return {"class_type": "InGraphDeepSpeedSettings",
+            "inputs": {"processes": processes, "zero_stage": "0", "offload_optimizer": False, "hostfile": "",
+                       "pipeline_stages": stages, "block_swap": 0}}
+
+
+def test_wan_on_two_pipeline_stages_matches_one_stage(family_models, client):
+    """A DiT split into 2 stages from the graph (DeepSpeed Settings node): the same losses as the whole model
+    in one process, and a LoRA the stock loader reads."""
+    losses = {}
+    for stages in (1, 2):
+        graph = training_graph("wan", f"wan_stages{stages}", distributed=["30", 0])
+        graph["30"] = _distributed(stages, stages)
+        outcome = client.run(graph, timeout=600)
+        assert outcome.ok, outcome.error
+        events = run_events(outcome)
+        assert next(e for e in events if e["type"] == "started")["pipeline_stages"] == stages
+        losses[stages] = [e["loss"] for e in events if e["type"] == "step"]
+    assert losses[1] == pytest.approx(losses[2], abs=1e-5)
+    log_before = len(family_models.log_text())
+    assert client.run(sampling_graph("wan", "wan_stages2.safetensors", "wan_stages2"), timeout=300).ok
+    assert "lora key not loaded" not in family_models.log_text()[log_before:]
+
+
+def test_pipeline_layers_compute_exactly_what_the_model_computes():
+    """Each family's pipeline layers, run in sequence, give the model's own output bit for bit (SD1.5 UNet with
+    its skip connections, SDXL's size embedding, SD3's, Wan's and Flux's patches on a non-square latent, Flux's text
+    and image streams joined for the single blocks)."""
+    sys.path.insert(0, str(REPO))
+    from tools.tiny_models import _bootstrap
+    _bootstrap()
+    import comfy.ops
+    import comfy.sd
+    from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
+    from ingraph_trainer.trainer.models import Batch, family_for
+    from ingraph_trainer.trainer.models.base import init_weights
+    from ingraph_trainer.trainer.models.flux import FluxFamily
+    from ingraph_trainer.trainer.models.sd3 import SD3Family
+    from ingraph_trainer.trainer.models.sdxl import SDXLFamily
+    from ingraph_trainer.trainer.models.wan import WanFamily
+    from tools.embedded_default import TINY_UNET_CONFIG
+    cases = {
+        "sd_unet": (init_weights(UNetModel(**TINY_UNET_CONFIG, operations=comfy.ops.disable_weight_init), 0)
+                    .state_dict(), (4, 8, 8), (77, 768), None),
+        "sdxl": (SDXLFamily.scratch_state_dict(0), (4, 8, 8), (77, 2048), 1280),
+        "wan": (WanFamily.scratch_state_dict(0, **WanFamily.scratch_sizes["tiny"]), (16, 6, 10), (8, 4096), None),
+        "sd3": (SD3Family.scratch_state_dict(0, **SD3Family.scratch_sizes["tiny"]), (16, 6, 10), (8, 64), 32),
+        "flux": (FluxFamily.scratch_state_dict(0, depth=1, depth_single_blocks=1, vec_in_dim=64), (16, 6, 10),
+                 (8, 4096), 64),
+    }
+    for name, (state, latent, text, pooled) in cases.items():
+        patcher = comfy.sd.load_diffusion_model_state_dict(dict(state), model_options={"dtype": torch.float32})
+        family = family_for(patcher.model, patcher=patcher)
+        assert family.name == name
+        g = torch.Generator().manual_seed(0)
+        batch = Batch(torch.randn(2, *latent, generator=g), torch.randn(2, *text, generator=g),
+                      torch.randn(2, pooled, generator=g) if pooled else None, torch.randn(2, *latent, generator=g),
+                      torch.rand(2, generator=g))
+        with torch.no_grad():
+            expected = family.loss(batch, reduce=False)
+            x = (batch.latents, batch.cond, batch.noise, batch.timesteps) + ((batch.pooled,) if pooled else ())
+            for layer in family.pipeline_layers():
+                x = layer(x)
+            got = family.loss_of_output(x, batch.latents, batch.noise, batch.timesteps, reduce=False)
+        assert torch.equal(expected, got), (name, expected, got)
+        if name == "sd_unet":  # the generic fallback trains an SD UNet exactly as the SD family does
+            generic = family_for(patcher.model, family="generic", patcher=patcher)
+            assert generic.adapter_targets("attention") == family.adapter_targets("attention") != []
+            with torch.no_grad():
+                assert torch.equal(generic.loss(batch, reduce=False), expected)

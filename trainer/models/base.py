@@ -66,6 +66,8 @@ class ModelFamily:
         if self.prediction != "flow" and t.flow_shift != 1.0:
             raise UnsupportedSetting(f"train.flow_shift: {self.display_name} is not a flow-matching model "
                                      f"({self.prediction}); leave the shift at 1")
+        if spec.distributed.pipeline_stages > 1 and type(self).pipeline_layers is ModelFamily.pipeline_layers:
+            self.pipeline_layers()  # raises, naming the setting
         if spec.output.format == "diffusers" and not self.diffusers_format:
             raise UnsupportedSetting(f"output.format: the diffusers layout is for SD1.x/SD2.x/SDXL UNets, not "
                                      f"{self.display_name}; use comfyui or kohya")
@@ -190,7 +192,7 @@ class ModelFamily:
         """The model as a sequence of layers for pipeline stages: each takes and returns a tuple of tensors;
         the first takes (latents, cond, noise, timesteps[, pooled]), the last returns the raw model output."""
         raise UnsupportedSetting(f"distributed.pipeline_stages: {self.display_name} models do not split into "
-                                 "pipeline stages yet (SD1.x/SD2.x/SDXL UNets do); use 1 stage")
+                                 "pipeline stages yet (SD UNets, SDXL, SD3, Flux and Wan do); use 1 stage")
 
     # --- building a model of this family from scratch ----------------------------------------------------
     scratch_sizes: dict[str, dict] = {}  # named sizes for the New Model node: {"tiny": {...}, ...}
@@ -249,3 +251,33 @@ def residuals_out_of_place(blocks) -> None:
                       else v for k, v in kwargs.items()}
             return plain(_forward(*args, **kwargs))
         block.forward = wrapped
+
+
+class StageInput(torch.nn.Module):
+    """A family's first pipeline layer: stage inputs (latents, cond, noise, timesteps[, pooled]) to what the
+    model's blocks take. The family is kept out of the submodules: its model is split across the layers."""
+
+    def __init__(self, family):
+        super().__init__()
+        self._family = [family]
+
+    @property
+    def family(self):
+        return self._family[0]
+
+    def model_inputs(self, inputs):
+        latents, cond, noise, timesteps, *pooled = inputs
+        return self.family.model_inputs(Batch(latents, cond, pooled[0] if pooled else None, noise, timesteps))
+
+    @staticmethod
+    def sendable(*tensors):
+        """DeepSpeed sends a gradient back for every floating-point tensor that crosses a stage."""
+        for tensor in tensors:
+            tensor.requires_grad_(True)
+        return tensors
+
+
+def ends_here(output: torch.Tensor, *carried: torch.Tensor) -> torch.Tensor:
+    """The last layer's output, with a zero-weighted use of tensors carried along but not needed any more, so
+    that they get the (zero) gradient DeepSpeed sends back across stages."""
+    return output + 0.0 * sum(t.sum() for t in carried)

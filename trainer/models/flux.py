@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Batch, ModelFamily, UnsupportedSetting, init_weights, residuals_out_of_place
+from .base import (Batch, ModelFamily, StageInput, UnsupportedSetting, ends_here, init_weights,
+                   residuals_out_of_place)
 
 ATTENTION = (r"double_blocks\.\d+\.(img|txt)_attn\.(qkv|proj)$", r"single_blocks\.\d+\.linear[12]$")
 FEED_FORWARD = (r"double_blocks\.\d+\.(img|txt)_mlp\.[02]$",)
@@ -41,6 +42,11 @@ class FluxFamily(ModelFamily):
     def checkpoint_blocks(self):
         return [*self.diffusion_model.double_blocks, *self.diffusion_model.single_blocks]
 
+    def pipeline_layers(self):
+        model = self.diffusion_model
+        return [FluxBegin(self), *(FluxDoubleBlock(b) for b in model.double_blocks),
+                *(FluxSingleBlock(b, first=n == 0) for n, b in enumerate(model.single_blocks)), FluxEnd(self)]
+
     def extra_cond_inputs(self, batch: Batch, x_noisy: torch.Tensor) -> dict:
         if batch.pooled is None:
             raise UnsupportedSetting("dataset: Flux needs pooled text embeddings (its CLIP-L vector); cache the "
@@ -58,3 +64,77 @@ class FluxFamily(ModelFamily):
                      axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True, guidance_embed=guidance_embed,
                      operations=comfy.ops.disable_weight_init)
         return {k: v.contiguous() for k, v in init_weights(model, seed).state_dict().items()}
+
+
+class FluxBegin(StageInput):
+    """Stage input: noise, patchify and embed (Flux._forward / forward_orig up to the blocks).
+    Tuple out: (img, txt, vec, pe, shape) with shape = (height, width) of the latent."""
+
+    def __init__(self, family):
+        super().__init__(family)
+        model = family.diffusion_model
+        self.img_in, self.time_in, self.vector_in, self.txt_in = model.img_in, model.time_in, model.vector_in, model.txt_in
+        self.guidance_in = model.guidance_in if model.params.guidance_embed else None
+
+    def forward(self, inputs):
+        from comfy.ldm.flux.layers import timestep_embedding
+        model = self.family.diffusion_model
+        x_in, timestep, kwargs = self.model_inputs(inputs)
+        context, y, guidance = kwargs["context"], kwargs.get("y"), kwargs.get("guidance")
+        img, img_ids = model.process_img(x_in)
+        txt_ids = torch.zeros((x_in.shape[0], context.shape[1], 3), device=x_in.device, dtype=x_in.dtype)
+        img = self.img_in(img)
+        vec = self.time_in(timestep_embedding(timestep, 256).to(img.dtype))
+        if self.guidance_in is not None and guidance is not None:
+            vec = vec + self.guidance_in(timestep_embedding(guidance, 256).to(img.dtype))
+        if y is None:
+            y = torch.zeros((img.shape[0], model.params.vec_in_dim), device=img.device, dtype=img.dtype)
+        vec = vec + self.vector_in(y[:, :model.params.vec_in_dim])
+        txt = self.txt_in(context)
+        pe = model.pe_embedder(torch.cat((txt_ids, img_ids), dim=1))
+        return (*self.sendable(img, txt, vec, pe), torch.tensor(x_in.shape[-2:], device=x_in.device))
+
+
+def _joined(inputs):
+    """Double-block tuples (img, txt, vec, pe, shape) become single-block ones (txt+img, vec, pe, shape, txt_len)."""
+    img, txt, vec, pe, shape = inputs
+    return (torch.cat((txt, img), 1), vec, pe, shape, torch.tensor([txt.shape[1]], device=shape.device))
+
+
+class FluxDoubleBlock(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, inputs):
+        img, txt, vec, pe, shape = inputs
+        img, txt = self.block(img=img, txt=txt, vec=vec, pe=pe, attn_mask=None, transformer_options={})
+        return (img, txt, vec, pe, shape)
+
+
+class FluxSingleBlock(torch.nn.Module):
+    def __init__(self, block, first: bool):
+        super().__init__()
+        self.block, self.first = block, first
+
+    def forward(self, inputs):
+        img, vec, pe, shape, txt_len = _joined(inputs) if self.first else inputs
+        return (self.block(img, vec=vec, pe=pe, attn_mask=None, transformer_options={}), vec, pe, shape, txt_len)
+
+
+class FluxEnd(torch.nn.Module):
+    def __init__(self, family):
+        super().__init__()
+        self.final_layer = family.diffusion_model.final_layer
+        self.patch_size = family.diffusion_model.patch_size
+        self.join = len(family.diffusion_model.single_blocks) == 0  # else the first single block joined
+
+    def forward(self, inputs):
+        from einops import rearrange
+        img, vec, pe, shape, txt_len = _joined(inputs) if self.join else inputs
+        h, w = shape.tolist()
+        p = self.patch_size
+        h_len, w_len = (h + p // 2) // p, (w + p // 2) // p
+        img = self.final_layer(img[:, int(txt_len):, ...], vec)[:, :h_len * w_len]
+        out = rearrange(img, "b (h w) (c ph pw) -> b c (h ph) (w pw)", h=h_len, w=w_len, ph=2, pw=2)[:, :, :h, :w]
+        return ends_here(out, pe)

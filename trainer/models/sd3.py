@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import ModelFamily, init_weights
+from .base import ModelFamily, StageInput, UnsupportedSetting, init_weights
 
 ATTENTION = (r"joint_blocks\.\d+\.(context_block|x_block)\.attn2?\.(qkv|proj)$",)
 FEED_FORWARD = (r"joint_blocks\.\d+\.(context_block|x_block)\.mlp\.fc[12]$",)
@@ -29,6 +29,9 @@ class SD3Family(ModelFamily):
     def checkpoint_blocks(self):
         return list(self.diffusion_model.joint_blocks)
 
+    def pipeline_layers(self):
+        return [SD3Begin(self), *(SD3Block(b) for b in self.diffusion_model.joint_blocks), SD3End(self)]
+
     @classmethod
     def scratch_state_dict(cls, seed: int = 0, depth: int = 2, context_dim: int = 64, pooled_dim: int = 32,
                            pos_embed_max_size: int = 16, **_):
@@ -45,3 +48,55 @@ class SD3Family(ModelFamily):
             model.pos_embed.copy_(torch.randn(model.pos_embed.shape, generator=torch.Generator().manual_seed(seed)) * 0.02)
         return {k: v.contiguous() for k, v in model.state_dict().items()}
 
+
+
+class SD3Begin(StageInput):
+    """Stage input: noise, patchify with positions, embed time, pooled vector and text (MMDiT.forward up to
+    its joint blocks). Tuple out: (x, c, context, shape) with shape = (height, width) of the latent."""
+
+    def __init__(self, family):
+        super().__init__(family)
+        model = family.diffusion_model
+        if model.register_length or model.context_processor is not None:
+            raise UnsupportedSetting("distributed.pipeline_stages: this MMDiT variant (registers or a context "
+                                     "processor) does not split into stages yet")
+        self.x_embedder, self.t_embedder = model.x_embedder, model.t_embedder
+        self.y_embedder, self.context_embedder = model.y_embedder, model.context_embedder
+
+    def forward(self, inputs):
+        import comfy.ops
+        x_in, timestep, kwargs = self.model_inputs(inputs)
+        hw = x_in.shape[-2:]
+        pos = self.family.diffusion_model.cropped_pos_embed(hw, device=x_in.device)
+        x = self.x_embedder(x_in) + comfy.ops.cast_to_input(pos, x_in)
+        c = self.t_embedder(timestep, dtype=x.dtype)
+        if kwargs.get("y") is not None and self.y_embedder is not None:
+            c = c + self.y_embedder(kwargs["y"])
+        context = self.context_embedder(kwargs["context"])
+        return (*self.sendable(x, c, context), torch.tensor(hw, device=x.device))
+
+
+class SD3Block(torch.nn.Module):
+    """A joint block; the last one keeps no text stream, so its tuple is (x, c, shape)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, inputs):
+        x, c, context, shape = inputs
+        context, x = self.block(context, x, c=c, use_checkpoint=False, transformer_options={})
+        return (x, c, context, shape) if context is not None else (x, c, shape)
+
+
+class SD3End(torch.nn.Module):
+    def __init__(self, family):
+        super().__init__()
+        self.final_layer = family.diffusion_model.final_layer
+        self.unpatchify = family.diffusion_model.unpatchify  # a method: the model stays out of the submodules
+
+    def forward(self, inputs):
+        x, c, shape = inputs
+        hw = shape.tolist()
+        x = self.unpatchify(self.final_layer(x, c), hw=hw)
+        return x[:, :, :hw[-2], :hw[-1]]

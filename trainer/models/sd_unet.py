@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Batch, ModelFamily
+from .base import ModelFamily, StageInput, ends_here
 
 UNET_ATTENTION = (r"\.attn[12]\.(to_q|to_k|to_v|to_out\.0)$",)
 UNET_FEED_FORWARD = (r"\.ff\.net\.(0\.proj|2)$",)
@@ -44,29 +44,23 @@ class SDUNetFamily(ModelFamily):
                 *(UNetBlock(b, "output") for b in unet.output_blocks), UNetEnd(unet)]
 
 
-class UNetBegin(torch.nn.Module):
+class UNetBegin(StageInput):
     """Stage input: noise the batch, embed the timestep (and SDXL's size vector). Tuple out: (h, emb, context)."""
 
     def __init__(self, family):
-        super().__init__()
+        super().__init__(family)
         unet = family.diffusion_model
         self.time_embed = unet.time_embed
         self.label_emb = getattr(unet, "label_emb", None) if unet.num_classes is not None else None
         self.model_channels = unet.model_channels
-        self._family = [family]  # not a submodule: the family's model is split across the layers
 
     def forward(self, inputs):
         from comfy.ldm.modules.diffusionmodules.util import timestep_embedding
-        latents, cond, noise, timesteps, *pooled = inputs
-        x_in, timestep, kwargs = self._family[0].model_inputs(
-            Batch(latents, cond, pooled[0] if pooled else None, noise, timesteps))
+        x_in, timestep, kwargs = self.model_inputs(inputs)
         emb = self.time_embed(timestep_embedding(timestep, self.model_channels, repeat_only=False).to(x_in.dtype))
         if self.label_emb is not None:
             emb = emb + self.label_emb(kwargs["y"])
-        outputs = (x_in, emb, kwargs["context"])
-        for tensor in outputs:  # DeepSpeed sends a gradient back for every floating-point tensor between stages
-            tensor.requires_grad_(True)
-        return outputs
+        return self.sendable(x_in, emb, kwargs["context"])
 
 
 class UNetBlock(torch.nn.Module):
@@ -99,5 +93,4 @@ class UNetEnd(torch.nn.Module):
 
     def forward(self, inputs):
         h, emb, context = inputs
-        # emb and context end here; a zero-weighted use gives them the (zero) gradient DeepSpeed sends back
-        return self.out(h) + 0.0 * (emb.sum() + context.sum())
+        return ends_here(self.out(h), emb, context)

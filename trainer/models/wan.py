@@ -2,7 +2,9 @@
 one-frame video, so image datasets train it too."""
 from __future__ import annotations
 
-from .base import ModelFamily, init_weights
+import torch
+
+from .base import ModelFamily, StageInput, ends_here, init_weights
 
 ATTENTION = (r"blocks\.\d+\.(self_attn|cross_attn)\.[qkvo]$",)
 FEED_FORWARD = (r"blocks\.\d+\.ffn\.[02]$",)
@@ -30,6 +32,9 @@ class WanFamily(ModelFamily):
     def checkpoint_blocks(self):
         return list(self.diffusion_model.blocks)
 
+    def pipeline_layers(self):
+        return [WanBegin(self), *(WanBlock(b) for b in self.diffusion_model.blocks), WanEnd(self)]
+
     @classmethod
     def scratch_state_dict(cls, seed: int = 0, dim: int = 128, ffn_dim: int = 256, num_layers: int = 2, **_):
         import comfy.ops
@@ -37,3 +42,55 @@ class WanFamily(ModelFamily):
         model = WanModel(model_type="t2v", dim=dim, ffn_dim=ffn_dim, num_heads=dim // 128, num_layers=num_layers,
                          operations=comfy.ops.disable_weight_init)
         return {k: v.contiguous() for k, v in init_weights(model, seed).state_dict().items()}
+
+
+class WanBegin(StageInput):
+    """Stage input: noise the batch, patchify, embed time and text (WanModel._forward / forward_orig up to the
+    blocks). Tuple out: (x, e, e0, freqs, context, shape) with shape = (frames, height, width, grid t, h, w)."""
+
+    def __init__(self, family):
+        super().__init__(family)
+        model = family.diffusion_model
+        self.patch_embedding, self.time_embedding = model.patch_embedding, model.time_embedding
+        self.time_projection, self.text_embedding = model.time_projection, model.text_embedding
+
+    def forward(self, inputs):
+        import comfy.ldm.common_dit
+        from comfy.ldm.wan.model import sinusoidal_embedding_1d
+        model = self.family.diffusion_model
+        x_in, timestep, kwargs = self.model_inputs(inputs)
+        _, _, t, h, w = x_in.shape
+        x = comfy.ldm.common_dit.pad_to_patch_size(x_in, model.patch_size)
+        freqs = model.rope_encode(t, h, w, device=x.device, dtype=x.dtype)
+        x = self.patch_embedding(x.float()).to(x.dtype)
+        grid = x.shape[2:]
+        x = x.flatten(2).transpose(1, 2)
+        e = self.time_embedding(sinusoidal_embedding_1d(model.freq_dim, timestep.flatten()).to(dtype=x[0].dtype))
+        e = e.reshape(timestep.shape[0], -1, e.shape[-1])
+        e0 = self.time_projection(e).unflatten(2, (6, model.dim))
+        context = self.text_embedding(kwargs["context"])
+        return (*self.sendable(x, e, e0, freqs, context), torch.tensor([t, h, w, *grid], device=x.device))
+
+
+class WanBlock(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, inputs):
+        x, e, e0, freqs, context, shape = inputs
+        x = self.block(x, e=e0, freqs=freqs, context=context, context_img_len=None, transformer_options={})
+        return (x, e, e0, freqs, context, shape)
+
+
+class WanEnd(torch.nn.Module):
+    def __init__(self, family):
+        super().__init__()
+        self.head = family.diffusion_model.head
+        self.unpatchify = family.diffusion_model.unpatchify  # a method: the model stays out of the submodules
+
+    def forward(self, inputs):
+        x, e, e0, freqs, context, shape = inputs
+        t, h, w, *grid = shape.tolist()
+        x = self.unpatchify(self.head(x, e), grid)[:, :, :t, :h, :w]
+        return ends_here(x, e0, freqs, context)
