@@ -28,20 +28,32 @@ class NewModel(io.ComfyNode):
                                        "1.3B, for real runs on GPUs."),
                 io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=False,
                              tooltip="Seed of the random initial weights."),
+                io.Clip.Input("clip", optional=True,
+                              tooltip="The text encoder you will caption with: the new model takes text (and "
+                                      "pooled) embeddings of its widths. Not connected: the size's own widths."),
             ],
             outputs=[io.Model.Output(display_name="model", tooltip="The untrained model.")],
         )
 
     @classmethod
-    def execute(cls, family, size, seed) -> io.NodeOutput:
+    def execute(cls, family, size, seed, clip=None) -> io.NodeOutput:
         import comfy.sd
-        from ..trainer.models import SCRATCH_FAMILIES
+        from ..trainer.models import SCRATCH_FAMILIES, UnsupportedSetting
         if family not in FAMILY_LABELS:
             raise ValueError(f"family: {family!r} is not one of {list(FAMILY_LABELS)}")
         builder = SCRATCH_FAMILIES[FAMILY_LABELS[family]]
         if size not in builder.scratch_sizes:
             raise ValueError(f"size: {family} offers {list(builder.scratch_sizes)}, not {size!r}")
-        state = builder.scratch_state_dict(seed, **builder.scratch_sizes[size])
+        dims = builder.scratch_sizes[size]
+        if clip is not None:
+            text = clip.encode_from_tokens(clip.tokenize(""), return_pooled=True, return_dict=True)
+            pooled = text.get("pooled_output")
+            try:
+                dims = builder.scratch_size_for_text(dims, int(text["cond"].shape[-1]),
+                                                     int(pooled.shape[-1]) if pooled is not None else None)
+            except UnsupportedSetting as exc:
+                raise ValueError(f"New Model ({family}): {exc}") from None
+        state = builder.scratch_state_dict(seed, **dims)
         model = comfy.sd.load_diffusion_model_state_dict(state)
         if model is None:
             raise RuntimeError(f"ComfyUI did not recognise the new {family} model (a ComfyUI version mismatch?)")

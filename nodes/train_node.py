@@ -113,6 +113,11 @@ class TrainLoRA(io.ComfyNode):
                                        "lora_unet_* keys for kohya-based tools (ComfyUI reads these too). diffusers: "
                                        "the peft layout diffusers' load_lora_weights reads (plain LoRA only; "
                                        "alpha / rank folded into the weights)."),
+                io.Combo.Input("resume", options=["off", "latest", *_resumable()], default="off", optional=True,
+                               tooltip="off: a new run. latest: continue the newest run with this output_name "
+                                       "from its last complete checkpoint (a new run if there is none). Or pick a "
+                                       "checkpoint. A resumed run uses the settings saved with it."),
+                # appended last: saved workflows map widget values by position
                 io.Combo.Input("timestep_sampling", options=list(TIMESTEP_SAMPLING), default="uniform", optional=True,
                                tooltip="Where on the noise schedule training samples fall. uniform: evenly. "
                                        "logit-normal: concentrated at mid noise (SD3's recipe; usual for "
@@ -125,10 +130,6 @@ class TrainLoRA(io.ComfyNode):
                                tooltip="Guidance-distilled models (Flux dev): the guidance value given to the model "
                                        "while training (1 is usual for LoRAs). Other models reject any other value "
                                        "than 1."),
-                io.Combo.Input("resume", options=["off", "latest", *_resumable()], default="off", optional=True,
-                               tooltip="off: a new run. latest: continue the newest run with this output_name "
-                                       "from its last complete checkpoint (a new run if there is none). Or pick a "
-                                       "checkpoint. A resumed run uses the settings saved with it."),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The input MODEL with the trained LoRA applied."),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,24 +34,21 @@ def family_models(comfy):
     images = comfy.dir("input", FAMILY_FOLDER)
     for source in sorted(comfy.dir("input", IMAGE_FOLDER).iterdir())[:4]:  # two images and their captions
         (images / source.name).write_bytes(source.read_bytes())
-    tool = str(REPO / "tools" / "tiny_models.py")
-    subprocess.run([sys.executable, tool, "--vae16", str(vaes / "tiny_taesd16.safetensors")], check=True,
-                   capture_output=True, timeout=120)
-    subprocess.run([sys.executable, str(REPO / "tools" / "embedded_default.py"), "--vae",
-                    str(vaes / "tiny_taesd4.safetensors")], check=True, capture_output=True, timeout=120)
-    for family, (_, dtype) in FAMILIES.items():
-        subprocess.run([sys.executable, tool, "--family", family, "--dtype", dtype, "--out",
-                        str(unets / f"tiny_{family}.safetensors")], check=True, capture_output=True, timeout=300)
+    subprocess.run([sys.executable, str(REPO / "tools" / "tiny_models.py"), "--out-dir", str(unets), "--families",
+                    *(f"{family}:{dtype}" for family, (_, dtype) in FAMILIES.items()),
+                    "--vae16", str(vaes / "tiny_taesd16.safetensors"), "--vae4", str(vaes / "tiny_taesd4.safetensors")],
+                   check=True, capture_output=True, timeout=600)
     return comfy
 
 
-def training_graph(family: str, output_name: str, model: dict | None = None, **train) -> dict:
+def training_graph(family: str, output_name: str, model: dict | None = None, text_family: str | None = None,
+                   **train) -> dict:
     vae_file = FAMILIES[family][0]
     return {
         "1": model or {"class_type": "UNETLoader", "inputs": {"unet_name": f"tiny_{family}.safetensors",
                                                               "weight_dtype": "default"}},
         "2": {"class_type": "VAELoader", "inputs": {"vae_name": vae_file}},
-        "3": {"class_type": "InGraphTestSyntheticTextEncoder", "inputs": {"family": family}},
+        "3": {"class_type": "InGraphTestSyntheticTextEncoder", "inputs": {"family": text_family or family}},
         "4": {"class_type": "InGraphLoadTrainingImages",
               "inputs": {"folder": FAMILY_FOLDER, "resolution": 64, "bucketing": False, "min_side": 64,
                          "max_side": 256, "max_upscale": 1.0, "crop": "center", "flip": False, "repeats": 1,
@@ -155,13 +153,14 @@ def test_flow_matching_objective_options_train_sd3(family_models, client):
 
 
 def test_training_from_scratch_reduces_loss(family_models, client):
-    """New Model (a freshly initialised tiny SD3) → Train LoRA with a full fine-tune: the held-out loss falls,
-    and the result loads through UNETLoader."""
+    """New Model (a freshly initialised tiny SD3 whose text widths come from the graph's text encoder, here a
+    4096-wide one) → Train LoRA with a full fine-tune: the held-out loss falls, and the result loads through
+    UNETLoader."""
     comfy = family_models
     model = {"class_type": "InGraphNewModel", "inputs": {"family": "SD3 (MMDiT, flow matching)", "size": "tiny",
-                                                         "seed": 0}}
-    outcome = client.run(training_graph("sd3", "scratch_sd3", model=model, kind="Full fine-tune", steps=12,
-                                        learning_rate=2e-3, timestep_sampling="logit-normal"), timeout=600)
+                                                         "seed": 0, "clip": ["3", 0]}}
+    outcome = client.run(training_graph("sd3", "scratch_sd3", model=model, text_family="flux", kind="Full fine-tune",
+                                        steps=12, learning_rate=2e-3, timestep_sampling="logit-normal"), timeout=600)
     assert outcome.ok, outcome.error
     finished = next(e for e in run_events(outcome) if e["type"] == "finished")
     assert finished["eval_after"] < 0.8 * finished["eval_before"], finished
@@ -169,8 +168,14 @@ def test_training_from_scratch_reduces_loss(family_models, client):
     assert list((comfy.base_dir / "models").glob("*/scratch_sd3.safetensors"))
     graph = sampling_graph("sd3", None, "scratch_sd3")
     graph["1"]["inputs"]["unet_name"] = "scratch_sd3.safetensors"
+    graph["3"]["inputs"]["family"] = "flux"
     assert client.run(graph, timeout=300).ok
     assert torch.isfinite(saved_latent(comfy, "scratch_sd3")).all()
+    # Wan's text input is fixed at 4096 wide by ComfyUI: a 64-wide encoder is refused, naming the input
+    model["inputs"].update(family="Wan 2.1 (DiT, flow matching)")
+    outcome = client.run(training_graph("wan", "scratch_wan", model=model, text_family="sd3", kind="Full fine-tune"),
+                         timeout=300)
+    assert outcome.status == "execution_error" and "clip: Wan 2.1" in outcome.error["exception_message"]
 
 
 def _distributed(processes: int, stages: int) -> dict:
@@ -197,7 +202,7 @@ def test_wan_on_two_pipeline_stages_matches_one_stage(family_models, client):
     assert "lora key not loaded" not in family_models.log_text()[log_before:]
 
 
-def test_pipeline_layers_compute_exactly_what_the_model_computes():
+def test_pipeline_layers_compute_exactly_what_the_model_computes(family_models):
     """Each family's pipeline layers, run in sequence, give the model's own output bit for bit (SD1.5 UNet with
     its skip connections, SDXL's size embedding, SD3's, Wan's and Flux's patches on a non-square latent, Flux's text
     and image streams joined for the single blocks)."""
@@ -209,22 +214,20 @@ def test_pipeline_layers_compute_exactly_what_the_model_computes():
     from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
     from ingraph_trainer.trainer.models import Batch, family_for
     from ingraph_trainer.trainer.models.base import init_weights
-    from ingraph_trainer.trainer.models.flux import FluxFamily
-    from ingraph_trainer.trainer.models.sd3 import SD3Family
-    from ingraph_trainer.trainer.models.sdxl import SDXLFamily
-    from ingraph_trainer.trainer.models.wan import WanFamily
     from tools.embedded_default import TINY_UNET_CONFIG
-    cases = {
+    unets = family_models.dir("models", "diffusion_models")
+    cases = {  # the tiny models of the graph tests (Flux with a double and a single block)
         "sd_unet": (init_weights(UNetModel(**TINY_UNET_CONFIG, operations=comfy.ops.disable_weight_init), 0)
                     .state_dict(), (4, 8, 8), (77, 768), None),
-        "sdxl": (SDXLFamily.scratch_state_dict(0), (4, 8, 8), (77, 2048), 1280),
-        "wan": (WanFamily.scratch_state_dict(0, **WanFamily.scratch_sizes["tiny"]), (16, 6, 10), (8, 4096), None),
-        "sd3": (SD3Family.scratch_state_dict(0, **SD3Family.scratch_sizes["tiny"]), (16, 6, 10), (8, 64), 32),
-        "flux": (FluxFamily.scratch_state_dict(0, depth=1, depth_single_blocks=1, vec_in_dim=64), (16, 6, 10),
-                 (8, 4096), 64),
+        "sdxl": (unets / "tiny_sdxl.safetensors", (4, 8, 8), (77, 2048), 1280),
+        "wan": (unets / "tiny_wan.safetensors", (16, 6, 10), (8, 4096), None),
+        "sd3": (unets / "tiny_sd3.safetensors", (16, 6, 10), (8, 64), 32),
+        "flux": (unets / "tiny_flux.safetensors", (16, 6, 10), (8, 4096), 64),
     }
     for name, (state, latent, text, pooled) in cases.items():
-        patcher = comfy.sd.load_diffusion_model_state_dict(dict(state), model_options={"dtype": torch.float32})
+        options = {"dtype": torch.float32}
+        patcher = comfy.sd.load_diffusion_model(str(state), model_options=options) if isinstance(state, Path) \
+            else comfy.sd.load_diffusion_model_state_dict(dict(state), model_options=options)
         family = family_for(patcher.model, patcher=patcher)
         assert family.name == name
         g = torch.Generator().manual_seed(0)

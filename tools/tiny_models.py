@@ -2,10 +2,11 @@
 family, and a 16-channel TAESD VAE for the flow-matching families' latents (tests and benches).
 
     python tools/tiny_models.py --family sd3 --out tiny_sd3.safetensors [--dtype bf16]
-    python tools/tiny_models.py --vae16 tiny_taesd16.safetensors
+    python tools/tiny_models.py --families sdxl:bf16 sd3 flux:bf16 wan --out-dir DIR   # DIR/tiny_<family>.safetensors
+    python tools/tiny_models.py --vae16 tiny_taesd16.safetensors --vae4 tiny_taesd4.safetensors
 
 Sizes are each family's smallest that ComfyUI still detects (see trainer/models/<family>.py):
-SD3 and Wan are well under a million parameters; SDXL and Flux (~400M each) cannot shrink further
+SD3 and Wan are well under a million parameters; SDXL (~400M) and Flux (~540M: one double and one single block) cannot shrink further
 because ComfyUI reads their widths from fixed configurations.
 """
 from __future__ import annotations
@@ -65,12 +66,24 @@ def main(argv=None):
     parser.add_argument("--size", default="tiny")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--families", nargs="*", default=[], metavar="FAMILY[:DTYPE]",
+                        help="several families in one go (one ComfyUI import), written to --out-dir")
+    parser.add_argument("--out-dir", type=Path)
     parser.add_argument("--vae16", type=Path, help="write a 16-channel TAESD VAE here")
+    parser.add_argument("--vae4", type=Path, help="write a 4-channel TAESD VAE (SD1.x/SDXL latents) here")
     opts = parser.parse_args(argv)
     if opts.family:
         print(build_family_model(opts.family, opts.out, opts.seed, opts.size, opts.dtype))
+    for item in opts.families:
+        family, _, dtype = item.partition(":")
+        print(build_family_model(family, opts.out_dir / f"tiny_{family}.safetensors", opts.seed, opts.size,
+                                 dtype or "fp32"))
     if opts.vae16:
         print(build_vae16(opts.vae16))
+    if opts.vae4:
+        sys.path.insert(0, str(REPO / "tools"))
+        from embedded_default import build_vae
+        print(build_vae(opts.vae4))
 
 
 if __name__ == "__main__":

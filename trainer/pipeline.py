@@ -26,6 +26,18 @@ class PipelineLoss:
                                           weighted=not self.evaluating)
 
 
+class ContiguousOutputs(torch.nn.Module):
+    """Point-to-point sends between stages need contiguous tensors; ComfyUI's blocks hand out transposed views."""
+
+    def __init__(self, layer: torch.nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, inputs):
+        out = self.layer(inputs)
+        return tuple(t.contiguous() for t in out) if isinstance(out, tuple) else out.contiguous()
+
+
 def check_layout(stages: int):
     if world_size() % stages:
         raise ValueError(f"distributed.pipeline_stages: {stages} stages do not divide {world_size()} processes")
@@ -35,7 +47,7 @@ def build(family, stages: int):
     """(PipelineModule, its loss function, the layers in order)."""
     from deepspeed.pipe import PipelineModule
     check_layout(stages)
-    layers = family.pipeline_layers()
+    layers = [ContiguousOutputs(layer) for layer in family.pipeline_layers()]
     loss = PipelineLoss(family)
     module = PipelineModule(layers=layers, num_stages=stages, loss_fn=loss, partition_method="parameters",
                             dynamic_shape=True)  # aspect-ratio buckets change activation shapes between steps

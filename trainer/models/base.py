@@ -198,6 +198,12 @@ class ModelFamily:
     scratch_sizes: dict[str, dict] = {}  # named sizes for the New Model node: {"tiny": {...}, ...}
 
     @classmethod
+    def scratch_size_for_text(cls, size: dict, text_width: int, pooled_width: int | None) -> dict:
+        """A from-scratch size that takes the caption embeddings of a given text encoder (widths of its
+        hidden states and pooled vector); raises UnsupportedSetting where the family's widths are fixed."""
+        return size
+
+    @classmethod
     def scratch_state_dict(cls, seed: int = 0, **size) -> dict[str, torch.Tensor]:
         """Random-initialised weights (ComfyUI keys) of a model of this family that ComfyUI detects as it."""
         raise NotImplementedError(f"{cls.display_name}: training from scratch is not offered for this family")

@@ -33,7 +33,11 @@ class SD3Family(ModelFamily):
         return [SD3Begin(self), *(SD3Block(b) for b in self.diffusion_model.joint_blocks), SD3End(self)]
 
     @classmethod
-    def scratch_state_dict(cls, seed: int = 0, depth: int = 2, context_dim: int = 64, pooled_dim: int = 32,
+    def scratch_size_for_text(cls, size: dict, text_width: int, pooled_width: int | None) -> dict:
+        return {**size, "context_dim": text_width, "pooled_dim": pooled_width}
+
+    @classmethod
+    def scratch_state_dict(cls, seed: int = 0, depth: int = 2, context_dim: int = 64, pooled_dim: int | None = 32,
                            pos_embed_max_size: int = 16, **_):
         import comfy.ops
         from comfy.ldm.modules.diffusionmodules.mmdit import OpenAISignatureMMDITWrapper

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import ModelFamily, StageInput, ends_here, init_weights
+from .base import ModelFamily, StageInput, UnsupportedSetting, ends_here, init_weights
 
 ATTENTION = (r"blocks\.\d+\.(self_attn|cross_attn)\.[qkvo]$",)
 FEED_FORWARD = (r"blocks\.\d+\.ffn\.[02]$",)
@@ -34,6 +34,13 @@ class WanFamily(ModelFamily):
 
     def pipeline_layers(self):
         return [WanBegin(self), *(WanBlock(b) for b in self.diffusion_model.blocks), WanEnd(self)]
+
+    @classmethod
+    def scratch_size_for_text(cls, size: dict, text_width: int, pooled_width: int | None) -> dict:
+        if text_width != 4096:
+            raise UnsupportedSetting(f"clip: Wan 2.1 models take 4096-wide text embeddings (umT5-XXL, as ComfyUI "
+                                     f"builds them); this text encoder gives {text_width}")
+        return size
 
     @classmethod
     def scratch_state_dict(cls, seed: int = 0, dim: int = 128, ffn_dim: int = 256, num_layers: int = 2, **_):
