@@ -1,5 +1,5 @@
 """Block swap: peak accelerator memory and step time of LoRA training with no swapped blocks and with N,
-in one process, on the smallest SDXL-family UNet ComfyUI detects (about 400M parameters).
+in one process, on a KOALA-700M-shaped SDXL-family UNet (about 400M parameters, random weights).
 
 The same seeded batches run through both models; the losses and the adapter's gradients must agree (block
 swap moves frozen weights, it must not change the numbers). Memory is only measurable on a GPU; on a CPU the
@@ -86,7 +86,7 @@ def main(argv=None):
     from ingraph_trainer.trainer.models.sdxl import SDXLFamily
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if opts.precision == "bf16" else torch.float32
-    state = SDXLFamily.scratch_state_dict(0)
+    state = SDXLFamily.scratch_state_dict(0, **SDXLFamily.scratch_sizes["koala"])
     results = {}
     for swap in (0, opts.swap):
         family, params = build(state, swap, device, dtype)

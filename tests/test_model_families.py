@@ -22,8 +22,8 @@ FAMILY_FOLDER = "ingraph_family"  # two of the example images: evaluation before
 
 pytestmark = pytest.mark.comfyui
 
-# family → (VAE file, dtype the tiny model is stored in); SDXL and Flux cannot be made small (see tools/tiny_models.py)
-FAMILIES = {"sdxl": ("tiny_taesd4.safetensors", "bf16"), "sd3": ("tiny_taesd16.safetensors", "fp32"),
+# family → (VAE file, dtype the tiny model is stored in); Flux cannot be made small (see tools/tiny_models.py)
+FAMILIES = {"sdxl": ("tiny_taesd4.safetensors", "fp32"), "sd3": ("tiny_taesd16.safetensors", "fp32"),
             "flux": ("tiny_taesd16.safetensors", "bf16"), "wan": ("tiny_taesd16.safetensors", "fp32")}
 
 

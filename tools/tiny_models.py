@@ -6,8 +6,9 @@ family, and a 16-channel TAESD VAE for the flow-matching families' latents (test
     python tools/tiny_models.py --vae16 tiny_taesd16.safetensors --vae4 tiny_taesd4.safetensors
 
 Sizes are each family's smallest that ComfyUI still detects (see trainer/models/<family>.py):
-SD3 and Wan are well under a million parameters; SDXL (~400M) and Flux (~540M: one double and one single block) cannot shrink further
-because ComfyUI reads their widths from fixed configurations.
+SD3 and Wan are well under a million parameters, SDXL ~60M (its text width and block depths are what
+ComfyUI matches); Flux ~540M (one double and one single block) cannot shrink further because ComfyUI
+reads its width from a fixed configuration.
 """
 from __future__ import annotations
 

@@ -12,11 +12,12 @@ from .base import Batch, UnsupportedSetting, init_weights
 from .sd_unet import SDUNetFamily, is_unet
 
 
-def sdxl_unet_config(transformer_depth=(0, 2, 5), transformer_depth_output=(0, 0, 0, 0, 0, 0)) -> dict:
-    """The smallest UNet ComfyUI detects as SDXL-family: KOALA-700M's input depths (all detection reads),
-    no transformer blocks on the output side."""
+def sdxl_unet_config(channel_mult=(1, 1, 1), transformer_depth=(0, 2, 5),
+                     transformer_depth_output=(0, 0, 0, 0, 0, 0)) -> dict:
+    """A small UNet ComfyUI detects as SDXL-family: KOALA-700M's model width and input depths (what detection
+    matches), every level at that width, no transformer blocks on the output side."""
     return dict(image_size=32, in_channels=4, out_channels=4, model_channels=320, num_res_blocks=[1, 1, 1],
-                channel_mult=[1, 2, 4], transformer_depth=list(transformer_depth), transformer_depth_middle=-2,
+                channel_mult=list(channel_mult), transformer_depth=list(transformer_depth), transformer_depth_middle=-2,
                 transformer_depth_output=list(transformer_depth_output), num_head_channels=64, context_dim=2048,
                 adm_in_channels=2816, num_classes="sequential", use_spatial_transformer=True,
                 use_linear_in_transformer=True, legacy=False, use_temporal_attention=False,
@@ -27,6 +28,8 @@ class SDXLFamily(SDUNetFamily):
     name = "sdxl"
     display_name = "SDXL"
     base_model_version = "sdxl_base_v1-0"
+    # for tests and benches (the New Model node does not offer SDXL): ~60M and ~400M parameters
+    scratch_sizes = {"tiny": dict(channel_mult=(1, 1, 1)), "koala": dict(channel_mult=(1, 2, 4))}
 
     def __init__(self, base_model, prediction: str, patcher=None):
         super(SDUNetFamily, self).__init__(base_model, prediction, patcher)
@@ -46,9 +49,9 @@ class SDXLFamily(SDUNetFamily):
 
 
     @classmethod
-    def scratch_state_dict(cls, seed: int = 0, **_):
-        """Random weights of the smallest SDXL-family UNet ComfyUI detects (for tests; ~400M parameters)."""
+    def scratch_state_dict(cls, seed: int = 0, channel_mult=(1, 1, 1), **_):
+        """Random weights of a small SDXL-family UNet ComfyUI detects (see sdxl_unet_config)."""
         import comfy.ops
         from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
-        model = UNetModel(**sdxl_unet_config(), operations=comfy.ops.disable_weight_init)
+        model = UNetModel(**sdxl_unet_config(channel_mult), operations=comfy.ops.disable_weight_init)
         return {k: v.contiguous() for k, v in init_weights(model, seed).state_dict().items()}
