@@ -268,10 +268,10 @@ def test_two_pipeline_stages_match_one_stage(prepared, reference):
     assert evals[0][0] == pytest.approx(evals[1][0], abs=1e-7)  # evaluation through the stages: same numbers
     checkpoints = [e for e in read_events(spec.parent) if e["type"] == "checkpoint"]
     assert [e["step"] for e in checkpoints] == [2, 4]
-    # resume on the same layout from the step-2 checkpoint: the adapter of the uninterrupted run, bit for bit
+    # resume on the same layout from the step-4 checkpoint: the adapter of the uninterrupted run, bit for bit
     uninterrupted = load_file(spec.parent / "lora.safetensors")
-    launch(spec, 2, "--resume", "step_000002")
-    assert [e for e in read_events(spec.parent) if e["type"] == "started"][-1]["start_step"] == 2
+    launch(spec, 2, "--resume", "step_000004")
+    assert [e for e in read_events(spec.parent) if e["type"] == "started"][-1]["start_step"] == 4
     resumed = load_file(spec.parent / "lora.safetensors")
     assert uninterrupted.keys() == resumed.keys()
     assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)

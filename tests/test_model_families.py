@@ -98,27 +98,40 @@ def run_events(outcome) -> list[dict]:
     return [m["data"]["event"] for m in outcome.messages if m.get("type") == "ingraph.event"]
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_family_trains_in_the_graph_and_loads_in_lora_loader(family_models, client, family):
-    comfy = family_models
-    name = f"family_{family}"
-    outcome = client.run(training_graph(family, name), timeout=900)
+# SD3 also trains with the flow-matching options: logit-normal timesteps, SD3's shift, min-SNR and Huber, in the
+# kohya layout (lora_unet_<ComfyUI module>), which ComfyUI reads back
+FAMILY_OPTIONS = {"sd3": dict(timestep_sampling="logit-normal", flow_shift=3.0, min_snr_gamma=5.0, loss="Huber",
+                              file_format="kohya (lora_unet_*)")}
+KEY_PREFIX = {"sd3": "lora_unet_joint_blocks_"}
+
+
+def trains_and_loads(comfy, client, family: str, name: str, **settings) -> list[dict]:
+    """Trains 2 steps through the graph; the LoRA loads through the stock loader and changes KSampler's output.
+    Returns the run's events."""
+    outcome = client.run(training_graph(family, name, **settings), timeout=900)
     assert outcome.ok, outcome.error
     events = run_events(outcome)
     started = next(e for e in events if e["type"] == "started")
     assert started["family"] == family and started["prediction"] == ("epsilon" if family == "sdxl" else "flow")
-    losses = [e["loss"] for e in events if e["type"] == "step"]
-    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    steps = [e for e in events if e["type"] == "step"]
+    assert len(steps) == 2 and all(torch.isfinite(torch.tensor(e["loss"])) and 0 < e["timestep_mean"] < 1
+                                   for e in steps)
     adapter = load_file(str(comfy.base_dir / "models" / "loras" / f"{name}.safetensors"))
-    assert adapter and all(k.startswith("diffusion_model.") for k in adapter)
+    assert adapter and all(k.startswith(KEY_PREFIX.get(family, "diffusion_model.")) for k in adapter), sorted(adapter)[:3]
 
     log_before = len(comfy.log_text())
-    assert client.run(sampling_graph(family, None, f"{name}_base"), timeout=600).ok
+    assert client.run(sampling_graph(family, None, f"{family}_base"), timeout=600).ok
     assert client.run(sampling_graph(family, f"{name}.safetensors", f"{name}_lora"), timeout=600).ok
     log = comfy.log_text()[log_before:]
     assert "lora key not loaded" not in log and "ERROR" not in log, log[-3000:]
-    base, trained = saved_latent(comfy, f"{name}_base"), saved_latent(comfy, f"{name}_lora")
+    base, trained = saved_latent(comfy, f"{family}_base"), saved_latent(comfy, f"{name}_lora")
     assert base.shape == trained.shape and (base - trained).abs().max() > 1e-6, "the LoRA did not change the output"
+    return events
+
+
+@pytest.mark.parametrize("family", ["sdxl", "sd3", "flux"])  # Wan: test_wan_on_two_pipeline_stages_matches_one_stage
+def test_family_trains_in_the_graph_and_loads_in_lora_loader(family_models, client, family):
+    trains_and_loads(family_models, client, family, f"family_{family}", **FAMILY_OPTIONS.get(family, {}))
 
 
 def test_family_rejects_settings_it_cannot_honour(family_models, client):
@@ -134,22 +147,6 @@ def test_family_rejects_settings_it_cannot_honour(family_models, client):
     assert "diffusers" in outcome.error["exception_message"] and "Wan" in outcome.error["exception_message"]
     assert (set(runs.iterdir()) if runs.exists() else set()) == before
     assert not list((family_models.base_dir / "models" / "loras").glob("rejected_*"))
-
-
-def test_flow_matching_objective_options_train_sd3(family_models, client):
-    """Logit-normal timesteps with a shift and min-SNR weighting, in the kohya layout ComfyUI reads back."""
-    comfy = family_models
-    outcome = client.run(training_graph("sd3", "sd3_logit_normal", timestep_sampling="logit-normal", flow_shift=3.0,
-                                        min_snr_gamma=5.0, loss="Huber", file_format="kohya (lora_unet_*)"),
-                         timeout=600)
-    assert outcome.ok, outcome.error
-    steps = [e for e in run_events(outcome) if e["type"] == "step"]
-    assert len(steps) == 2 and all(0.0 < e["timestep_mean"] < 1.0 for e in steps)
-    adapter = load_file(str(comfy.base_dir / "models" / "loras" / "sd3_logit_normal.safetensors"))
-    assert all(k.startswith("lora_unet_joint_blocks_") for k in adapter), sorted(adapter)[:3]
-    log_before = len(comfy.log_text())
-    assert client.run(sampling_graph("sd3", "sd3_logit_normal.safetensors", "sd3_kohya"), timeout=300).ok
-    assert "lora key not loaded" not in comfy.log_text()[log_before:]
 
 
 def test_training_from_scratch_reduces_loss(family_models, client):
@@ -185,18 +182,17 @@ def _distributed(processes: int, stages: int) -> dict:
 
 
 def test_wan_on_two_pipeline_stages_matches_one_stage(family_models, client):
-    """A DiT split into 2 stages from the graph (DeepSpeed Settings node): the same losses as the whole model
-    in one process, and a LoRA the stock loader reads."""
-    losses = {}
-    for stages in (1, 2):
-        graph = training_graph("wan", f"wan_stages{stages}", distributed=["30", 0])
-        graph["30"] = _distributed(stages, stages)
-        outcome = client.run(graph, timeout=600)
-        assert outcome.ok, outcome.error
-        events = run_events(outcome)
-        assert next(e for e in events if e["type"] == "started")["pipeline_stages"] == stages
-        losses[stages] = [e["loss"] for e in events if e["type"] == "step"]
-    assert losses[1] == pytest.approx(losses[2], abs=1e-5)
+    """Wan trains through the graph like every family, and split into 2 stages from the graph (DeepSpeed Settings
+    node) it gives the same losses as the whole model in one process, and a LoRA the stock loader reads."""
+    one = trains_and_loads(family_models, client, "wan", "family_wan")
+    graph = training_graph("wan", "wan_stages2", distributed=["30", 0])
+    graph["30"] = _distributed(2, 2)
+    outcome = client.run(graph, timeout=600)
+    assert outcome.ok, outcome.error
+    two = run_events(outcome)
+    assert next(e for e in two if e["type"] == "started")["pipeline_stages"] == 2
+    losses = [[e["loss"] for e in events if e["type"] == "step"] for events in (one, two)]
+    assert losses[0] == pytest.approx(losses[1], abs=1e-5)
     log_before = len(family_models.log_text())
     assert client.run(sampling_graph("wan", "wan_stages2.safetensors", "wan_stages2"), timeout=300).ok
     assert "lora key not loaded" not in family_models.log_text()[log_before:]
@@ -204,8 +200,8 @@ def test_wan_on_two_pipeline_stages_matches_one_stage(family_models, client):
 
 def test_pipeline_layers_compute_exactly_what_the_model_computes(family_models):
     """Each family's pipeline layers, run in sequence, give the model's own output bit for bit (SD1.5 UNet with
-    its skip connections, SDXL's size embedding, SD3's, Wan's and Flux's patches on a non-square latent, Flux's text
-    and image streams joined for the single blocks)."""
+    its skip connections, SDXL's size embedding, SD3's, Wan's and Flux's patches on a non-square latent; Flux's
+    single blocks: the next test)."""
     sys.path.insert(0, str(REPO))
     from tools.tiny_models import _bootstrap
     _bootstrap()
@@ -216,7 +212,7 @@ def test_pipeline_layers_compute_exactly_what_the_model_computes(family_models):
     from ingraph_trainer.trainer.models.base import init_weights
     from tools.embedded_default import TINY_UNET_CONFIG
     unets = family_models.dir("models", "diffusion_models")
-    cases = {  # the tiny models of the graph tests (Flux with a double and a single block)
+    cases = {  # the tiny models of the graph tests
         "sd_unet": (init_weights(UNetModel(**TINY_UNET_CONFIG, operations=comfy.ops.disable_weight_init), 0)
                     .state_dict(), (4, 8, 8), (77, 768), None),
         "sdxl": (unets / "tiny_sdxl.safetensors", (4, 8, 8), (77, 2048), 1280),
@@ -246,3 +242,49 @@ def test_pipeline_layers_compute_exactly_what_the_model_computes(family_models):
             assert generic.adapter_targets("attention") == family.adapter_targets("attention") != []
             with torch.no_grad():
                 assert torch.equal(generic.loss(batch, reduce=False), expected)
+
+
+def test_flux_single_and_double_blocks_train_despite_in_place_residuals(family_models):
+    """ComfyUI's Flux blocks add residuals in place into tensors their norms saved: plain backward fails. Through
+    the Flux family (its out-of-place shim) the same model trains, computes the same values, and its pipeline
+    layers (text and image streams joined for the single blocks) give its output bit for bit. The model is a
+    narrow Flux (64 wide, one double and one single block) inside the tiny Flux's ComfyUI model."""
+    sys.path.insert(0, str(REPO))
+    from tools.tiny_models import _bootstrap
+    _bootstrap()
+    import comfy.ldm.flux.model
+    import comfy.ops
+    import comfy.sd
+    from ingraph_trainer.trainer.models import Batch, family_for
+    from ingraph_trainer.trainer.models.base import init_weights
+    patcher = comfy.sd.load_diffusion_model(str(family_models.dir("models", "diffusion_models") / "tiny_flux.safetensors"),
+                                            model_options={"dtype": torch.float32})
+    narrow = init_weights(comfy.ldm.flux.model.Flux(
+        in_channels=16, out_channels=16, vec_in_dim=64, context_in_dim=4096, hidden_size=64, mlp_ratio=4.0,
+        num_heads=2, depth=1, depth_single_blocks=1, axes_dim=[8, 12, 12], theta=10000, patch_size=2, qkv_bias=True,
+        guidance_embed=True, operations=comfy.ops.disable_weight_init), 0)
+    patcher.model.diffusion_model = narrow
+    g = torch.Generator().manual_seed(0)
+    batch = Batch(torch.randn(2, 16, 6, 10, generator=g), torch.randn(2, 8, 4096, generator=g),
+                  torch.randn(2, 64, generator=g), torch.randn(2, 16, 6, 10, generator=g), torch.rand(2, generator=g))
+    narrow.requires_grad_(False)
+    lora_like = [narrow.double_blocks[0].txt_attn.qkv.weight, narrow.single_blocks[0].linear1.weight]
+    for param in lora_like:
+        param.requires_grad_(True)
+    x = batch.latents.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="inplace operation"):
+        narrow(x, torch.rand(2), torch.randn(2, 8, 4096), y=torch.randn(2, 64), guidance=torch.ones(2)).sum().backward()
+
+    family = family_for(patcher.model, patcher=patcher)
+    assert family.name == "flux"
+    loss = family.loss(batch)
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in lora_like)
+    with torch.no_grad():
+        assert family.loss(batch).item() == loss.item()
+        expected = family.loss(batch, reduce=False)
+        out = (batch.latents, batch.cond, batch.noise, batch.timesteps, batch.pooled)
+        for layer in family.pipeline_layers():
+            out = layer(out)
+        got = family.loss_of_output(out, batch.latents, batch.noise, batch.timesteps, reduce=False)
+    assert torch.equal(expected, got)

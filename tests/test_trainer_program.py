@@ -18,10 +18,21 @@ from conftest import REPO, read_events, run_trainer
 pytestmark = pytest.mark.comfyui
 
 
-def test_two_steps_write_events_and_a_comfy_format_adapter(prepared):
+@pytest.fixture(scope="module")
+def two_step_run(prepared):
+    """One 2-step run that several tests read (each trainer launch costs ~12 s of imports): events and adapter,
+    stdout noise, an incomplete checkpoint that `--resume latest` must ignore, TensorBoard metrics. It uses the
+    non-default objective (Huber, min-SNR), so that path runs too (its formulas: tests/test_unit.py)."""
     spec = prepared(train__steps=2, train__batch_size=2, train__precision="fp32", adapter__alpha=4.0,
-                    adapter__rank=4)
-    proc = run_trainer(spec)
+                    adapter__rank=4, train__loss="huber", train__min_snr_gamma=5.0)
+    half = spec.parent / "checkpoints" / "step_000001"
+    half.mkdir(parents=True)
+    (half / "trainer_state.json").write_text('{"step": 1}')  # no COMPLETE mark
+    return spec, run_trainer(spec, "--resume", "latest")
+
+
+def test_two_steps_write_events_and_a_comfy_format_adapter(two_step_run):
+    spec, proc = two_step_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = spec.parent
     events = read_events(run_dir)
@@ -51,18 +62,17 @@ def test_two_steps_write_events_and_a_comfy_format_adapter(prepared):
     assert not list(run_dir.glob(".lora-*.partial"))
 
 
-def test_bad_spec_exits_2_naming_the_field(prepared, tmp_path):
-    spec = prepared(train__steps=1)
+def test_bad_spec_exits_2_naming_the_field(two_step_run, tmp_path):
+    spec, _ = two_step_run
     bad = tmp_path / "bad.toml"
-    bad.write_text(spec.read_text().replace("steps = 1", "steps = 0"))
+    bad.write_text(spec.read_text().replace("steps = 2", "steps = 0"))
     proc = run_trainer(bad)
     assert proc.returncode == 2
     assert "bad.toml" in proc.stderr and "train.steps: must be at least 1" in proc.stderr
 
 
-def test_stdout_noise_never_becomes_an_event(prepared):
-    spec = prepared(train__steps=1, train__precision="fp32")
-    proc = run_trainer(spec)
+def test_stdout_noise_never_becomes_an_event(two_step_run):
+    spec, proc = two_step_run
     assert proc.returncode == 0
     # DeepSpeed and ComfyUI print plenty to the log; the event file has only well-formed events
     assert "accelerator" in (proc.stdout + proc.stderr).lower()
@@ -115,21 +125,17 @@ def test_resume_after_kill_matches_uninterrupted_run_bit_for_bit(prepared):
     assert losses(straight.parent)[3:] == losses(run_dir)[-3:]
 
 
-def test_incomplete_checkpoint_is_never_resumed(prepared):
-    spec = prepared(train__steps=2, train__precision="fp32")
-    half = spec.parent / "checkpoints" / "step_000001"
-    half.mkdir(parents=True)
-    (half / "trainer_state.json").write_text('{"step": 1}')  # no COMPLETE mark
-    proc = run_trainer(spec, "--resume", "latest")
+def test_incomplete_checkpoint_is_never_resumed(two_step_run):
+    spec, proc = two_step_run  # launched with --resume latest beside a checkpoint that has no COMPLETE mark
+    assert (spec.parent / "checkpoints" / "step_000001" / "trainer_state.json").is_file()
     assert proc.returncode == 0
     assert read_events(spec.parent)[0]["start_step"] == 0
 
 
-def test_tensorboard_has_the_health_metrics(prepared):
+def test_tensorboard_has_the_health_metrics(two_step_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    # with the non-default objective, so that path runs too (its formulas: tests/test_unit.py)
-    spec = prepared(train__steps=3, train__precision="fp32", train__loss="huber", train__min_snr_gamma=5.0)
-    assert run_trainer(spec).returncode == 0
+    spec, proc = two_step_run
+    assert proc.returncode == 0
     started = read_events(spec.parent)[0]
     assert started["objective"] == {"loss": "huber", "min_snr_gamma": 5.0}
     acc = EventAccumulator(str(spec.parent / "tensorboard"))
@@ -138,7 +144,7 @@ def test_tensorboard_has_the_health_metrics(prepared):
     for tag in ("train/loss", "train/lr", "train/grad_norm", "train/param_norm", "perf/step_time_s",
                 "perf/samples_per_s", "data/timestep_mean", "data/timestep_std", "data/latent_std", "eval/loss"):
         assert tag in tags, tag
-    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3]
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2]
 
 
 def test_8bit_adamw_with_optimizer_offload_under_zero1(prepared):

@@ -7,7 +7,7 @@ family, and a 16-channel TAESD VAE for the flow-matching families' latents (test
 
 Sizes are each family's smallest that ComfyUI still detects (see trainer/models/<family>.py):
 SD3 and Wan are well under a million parameters, SDXL ~60M (its text width and block depths are what
-ComfyUI matches); Flux ~540M (one double and one single block) cannot shrink further because ComfyUI
+ComfyUI matches); Flux ~400M (one double block) cannot shrink further because ComfyUI
 reads its width from a fixed configuration.
 """
 from __future__ import annotations

@@ -18,7 +18,7 @@ class FluxFamily(ModelFamily):
     base_model_version = "flux1"
     target_patterns = {"attention": ATTENTION, "attention_ff": ATTENTION + FEED_FORWARD}
     # ComfyUI detects Flux at its full width (3072, 24 heads, 4096-wide text); only the depths are free
-    scratch_sizes = {"tiny": dict(depth=1, depth_single_blocks=1, vec_in_dim=64)}
+    scratch_sizes = {"tiny": dict(depth=1, depth_single_blocks=0, vec_in_dim=64)}
 
     def __init__(self, base_model, prediction: str, patcher=None):
         super().__init__(base_model, prediction, patcher)
