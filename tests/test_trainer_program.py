@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -65,7 +66,7 @@ def test_two_steps_write_events_and_a_comfy_format_adapter(two_step_run):
 def test_bad_spec_exits_2_naming_the_field(two_step_run, tmp_path):
     spec, _ = two_step_run
     bad = tmp_path / "bad.toml"
-    bad.write_text(spec.read_text().replace("steps = 2", "steps = 0"))
+    bad.write_text(re.sub(r"(?m)^steps = 2$", "steps = 0", spec.read_text()))  # [train] steps only
     proc = run_trainer(bad)
     assert proc.returncode == 2
     assert "bad.toml" in proc.stderr and "train.steps: must be at least 1" in proc.stderr
