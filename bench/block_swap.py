@@ -71,7 +71,7 @@ def measure(family, params, device, steps: int, batch: int, latent: int):
 
 
 def main(argv=None):
-    from tools.tiny_models import _bootstrap
+    from tools.prepare_run import _bootstrap
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--swap", type=int, default=6, help="blocks to swap")
     parser.add_argument("--steps", type=int, default=4)

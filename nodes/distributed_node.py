@@ -42,16 +42,7 @@ class DeepSpeedSettings(io.ComfyNode):
                 block_swap=0) -> io.NodeOutput:
         spec = DistributedSpec(processes=processes, zero_stage=int(zero_stage), offload_optimizer=offload_optimizer,
                                hostfile=hostfile.strip(), pipeline_stages=pipeline_stages, block_swap=block_swap)
-        if not spec.hostfile and processes % pipeline_stages:
-            raise ValueError(f"pipeline_stages: {pipeline_stages} stages do not divide {processes} processes")
-        if pipeline_stages > 1 and spec.zero_stage > 1:
-            raise ValueError(f"pipeline_stages: DeepSpeed pipelines take ZeRO stage 0 or 1 (zero_stage is {zero_stage})")
-        if pipeline_stages > 1 and block_swap:
-            raise ValueError("block_swap: block swap is for one pipeline stage")
-        if spec.offload_optimizer and spec.zero_stage == 0:
-            raise ValueError("offload_optimizer needs zero_stage 1, 2 or 3")
-        if spec.hostfile:
-            from pathlib import Path
-            if not Path(spec.hostfile).is_file():
-                raise ValueError(f"hostfile {spec.hostfile} does not exist")
+        problems = spec.problems()
+        if problems:
+            raise ValueError("DeepSpeed Settings: " + "; ".join(problems))
         return io.NodeOutput(spec)

@@ -203,7 +203,7 @@ def test_pipeline_layers_compute_exactly_what_the_model_computes(family_models):
     its skip connections, SDXL's size embedding, SD3's, Wan's and Flux's patches on a non-square latent; Flux's
     single blocks: the next test)."""
     sys.path.insert(0, str(REPO))
-    from tools.tiny_models import _bootstrap
+    from tools.prepare_run import _bootstrap
     _bootstrap()
     import comfy.ops
     import comfy.sd
@@ -250,7 +250,7 @@ def test_flux_single_and_double_blocks_train_despite_in_place_residuals(family_m
     layers (text and image streams joined for the single blocks) give its output bit for bit. The model is a
     narrow Flux (64 wide, one double and one single block) inside the tiny Flux's ComfyUI model."""
     sys.path.insert(0, str(REPO))
-    from tools.tiny_models import _bootstrap
+    from tools.prepare_run import _bootstrap
     _bootstrap()
     import comfy.ldm.flux.model
     import comfy.ops

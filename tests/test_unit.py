@@ -367,3 +367,14 @@ def test_block_swap_refuses_full_fine_tuning_and_pipelines_refuse_previews():
     flow = valid_spec_dict(flow_shift=3.0, timestep_sampling="logit_normal", guidance=3.5)
     flow["model"].update(family="flux", prediction="flow")
     assert config.spec_from_dict(flow).train.flow_shift == 3.0
+
+
+def test_distributed_layout_problems_are_one_list_for_the_node_and_the_spec(tmp_path):
+    layout = config.DistributedSpec(processes=3, pipeline_stages=2, zero_stage=2, offload_optimizer=False)
+    assert layout.problems() == ["distributed.pipeline_stages: 2 stages do not divide 3 processes",
+                                 "distributed.pipeline_stages: DeepSpeed pipelines take ZeRO stage 0 or 1 "
+                                 "(zero_stage is 2)"]
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("a slots=2\nb slots=2\n")  # with a hostfile the world size is the hostfile's, checked at start
+    assert config.DistributedSpec(processes=3, pipeline_stages=2, hostfile=str(hosts)).problems() == []
+    assert config.DistributedSpec(processes=4, pipeline_stages=2, zero_stage=1).problems() == []

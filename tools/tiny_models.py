@@ -15,20 +15,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
 
-
-def _bootstrap():
-    sys.path.insert(0, str(REPO))
-    if "ingraph_trainer" not in sys.modules:
-        package = types.ModuleType("ingraph_trainer")
-        package.__path__ = [str(REPO)]
-        sys.modules["ingraph_trainer"] = package
-    from ingraph_trainer.trainer.comfy_env import import_comfy
-    import_comfy()
+from tools.prepare_run import _bootstrap  # noqa: E402  (ComfyUI on sys.path, the pack as ingraph_trainer)
 
 
 def _save(state: dict, out: Path, dtype=None):

@@ -115,6 +115,25 @@ class DistributedSpec:
     pipeline_stages: int = 1  # the model split across this many processes (layers partitioned by parameters)
     block_swap: int = 0  # adapter training: this many blocks keep their frozen weights in CPU memory
 
+    def problems(self) -> list[str]:
+        """What is wrong with this layout on its own (the DeepSpeed Settings node and RunSpec.validate)."""
+        rules = [
+            (self.zero_stage in (0, 1, 2, 3), "zero_stage", f"must be 0, 1, 2 or 3 (got {self.zero_stage})"),
+            (self.processes >= 1, "processes", f"must be at least 1 (got {self.processes})"),
+            (not self.offload_optimizer or self.zero_stage >= 1, "offload_optimizer", "needs ZeRO stage 1, 2 or 3"),
+            (not self.hostfile or Path(self.hostfile).is_file(), "hostfile", f"{self.hostfile} does not exist"),
+            (self.pipeline_stages >= 1, "pipeline_stages", f"must be at least 1 (got {self.pipeline_stages})"),
+            (bool(self.hostfile) or self.pipeline_stages < 1 or self.processes % self.pipeline_stages == 0,
+             "pipeline_stages", f"{self.pipeline_stages} stages do not divide {self.processes} processes"),
+            (self.pipeline_stages <= 1 or self.zero_stage <= 1, "pipeline_stages",
+             f"DeepSpeed pipelines take ZeRO stage 0 or 1 (zero_stage is {self.zero_stage})"),
+            (self.pipeline_stages <= 1 or self.block_swap == 0, "block_swap", "block swap is for one pipeline stage"),
+            (self.block_swap >= 0, "block_swap", f"must be 0 or more (got {self.block_swap})"),
+            (not self.block_swap or self.zero_stage <= 2, "block_swap",
+             "ZeRO-3 partitions the weights itself; use stage 0-2"),
+        ]
+        return [f"distributed.{name}: {message}" for ok, name, message in rules if not ok]
+
 
 @dataclass
 class RunSpec:
@@ -191,23 +210,11 @@ class RunSpec:
             need(s.width >= 8 and s.width % 8 == 0 and s.height >= 8 and s.height % 8 == 0, "samples.width/height",
                  f"must be multiples of 8 (got {s.width}x{s.height})")
         d = self.distributed
-        need(d.zero_stage in (0, 1, 2, 3), "distributed.zero_stage", f"must be 0, 1, 2 or 3 (got {d.zero_stage})")
-        need(d.processes >= 1, "distributed.processes", f"must be at least 1 (got {d.processes})")
-        need(not d.offload_optimizer or d.zero_stage >= 1, "distributed.offload_optimizer",
-             "needs ZeRO stage 1, 2 or 3")
-        need(not d.hostfile or Path(d.hostfile).is_file(), "distributed.hostfile", f"{d.hostfile} does not exist")
-        need(d.pipeline_stages >= 1, "distributed.pipeline_stages", f"must be at least 1 (got {d.pipeline_stages})")
-        if d.pipeline_stages > 1:
-            need(d.zero_stage <= 1, "distributed.pipeline_stages", "DeepSpeed pipelines take ZeRO stage 0 or 1 "
-                 f"(zero_stage is {d.zero_stage})")
-            need(not s.every, "samples.every", "previews need the whole model in one process; "
-                 "they are not available with pipeline stages")
-            need(d.block_swap == 0, "distributed.block_swap", "block swap is for one pipeline stage")
-        need(d.block_swap >= 0, "distributed.block_swap", f"must be 0 or more (got {d.block_swap})")
-        if d.block_swap:
-            need(a.kind != "full", "distributed.block_swap", "block swap keeps frozen weights in CPU memory; a full "
-                 "fine-tune has none (use ZeRO-3 with offload instead)")
-            need(d.zero_stage <= 2, "distributed.block_swap", "ZeRO-3 partitions the weights itself; use stage 0-2")
+        problems += d.problems()
+        need(d.pipeline_stages <= 1 or not s.every, "samples.every", "previews need the whole model in one "
+             "process; they are not available with pipeline stages")
+        need(not d.block_swap or a.kind != "full", "distributed.block_swap", "block swap keeps frozen weights in "
+             "CPU memory; a full fine-tune has none (use ZeRO-3 with offload instead)")
         if problems:
             raise RunSpecError(f"{source}: " + "; ".join(problems))
         return self

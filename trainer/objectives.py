@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .config import TIMESTEP_SAMPLING
+
 LOSSES = ("mse", "huber")
 
 
@@ -33,8 +35,6 @@ def min_snr_weight(snr: torch.Tensor, gamma: float, prediction: str) -> torch.Te
         return clipped / snr
     return clipped / (snr + 1.0)
 
-
-TIMESTEP_SAMPLING = ("uniform", "logit_normal")
 
 
 def training_timesteps(uniform: torch.Tensor, kind: str = "uniform", mean: float = 0.0, std: float = 1.0) -> torch.Tensor:

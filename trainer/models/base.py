@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-PREDICTIONS = ("epsilon", "v_prediction", "flow")
+from ..config import PREDICTIONS as SPEC_PREDICTIONS
+
+PREDICTIONS = tuple(p for p in SPEC_PREDICTIONS if p != "auto")
 
 
 @dataclass
@@ -66,8 +68,8 @@ class ModelFamily:
         if self.prediction != "flow" and t.flow_shift != 1.0:
             raise UnsupportedSetting(f"train.flow_shift: {self.display_name} is not a flow-matching model "
                                      f"({self.prediction}); leave the shift at 1")
-        if spec.distributed.pipeline_stages > 1 and type(self).pipeline_layers is ModelFamily.pipeline_layers:
-            self.pipeline_layers()  # raises, naming the setting
+        if spec.distributed.pipeline_stages > 1:
+            self.pipeline_layers()  # raises, naming the setting, where the family (or variant) does not split
         if spec.output.format == "diffusers" and not self.diffusers_format:
             raise UnsupportedSetting(f"output.format: the diffusers layout is for SD1.x/SD2.x/SDXL UNets, not "
                                      f"{self.display_name}; use comfyui or kohya")
