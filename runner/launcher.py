@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..trainer.events import EventReader
-from ..trainer.layout import EVENTS_FILE, LOG_FILE, PID_FILE
+from ..trainer.layout import EVENTS_FILE, LOG_FILE, PID_FILE, STOP_FILE
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,11 +37,14 @@ class TrainerProcess:
         if self.resume:
             cmd += ["--resume", self.resume]
         if self.watch_parent:
-            cmd += ["--parent-pid", str(os.getpid())]
+            import socket
+            cmd += ["--parent-pid", str(os.getpid()), "--parent-host", socket.gethostname()]
         return cmd
 
     def start(self) -> "TrainerProcess":
         self.events = EventReader(self.run_dir / EVENTS_FILE, from_end=True)
+        # a stop asked of an earlier launch of this run (honoured or not) is not a request to this one
+        (self.run_dir / STOP_FILE).unlink(missing_ok=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if self.comfyui_path:
             env["COMFYUI_PATH"] = str(self.comfyui_path)

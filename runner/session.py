@@ -106,6 +106,8 @@ def watch_run(process: TrainerProcess, on_event: Callable[[dict], None], check_i
             lines = rank_file.read_text(encoding="utf-8", errors="replace").strip().splitlines()
             if lines and not (error_event and rank_file.name == "error_rank0.txt"):
                 message += f"\n{rank_file.stem.replace('error_', '')}: {lines[-1]}"
+        # the log's lines stay in the file: what a process printed (DeepSpeed echoes its command and environment)
+        # must not reach /history, which any client of the server can read
         raise TrainingFailed(f"Training failed ({process.run_dir.name}): {message}\n"
-                             f"--- last lines of {process.log_path} ---\n{process.log_tail()}")
+                             f"The trainer's full log: {process.log_path}")
     return result

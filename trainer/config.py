@@ -103,6 +103,7 @@ class SampleSpec:
 class OutputSpec:
     lora_path: str = ""  # final adapter (models/loras), or the full fine-tune (models/diffusion_models); atomic
     name: str = "lora"
+    overwrite: bool = False  # replace a file at lora_path that this pack did not write (else refuse)
     format: str = "comfyui"  # key layout of the adapter file: comfyui, kohya or diffusers (see trainer/export.py)
 
 
@@ -117,11 +118,12 @@ class DistributedSpec:
 
     def problems(self) -> list[str]:
         """What is wrong with this layout on its own (the DeepSpeed Settings node and RunSpec.validate)."""
+        hostfile_problem = _hostfile_problem(self.hostfile)
         rules = [
             (self.zero_stage in (0, 1, 2, 3), "zero_stage", f"must be 0, 1, 2 or 3 (got {self.zero_stage})"),
             (self.processes >= 1, "processes", f"must be at least 1 (got {self.processes})"),
             (not self.offload_optimizer or self.zero_stage >= 1, "offload_optimizer", "needs ZeRO stage 1, 2 or 3"),
-            (not self.hostfile or Path(self.hostfile).is_file(), "hostfile", f"{self.hostfile} does not exist"),
+            (hostfile_problem is None, "hostfile", hostfile_problem),
             (self.pipeline_stages >= 1, "pipeline_stages", f"must be at least 1 (got {self.pipeline_stages})"),
             (bool(self.hostfile) or self.pipeline_stages < 1 or self.processes % self.pipeline_stages == 0,
              "pipeline_stages", f"{self.pipeline_stages} stages do not divide {self.processes} processes"),
@@ -133,6 +135,17 @@ class DistributedSpec:
              "ZeRO-3 partitions the weights itself; use stage 0-2"),
         ]
         return [f"distributed.{name}: {message}" for ok, name, message in rules if not ok]
+
+
+def _hostfile_problem(path: str) -> str | None:
+    from .hostfile import HostfileError, parse_hostfile
+    if not path:
+        return None
+    try:
+        parse_hostfile(path)
+    except HostfileError as exc:
+        return str(exc)
+    return None
 
 
 @dataclass
@@ -178,6 +191,9 @@ class RunSpec:
         need(t.learning_rate > 0, "train.learning_rate", f"must be positive (got {t.learning_rate})")
         need(t.optimizer in OPTIMIZERS, "train.optimizer", f"must be one of {OPTIMIZERS} (got {t.optimizer!r})")
         need(t.lr_schedule in SCHEDULES, "train.lr_schedule", f"must be one of {SCHEDULES} (got {t.lr_schedule!r})")
+        need(t.weight_decay >= 0, "train.weight_decay", f"must be 0 or more (got {t.weight_decay})")
+        need(t.max_grad_norm >= 0, "train.max_grad_norm", f"must be 0 (off) or more (got {t.max_grad_norm})")
+        need(t.seed >= 0, "train.seed", f"must be 0 or more (got {t.seed})")
         need(t.warmup_steps >= 0, "train.warmup_steps", f"must be 0 or more (got {t.warmup_steps})")
         need(t.loss in ("mse", "huber"), "train.loss", f"must be 'mse' or 'huber' (got {t.loss!r})")
         need(t.huber_delta > 0, "train.huber_delta", f"must be positive (got {t.huber_delta})")
@@ -202,6 +218,9 @@ class RunSpec:
              f"the diffusers format holds plain LoRA only (adapter.kind is {a.kind!r}); use comfyui or kohya")
         s = self.samples
         need(s.every >= 0, "samples.every", f"must be 0 or more (got {s.every})")
+        need(all(isinstance(p, str) for p in s.prompts), "samples.prompts", "must be a list of strings")
+        need(s.cfg >= 0, "samples.cfg", f"must be 0 or more (got {s.cfg})")
+        need(s.seed >= 0, "samples.seed", f"must be 0 or more (got {s.seed})")
         if s.every:
             need(bool(s.conditioning), "samples.conditioning", "is required when samples.every > 0")
             need(bool(s.vae_path), "samples.vae_path", "is required when samples.every > 0")
@@ -237,10 +256,17 @@ def _from_dict(cls, data: dict, where: str):
             value = _from_dict(hint, value, path)
         elif hint is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
-        elif hint in (int, float, str, bool) and not (isinstance(value, hint) and not (hint is int and isinstance(value, bool))):
-            raise RunSpecError(f"{path}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
+        elif hint in (int, float, str, bool, list) and not (isinstance(value, hint) and not (hint is int and isinstance(value, bool))):
+            raise RunSpecError(f"{path}: expected {hint.__name__}, got {type(value).__name__} {_short(value)}")
+        if hint is float and not math.isfinite(value):
+            raise RunSpecError(f"{path}: must be a finite number (got {value})")
         kwargs[f.name] = value
     return cls(**kwargs)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def spec_from_dict(data: dict, source: str = "run spec") -> RunSpec:
@@ -262,13 +288,19 @@ def load_run_spec(path: str | Path) -> RunSpec:
     return spec_from_dict(data, str(path))
 
 
+_TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r", "\b": "\\b", "\f": "\\f"}
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"cannot write the non-finite number {value} to a run spec")
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+        return '"' + "".join(_TOML_ESCAPES.get(ch) or (f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ord(ch) == 0x7f else ch)
+                             for ch in value) + '"'
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {type(value).__name__} to TOML")

@@ -6,6 +6,7 @@ bitsandbytes prints can be mistaken for one. Readers tail the file by byte offse
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -13,6 +14,22 @@ from pathlib import Path
 EVENT_VERSION = 1
 EVENT_TYPES = ("started", "step", "eval", "sample", "checkpoint", "log", "finished", "error")
 from .layout import EVENTS_FILE  # noqa: F401  (re-exported)
+
+
+def json_safe(value):
+    """What JSON can carry: a non-finite number (a diverged loss) becomes null, a tensor or numpy scalar a float."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    try:
+        return json_safe(float(value))
+    except (TypeError, ValueError):
+        return str(value)
 
 
 class EventWriter:
@@ -24,9 +41,9 @@ class EventWriter:
     def emit(self, type_: str, **fields) -> dict:
         if type_ not in EVENT_TYPES:
             raise ValueError(f"unknown event type {type_!r}")
-        event = {"v": EVENT_VERSION, "type": type_, "time": round(time.time(), 3), **fields}
+        event = json_safe({"v": EVENT_VERSION, "type": type_, "time": round(time.time(), 3), **fields})
         if self._file is not None:
-            self._file.write(json.dumps(event, allow_nan=False, default=float) + "\n")
+            self._file.write(json.dumps(event, allow_nan=False) + "\n")
             self._file.flush()
             os.fsync(self._file.fileno())
         return event

@@ -28,6 +28,17 @@ from .sampling import PreviewSampler, sample_due
 log = logging.getLogger("ingraph_trainer.trainer")
 
 
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm stopped being a finite number; the run ends without saving the bad weights."""
+
+
+def check_finite(step: int, loss: float | None, grad_norm: float | None):
+    for what, value in (("loss", loss), ("gradient norm", grad_norm)):
+        if value is not None and not math.isfinite(value):
+            raise TrainingDiverged(f"{what} became {'NaN' if math.isnan(value) else 'inf'} at step {step}; "
+                                   "the last complete checkpoint is intact (lower the learning rate, or resume)")
+
+
 class TrainingModule(torch.nn.Module):
     """What DeepSpeed wraps: the diffusion model (with its adapter); forward returns the loss."""
 
@@ -129,6 +140,21 @@ class Trainer:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         torch.distributed.all_reduce(t)
         return t.item() / world_size()
+
+    def _stop_requested(self) -> bool:
+        """Rank 0 reads the STOP mark and every rank follows its answer, so all save the same step and
+        no rank waits in a collective that another has left."""
+        wanted = self.is_rank0 and (self.run_dir / STOP_FILE).exists()
+        if world_size() == 1:
+            return wanted
+        flag = torch.tensor([1 if wanted else 0], dtype=torch.int32, device=self.device)
+        torch.distributed.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def _consume_stop(self):
+        """A stop request is honoured once: a resumed run trains on until it is asked again."""
+        if self.is_rank0:
+            (self.run_dir / STOP_FILE).unlink(missing_ok=True)
 
     def _export(self, deepspeed, family, params, num_images: int, steps_done: int, started_at: float) -> str | None:
         """Writes the adapter (or, for a full fine-tune, the diffusion model); rank 0 only, every rank joins."""
@@ -290,6 +316,7 @@ class Trainer:
             avg = sum(recent) / len(recent)
             done = step + 1
             grad_norm = float(grad_norm) if grad_norm is not None else None
+            check_finite(done, final_loss, grad_norm)  # every rank sees the same global values: all stop together
             samples_per_s = global_batch / step_time
             t_mean = timesteps.mean().item()
             t_std = timesteps.std().item() if len(timesteps) > 1 else 0.0
@@ -306,13 +333,15 @@ class Trainer:
                 run_eval(done)
             if previews is not None and sample_due(spec.samples, done, t.steps):
                 self.events.emit("sample", step=done, images=previews.render(module, done), prompts=spec.samples.prompts)
-            stop_requested = (self.run_dir / STOP_FILE).exists()
+            stop_requested = self._stop_requested()
             if done < t.steps and ((t.save_every and done % t.save_every == 0) or stop_requested):
                 path = ckpt.save_checkpoint(engine, self.run_dir, done, {"step": done, "seed": t.seed}, self.is_rank0)
                 self.events.emit("checkpoint", step=done, path=str(path))
-            if stop_requested and done < t.steps:
-                stopped = True
-                break
+            if stop_requested:
+                self._consume_stop()
+                if done < t.steps:
+                    stopped = True
+                    break
         else:
             step = t.steps - 1
         prefetch.close()

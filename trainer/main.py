@@ -19,9 +19,13 @@ EXIT_FAILED = 1
 EXIT_ORPHANED = 3
 
 
-def start_parent_watchdog(parent_pid: int, events: EventWriter, interval: float = 1.0):
-    """Exit when the process that launched us (ComfyUI) is gone: nobody would read our results."""
-    if parent_pid <= 0:
+def start_parent_watchdog(parent_pid: int, events: EventWriter, interval: float = 1.0, parent_host: str = ""):
+    """Exit when the process that launched us (ComfyUI) is gone: nobody would read our results.
+
+    Only on the machine that launched the run: elsewhere that pid means nothing (the run's ranks there
+    end when the launching machine's ranks do)."""
+    import socket
+    if parent_pid <= 0 or (parent_host and parent_host != socket.gethostname()):
         return
 
     direct_child = os.getppid() == parent_pid
@@ -35,6 +39,18 @@ def start_parent_watchdog(parent_pid: int, events: EventWriter, interval: float 
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
+def report_spec_error(config: str, exc: Exception):
+    """A spec that cannot be used still reaches the node as an error event: the spec sits in its run directory."""
+    run_dir = Path(config).parent
+    if int(os.environ.get("RANK", "0")) != 0 or not run_dir.is_dir():
+        return
+    events = EventWriter(run_dir / EVENTS_FILE)
+    try:
+        events.emit("error", message=f"RunSpecError: {exc}", rank=0)
+    finally:
+        events.close()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="ingraph-trainer", description="Train an adapter from a run spec.")
     parser.add_argument("--config", required=True, help="run spec (TOML) written by the Train node or by hand")
@@ -42,6 +58,8 @@ def main(argv=None) -> int:
                         help="continue from the newest complete checkpoint of the run directory, or from one tag")
     parser.add_argument("--parent-pid", type=int, default=0,
                         help="exit when this process (the ComfyUI that launched the run) is gone")
+    parser.add_argument("--parent-host", default="",
+                        help="the machine --parent-pid lives on; ranks on other machines do not watch it")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by deepspeed
     opts = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -51,6 +69,7 @@ def main(argv=None) -> int:
             spec.train.resume = opts.resume
     except RunSpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        report_spec_error(opts.config, exc)
         return EXIT_BAD_SPEC
 
     from .distributed import destroy, ensure_dist_env, rank
@@ -58,7 +77,7 @@ def main(argv=None) -> int:
     run_dir = Path(spec.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     events = EventWriter(run_dir / EVENTS_FILE, enabled=rank() == 0)
-    start_parent_watchdog(opts.parent_pid, events)
+    start_parent_watchdog(opts.parent_pid, events, parent_host=opts.parent_host)
     try:
         if spec.task == "evaluate":
             from .evaluation import run_evaluation
