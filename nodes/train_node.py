@@ -44,6 +44,17 @@ def check_family_settings(model, prediction: str, train, adapter, file_format: s
     log.info("InGraph Trainer: training a %s model (%s)", family.display_name, prediction)
 
 
+def refuse_foreign_file(path, overwrite: bool):
+    """A file the user put in models/ (no pack metadata) is replaced only when they say so."""
+    from pathlib import Path
+    from ..runner.paths import lora_name_of
+    from ..trainer.adapters import written_by_pack
+    path = Path(path)
+    if path.exists() and not overwrite and not written_by_pack(path):
+        raise ValueError(f"Train LoRA: {lora_name_of(path)} already exists and was not written by InGraph Trainer; "
+                         "choose another output_name, or turn on overwrite to replace it")
+
+
 def _saved_spec(spec_path):
     from ..trainer.config import load_run_spec
     return load_run_spec(spec_path)
@@ -130,6 +141,11 @@ class TrainLoRA(io.ComfyNode):
                                tooltip="Guidance-distilled models (Flux dev): the guidance value given to the model "
                                        "while training (1 is usual for LoRAs). Other models reject any other value "
                                        "than 1."),
+                io.Boolean.Input("overwrite", default=False, optional=True,
+                                 tooltip="Replace a file of the same name in models/loras (or diffusion_models) that "
+                                         "InGraph Trainer did not write, such as a LoRA you downloaded. Off: such a "
+                                         "file is never touched and the run is refused before it starts. Files this "
+                                         "pack wrote are always replaced when the run finishes."),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The input MODEL with the trained LoRA applied."),
@@ -173,7 +189,7 @@ class TrainLoRA(io.ComfyNode):
                 lr_schedule, warmup_steps, precision, gradient_checkpointing, seed, save_every,
                 output_name, resume="off", distributed=None, eval_dataset=None, eval_every=0,
                 previews=None, file_format="ComfyUI", loss="MSE", min_snr_gamma=0.0, timestep_sampling="uniform",
-                flow_shift=1.0, guidance=1.0) -> io.NodeOutput:
+                flow_shift=1.0, guidance=1.0, overwrite=False) -> io.NodeOutput:
         import comfy.model_management
         import comfy.utils
 
@@ -200,6 +216,8 @@ class TrainLoRA(io.ComfyNode):
         name = new_lora_name[: -len(".safetensors")]
         resume = resume or "off"
         resume_from = resolve_resume_choice(paths.runs_root(), resume, name)
+        if resume_from is None:
+            refuse_foreign_file(lora_path, bool(overwrite))
         if resume_from is not None:  # the run continues with the spec saved in its own directory
             run_dir, resume_tag = resume_from
             spec_path = run_dir / SPEC_FILE
@@ -217,8 +235,10 @@ class TrainLoRA(io.ComfyNode):
                                              lora_path=lora_path, comfyui_path=paths.comfyui_root(),
                                              eval_dataset=eval_dataset, previews=previews,
                                              models_root=paths.models_root(),
-                                             file_format=file_format)
+                                             file_format=file_format, overwrite=bool(overwrite))
         saved = _saved_spec(spec_path)  # what the trainer will run, for a new run and a resumed one alike
+        if resume_from is not None:
+            refuse_foreign_file(saved.output.lora_path, bool(overwrite) or saved.output.overwrite)
         steps = saved.train.steps  # a resumed run keeps its own kind and steps
         lora_name = paths.lora_name_of(saved.output.lora_path, paths.output_folder(saved.adapter.kind))
         node_id = cls.hidden.unique_id

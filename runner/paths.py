@@ -43,20 +43,57 @@ def output_folder(adapter_kind: str) -> str:
     return "diffusion_models" if adapter_kind == "full" else "loras"
 
 
+WINDOWS_RESERVED = {"CON", "PRN", "AUX", "NUL", *(f"COM{i}" for i in range(1, 10)), *(f"LPT{i}" for i in range(1, 10))}
+UNPORTABLE_CHARS = set('<>:"|?*')  # refused by Windows (and ':' by macOS Finder)
+MAX_NAME_CHARS = 200  # the whole relative name: fits Windows' 260-character paths under a short models folder
+MAX_COMPONENT_BYTES = 255  # every file system's limit for one name
+TEMP_NAME_EXTRA = len(".-XXXXXXXX.partial")  # the atomic writer's temporary name beside the target (adapters.py)
+
+
 def lora_output_path(output_name: str, folder: str = "loras") -> tuple[Path, str]:
     """(absolute file in the first models/<folder> folder, the name the loader lists it under).
 
-    folder: "loras" for adapters (Load LoRA), "diffusion_models" for full fine-tunes (Load Diffusion Model)."""
+    folder: "loras" for adapters (Load LoRA), "diffusion_models" for full fine-tunes (Load Diffusion Model).
+    The name is checked the way the strictest system would take it (Windows, macOS), temporary name included,
+    and must not pass through an existing file."""
     import folder_paths
     name = output_name.strip().replace("\\", "/")
     if name.endswith(".safetensors"):
         name = name[: -len(".safetensors")]
     parts = [p for p in name.split("/") if p]
+
+    def refuse(why: str):
+        raise ValueError(f"output_name {output_name!r}: {why}")
+
     if not parts or any(p in (".", "..") for p in parts) or name.startswith("/"):
-        raise ValueError(f"output_name {output_name!r} must be a file name, optionally with sub-folders, "
-                         f"inside models/{folder}")
+        refuse(f"must be a file name, optionally with sub-folders, inside models/{folder}")
+    if len(name) > MAX_NAME_CHARS:
+        refuse(f"is {len(name)} characters long; at most {MAX_NAME_CHARS}")
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        bad = sorted({c for c in part if c in UNPORTABLE_CHARS or ord(c) < 32 or ord(c) == 127})
+        if bad:
+            refuse(f"{part!r} contains {', '.join(repr(c) for c in bad)}, which Windows or macOS cannot store")
+        if part != part.rstrip(" .") or part != part.lstrip(" "):
+            refuse(f"{part!r} starts with a space or ends with a space or a dot, which Windows cannot store")
+        if part.split(".")[0].upper() in WINDOWS_RESERVED:
+            refuse(f"{part!r} is a reserved device name on Windows")
+        size = len(part.encode("utf-8")) + (len(".safetensors") if last else 0)
+        if last:
+            size = max(size, len(part.encode("utf-8")) + TEMP_NAME_EXTRA)
+        if size > MAX_COMPONENT_BYTES:
+            refuse(f"{part[:40]!r}... is too long for a file name ({size} bytes with its temporary name)")
     relative = "/".join(parts) + ".safetensors"
-    return Path(folder_paths.get_folder_paths(folder)[0]) / relative, relative
+    base = Path(folder_paths.get_folder_paths(folder)[0])
+    here = base
+    for part in parts[:-1]:
+        here = here / part
+        if here.exists() and not here.is_dir():
+            refuse(f"models/{folder}/{here.relative_to(base).as_posix()} is a file, not a folder")
+    target = base / relative
+    if target.is_dir():
+        refuse(f"models/{folder}/{relative} is a folder")
+    return target, relative
 
 
 def lora_name_of(path: str | Path, folder_name: str = "loras") -> str:

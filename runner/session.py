@@ -10,6 +10,7 @@ from typing import Callable
 
 from ..cache.store import write_manifest
 from ..trainer.config import AdapterSpec, DistributedSpec, RunSpec, TrainSpec, dump_run_spec
+from ..trainer.trust import sign_run
 from .launcher import TrainerProcess
 from .runs import MANIFEST_FILE, SPEC_FILE, create_run_dir
 
@@ -35,12 +36,14 @@ EVAL_MANIFEST_FILE = "eval_dataset.json"
 
 def prepare_run(*, runs_root: Path, name: str, model_path: Path, prediction: str, dataset, cache_root: Path,
                 adapter: AdapterSpec | None = None, train: TrainSpec, lora_path: Path | None = None,
-                comfyui_path: str, distributed: DistributedSpec | None = None, task: str = "train",
+                distributed: DistributedSpec | None = None, task: str = "train",
                 eval_dataset=None, previews=None, models_root: Path | None = None,
-                file_format: str = "comfyui") -> tuple[Path, Path]:
+                file_format: str = "comfyui", overwrite: bool = False) -> tuple[Path, Path]:
     """Creates the run directory with its dataset manifest(s) and run spec; returns (run dir, spec path).
 
     `previews` (runner.previews.PreviewSettings) needs `models_root`, where the VAE weights go.
+    The spec and the manifests are signed with this installation's secret: only a signed run is ever resumed.
+    The ComfyUI install the trainer imports is the launcher's (COMFYUI_PATH), never the spec's.
     """
     run_dir = create_run_dir(runs_root, name)
     manifest = write_manifest(run_dir / MANIFEST_FILE, dataset, cache_root)
@@ -48,9 +51,10 @@ def prepare_run(*, runs_root: Path, name: str, model_path: Path, prediction: str
                    train=dataclasses.replace(train), distributed=dataclasses.replace(distributed or DistributedSpec()))
     spec.model.path = str(model_path)
     spec.model.prediction = prediction
-    spec.model.comfyui_path = comfyui_path
     spec.data.manifest = str(manifest)
+    signed = [SPEC_FILE, MANIFEST_FILE]
     if eval_dataset is not None:
+        signed.append(EVAL_MANIFEST_FILE)
         spec.data.eval_manifest = str(write_manifest(run_dir / EVAL_MANIFEST_FILE, eval_dataset, cache_root))
     if previews is not None:
         from .previews import write_preview_inputs
@@ -58,9 +62,11 @@ def prepare_run(*, runs_root: Path, name: str, model_path: Path, prediction: str
     spec.output.lora_path = str(lora_path or "")
     spec.output.name = name
     spec.output.format = file_format
+    spec.output.overwrite = overwrite
     spec.validate(str(run_dir / SPEC_FILE))
     spec_path = run_dir / SPEC_FILE
     spec_path.write_text(dump_run_spec(spec), encoding="utf-8")
+    sign_run(run_dir, signed)
     return run_dir, spec_path
 
 

@@ -70,6 +70,8 @@ def test_bad_spec_exits_2_naming_the_field(two_step_run, tmp_path):
     proc = run_trainer(bad)
     assert proc.returncode == 2
     assert "bad.toml" in proc.stderr and "train.steps: must be at least 1" in proc.stderr
+    errors = [e for e in read_events(tmp_path) if e["type"] == "error"]  # what the node relays
+    assert len(errors) == 1 and "train.steps: must be at least 1" in errors[0]["message"]
 
 
 def test_stdout_noise_never_becomes_an_event(two_step_run):

@@ -203,11 +203,29 @@ def kohya_metadata(spec, family, num_images: int, steps_done: int, started_at: f
         "ss_resolution": "",
         "ss_network_args": json.dumps({"targets": a.targets, "algo": a.kind,
                                        **({"dora_wd": True} if a.kind == "dora" else {})}),
-        "ingraph_trainer": json.dumps({"spec_version": spec.version, "family": family.name,
+        PACK_METADATA_KEY: json.dumps({"spec_version": spec.version, "family": family.name,
                                        "prediction": family.prediction, "kind": a.kind,
                                        "format": spec.output.format}),
     }
     return meta
+
+
+PACK_METADATA_KEY = "ingraph_trainer"  # in every file this pack writes (adapters and full fine-tunes)
+
+
+def written_by_pack(path: str | Path) -> bool:
+    """Does this safetensors file carry the pack's metadata? Reads the header only (no tensors, no torch)."""
+    import struct
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > 100 * 1024 * 1024:
+                return False
+            header = json.loads(f.read(size))
+    except (OSError, ValueError, struct.error):
+        return False
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return isinstance(meta, dict) and PACK_METADATA_KEY in meta
 
 
 def save_adapter_atomic(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:

@@ -11,8 +11,8 @@ import torch
 
 from . import checkpoint as ckpt
 from . import export
-from .adapters import (comfy_adapter_state_dict, inject_adapter, kohya_metadata, load_adapter_weights,
-                       save_adapter_atomic)
+from .adapters import (PACK_METADATA_KEY, comfy_adapter_state_dict, inject_adapter, kohya_metadata,
+                       load_adapter_weights, save_adapter_atomic, written_by_pack)
 from .comfy_env import import_comfy
 from .config import RunSpec
 from .data import Prefetcher, StepSampler, load_cached_dataset
@@ -167,7 +167,7 @@ class Trainer:
                         tensors[name] = param.detach().to("cpu").clone()
             for name, buffer in family.diffusion_model.named_buffers():
                 tensors[name] = buffer.detach().to("cpu").clone()
-            meta = {"ingraph_trainer": json.dumps({"spec_version": spec.version, "family": family.name,
+            meta = {PACK_METADATA_KEY: json.dumps({"spec_version": spec.version, "family": family.name,
                                                    "prediction": family.prediction, "kind": "full",
                                                    "steps": steps_done})}
         else:
@@ -180,7 +180,13 @@ class Trainer:
             meta = kohya_metadata(spec, family, num_images, steps_done, started_at)
         if not self.is_rank0:
             return None
-        return str(save_adapter_atomic(spec.output.lora_path, tensors, meta))
+        target = Path(spec.output.lora_path)
+        if target.exists() and not spec.output.overwrite and not written_by_pack(target):
+            # a file of the user's appeared there during the run: never replaced silently, and the result is kept
+            kept = save_adapter_atomic(self.run_dir / target.name, tensors, meta)
+            raise FileExistsError(f"{target} exists and was not written by InGraph Trainer, so it was left alone; "
+                                  f"this run's result is in {kept} (turn on overwrite to replace such a file)")
+        return str(save_adapter_atomic(target, tensors, meta))
 
     def run(self):
         spec, t = self.spec, self.spec.train

@@ -1,0 +1,154 @@
+"""Run safety (unit tier): hostfiles, output names, foreign files, spec values, non-finite events."""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import struct
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+if "ingraph_trainer" not in sys.modules:
+    pkg = types.ModuleType("ingraph_trainer")
+    pkg.__path__ = [str(REPO)]
+    sys.modules["ingraph_trainer"] = pkg
+
+config = importlib.import_module("ingraph_trainer.trainer.config")
+events = importlib.import_module("ingraph_trainer.trainer.events")
+hostfile = importlib.import_module("ingraph_trainer.trainer.hostfile")
+
+
+def test_hostfile_grammar_and_errors_by_line_number(tmp_path):
+    good = tmp_path / "hosts"
+    good.write_text("# cluster\nworker-1 slots=4\n\n  worker-2.lan slots=2  \n")
+    assert hostfile.parse_hostfile(good) == [("worker-1", 4), ("worker-2.lan", 2)]
+    for text, needle in [("worker-1 slots=4\nsecret-value-42\n", "line 2: expected 'hostname slots=N'"),
+                         ("a slots=1\na slots=2\n", "line 2: host already listed on line 1"),
+                         ("a slots=0\n", "line 1: slots must be at least 1"),
+                         ("# nothing\n", "lists no hosts")]:
+        bad = tmp_path / "bad"
+        bad.write_text(text)
+        with pytest.raises(hostfile.HostfileError) as info:
+            hostfile.parse_hostfile(bad)
+        assert needle in str(info.value) and "secret-value-42" not in str(info.value)
+
+
+def test_hostfile_of_the_process_environment_is_refused_without_echoing_it(monkeypatch):
+    canary = "canary-7f3e9b1d"
+    monkeypatch.setenv("INGRAPH_CANARY", canary)  # /proc/self/environ is read at open, so it is there
+    problems = config.DistributedSpec(processes=1, hostfile="/proc/self/environ").problems()
+    assert len(problems) == 1 and "distributed.hostfile" in problems[0] and "line 1" in problems[0]
+    assert canary not in problems[0] and "INGRAPH" not in problems[0]
+    assert config.DistributedSpec(hostfile="/nonexistent/hosts").problems()[0].endswith(
+        "does not exist or is not a file")
+
+
+def _spec_dict(**tables):
+    import dataclasses
+    spec = config.RunSpec(run_dir="/tmp/r")
+    spec.model.path, spec.data.manifest, spec.output.lora_path = "/m.safetensors", "/d.json", "/l.safetensors"
+    data = dataclasses.asdict(spec)
+    for table, values in tables.items():
+        data[table].update(values)
+    return data
+
+
+@pytest.mark.parametrize("table,values,needle", [
+    ("train", {"learning_rate": math.nan}, "train.learning_rate: must be a finite number"),
+    ("train", {"learning_rate": math.inf}, "train.learning_rate: must be a finite number"),
+    ("train", {"weight_decay": -0.1}, "train.weight_decay: must be 0 or more"),
+    ("train", {"max_grad_norm": -1.0}, "train.max_grad_norm"),
+    ("train", {"seed": -3}, "train.seed: must be 0 or more"),
+    ("train", {"eval_quantiles": "0.5"}, "train.eval_quantiles: expected list"),
+    ("samples", {"prompts": "a cat"}, "samples.prompts: expected list"),
+    ("samples", {"cfg": -1.0}, "samples.cfg: must be 0 or more"),
+    ("adapter", {"alpha": math.inf}, "adapter.alpha: must be a finite number"),
+])
+def test_spec_refuses_wrong_types_non_finite_and_negative_values(table, values, needle):
+    with pytest.raises(config.RunSpecError) as info:
+        config.spec_from_dict(_spec_dict(**{table: values}))
+    assert needle in str(info.value)
+
+
+def test_spec_writer_escapes_control_characters(tmp_path):
+    import tomllib
+    spec = config.spec_from_dict(_spec_dict())
+    spec.output.name = 'odd\tname\x00with\x1b"quotes"\\and\r\nlines\x7f'
+    spec.samples.prompts = ["a\x0bb", "ünïcode ✓"]
+    text = config.dump_run_spec(spec)
+    back = tomllib.loads(text)
+    assert back["output"]["name"] == spec.output.name and back["samples"]["prompts"] == spec.samples.prompts
+    spec.train.learning_rate = math.nan
+    with pytest.raises(ValueError, match="non-finite"):
+        config.dump_run_spec(spec)
+
+
+def test_events_carry_non_finite_numbers_as_null(tmp_path):
+    import torch
+    writer = events.EventWriter(tmp_path / "events.jsonl")
+    writer.emit("step", step=3, loss=math.nan, grad_norm=math.inf, lr=torch.tensor(0.5), extra={"x": [-math.inf]})
+    writer.close()
+    line = (tmp_path / "events.jsonl").read_text()
+    event = json.loads(line)
+    assert event["loss"] is None and event["grad_norm"] is None and event["lr"] == 0.5 and event["extra"]["x"] == [None]
+
+
+@pytest.fixture
+def loras_folder(tmp_path, monkeypatch):
+    """A stand-in for ComfyUI's folder_paths with one models/loras folder."""
+    folder = tmp_path / "loras"
+    folder.mkdir()
+    fake = types.ModuleType("folder_paths")
+    fake.get_folder_paths = lambda name: [str(folder)]
+    monkeypatch.setitem(sys.modules, "folder_paths", fake)
+    return folder
+
+
+@pytest.mark.parametrize("name,needle", [
+    ("a:b", "':'"), ("what?", "'?'"), ("tab\there", "'\\t'"), ("CON", "reserved device name"),
+    ("sub/aux.v2", "reserved device name"), ("trailing.", "ends with a space or a dot"), ("sub/ lead", "starts with"),
+    ("é" * 120, "too long for a file name (258 bytes with its temporary name)"),
+    ("x" * 201, "at most 200"), ("../up", "inside models/loras"), ("", "inside models/loras"),
+])
+def test_output_names_that_fail_somewhere_are_refused(loras_folder, name, needle):
+    paths = importlib.import_module("ingraph_trainer.runner.paths")
+    with pytest.raises(ValueError) as info:
+        paths.lora_output_path(name)
+    assert needle in str(info.value)
+
+
+def test_output_name_never_passes_through_a_file(loras_folder):
+    paths = importlib.import_module("ingraph_trainer.runner.paths")
+    (loras_folder / "styles").write_bytes(b"not a folder")
+    with pytest.raises(ValueError, match="styles is a file, not a folder"):
+        paths.lora_output_path("styles/mine")
+    (loras_folder / "taken.safetensors").mkdir()
+    with pytest.raises(ValueError, match="is a folder"):
+        paths.lora_output_path("taken")
+    path, name = paths.lora_output_path("new/sub\\mine.safetensors")
+    assert path == loras_folder / "new" / "sub" / "mine.safetensors" and name == "new/sub/mine.safetensors"
+    assert paths.lora_output_path("é" * 110)[1] == "é" * 110 + ".safetensors"  # 238 bytes with its temporary name
+
+
+def _safetensors_with_metadata(path: Path, metadata: dict | None):
+    header = {"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    blob = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + b"\0\0\0\0")
+
+
+def test_only_files_with_the_packs_metadata_count_as_its_own(tmp_path, loras_folder):
+    adapters = importlib.import_module("ingraph_trainer.trainer.adapters")
+    ours, theirs, junk = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors", tmp_path / "junk.safetensors"
+    _safetensors_with_metadata(ours, {"ingraph_trainer": "{}", "ss_network_dim": "4"})
+    _safetensors_with_metadata(theirs, {"ss_network_dim": "4"})
+    junk.write_bytes(os.urandom(64))
+    assert adapters.written_by_pack(ours)
+    assert not adapters.written_by_pack(theirs) and not adapters.written_by_pack(junk)
+    assert not adapters.written_by_pack(tmp_path / "missing.safetensors")
