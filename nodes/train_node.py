@@ -232,7 +232,7 @@ class TrainLoRA(io.ComfyNode):
             run_dir, spec_path = prepare_run(runs_root=paths.runs_root(), name=name, model_path=model_path,
                                              prediction=prediction, dataset=dataset, cache_root=paths.cache_root(),
                                              adapter=adapter, train=train, distributed=distributed,
-                                             lora_path=lora_path, comfyui_path=paths.comfyui_root(),
+                                             lora_path=lora_path,
                                              eval_dataset=eval_dataset, previews=previews,
                                              models_root=paths.models_root(),
                                              file_format=file_format, overwrite=bool(overwrite))

@@ -35,7 +35,7 @@ def evaluate_model(model, dataset, *, quantiles: list[float], seed: int, batch_s
     run_dir, spec_path = prepare_run(runs_root=paths.evals_root(), name="eval", task="evaluate",
                                      model_path=materialise_model(model, paths.models_root()),
                                      prediction=prediction_of(model), dataset=dataset, cache_root=paths.cache_root(),
-                                     train=train, distributed=distributed, comfyui_path=paths.comfyui_root())
+                                     train=train, distributed=distributed)
     d = distributed or DistributedSpec()
     process = TrainerProcess(run_dir, spec_path, comfyui_path=paths.comfyui_root(), processes=d.processes,
                              hostfile=d.hostfile).start()

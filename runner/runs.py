@@ -1,12 +1,16 @@
 """Run directories: where each run's spec, events, log, checkpoints and adapter live."""
 from __future__ import annotations
 
+import logging
 import re
 import secrets
 import time
 from pathlib import Path
 
 from ..trainer.layout import MANIFEST_FILE, SPEC_FILE  # noqa: F401
+from ..trainer.trust import run_is_trusted
+
+log = logging.getLogger("ingraph_trainer")
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -68,38 +72,52 @@ def _spec_output_name(run_dir: Path) -> str | None:
 
 
 def complete_checkpoints(run_dir: Path) -> list[str]:
-    """Tags of the run's complete checkpoints, oldest first (the trainer's own definition of complete)."""
+    """Tags of the run's complete checkpoints, oldest first (the trainer's own definition of complete: a
+    COMPLETE mark signed by this installation over exactly the files in the folder)."""
     from ..trainer.checkpoint import complete_checkpoints as complete
     return [path.name for path in complete(run_dir)]
 
 
+def trusted_run(run_dir: Path) -> bool:
+    """The run's spec and manifests are the ones this installation's runner wrote (trainer/trust.py)."""
+    return run_is_trusted(run_dir, SPEC_FILE)
+
+
 def resumable_checkpoints(runs_root: str | Path, limit: int = 50) -> list[str]:
-    """'<run id>/<checkpoint>' for every complete checkpoint, newest run first."""
+    """'<run id>/<checkpoint>' for every complete checkpoint of a trusted run, newest run first."""
     root = Path(runs_root)
     if not root.is_dir():
         return []
     out = []
     for run_dir in sorted((p for p in root.iterdir() if p.is_dir()), reverse=True):
-        out += [f"{run_dir.name}/{tag}" for tag in reversed(complete_checkpoints(run_dir))]
+        tags = complete_checkpoints(run_dir)
+        if tags and trusted_run(run_dir):
+            out += [f"{run_dir.name}/{tag}" for tag in reversed(tags)]
         if len(out) >= limit:
             break
     return out[:limit]
 
 
 def find_latest_resumable(runs_root: str | Path, output_name: str) -> tuple[Path, str] | None:
-    """The newest run of this output name that has a complete checkpoint: (run dir, checkpoint tag)."""
+    """The newest trusted run of this output name that has a complete checkpoint: (run dir, checkpoint tag).
+    Runs this installation did not write are skipped, with a log line."""
     root = Path(runs_root)
     if not root.is_dir():
         return None
     for run_dir in sorted((p for p in root.iterdir() if p.is_dir()), reverse=True):
         tags = complete_checkpoints(run_dir)
-        if tags and _spec_output_name(run_dir) == output_name:
-            return run_dir, tags[-1]
+        if not tags or _spec_output_name(run_dir) != output_name:
+            continue
+        if not trusted_run(run_dir):
+            log.warning("InGraph Trainer: run %s is not signed by this installation; not resuming it", run_dir.name)
+            continue
+        return run_dir, tags[-1]
     return None
 
 
 def resolve_resume_choice(runs_root: str | Path, choice: str, output_name: str) -> tuple[Path, str] | None:
-    """Train node's resume input: 'off' → None; 'latest'; or '<run id>/<checkpoint>'."""
+    """Train node's resume input: 'off' → None; 'latest'; or '<run id>/<checkpoint>' (ValueError when that
+    checkpoint is missing or incomplete, or its run was not written by this installation)."""
     if choice in ("", "off"):
         return None
     if choice == "latest":
@@ -107,5 +125,9 @@ def resolve_resume_choice(runs_root: str | Path, choice: str, output_name: str) 
     run_id, _, tag = choice.partition("/")
     run_dir = run_dir_for(runs_root, run_id)
     if run_dir is None or tag not in complete_checkpoints(run_dir):
-        raise ValueError(f"resume: checkpoint {choice!r} does not exist or is incomplete")
+        raise ValueError(f"resume: checkpoint {choice!r} does not exist, is incomplete, or was not written by "
+                         f"this installation")
+    if not trusted_run(run_dir):
+        raise ValueError(f"resume: run {run_id!r} was not written by this installation (its signature does not "
+                         f"verify); refusing to resume it")
     return run_dir, tag

@@ -49,8 +49,6 @@ def prepare(checkpoint: Path, images: Path, run_dir: Path, overrides: dict, reso
     spec = RunSpec(run_dir=str(run_dir))
     spec.model.path = str(materialise_model(model, work / "models"))
     spec.model.prediction = prediction_of(model)
-    from tools.comfy_server import comfyui_path
-    spec.model.comfyui_path = str(comfyui_path())
     spec.data.manifest = str(manifest)
     spec.output.lora_path = str(run_dir / "lora.safetensors")
     if overrides.get("samples.every"):
@@ -66,6 +64,8 @@ def prepare(checkpoint: Path, images: Path, run_dir: Path, overrides: dict, reso
     spec = spec_from_dict(data, "overrides")
     path = run_dir / "run.toml"
     path.write_text(dump_run_spec(spec))
+    from ingraph_trainer.trainer.trust import sign_run
+    sign_run(run_dir, ["run.toml", "dataset.json"])  # resumable from the Train node like a run it wrote
     return path
 
 

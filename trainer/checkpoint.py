@@ -1,16 +1,32 @@
-"""Checkpoints: DeepSpeed's own files plus the trainer's state, marked complete only when all are written."""
+"""Checkpoints: DeepSpeed's own files plus the trainer's state, marked complete only when all are written.
+
+DeepSpeed loads its files with pickle (torch.load(weights_only=False)), and any ComfyUI client can write
+files under output/, so the COMPLETE mark lists the digest and size of every file of the checkpoint and
+carries an HMAC made with this installation's secret (trainer/trust.py). A checkpoint is complete only if
+its mark verifies and the folder holds exactly the files it lists; nothing is loaded before every file's
+digest has been checked.
+"""
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import shutil
 from pathlib import Path
 
 from .layout import CHECKPOINTS_DIR
+from .trust import TrustError, canonical, file_digest, read_signed_json, write_signed_json
 
 # torch is imported where it is used: the ComfyUI side reads checkpoint state through this module
 
 COMPLETE_MARK = "COMPLETE"
 STATE_FILE = "trainer_state.json"
+MARK_VERSION = 1
+PARTIAL_PREFIX = ".partial-"  # a checkpoint being written, under a name no client can guess
+
+
+class UntrustedCheckpoint(TrustError):
+    """A checkpoint this installation did not write, or one changed after it was written."""
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
@@ -21,54 +37,185 @@ def tag_for(step: int) -> str:
     return f"step_{step:06d}"
 
 
+def _folder_files(path: Path) -> dict[str, int]:
+    """relative path → size of every file in the folder, the mark excepted; anything but plain files and
+    folders (a symlink, a device) is refused."""
+    files = {}
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            full = Path(dirpath) / name
+            if full.is_symlink() or not (full.is_dir() or full.is_file()):
+                raise UntrustedCheckpoint(f"checkpoint {path}: {full.relative_to(path)} is not a plain file")
+        for name in filenames:
+            rel = (Path(dirpath) / name).relative_to(path).as_posix()
+            if rel != COMPLETE_MARK:
+                files[rel] = (Path(dirpath) / name).stat().st_size
+    return files
+
+
+def write_mark(path: Path, step: int):
+    """Signs what the folder holds now: run once every rank has written its files."""
+    files = {rel: {"size": size, "sha256": file_digest(path / rel)} for rel, size in sorted(_folder_files(path).items())}
+    write_signed_json(path / COMPLETE_MARK, {"version": MARK_VERSION, "step": step, "files": files})
+
+
+def verify_checkpoint(path: Path, tag: str | None = None, digests: bool = True) -> dict:
+    """The mark's contents; raises UntrustedCheckpoint naming the checkpoint unless the mark verifies, the folder
+    holds exactly the files it lists (with their sizes) and, with `digests`, every file has its signed digest.
+    `tag`: the name the checkpoint is used under (a mark copied to another step's folder does not verify)."""
+    path = Path(path)
+    try:
+        mark = read_signed_json(path / COMPLETE_MARK)
+    except (TrustError, OSError) as exc:
+        raise UntrustedCheckpoint(f"checkpoint {path} is not trusted: {exc}") from None
+    files = mark.get("files")
+    step = mark.get("step")
+    if mark.get("version") != MARK_VERSION or not isinstance(files, dict) or STATE_FILE not in files \
+            or not all(isinstance(e, dict) for e in files.values()) or not isinstance(step, int) \
+            or tag_for(step) != (tag or path.name):
+        raise UntrustedCheckpoint(f"checkpoint {path}: its COMPLETE mark does not describe this checkpoint")
+    present = _folder_files(path)
+    if present.keys() != files.keys():
+        extra, missing = sorted(present.keys() - files.keys()), sorted(files.keys() - present.keys())
+        raise UntrustedCheckpoint(f"checkpoint {path}: files differ from the signed list "
+                                  f"(added: {extra[:5]}, missing: {missing[:5]})")
+    for rel, entry in files.items():
+        if present[rel] != entry.get("size"):
+            raise UntrustedCheckpoint(f"checkpoint {path}: {rel} changed after it was signed (size)")
+    if digests:
+        for rel, entry in files.items():
+            if file_digest(path / rel) != entry.get("sha256"):
+                raise UntrustedCheckpoint(f"checkpoint {path}: {rel} changed after it was signed")
+    return mark
+
+
 def is_complete(path: Path) -> bool:
-    return (path / COMPLETE_MARK).is_file() and (path / STATE_FILE).is_file()
+    """Cheap: the mark's HMAC and the folder's file list and sizes (load_checkpoint checks every digest)."""
+    try:
+        verify_checkpoint(path, digests=False)
+        return True
+    except (UntrustedCheckpoint, OSError, ValueError, TypeError):
+        return False
 
 
 def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     root = checkpoints_dir(run_dir)
-    if not root.is_dir():
+    if not root.is_dir() or root.is_symlink():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and is_complete(p))
+    return sorted(p for p in root.iterdir()
+                  if p.name.startswith("step_") and p.is_dir() and not p.is_symlink() and is_complete(p))
+
+
+def _on_rank0(compute):
+    """Runs `compute` on rank 0 only and hands every rank its result (or its error message): the secret
+    need only be on the launching machine, and all ranks take the same decision."""
+    import torch
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    rank0 = not distributed or torch.distributed.get_rank() == 0
+    verdict = [None, None]
+    if rank0:
+        try:
+            verdict = [compute(), None]
+        except (ValueError, OSError) as exc:
+            verdict = [None, f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)]
+    if distributed:
+        torch.distributed.broadcast_object_list(verdict, src=0)
+    if verdict[1] is not None:
+        raise UntrustedCheckpoint(verdict[1])
+    return verdict[0]
 
 
 def resolve_resume(run_dir: str | Path, resume: str) -> Path | None:
-    """'' → None; 'latest' → newest complete checkpoint (None when there is none); else that tag."""
+    """'' → None; 'latest' → newest complete checkpoint (None when there is none); else that tag.
+    Collective under torch.distributed: rank 0 decides."""
     if not resume:
         return None
-    done = complete_checkpoints(run_dir)
-    if resume == "latest":
-        return done[-1] if done else None
-    path = checkpoints_dir(run_dir) / resume
-    if path not in done:
-        raise ValueError(f"checkpoint {resume!r} in {checkpoints_dir(run_dir)} is missing or incomplete")
-    return path
+
+    def choose():
+        done = complete_checkpoints(run_dir)
+        if resume == "latest":
+            return done[-1].name if done else None
+        if checkpoints_dir(run_dir) / resume not in done:
+            raise ValueError(f"checkpoint {resume!r} in {checkpoints_dir(run_dir)} is missing, incomplete, or "
+                             f"not written by this installation")
+        return resume
+    tag = _on_rank0(choose)
+    return None if tag is None else checkpoints_dir(run_dir) / tag
 
 
-def save_checkpoint(engine, run_dir: str | Path, step: int, state: dict, is_rank0: bool) -> Path:
-    """`state` must be JSON-serialisable; random states travel in DeepSpeed's client state."""
+def save_checkpoint(engine, run_dir: str | Path, step: int, state: dict, is_rank0: bool, keep_last: int = 0) -> Path:
+    """`state` must be JSON-serialisable; random states travel in DeepSpeed's client state.
+
+    Every rank writes under a fresh random name (no client can plant files there before the mark signs
+    them), then rank 0 signs the folder and moves it to its step's name. A tag saved again (a resumed run)
+    loses its COMPLETE mark before anything is written. `keep_last` > 0: rank 0 then removes the oldest
+    complete checkpoints beyond that many, never the one just written."""
     import torch
+    distributed = torch.distributed.is_initialized()
+
+    def barrier():
+        if distributed:
+            torch.distributed.barrier()
+
     root = checkpoints_dir(run_dir)
     tag = tag_for(step)
-    engine.save_checkpoint(str(root), tag=tag, client_state={"trainer": state, "rng": rng_state()}, save_latest=False,
-                           exclude_frozen_parameters=True)  # the base model is in the run spec already
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
     path = root / tag
+    partial = [f"{PARTIAL_PREFIX}{tag}-{secrets.token_hex(8)}"]
     if is_rank0:
-        (path / STATE_FILE).write_text(json.dumps(state), encoding="utf-8")
-        mark = path / COMPLETE_MARK
-        with open(mark, "w") as f:
-            f.write(str(step))
-            f.flush()
-            os.fsync(f.fileno())
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+        root.mkdir(parents=True, exist_ok=True)
+        (path / COMPLETE_MARK).unlink(missing_ok=True)
+        for leftover in root.glob(f"{PARTIAL_PREFIX}*"):  # of a save that was killed
+            _remove(leftover)
+    if distributed:
+        torch.distributed.broadcast_object_list(partial, src=0)
+    barrier()
+    engine.save_checkpoint(str(root), tag=partial[0], client_state={"trainer": state, "rng": rng_state()},
+                           save_latest=False, exclude_frozen_parameters=True)  # the base model is in the run spec
+    barrier()
+    if is_rank0:
+        written = root / partial[0]
+        (written / STATE_FILE).write_text(json.dumps(state), encoding="utf-8")
+        write_mark(written, step)
+        if path.exists() or path.is_symlink():
+            _remove(path)
+        os.replace(written, path)
+        _fsync_dir(root)
+        if keep_last > 0:
+            prune_checkpoints(run_dir, keep_last, keep=path)
+    barrier()
     return path
+
+
+def prune_checkpoints(run_dir: str | Path, keep_last: int, keep: Path | None = None) -> list[Path]:
+    """Removes the oldest complete checkpoints beyond the newest `keep_last` (never `keep`); returns them."""
+    done = complete_checkpoints(run_dir)
+    removed = [p for p in done[: max(0, len(done) - keep_last)] if p != keep]
+    for p in removed:
+        _remove(p)
+    return removed
+
+
+def _remove(path: Path):
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
+
+
+def _fsync_dir(path: Path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_checkpoint(engine, path: Path) -> dict:
-    """Restores weights, optimizer, scheduler and random states; returns the trainer state."""
+    """Restores weights, optimizer, scheduler and random states; returns the trainer state.
+
+    Rank 0 first checks every file's digest against the signed mark; on any difference nothing is loaded."""
+    path = Path(path)
+    _on_rank0(lambda: verify_checkpoint(path) and None)
     _, client_state = engine.load_checkpoint(str(path.parent), tag=path.name,
                                              load_optimizer_states=True, load_lr_scheduler_states=True,
                                              load_module_strict=False)

@@ -35,7 +35,6 @@ class ModelSpec:
     path: str = ""  # diffusion-model weights with ComfyUI keys (what UNETLoader reads)
     family: str = "auto"
     prediction: str = "auto"  # taken from the graph's MODEL by the Train node
-    comfyui_path: str = ""  # ComfyUI install whose model code rebuilds the model
 
 
 @dataclass
@@ -78,6 +77,7 @@ class TrainSpec:
     guidance: float = 1.0  # the guidance input of guidance-distilled models (Flux dev) while training
     seed: int = 0
     save_every: int = 0  # 0: only the final adapter
+    keep_last: int = 3  # complete checkpoints kept (the oldest go first); 0 = keep all
     eval_quantiles: list = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
     eval_every: int = 0  # 0: evaluate before the first step and after the last only
     resume: str = ""  # "": fresh run; "latest": newest complete checkpoint; or a checkpoint tag
@@ -206,6 +206,13 @@ class RunSpec:
         need(t.guidance >= 0, "train.guidance", f"must be 0 or more (got {t.guidance})")
         need(t.precision in PRECISIONS, "train.precision", f"must be one of {PRECISIONS} (got {t.precision!r})")
         need(t.save_every >= 0, "train.save_every", f"must be 0 or more (got {t.save_every})")
+        need(t.keep_last >= 0, "train.keep_last", f"must be 0 (keep all) or more (got {t.keep_last})")
+        for where, weights in (("model.path", self.model.path), ("adapter.init_from", a.init_from),
+                               ("samples.conditioning", self.samples.conditioning),
+                               ("samples.vae_path", self.samples.vae_path)):
+            # other weight formats load through pickle, which runs code: refuse them before anything loads
+            need(not weights or weights.lower().endswith(".safetensors"), where,
+                 f"must be a .safetensors file (got {Path(weights).name!r})")
         need(t.eval_every >= 0, "train.eval_every", f"must be 0 or more (got {t.eval_every})")
         need(bool(t.eval_quantiles) and all(isinstance(q, (int, float)) and 0.0 < q < 1.0 for q in t.eval_quantiles),
              "train.eval_quantiles", "must be a non-empty list of values in (0, 1)")

@@ -100,7 +100,7 @@ def run_evaluation(spec, events) -> dict:
     from .models import load_family
 
     started = time.time()
-    import_comfy(spec.model.comfyui_path)
+    import_comfy()
     family = load_family(spec.model.path, spec.model.family, spec.model.prediction)
     family.set_objective(flow_shift=spec.train.flow_shift, guidance=spec.train.guidance)
     dataset = load_cached_dataset(spec.data.eval_manifest or spec.data.manifest)

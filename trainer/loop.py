@@ -191,7 +191,7 @@ class Trainer:
     def run(self):
         spec, t = self.spec, self.spec.train
         started_at = time.time()
-        import_comfy(spec.model.comfyui_path)
+        import_comfy()  # the launching server's ComfyUI, never the spec's
         family = load_family(spec.model.path, spec.model.family, spec.model.prediction)
         family.set_objective(t.loss, t.huber_delta, t.min_snr_gamma, t.flow_shift, t.guidance)
         family.check_settings(spec)
@@ -341,7 +341,8 @@ class Trainer:
                 self.events.emit("sample", step=done, images=previews.render(module, done), prompts=spec.samples.prompts)
             stop_requested = self._stop_requested()
             if done < t.steps and ((t.save_every and done % t.save_every == 0) or stop_requested):
-                path = ckpt.save_checkpoint(engine, self.run_dir, done, {"step": done, "seed": t.seed}, self.is_rank0)
+                path = ckpt.save_checkpoint(engine, self.run_dir, done, {"step": done, "seed": t.seed}, self.is_rank0,
+                                            keep_last=t.keep_last)
                 self.events.emit("checkpoint", step=done, path=str(path))
             if stop_requested:
                 self._consume_stop()

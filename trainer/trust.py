@@ -1,0 +1,154 @@
+"""What this installation wrote: a per-installation secret and HMAC-SHA256 signatures made with it.
+
+ComfyUI has no authentication and any client can write any bytes under output/ (POST /upload/image with
+type=output), so a run folder is trusted because it is signed, never because it is there. The secret lives
+outside every folder ComfyUI's routes can write (output/, input/, user/, temp/): by default
+~/.config/ingraph-trainer/secret ($XDG_CONFIG_HOME honoured), or the file named by $INGRAPH_SECRET_FILE.
+The ComfyUI side and the trainer read the same file; on several machines only rank 0 (the launching
+machine) signs and verifies, and broadcasts its verdict.
+
+Standard library only: both sides import it.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import tempfile
+from pathlib import Path
+
+SECRET_ENV = "INGRAPH_SECRET_FILE"
+RUN_SIGNATURE_FILE = "run.sig"  # HMAC over the run spec and the manifests the runner wrote
+SIGNATURE_VERSION = 1
+_SECRET_HEX_CHARS = 64
+_cached: dict[str, bytes] = {}
+
+
+class TrustError(ValueError):
+    """Something under output/ that this installation did not write, or changed after writing it."""
+
+
+def secret_path() -> Path:
+    configured = os.environ.get(SECRET_ENV)
+    if configured:
+        return Path(configured).expanduser()
+    config_home = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(config_home) / "ingraph-trainer" / "secret"
+
+
+def installation_secret() -> bytes:
+    """The secret, created (mode 0600, atomically: concurrent first users agree on one) on first use."""
+    path = secret_path()
+    key = str(path)
+    if key not in _cached:
+        if not path.exists():
+            _create_secret(path)
+        text = path.read_text(encoding="ascii", errors="replace").strip()
+        if len(text) != _SECRET_HEX_CHARS or any(c not in "0123456789abcdef" for c in text):
+            raise TrustError(f"{path}: not an InGraph Trainer secret (expected {_SECRET_HEX_CHARS} hex digits); "
+                             f"delete it to make a new one (runs signed with the old one are no longer resumable)")
+        _cached[key] = bytes.fromhex(text)
+    return _cached[key]
+
+
+def _create_secret(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".secret-")  # mkstemp: mode 0600
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(secrets.token_hex(_SECRET_HEX_CHARS // 2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)  # never replaces: whoever links first wins, the others read the winner's
+        except FileExistsError:
+            pass
+    finally:
+        os.unlink(tmp)
+
+
+def canonical(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+def sign(payload: bytes) -> str:
+    return hmac.new(installation_secret(), payload, hashlib.sha256).hexdigest()
+
+
+def signature_matches(payload: bytes, signature) -> bool:
+    return isinstance(signature, str) and hmac.compare_digest(sign(payload), signature)
+
+
+def file_digest(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_signed_json(path: Path, max_bytes: int = 16 << 20) -> dict:
+    """A JSON object {..., "hmac": ...} whose HMAC (over the rest, canonical) verifies; else TrustError."""
+    if path.is_symlink() or not path.is_file():
+        raise TrustError(f"{path} is missing")
+    if path.stat().st_size > max_bytes:
+        raise TrustError(f"{path} is too large to be a signature")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TrustError(f"{path} is not a signature ({type(exc).__name__})") from None
+    if not isinstance(data, dict):
+        raise TrustError(f"{path} is not a signature")
+    body = {k: v for k, v in data.items() if k != "hmac"}
+    if not signature_matches(canonical(body), data.get("hmac")):
+        raise TrustError(f"{path} was not signed by this installation")
+    return body
+
+
+def write_signed_json(path: Path, body: dict):
+    """Atomically (temp file + rename), so a reader never sees half a signature."""
+    data = dict(body, hmac=sign(canonical(body)))
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, sort_keys=True, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def sign_run(run_dir: str | Path, names: list[str]):
+    """Signs the files the runner wrote into a run directory (the spec and its manifests), bound to the run's id."""
+    run_dir = Path(run_dir)
+    files = {name: file_digest(run_dir / name) for name in names}
+    write_signed_json(run_dir / RUN_SIGNATURE_FILE, {"version": SIGNATURE_VERSION, "run": run_dir.name, "files": files})
+
+
+def verify_run(run_dir: str | Path, required: str) -> None:
+    """Raises TrustError unless the run's signature verifies and every signed file (`required` among them)
+    still has the bytes that were signed."""
+    run_dir = Path(run_dir)
+    body = read_signed_json(run_dir / RUN_SIGNATURE_FILE)
+    files = body.get("files")
+    if body.get("version") != SIGNATURE_VERSION or body.get("run") != run_dir.name or not isinstance(files, dict) \
+            or required not in files:
+        raise TrustError(f"{run_dir / RUN_SIGNATURE_FILE} does not sign this run")
+    for name, digest in files.items():
+        path = run_dir / name
+        if not isinstance(name, str) or "/" in name or name in ("", ".", "..") or path.is_symlink() \
+                or not path.is_file() or file_digest(path) != digest:
+            raise TrustError(f"{path} changed after the run was signed")
+
+
+def run_is_trusted(run_dir: str | Path, required: str) -> bool:
+    try:
+        verify_run(run_dir, required)
+        return True
+    except (TrustError, OSError):
+        return False
