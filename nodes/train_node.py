@@ -146,6 +146,9 @@ class TrainLoRA(io.ComfyNode):
                                          "InGraph Trainer did not write, such as a LoRA you downloaded. Off: such a "
                                          "file is never touched and the run is refused before it starts. Files this "
                                          "pack wrote are always replaced when the run finishes."),
+                io.Int.Input("keep_last", default=3, min=0, max=10_000, optional=True,
+                             tooltip="Resumable checkpoints kept on disk: older ones are deleted as new ones are "
+                                     "saved (0 = keep all). Each holds the trained weights and optimizer state."),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The input MODEL with the trained LoRA applied."),
@@ -189,7 +192,7 @@ class TrainLoRA(io.ComfyNode):
                 lr_schedule, warmup_steps, precision, gradient_checkpointing, seed, save_every,
                 output_name, resume="off", distributed=None, eval_dataset=None, eval_every=0,
                 previews=None, file_format="ComfyUI", loss="MSE", min_snr_gamma=0.0, timestep_sampling="uniform",
-                flow_shift=1.0, guidance=1.0, overwrite=False) -> io.NodeOutput:
+                flow_shift=1.0, guidance=1.0, overwrite=False, keep_last=3) -> io.NodeOutput:
         import comfy.model_management
         import comfy.utils
 
@@ -211,7 +214,8 @@ class TrainLoRA(io.ComfyNode):
                           eval_every=eval_every or 0, loss=(loss or "MSE").lower(),
                           min_snr_gamma=float(min_snr_gamma or 0.0),
                           timestep_sampling=TIMESTEP_SAMPLING[timestep_sampling or "uniform"],
-                          flow_shift=float(flow_shift or 1.0), guidance=float(1.0 if guidance is None else guidance))
+                          flow_shift=float(flow_shift or 1.0), guidance=float(1.0 if guidance is None else guidance),
+                          keep_last=3 if keep_last is None else int(keep_last))
         file_format = FILE_FORMATS[file_format or "ComfyUI"]
         name = new_lora_name[: -len(".safetensors")]
         resume = resume or "off"

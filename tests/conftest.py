@@ -26,6 +26,8 @@ if "ingraph_trainer" not in sys.modules:  # the pack as a package, as ComfyUI an
 COMFYUI_MISSING = f"skipped: ComfyUI not found at {comfyui_path()} (set COMFYUI_PATH)"
 ARTIFACTS = Path(os.environ.get("INGRAPH_TEST_ARTIFACTS", REPO / "test-artifacts"))
 CHECKPOINT_NAME = "ingraph_tiny_sd15.safetensors"
+# in the test server's environment: nothing a client can read may ever carry it (tests/test_run_control.py)
+ENV_CANARY = "ingraph-canary-" + os.urandom(8).hex()
 IMAGE_FOLDER = "ingraph_example"
 
 
@@ -63,7 +65,7 @@ def assets(tmp_path_factory):
 def comfy(tmp_path_factory, assets):
     """One real ComfyUI server, headless, with the pack installed under a non-identifier folder name."""
     base = tmp_path_factory.mktemp("comfy")
-    server = ComfyServer(base, pack_name="InGraph-Trainer-test.v1")
+    server = ComfyServer(base, pack_name="InGraph-Trainer-test.v1", extra_env={"INGRAPH_TEST_CANARY": ENV_CANARY})
     # test-only nodes (synthetic text encoders for families whose real ones are too large to build)
     server.dir("custom_nodes")
     (base / "custom_nodes" / "ingraph_test_nodes").symlink_to(REPO / "tests" / "comfy_nodes" / "ingraph_test_nodes",
@@ -119,8 +121,9 @@ def read_events(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def wait_first_step(client, prompt_id: str, timeout: float = 240) -> dict:
-    """Follows websocket messages until the prompt's first training step; returns that ingraph.event's data."""
+def wait_first_step(client, prompt_id: str, timeout: float = 240, at_least: int = 0) -> dict:
+    """Follows websocket messages until the prompt's first training step (or its first step numbered
+    `at_least` or more); returns that ingraph.event's data."""
     import time
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -135,7 +138,7 @@ def wait_first_step(client, prompt_id: str, timeout: float = 240) -> dict:
         data = m.get("data") or {}
         if data.get("prompt_id") not in (None, prompt_id):
             continue
-        if m.get("type") == "ingraph.event" and data["event"]["type"] == "step":
+        if m.get("type") == "ingraph.event" and data["event"]["type"] == "step" and data["event"]["step"] >= at_least:
             return data
         if m.get("type") in ("execution_error", "execution_success", "execution_interrupted"):
             raise AssertionError(f"prompt ended before training: {m}")

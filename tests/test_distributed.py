@@ -84,25 +84,35 @@ def test_zero_stages_match_zero_0(prepared, two_process_zero0, stage):
     adapters_agree(two_process_zero0, spec.parent)
 
 
-def test_two_process_resume_matches_uninterrupted(prepared, two_process_zero0):
+def test_two_process_stop_then_resume_matches_uninterrupted(prepared, two_process_zero0):
+    """Rank 0 reads STOP and both ranks follow it: the same step saved, exit 0; the resumed run is exact."""
     from ingraph_trainer.runner.launcher import deepspeed_launch_command
     spec = prepared(**COMMON, distributed__processes=2)
     run_dir = spec.parent
     proc = subprocess.Popen([*deepspeed_launch_command(sys.executable, 2), TRAINER, "--config", str(spec)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=run_dir)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            cwd=run_dir)
     try:
         deadline = time.monotonic() + 240
-        while not any(e["type"] == "checkpoint" for e in read_events(run_dir)):
-            assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint"
+        while not any(e["type"] == "started" for e in read_events(run_dir)):
+            assert time.monotonic() < deadline and proc.poll() is None, "the run did not start"
             time.sleep(0.05)
+        (run_dir / "STOP").write_text("stop requested\n")  # before step 1 ends: the stop lands on step 1
+        out, _ = proc.communicate(timeout=240)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-    time.sleep(0.5)
-    assert not (run_dir / "lora.safetensors").exists()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    assert proc.returncode == 0, out[-4000:]
+    finished = [e for e in read_events(run_dir) if e["type"] == "finished"]
+    assert len(finished) == 1 and finished[0]["stopped"] is True and finished[0]["steps"] == 1
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000001"]
+    assert not (run_dir / "STOP").exists()  # honoured once: the resumed run trains to its end
     launch(spec, 2, "--resume", "latest")
     started = [e for e in read_events(run_dir) if e["type"] == "started"]
-    assert started[-1]["start_step"] == 2
+    assert started[-1]["start_step"] == 1
+    finished = [e for e in read_events(run_dir) if e["type"] == "finished"]
+    assert finished[-1]["stopped"] is False and finished[-1]["steps"] == 5
     a, b = load_file(two_process_zero0 / "lora.safetensors"), load_file(run_dir / "lora.safetensors")
     for key in a:
         assert torch.equal(a[key], b[key]), key

@@ -44,13 +44,61 @@ def test_stop_saves_a_checkpoint_writes_the_lora_and_ends_cleanly(comfy, client)
     resumed["6"]["inputs"]["learning_rate"] = 0.5  # ignored: a resumed run uses its saved spec
     prompt_id = client.queue(resumed)
     data = wait_first_step(client, prompt_id)
-    assert data["run_id"] == run_id and data["event"]["step"] == finished["steps"] + 1
+    first = data["event"]["step"]
+    assert data["run_id"] == run_id and first == finished["steps"] + 1
     assert abs(data["event"]["lr"] - 0.001) < 1e-12
-    client.interrupt()
-    assert client.follow(prompt_id, timeout=60).status == "execution_interrupted"
+    # the honoured stop is gone: the resumed run trains on, is listed as running, and can be stopped again
+    assert wait_first_step(client, prompt_id, at_least=first + 10)["run_id"] == run_id
+    record = client.get(f"/ingraph/runs/{run_id}")
+    assert record["state"] == "running" and record["step"] >= first + 10
+    assert client.post(f"/ingraph/runs/{run_id}/stop")["stop_requested"] is True
+    outcome = client.follow(prompt_id, timeout=120)
+    assert outcome.ok, outcome.error
+    events = [m["data"]["event"] for m in outcome.messages if m.get("type") == "ingraph.event"]
+    again = [e for e in events if e["type"] == "finished"][-1]
+    assert again["stopped"] is True and first + 10 <= again["steps"] < 5000
+    assert [e for e in events if e["type"] == "checkpoint"][-1]["step"] == again["steps"]
+    assert client.get(f"/ingraph/runs/{run_id}")["state"] == "stopped"
     with pytest.raises(urllib.error.HTTPError) as info:  # not running any more
         client.post(f"/ingraph/runs/{run_id}/stop")
     assert info.value.code == 409
+
+
+def test_hostfile_of_the_server_environment_is_refused_and_never_echoed(comfy, client):
+    from conftest import ENV_CANARY
+    from pathlib import Path
+    assert ENV_CANARY.encode() in Path(f"/proc/{comfy.proc.pid}/environ").read_bytes()  # the bait is there
+    wf = training_only("hostfile_leak", 3)
+    wf["20"] = {"class_type": "InGraphDeepSpeedSettings",
+                "inputs": {"processes": 1, "zero_stage": "0", "offload_optimizer": False,
+                           "hostfile": "/proc/self/environ"}}
+    wf["6"]["inputs"]["distributed"] = ["20", 0]
+    prompt_id = client.queue(wf)
+    outcome = client.follow(prompt_id, timeout=60)
+    assert outcome.status == "execution_error"
+    message = outcome.error["exception_message"]
+    assert "hostfile /proc/self/environ, line 1: expected 'hostname slots=N'" in message
+    readable = [json.dumps(outcome.messages), json.dumps(client.get(f"/history/{prompt_id}")),
+                json.dumps(client.get("/ingraph/runs")), json.dumps(client.get("/internal/logs")),
+                json.dumps(client.get("/internal/logs/raw"))]
+    for text in readable:
+        assert ENV_CANARY not in text and "INGRAPH_TEST_CANARY" not in text
+
+
+def test_a_users_own_lora_of_the_same_name_survives(comfy, client):
+    import torch
+    from safetensors.torch import save_file
+    own = comfy.base_dir / "models" / "loras" / "users_own.safetensors"
+    save_file({"lora_unet_x.lora_down.weight": torch.ones(2, 2)}, str(own), metadata={"ss_network_dim": "2"})
+    before = own.read_bytes()
+    runs = comfy.base_dir / "output" / "ingraph" / "runs"
+    runs_before = set(runs.iterdir()) if runs.is_dir() else set()
+    outcome = client.follow(client.queue(training_only("users_own", 2)), timeout=120)
+    assert outcome.status == "execution_error"
+    assert "users_own.safetensors already exists and was not written by InGraph Trainer" in \
+        outcome.error["exception_message"]
+    assert own.read_bytes() == before
+    assert (set(runs.iterdir()) if runs.is_dir() else set()) == runs_before  # refused before anything was written
 
 
 def test_server_stays_responsive_while_training(comfy, client):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -175,3 +176,28 @@ def test_continue_from_an_adapter_file_starts_where_it_ended(prepared):
     began = next(e for e in read_events(second.parent) if e["type"] == "eval")
     assert began["step"] == 0 and began["loss"] == pytest.approx(ended["eval_after"], rel=1e-6)
     assert began["loss"] != pytest.approx(ended["eval_before"], rel=1e-4)  # not a fresh (zero) adapter
+
+
+def test_nan_at_step_3_ends_the_run_and_step_2_resumes(prepared):
+    spec = prepared(train__steps=4, train__save_every=1, train__precision="fp32", adapter__rank=4)
+    run_dir = spec.parent
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "inject_nan.py"), "--config", str(spec)],
+                          capture_output=True, text=True, timeout=300, cwd=run_dir,
+                          env=dict(os.environ, INGRAPH_NAN_AT_STEP="3"))
+    events = read_events(run_dir)
+    assert [e["step"] for e in events if e["type"] == "step"] == [1, 2], proc.stderr[-3000:]  # it really trained
+    assert proc.returncode != 0
+    errors = [e for e in events if e["type"] == "error"]
+    assert len(errors) == 1 and "loss became NaN at step 3" in errors[0]["message"]
+    assert not any(e["type"] == "finished" for e in events)
+    tags = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert tags[-1] == "step_000002" and (run_dir / "checkpoints" / "step_000002" / "COMPLETE").is_file()
+    assert not (run_dir / "lora.safetensors").exists()
+
+    resumed = run_trainer(spec, "--resume", "latest")  # the plain trainer: nothing injected
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = read_events(run_dir)[len(events):]
+    assert [e for e in after if e["type"] == "started"][0]["start_step"] == 2
+    assert [e["step"] for e in after if e["type"] == "step"] == [3, 4]
+    assert all(math.isfinite(e["loss"]) for e in after if e["type"] == "step")
+    assert (run_dir / "lora.safetensors").is_file()

@@ -30,13 +30,15 @@ class ComfyServer:
     """ComfyUI in its own process group, with a base directory of its own (models, input, output)."""
 
     def __init__(self, base_dir: str | Path, *, port: int | None = None, python: str = sys.executable,
-                 pack_name: str = "InGraph-Trainer", with_pack: bool = True, extra_args: tuple = ()):
+                 pack_name: str = "InGraph-Trainer", with_pack: bool = True, extra_args: tuple = (),
+                 extra_env: dict | None = None):
         self.base_dir = Path(base_dir)
         self.port = port or free_port()
         self.python = python
         self.pack_name = pack_name
         self.with_pack = with_pack
         self.extra_args = list(extra_args)
+        self.extra_env = dict(extra_env or {})
         self.proc: subprocess.Popen | None = None
         self.log_path = self.base_dir / "comfyui.log"
 
@@ -62,7 +64,7 @@ class ComfyServer:
             link.symlink_to(REPO, target_is_directory=True)
         if not self.with_pack and link.is_symlink():
             link.unlink()
-        env = dict(os.environ, PYTHONUNBUFFERED="1", COMFYUI_PATH=str(comfyui_path()))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", COMFYUI_PATH=str(comfyui_path()), **self.extra_env)
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      cwd=str(comfyui_path()), env=env, start_new_session=True)
