@@ -105,13 +105,14 @@ def find_latest_resumable(runs_root: str | Path, output_name: str) -> tuple[Path
     if not root.is_dir():
         return None
     for run_dir in sorted((p for p in root.iterdir() if p.is_dir()), reverse=True):
-        tags = complete_checkpoints(run_dir)
-        if not tags or _spec_output_name(run_dir) != output_name:
+        if _spec_output_name(run_dir) != output_name:
             continue
         if not trusted_run(run_dir):
             log.warning("InGraph Trainer: run %s is not signed by this installation; not resuming it", run_dir.name)
             continue
-        return run_dir, tags[-1]
+        tags = complete_checkpoints(run_dir)
+        if tags:
+            return run_dir, tags[-1]
     return None
 
 
