@@ -32,7 +32,8 @@ def import_comfy():
     import comfy.model_management  # noqa: F401
     import comfy.sd  # noqa: F401
     import comfy
-    where = Path(comfy.__file__).resolve().parent.parent
+    # `comfy` is a namespace package (no __init__.py): ask one of its modules where it came from
+    where = Path(comfy.model_management.__file__).resolve().parent.parent
     if where != path:
         raise RuntimeError(f"`comfy` was imported from {where}, not from the ComfyUI at {path} (COMFYUI_PATH)")
     return comfy
