@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -15,6 +16,9 @@ log = logging.getLogger("ingraph_trainer")
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 MISSING_CAPTION_ACTIONS = ("error", "use default caption")
+DEFAULT_BACKGROUND = (255, 255, 255)  # transparent pixels are composited on this colour (white)
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # PIL's 16-bit greyscale PNG modes
+ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
 
 
 class DatasetError(ValueError):
@@ -31,6 +35,7 @@ class DatasetItem:
     latent_sha: str = ""
     text: str = ""  # cache key of this caption's embedding, once cached
     text_sha: str = ""
+    pixels: str = ""  # how decoding differs from plain 8-bit RGB (pixel_variant); part of the latent's key
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,9 @@ class TrainingDataset:
     buckets: BucketSettings
     repeats: int = 1
     skipped_files: tuple[str, ...] = field(default=())
+    background: tuple[int, int, int] = DEFAULT_BACKGROUND
+    latent_encoder: str = ""  # identity of the VAE its latents were cached with (encoding.vae_identity)
+    text_encoder: str = ""  # identity of the text encoder its captions were cached with
 
     @property
     def resolution(self) -> int:
@@ -47,9 +55,14 @@ class TrainingDataset:
 
     @property
     def identity(self) -> str:
-        """Names this dataset in the cache's bookkeeping (which entries are in use)."""
+        """The folder and the settings that shape its items (without encoders: see usage_identity)."""
         return hashlib.sha256(json.dumps([self.folder, self.buckets.as_key(), self.buckets.crop,
                                           self.buckets.flip]).encode()).hexdigest()[:24]
+
+    def usage_identity(self, role: str, encoder: str) -> str:
+        """Names this dataset's latents ("latent") or captions ("text") for one encoder in the cache's
+        bookkeeping, so caches of one folder for two models (an SDXL and a Flux VAE) do not evict each other."""
+        return f"{self.identity}/{role}/{encoder}"
 
     def __len__(self) -> int:
         return len(self.items)
@@ -74,24 +87,77 @@ class TrainingDataset:
         return dataclasses.replace(self, items=tuple(items))
 
 
+def shown(path) -> str:
+    """A path as messages show it: bytes that are not UTF-8 appear as escapes, never as lone surrogates
+    (which would break a JSON or websocket message carrying the error)."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def parse_background(colour: str, field_name: str = "transparent_background") -> tuple[int, int, int]:
+    """'#rrggbb', '#rgb' or a colour name ('white') as an RGB triple; the error names the field."""
+    from PIL import ImageColor
+    try:
+        rgb = ImageColor.getrgb(str(colour).strip())
+    except ValueError:
+        raise DatasetError(f"{field_name}: {colour!r} is not a colour (use #rrggbb, e.g. #ffffff, or a name "
+                           "such as white)") from None
+    return tuple(int(c) for c in rgb[:3])
+
+
+def _has_alpha(img) -> bool:
+    if img.mode in SIXTEEN_BIT_MODES:
+        return False  # decoded as greyscale; a 16-bit tRNS colour is not supported
+    return img.mode in ALPHA_MODES or "transparency" in img.info
+
+
+def pixel_variant(img, background=DEFAULT_BACKGROUND) -> str:
+    """How to_rgb decodes this image beyond a plain 8-bit conversion ('' if not at all): part of the latent's
+    cache key, so images whose decoding does not depend on it keep the keys they always had."""
+    parts = []
+    if img.mode in SIXTEEN_BIT_MODES:
+        parts.append("16bit")
+    if _has_alpha(img):
+        parts.append("alpha on #%02x%02x%02x" % tuple(background))
+    return "+".join(parts)
+
+
+def to_rgb(img, background=DEFAULT_BACKGROUND):
+    """8-bit RGB of a decoded image: 16-bit greyscale scaled (not clipped) to 0..255, transparent pixels
+    (alpha channel, palette or colour-key transparency) composited on the background colour."""
+    from PIL import Image
+    if img.mode in SIXTEEN_BIT_MODES:
+        import numpy as np
+        values = np.clip(np.asarray(img, dtype=np.float64), 0, 65535) / 257.0
+        return Image.fromarray(np.round(values).astype(np.uint8), "L").convert("RGB")
+    if _has_alpha(img):
+        rgba = img.convert("RGBA")
+        base = Image.new("RGBA", rgba.size, tuple(background) + (255,))
+        return Image.alpha_composite(base, rgba).convert("RGB")
+    return img.convert("RGB")
+
+
 def _read_caption(image: Path, prefix: str, missing: str, default_caption: str) -> str:
     caption_file = image.with_suffix(".txt")
-    if caption_file.is_file():
-        try:
-            text = caption_file.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise DatasetError(f"cannot read caption file {caption_file}: {exc}") from None
-    elif missing == "error":
-        raise DatasetError(
-            f"image {image} has no caption file {caption_file.name}; add one, or set "
-            f"'missing_caption' to 'use default caption'")
-    else:
+    try:
+        # utf-8-sig: editors on Windows start files with a byte-order mark that must not reach the caption
+        text = caption_file.read_text(encoding="utf-8-sig").strip()
+    except FileNotFoundError:
+        if os.path.islink(caption_file):
+            raise DatasetError(f"caption file {shown(caption_file)} is a broken symlink") from None
+        if missing == "error":
+            raise DatasetError(
+                f"image {shown(image)} has no caption file {shown(caption_file.name)}; add one, or set "
+                f"'missing_caption' to 'use default caption'") from None
         text = default_caption.strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise DatasetError(f"cannot read caption file {shown(caption_file)}: {reason}") from None
     return f"{prefix}{text}" if prefix else text
 
 
-def _check_image(path: Path) -> tuple[int, int]:
-    """Size of the image (after EXIF rotation); raises naming the file if it cannot be read."""
+def _check_image(path: Path, background=DEFAULT_BACKGROUND) -> tuple[tuple[int, int], str]:
+    """Size of the image (after EXIF rotation) and its pixel_variant; raises naming the file if it cannot be
+    read."""
     from PIL import Image
     try:
         with Image.open(path) as img:
@@ -99,14 +165,38 @@ def _check_image(path: Path) -> tuple[int, int]:
         with Image.open(path) as img:
             size = img.size
             orientation = img.getexif().get(0x0112, 1)
+            variant = pixel_variant(img, background)
     except Exception as exc:  # PIL raises many types for bad files
-        raise DatasetError(f"cannot read image {path}: {exc.__class__.__name__}: {exc}") from None
-    return (size[1], size[0]) if orientation in (5, 6, 7, 8) else size
+        raise DatasetError(f"cannot read image {shown(path)}: {exc.__class__.__name__}: {exc}") from None
+    return ((size[1], size[0]) if orientation in (5, 6, 7, 8) else size), variant
+
+
+def _listed_file(entry) -> bool:
+    """Whether a folder entry is a regular file (following symlinks). A dataset file (image or caption) whose
+    name is not valid UTF-8, or that is a symlink loop or a broken symlink, is an error naming it."""
+    suffix = Path(entry.name).suffix.lower()
+    relevant = suffix in IMAGE_EXTENSIONS or suffix == ".txt"
+    if relevant:
+        try:
+            entry.name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise DatasetError(f"file name {shown(entry.path)} is not valid UTF-8; rename the file") from None
+    try:
+        is_file = entry.is_file()
+        if not is_file and relevant and entry.is_symlink():
+            os.stat(entry.path)  # raises for a broken link
+    except OSError as exc:
+        if not relevant:
+            return False
+        reason = "a symlink loop" if exc.errno == errno.ELOOP else (
+            "a broken symlink" if isinstance(exc, FileNotFoundError) else exc.strerror or str(exc))
+        raise DatasetError(f"cannot read {shown(entry.path)}: {reason}") from None
+    return is_file
 
 
 def scan_image_folder(folder: str | Path, *, resolution: int | None = None, buckets: BucketSettings | None = None,
                       repeats: int = 1, caption_prefix: str = "", missing_caption: str = "error",
-                      default_caption: str = "") -> TrainingDataset:
+                      default_caption: str = "", background=DEFAULT_BACKGROUND) -> TrainingDataset:
     if buckets is None:  # one square size, as before bucketing existed
         buckets = BucketSettings(resolution=resolution or 512, enabled=False)
     resolution = buckets.resolution
@@ -125,9 +215,11 @@ def scan_image_folder(folder: str | Path, *, resolution: int | None = None, buck
         raise DatasetError(f"min_side ({buckets.min_side}) must be at least 64 and at most max_side "
                            f"({buckets.max_side})")
 
+    if isinstance(background, str):
+        background = parse_background(background)
     images, skipped = [], []
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
-        if not entry.is_file() or entry.name.startswith("."):
+        if entry.name.startswith(".") or not _listed_file(entry):
             continue
         suffix = Path(entry.name).suffix.lower()
         if suffix in IMAGE_EXTENSIONS:
@@ -142,19 +234,19 @@ def scan_image_folder(folder: str | Path, *, resolution: int | None = None, buck
 
     items = []
     for image in images:
-        width, height = _check_image(image)
+        (width, height), pixels = _check_image(image, background)
         caption = _read_caption(image, caption_prefix, missing_caption, default_caption)
         bucket = bucket_for(width, height, buckets)
-        items.append(DatasetItem(str(image), caption, bucket))
+        items.append(DatasetItem(str(image), caption, bucket, pixels=pixels))
         if buckets.flip:
-            items.append(DatasetItem(str(image), caption, bucket, flip=True))
-    return TrainingDataset(str(folder), tuple(items), buckets, repeats, tuple(skipped))
+            items.append(DatasetItem(str(image), caption, bucket, flip=True, pixels=pixels))
+    return TrainingDataset(str(folder), tuple(items), buckets, repeats, tuple(skipped), tuple(background))
 
 
 def load_image_tensor(path: str, bucket: tuple[int, int] | int, crop: str = "center", flip: bool = False,
-                      digest: str = ""):
-    """Decode, resize to cover the bucket, crop to it (centre or a fixed random box), optionally mirror:
-    [1, H, W, 3] in 0..1."""
+                      digest: str = "", background=DEFAULT_BACKGROUND):
+    """Decode (EXIF rotation applied, see to_rgb), resize to cover the bucket, crop to it (centre or a fixed
+    random box), optionally mirror: [1, H, W, 3] in 0..1."""
     import numpy as np
     import torch
     from PIL import Image, ImageOps
@@ -163,9 +255,9 @@ def load_image_tensor(path: str, bucket: tuple[int, int] | int, crop: str = "cen
         bucket = (bucket, bucket)
     try:
         with Image.open(path) as img:
-            img = ImageOps.exif_transpose(img).convert("RGB")
+            img = to_rgb(ImageOps.exif_transpose(img), background)
     except Exception as exc:
-        raise DatasetError(f"cannot decode image {path}: {exc.__class__.__name__}: {exc}") from None
+        raise DatasetError(f"cannot decode image {shown(path)}: {exc.__class__.__name__}: {exc}") from None
     size, (left, top) = crop_box(img.width, img.height, bucket, crop, digest or path)
     if size != img.size:
         img = img.resize(size, Image.Resampling.LANCZOS)

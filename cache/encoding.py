@@ -33,8 +33,11 @@ def clip_identity(clip) -> str:
 
 
 def latent_key(digest: str, item, dataset: TrainingDataset, encoder: str) -> str:
+    # `pixels` only where decoding is more than a plain 8-bit conversion (16-bit, transparency on a chosen
+    # background): every other image keeps the key it had before those were handled
+    extra = {"pixels": item.pixels} if item.pixels else {}
     return content_key(kind="latent", format=LATENT_FORMAT, source=digest, bucket=list(item.bucket),
-                       crop=dataset.buckets.crop, flip=item.flip, encoder=encoder)
+                       crop=dataset.buckets.crop, flip=item.flip, encoder=encoder, **extra)
 
 
 def encode_latents(dataset: TrainingDataset, vae, store: CacheStore, progress: Progress | None = None):
@@ -46,7 +49,8 @@ def encode_latents(dataset: TrainingDataset, vae, store: CacheStore, progress: P
         key = latent_key(digest, item, dataset, encoder)
         entry = store.lookup(key)
         if entry is None:
-            pixels = load_image_tensor(item.path, item.bucket, dataset.buckets.crop, item.flip, digest)
+            pixels = load_image_tensor(item.path, item.bucket, dataset.buckets.crop, item.flip, digest,
+                                       dataset.background)
             latent = vae.encode(pixels[:, :, :, :3])
             entry = store.put("latent", key, {"latent": latent[0].float()},
                               {"source": item.path, "bucket": f"{item.bucket[0]}x{item.bucket[1]}"})
@@ -56,7 +60,7 @@ def encode_latents(dataset: TrainingDataset, vae, store: CacheStore, progress: P
         items.append(dataclasses.replace(item, latent=entry.key, latent_sha=entry.checksum))
         if progress:
             progress(n + 1, len(dataset.items))
-    return dataset.with_items(items), encoded, reused
+    return dataclasses.replace(dataset, items=tuple(items), latent_encoder=encoder), encoded, reused
 
 
 def encode_text(dataset: TrainingDataset, clip, store: CacheStore, progress: Progress | None = None):
@@ -80,10 +84,15 @@ def encode_text(dataset: TrainingDataset, clip, store: CacheStore, progress: Pro
         items.append(dataclasses.replace(item, text=done[key].key, text_sha=done[key].checksum))
         if progress:
             progress(n + 1, len(dataset.items))
-    return dataset.with_items(items), encoded, reused
+    return dataclasses.replace(dataset, items=tuple(items), text_encoder=encoder), encoded, reused
 
 
 def record_usage(dataset: TrainingDataset, store: CacheStore):
-    """Marks the entries this dataset uses, so that pruning keeps them."""
-    keys = [k for item in dataset.items for k in (item.latent, item.text) if k]
-    store.set_dataset(dataset.identity, dataset.folder, keys)
+    """Marks the entries this dataset uses, so that pruning keeps them: its latents under its VAE's identity,
+    its captions under its text encoder's, so caching the same folder for another model evicts nothing."""
+    for role, encoder, keys in (("latent", dataset.latent_encoder, [i.latent for i in dataset.items if i.latent]),
+                                ("text", dataset.text_encoder, [i.text for i in dataset.items if i.text])):
+        if encoder and keys:
+            # replaces the record of versions that named a dataset without its encoders
+            store.set_dataset(dataset.usage_identity(role, encoder), dataset.folder, keys,
+                              replaces=(dataset.identity,))

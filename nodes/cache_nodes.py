@@ -16,8 +16,10 @@ def _encode(encode, label: str, dataset, encoder) -> io.NodeOutput:
     bar = comfy.utils.ProgressBar(len(dataset))
     store = CacheStore(cache_root())
     try:
-        dataset, encoded, reused = encode(dataset, encoder, store, lambda done, total: bar.update_absolute(done, total))
-        record_usage(dataset, store)
+        with store.caching_pass():  # a prune meanwhile keeps what this pass reads and writes until it is recorded
+            dataset, encoded, reused = encode(dataset, encoder, store,
+                                              lambda done, total: bar.update_absolute(done, total))
+            record_usage(dataset, store)
     finally:
         store.close()
     log.info("InGraph Trainer: %s: %d encoded, %d reused", label, encoded, reused)

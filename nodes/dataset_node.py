@@ -1,7 +1,7 @@
 from comfy_api.latest import io
 
 from ..cache.buckets import BucketSettings
-from ..cache.dataset import MISSING_CAPTION_ACTIONS, scan_image_folder
+from ..cache.dataset import MISSING_CAPTION_ACTIONS, parse_background, scan_image_folder
 from ..runner.paths import resolve_input_folder
 from .types import CATEGORY, Dataset
 
@@ -45,18 +45,24 @@ class LoadTrainingImages(io.ComfyNode):
                                        "naming it, or use the default caption."),
                 io.String.Input("default_caption", default="",
                                 tooltip="Caption for images without a .txt file when missing_caption allows it."),
+                io.String.Input("transparent_background", default="#ffffff", optional=True,
+                                tooltip="Colour that transparent pixels (PNG alpha, palette or colour-key "
+                                        "transparency) are composited on before encoding: #rrggbb or a name such "
+                                        "as white. Changing it re-encodes only images with transparency."),
             ],
             outputs=[Dataset.Output(display_name="dataset", tooltip="Image paths and captions.")],
         )
 
     @classmethod
     def execute(cls, folder, resolution, bucketing, min_side, max_side, max_upscale, crop, flip, repeats,
-                caption_prefix, missing_caption, default_caption) -> io.NodeOutput:
+                caption_prefix, missing_caption, default_caption,
+                transparent_background="#ffffff") -> io.NodeOutput:
         buckets = BucketSettings(resolution=resolution, enabled=bucketing, min_side=min_side, max_side=max_side,
                                  max_upscale=max_upscale, crop=crop, flip=flip)
         dataset = scan_image_folder(resolve_input_folder(folder), buckets=buckets, repeats=repeats,
                                     caption_prefix=caption_prefix, missing_caption=missing_caption,
-                                    default_caption=default_caption)
+                                    default_caption=default_caption,
+                                    background=parse_background(transparent_background or "#ffffff"))
         return io.NodeOutput(dataset)
 
     @classmethod

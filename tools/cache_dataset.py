@@ -1,7 +1,7 @@
 """Fill the cache for a folder of images outside a ComfyUI server, with the library code the cache nodes use.
 
     python tools/cache_dataset.py --checkpoint CKPT --images DIR --cache ROOT [--resolution 64 --bucketing]
-        [--vae VAE_FILE]
+        [--vae VAE_FILE] [--background '#ffffff']
 Prints one JSON line: {"latents": {"encoded": n, "reused": m}, "text": {...}, "seconds": s}.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ def load_encoders(checkpoint: Path, vae_file: Path | None = None):
 
 
 def encode_folder(images: Path, cache_root: Path, clip, vae, resolution: int = 64, bucketing: bool = False,
-                  text: bool = True):
+                  text: bool = True, background: str = "#ffffff"):
     """Scans and caches a folder as the cache nodes do; returns (cached dataset, counts and seconds)."""
     from ingraph_trainer.cache.buckets import BucketSettings
     from ingraph_trainer.cache.dataset import scan_image_folder
@@ -38,21 +38,24 @@ def encode_folder(images: Path, cache_root: Path, clip, vae, resolution: int = 6
     t0 = time.perf_counter()
     store = CacheStore(cache_root)
     dataset = scan_image_folder(images, buckets=BucketSettings(resolution=resolution, enabled=bucketing, min_side=64,
-                                                               max_side=4 * resolution))
-    dataset, le, lr = encode_latents(dataset, vae, store)
-    result = {"latents": {"encoded": le, "reused": lr}}
-    if text:
-        dataset, te, tr = encode_text(dataset, clip, store)
-        result["text"] = {"encoded": te, "reused": tr}
-    record_usage(dataset, store)
-    store.close()
+                                                               max_side=4 * resolution), background=background)
+    try:
+        with store.caching_pass():  # a prune meanwhile keeps what this pass reads and writes
+            dataset, le, lr = encode_latents(dataset, vae, store)
+            result = {"latents": {"encoded": le, "reused": lr}}
+            if text:
+                dataset, te, tr = encode_text(dataset, clip, store)
+                result["text"] = {"encoded": te, "reused": tr}
+            record_usage(dataset, store)
+    finally:
+        store.close()
     result["seconds"] = time.perf_counter() - t0
     return dataset, result
 
 
 def cache_folder(images: Path, cache_root: Path, clip, vae, resolution: int = 64, bucketing: bool = False,
-                 text: bool = True) -> dict:
-    return encode_folder(images, cache_root, clip, vae, resolution, bucketing, text)[1]
+                 text: bool = True, background: str = "#ffffff") -> dict:
+    return encode_folder(images, cache_root, clip, vae, resolution, bucketing, text, background)[1]
 
 
 def main(argv=None):
@@ -63,9 +66,11 @@ def main(argv=None):
     parser.add_argument("--vae", type=Path, default=None, help="a VAE file to use instead of the checkpoint's")
     parser.add_argument("--resolution", type=int, default=64)
     parser.add_argument("--bucketing", action="store_true")
+    parser.add_argument("--background", default="#ffffff", help="colour transparent pixels are composited on")
     opts = parser.parse_args(argv)
     clip, vae = load_encoders(opts.checkpoint, opts.vae)
-    print(json.dumps(cache_folder(opts.images, opts.cache, clip, vae, opts.resolution, opts.bucketing)), flush=True)
+    print(json.dumps(cache_folder(opts.images, opts.cache, clip, vae, opts.resolution, opts.bucketing,
+                                  background=opts.background)), flush=True)
 
 
 if __name__ == "__main__":

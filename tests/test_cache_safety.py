@@ -1,0 +1,435 @@
+"""Cache safety (prune beside writers, hostile rows, shared folders, encoders) and image decoding.
+
+Unit tier except the last test: the pack's own caching code (encode_latents / encode_text / record_usage)
+runs with small stand-in encoders, so no model weights are needed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+if "ingraph_trainer" not in sys.modules:
+    pkg = types.ModuleType("ingraph_trainer")
+    pkg.__path__ = [str(REPO)]
+    sys.modules["ingraph_trainer"] = pkg
+
+store_mod = importlib.import_module("ingraph_trainer.cache.store")
+dataset_mod = importlib.import_module("ingraph_trainer.cache.dataset")
+encoding = importlib.import_module("ingraph_trainer.cache.encoding")
+CacheStore, DatasetError = store_mod.CacheStore, dataset_mod.DatasetError
+
+# Stand-in encoders with the interface encoding.py uses; the writer process below defines the same.
+FAKE_ENCODERS = '''
+import torch
+
+class FakeVAE:
+    def __init__(self, seed):
+        self.seed = seed
+    def get_sd(self):
+        return {"w": torch.full((4,), float(self.seed))}
+    def encode(self, pixels):
+        b, h, w, _ = pixels.shape
+        return pixels.permute(0, 3, 1, 2)[:, :, ::8, ::8].mean(1, keepdim=True).repeat(1, 4, 1, 1) + self.seed
+
+class FakeCLIP:
+    def __init__(self, seed):
+        self.seed = seed
+    def get_sd(self):
+        return {"w": torch.full((4,), float(self.seed))}
+    def tokenize(self, text):
+        return text
+    def encode_from_tokens(self, tokens, return_pooled=True, return_dict=True):
+        v = float(sum(map(ord, tokens)) % 97 + self.seed)
+        return {"cond": torch.full((1, 4, 8), v), "pooled_output": torch.full((1, 8), v)}
+'''
+fakes = types.ModuleType("fake_encoders")
+exec(FAKE_ENCODERS, fakes.__dict__)
+
+
+def make_images(folder: Path, count: int, size: int = 64, seed: int = 0) -> Path:
+    sys.path.insert(0, str(REPO))
+    from tools.embedded_default import build_images
+    build_images(folder, count=count, size=size, seed=seed)
+    return folder
+
+
+def intact_rows(root: Path) -> dict[str, str]:
+    """key -> kind of every row, asserting that each has a shard whose sha256 matches its checksum."""
+    db = sqlite3.connect(root / "cache.sqlite")
+    rows = db.execute("SELECT key, kind, checksum FROM entries").fetchall()
+    db.close()
+    for key, kind, checksum in rows:
+        shard = root / "shards" / kind / key[:2] / f"{key}.safetensors"
+        assert shard.is_file(), f"row {key} has no shard"
+        assert hashlib.sha256(shard.read_bytes()).hexdigest() == checksum, f"shard {shard} is damaged"
+    return {key: kind for key, _, _ in rows}
+
+
+# --- prune beside a caching pass --------------------------------------------------------------------------------
+
+WRITER = textwrap.dedent('''
+    import json, sys, types
+    repo, images, root = sys.argv[1:4]
+    sys.path.insert(0, repo)
+    pkg = types.ModuleType("ingraph_trainer"); pkg.__path__ = [repo]; sys.modules["ingraph_trainer"] = pkg
+    from ingraph_trainer.cache.dataset import scan_image_folder
+    from ingraph_trainer.cache.encoding import encode_latents, encode_text, record_usage
+    from ingraph_trainer.cache.store import CacheStore
+    ''') + FAKE_ENCODERS + textwrap.dedent('''
+    store = CacheStore(root)
+    print("started", flush=True)
+    with store.caching_pass():
+        dataset = scan_image_folder(images, resolution=64)
+        dataset, encoded, reused = encode_latents(dataset, FakeVAE(1), store)
+        dataset, _, _ = encode_text(dataset, FakeCLIP(1), store)
+        record_usage(dataset, store)
+    store.close()
+    print(json.dumps({"encoded": encoded, "keys": sorted({k for i in dataset.items for k in (i.latent, i.text)})}))
+    ''')
+
+
+def exited(process, pause_s: float = 0.01) -> bool:
+    """Waits briefly for the process: between prunes the writer gets a chance at SQLite's write lock (its busy
+    handler backs off, so a loop that re-takes the lock at once would starve it)."""
+    try:
+        process.wait(pause_s)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def test_prune_in_a_loop_beside_a_caching_pass_loses_nothing(tmp_path):
+    images = make_images(tmp_path / "images", 200)
+    root = tmp_path / "cache"
+    pruner = CacheStore(root)
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(REPO), str(images), str(root)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert writer.stdout.readline().strip() == "started"
+    prunes = 0
+    while not exited(writer):
+        pruner.prune()
+        prunes += 1
+    out, err = writer.communicate(timeout=60)
+    assert writer.returncode == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["encoded"] == 200
+    rows = intact_rows(root)
+    missing = [k for k in result["keys"] if k not in rows]
+    assert not missing, f"{len(missing)} of {len(result['keys'])} keys the dataset uses lost their row or shard"
+    assert pruner.prune()["removed"] == 0  # everything left is in use
+    assert len(intact_rows(root)) == 200 + 8
+    pruner.close()
+    print(f"prune ran {prunes} times beside the writer; {len(rows)} rows checked intact")
+    assert prunes >= 2
+
+
+def test_a_dead_pass_protects_nothing_and_a_live_one_protects_its_entries(tmp_path):
+    root = tmp_path / "cache"
+    writer, pruner = CacheStore(root), CacheStore(root)
+    import torch
+    key = store_mod.content_key(n=1)
+    with writer.caching_pass():
+        writer.put("latent", key, {"x": torch.zeros(2)})
+        assert pruner.prune()["removed"] == 0 and pruner.lookup(key) is not None
+    # a pass row of a process that no longer exists (crashed without cleaning up)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    db = sqlite3.connect(root / "cache.sqlite")
+    import socket
+    db.execute("INSERT INTO passes (host, pid, started, heartbeat) VALUES (?, ?, 0, strftime('%s','now'))",
+               (socket.gethostname(), int(dead.stdout)))
+    db.commit()
+    db.close()
+    assert pruner.prune()["removed"] == 1 and pruner.lookup(key) is None
+
+
+def test_a_run_manifest_pins_its_entries_while_it_exists(tmp_path, monkeypatch):
+    images = make_images(tmp_path / "images", 4)
+    root = tmp_path / "cache"
+    store = CacheStore(root)
+    dataset = dataset_mod.scan_image_folder(images, resolution=64)
+    dataset, _, _ = encoding.encode_latents(dataset, fakes.FakeVAE(1), store)
+    dataset, _, _ = encoding.encode_text(dataset, fakes.FakeCLIP(1), store)  # never recorded as a dataset
+    (tmp_path / "run").mkdir()
+    manifest = store_mod.write_manifest(tmp_path / "run" / "dataset.json", dataset, root)
+    assert store.prune()["removed"] == 0 and len(intact_rows(root)) == 8
+    manifest.unlink()  # the run folder was deleted
+    assert store.prune()["removed"] == 0, "a fresh pin may precede its manifest file"
+    monkeypatch.setattr(store_mod, "ORPHAN_GRACE_S", 0.0)
+    assert store.prune()["removed"] == 8 and intact_rows(root) == {}
+    store.close()
+
+
+# --- hostile rows -----------------------------------------------------------------------------------------------
+
+def test_hostile_rows_delete_and_read_nothing(tmp_path):
+    root = tmp_path / "cache"
+    store = CacheStore(root)
+    outside = tmp_path / "outside"
+    keys = iter(f"{n:02x}" * 32 for n in range(0xa0, 0xff))  # distinct well-formed keys
+    planted, hostile = [], []
+
+    def plant(path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("precious")
+        planted.append(path)
+
+    def row(kind, key=None):
+        key = key or next(keys)
+        hostile.append((kind, key))
+        return key
+
+    # traversal in the key (the layout appends .safetensors)
+    plant(outside / "victim.safetensors")
+    row("latent", "../../../outside/victim")
+    # traversal in the kind: shards/../../outside/<xx>/<key>.safetensors
+    key = row("../../outside")
+    plant(outside / key[:2] / f"{key}.safetensors")
+    # absolute key and absolute kind
+    plant(outside / "absolute.safetensors")
+    row("latent", str(outside / "absolute"))
+    key = row(str(outside / "abskind"))
+    plant(outside / "abskind" / key[:2] / f"{key}.safetensors")
+    # a kind this pack never writes, inside the shards folder
+    key = row("foo")
+    plant(root / "shards" / "foo" / key[:2] / f"{key}.safetensors")
+    # a well-formed row whose kind folder is a symlink out of the shards folder
+    key = row("text")
+    plant(outside / "textdir" / key[:2] / f"{key}.safetensors")
+    (root / "shards" / "text").symlink_to(outside / "textdir", target_is_directory=True)
+    # a kind that is not even a string; an upper-case key (not what content_key makes)
+    row(7)
+    key = row("latent", "AB" * 32)
+    plant(root / "shards" / "latent" / "AB" / f"{key}.safetensors")
+    # files an orphan sweep must never consider: beside the database, in a folder not the key's prefix
+    plant(root / "notes.safetensors")
+    plant(root / "shards" / "latent" / "zz" / f"{'cd' * 32}.safetensors")
+
+    db = sqlite3.connect(root / "cache.sqlite")
+    db.executemany("INSERT INTO entries (key, kind, checksum, bytes, meta, created, used) "
+                   "VALUES (?, ?, ?, 8, '{}', 0, 0)",
+                   [(key, kind, hashlib.sha256(b"precious").hexdigest()) for kind, key in hostile])
+    db.commit()
+    db.close()
+    for path in planted:
+        os.utime(path, (1_000_000_000, 1_000_000_000))  # older than every grace period
+
+    for kind, key in hostile:
+        assert store.lookup(key) is None
+        with pytest.raises(ValueError, match="invalid cache entry"):
+            store_mod.load_checked(root, kind, key, "0" * 64)
+    db = sqlite3.connect(root / "cache.sqlite")  # the rows lookup met are gone; plant them again for prune
+    db.executemany("INSERT OR IGNORE INTO entries (key, kind, checksum, bytes, meta, created, used) "
+                   "VALUES (?, ?, ?, 8, '{}', 0, 0)",
+                   [(key, kind, hashlib.sha256(b"precious").hexdigest()) for kind, key in hostile])
+    db.commit()
+    db.close()
+    result = store.prune(older_than_s=0)
+    for path in planted:
+        assert path.read_text() == "precious", f"{path} was touched"
+    assert store.stats()["entries"] == 0, "hostile rows are dropped"
+    assert result["removed"] == 0 and result["dropped_invalid_rows"] == len(hostile)
+    store.close()
+
+
+# --- two servers sharing one folder ---------------------------------------------------------------------------
+
+def test_first_writer_of_a_key_wins(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    root = tmp_path / "cache"
+    server_a, server_b = CacheStore(root), CacheStore(root)
+    key = store_mod.content_key(item=1)
+    first = server_a.put("latent", key, {"x": torch.zeros(4)})
+    second = server_b.put("latent", key, {"x": torch.ones(4)})  # same key, a slightly different encode
+    assert second.checksum == first.checksum
+    assert torch.equal(load_file(first.path)["x"], torch.zeros(4))
+    assert server_b.lookup(key).checksum == first.checksum
+    assert not list(first.path.parent.glob(".*")), "the loser's temporary file is left behind"
+    assert intact_rows(root) == {key: "latent"}
+
+    first.path.write_bytes(b"damaged")  # a row no longer vouching for its shard is replaced
+    third = server_b.put("latent", key, {"x": torch.ones(4)})
+    assert third.checksum != first.checksum and torch.equal(load_file(third.path)["x"], torch.ones(4))
+    assert intact_rows(root) == {key: "latent"}
+    server_a.close()
+    server_b.close()
+
+
+# --- encoders in a dataset's identity ------------------------------------------------------------------------------
+
+def test_two_models_caching_one_folder_keep_separate_datasets(tmp_path):
+    from PIL import Image
+    images = make_images(tmp_path / "images", 4)
+    root = tmp_path / "cache"
+    store = CacheStore(root)
+
+    def cache_for(model: int):
+        dataset = dataset_mod.scan_image_folder(images, resolution=64)
+        dataset, _, _ = encoding.encode_latents(dataset, fakes.FakeVAE(model), store)
+        dataset, _, _ = encoding.encode_text(dataset, fakes.FakeCLIP(model), store)
+        encoding.record_usage(dataset, store)
+        return dataset
+
+    sdxl, flux = cache_for(1), cache_for(2)
+    assert len(store.stats()["datasets"]) == 4  # (latents, captions) x (SDXL-like, Flux-like)
+    assert store.prune()["removed"] == 0 and len(intact_rows(root)) == 2 * (4 + 4)
+
+    victim = sorted(images.glob("*.png"))[0]
+    Image.open(victim).convert("RGB").rotate(90).save(victim)
+    cache_for(1)  # only the SDXL-like latent of the edited image falls out of use
+    assert store.prune()["removed"] == 1
+    rows = intact_rows(root)
+    assert all(i.latent in rows and i.text in rows for i in flux.items)
+    assert sdxl.items[0].latent not in rows
+    store.close()
+
+
+# --- images and captions ------------------------------------------------------------------------------------------
+
+def test_16_bit_png_is_scaled_not_clipped(tmp_path):
+    import numpy as np
+    from PIL import Image
+    gradient = np.tile(np.linspace(0, 65535, 64).round().astype(np.uint16), (64, 1))
+    path = tmp_path / "deep.png"
+    Image.fromarray(gradient).save(path)
+    with Image.open(path) as img:
+        assert img.mode in dataset_mod.SIXTEEN_BIT_MODES
+    (tmp_path / "deep.txt").write_text("a gradient")
+    ds = dataset_mod.scan_image_folder(tmp_path, resolution=64)
+    pixels = dataset_mod.load_image_tensor(str(path), ds.items[0].bucket)  # what encode_latents decodes
+    assert abs(pixels.mean().item() - 0.5) < 0.5 * 0.02
+    assert abs(pixels[0, 0, 0, 0].item()) < 0.01 and abs(pixels[0, 0, -1, 0].item() - 1.0) < 0.01
+    assert ds.items[0].pixels == "16bit"
+
+
+def _rgb_at(path, background=dataset_mod.DEFAULT_BACKGROUND):
+    t = dataset_mod.load_image_tensor(str(path), 64, background=background)
+    return tuple(round(v * 255) for v in t[0, 10, 10].tolist())
+
+
+def test_transparent_images_are_composited_on_the_chosen_background(tmp_path):
+    from PIL import Image
+    rgba = tmp_path / "rgba.png"
+    Image.new("RGBA", (64, 64), (255, 0, 0, 0)).save(rgba)  # invisible red
+    half = tmp_path / "half.png"
+    Image.new("RGBA", (64, 64), (255, 0, 0, 128)).save(half)
+    grey_alpha = tmp_path / "la.png"
+    Image.new("LA", (64, 64), (0, 0)).save(grey_alpha)
+    palette = tmp_path / "palette.png"
+    p = Image.new("P", (64, 64), 0)
+    p.putpalette([0, 0, 0, 10, 200, 30] + [0] * 762)
+    p.save(palette, transparency=0)  # index 0 (black) is transparent
+    with Image.open(palette) as img:
+        assert img.mode == "P" and "transparency" in img.info
+
+    assert _rgb_at(rgba) == (255, 255, 255)
+    assert _rgb_at(half)[0] == 255 and abs(_rgb_at(half)[1] - 127) <= 2
+    assert _rgb_at(grey_alpha) == (255, 255, 255)
+    assert _rgb_at(palette) == (255, 255, 255)
+    blue = dataset_mod.parse_background("#0000ff")
+    for path in (rgba, grey_alpha, palette):
+        assert _rgb_at(path, blue) == (0, 0, 255), path.name
+    with pytest.raises(DatasetError, match="transparent_background: 'bluish'"):
+        dataset_mod.parse_background("bluish")
+
+    # the background is part of a transparent image's latent key, and only of such images' keys
+    Image.new("RGB", (64, 64), (1, 2, 3)).save(tmp_path / "opaque.png")
+    for f in tmp_path.glob("*.png"):
+        f.with_suffix(".txt").write_text("x")
+
+    def keys(background):
+        ds = dataset_mod.scan_image_folder(tmp_path, resolution=64, background=background)
+        return {Path(i.path).name: encoding.latent_key("d", i, ds, "vae") for i in ds.items}
+    white, other = keys("#ffffff"), keys("#0000ff")
+    assert white["opaque.png"] == other["opaque.png"]
+    assert all(white[n] != other[n] for n in ("rgba.png", "la.png", "palette.png", "half.png"))
+
+
+def test_exif_orientation_is_applied(tmp_path):
+    from PIL import Image
+    img = Image.new("RGB", (64, 32), (255, 0, 0))
+    img.paste((0, 0, 255), (32, 0, 64, 32))  # left red, right blue
+    exif = Image.Exif()
+    exif[0x0112] = 6  # displayed rotated 90 degrees clockwise
+    path = tmp_path / "rotated.jpg"
+    img.save(path, exif=exif, quality=95)
+    (tmp_path / "rotated.txt").write_text("x")
+    ds = dataset_mod.scan_image_folder(tmp_path, resolution=64, buckets=None)
+    t = dataset_mod.load_image_tensor(str(path), (32, 64))
+    assert tuple(t.shape) == (1, 64, 32, 3)
+    top, bottom = t[0, 8, 16], t[0, 56, 16]
+    assert top[0] > 0.8 and top[2] < 0.2, "the left (red) side should be on top"
+    assert bottom[2] > 0.8 and bottom[0] < 0.2
+    assert ds.items
+
+
+def test_caption_bom_is_stripped(tmp_path):
+    from PIL import Image
+    Image.new("RGB", (64, 64)).save(tmp_path / "a.png")
+    (tmp_path / "a.txt").write_bytes("\ufeffa cat".encode("utf-8"))
+    assert dataset_mod.scan_image_folder(tmp_path, resolution=64).items[0].caption == "a cat"
+
+
+def test_symlink_loops_and_non_utf8_names_are_errors_naming_the_file(tmp_path):
+    from PIL import Image
+    Image.new("RGB", (64, 64)).save(tmp_path / "ok.png")
+    (tmp_path / "ok.txt").write_text("fine")
+    (tmp_path / "loop.png").symlink_to(tmp_path / "loop.png")
+    with pytest.raises(DatasetError, match=r"loop\.png: a symlink loop"):
+        dataset_mod.scan_image_folder(tmp_path, resolution=64)
+    (tmp_path / "loop.png").unlink()
+
+    (tmp_path / "ok.txt").unlink()
+    (tmp_path / "ok.txt").symlink_to(tmp_path / "ok.txt")
+    with pytest.raises(DatasetError, match=r"ok\.txt: a symlink loop"):
+        dataset_mod.scan_image_folder(tmp_path, resolution=64)
+    (tmp_path / "ok.txt").unlink()
+    (tmp_path / "ok.txt").write_text("fine")
+
+    bad = os.path.join(os.fsencode(tmp_path), b"caf\xe9.png")
+    with open(bad, "wb") as f:
+        f.write((tmp_path / "ok.png").read_bytes())
+    with pytest.raises(DatasetError, match=r"caf\\xe9\.png is not valid UTF-8") as info:
+        dataset_mod.scan_image_folder(tmp_path, resolution=64)
+    str(info.value).encode("utf-8")  # the message itself travels as UTF-8 (no lone surrogates)
+
+
+# --- the real encoders and a trainer run on a cache pruned while it was filled ---------------------------------------
+
+@pytest.mark.comfyui
+def test_real_caching_pass_beside_prune_then_training_finishes(assets, tmp_path):
+    from conftest import run_trainer
+    images = make_images(tmp_path / "images", 200, seed=11)
+    run_dir = tmp_path / "run"
+    root = tmp_path / "cache"  # prepare_run.py caches into the run folder's sibling "cache"
+    prepare = subprocess.Popen(
+        [sys.executable, str(REPO / "tools" / "prepare_run.py"), "--checkpoint", str(assets["checkpoint"]),
+         "--images", str(images), "--run-dir", str(run_dir), "--set", "train.steps=2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pruner = CacheStore(root)
+    prunes, removed = 0, 0
+    while not exited(prepare):
+        removed += pruner.prune()["removed"]
+        prunes += 1
+    out, err = prepare.communicate(timeout=60)
+    assert prepare.returncode == 0, err[-3000:]
+    rows = intact_rows(root)
+    assert len(rows) == 200 + 8 and removed == 0
+    manifest = store_mod.read_manifest(run_dir / "dataset.json")
+    assert all(item[2] in rows and item[4] in rows for item in manifest["items"])
+    print(f"prune ran {prunes} times beside the real caching pass; {len(rows)} rows checked intact")
+    result = run_trainer(Path(out.strip().splitlines()[-1]), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    pruner.close()
