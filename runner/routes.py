@@ -1,116 +1,153 @@
-"""HTTP routes over run records. Run ids are validated; nothing outside the runs directory is read."""
+"""HTTP routes over run records. Run ids are validated; nothing outside the runs directory is read.
+
+Every handler that touches files does it in a worker thread: ComfyUI's event loop answers the UI meanwhile.
+"""
 from __future__ import annotations
 
+import asyncio
+import os
+import stat
 from pathlib import Path
 
 from aiohttp import web
 
-from ..trainer.events import read_events
-from ..trainer.layout import EVENTS_FILE, PID_FILE, SAMPLES_DIR, STOP_FILE
-from ..trainer.process_state import process_gone
+from ..trainer.layout import SAMPLES_DIR, STOP_FILE
 from . import paths
-from .runs import complete_checkpoints, read_owner, run_dir_for
+from .run_record import RECORDS, json_dumps, open_regular_file
+from .runs import run_dir_for
 
-TERMINAL = {"finished": "finished", "error": "failed"}
-
-
-def _alive(run_dir: Path) -> bool:
-    try:
-        pid = int((run_dir / PID_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return not process_gone(pid)
+EVENTS_PAGE = 10_000  # events per GET .../events answer unless the client asks for fewer (or up to MAX)
+EVENTS_PAGE_MAX = 50_000
+SAMPLE_MAX_BYTES = 64 << 20
 
 
-def run_record(run_dir: Path, with_events: bool = False) -> dict:
-    events = read_events(run_dir / EVENTS_FILE)
-    last = events[-1] if events else None
-    terminal = next((e for e in reversed(events) if e["type"] in TERMINAL), None)
-    if terminal is not None:
-        state = "stopped" if terminal.get("stopped") else TERMINAL[terminal["type"]]
-    elif _alive(run_dir):
-        state = "running"
-    else:
-        state = "interrupted" if events else "pending"
-    last_step = next((e for e in reversed(events) if e["type"] == "step"), None)
-    evals = [e for e in events if e["type"] == "eval"]
-    best = min(evals, key=lambda e: (e["loss"], e["step"])) if evals else None
-    record = {
-        "id": run_dir.name, "node": read_owner(run_dir), "state": state, "last_event": last, "events": len(events),
-        "step": last_step["step"] if last_step else 0, "total": last_step["total"] if last_step else None,
-        "artifacts": {
-            "adapter": terminal.get("adapter") if terminal else None,
-            "checkpoints": complete_checkpoints(run_dir),
-            "samples": [path for e in events if e["type"] == "sample" for path in e.get("images", [])],
-        },
-        "best_eval": {"step": best["step"], "loss": best["loss"]} if best else None,
-    }
-    return record
+def run_record(run_dir: Path) -> dict:
+    return RECORDS.record(run_dir)
 
 
-def _lookup(request) -> Path:
-    run_dir = run_dir_for(paths.runs_root(), request.match_info["run_id"])
+def _json(text: str, status: int = 200) -> web.Response:
+    return web.Response(text=text, status=status, content_type="application/json")
+
+
+async def _in_thread(function, *args):
+    return await asyncio.get_running_loop().run_in_executor(None, function, *args)
+
+
+def _lookup(run_id: str) -> Path:
+    run_dir = run_dir_for(paths.runs_root(), run_id)
     if run_dir is None:
         raise web.HTTPNotFound(text="unknown run")
     return run_dir
 
 
+def _query_int(request, name: str, default: int) -> int:
+    try:
+        return max(0, int(request.query.get(name, str(default))))
+    except ValueError:
+        raise web.HTTPBadRequest(text=f"{name} must be an integer")
+
+
 async def list_runs(request):
-    root = paths.runs_root()
-    runs = [run_record(p) for p in sorted(root.iterdir(), reverse=True) if p.is_dir()] if root.is_dir() else []
-    return web.json_response({"runs": runs})
+    return _json(await _in_thread(lambda: json_dumps({"runs": RECORDS.listing(paths.runs_root())})))
 
 
 async def get_run(request):
-    return web.json_response(run_record(_lookup(request)))
+    run_id = request.match_info["run_id"]
+    return _json(await _in_thread(lambda: json_dumps(run_record(_lookup(run_id)))))
 
 
 async def get_events(request):
-    run_dir = _lookup(request)
+    """?since=N (event number, 0 first) &limit=M: a page of events; `next` is where the following page starts."""
+    run_id = request.match_info["run_id"]
+    since = _query_int(request, "since", 0)
+    limit = min(_query_int(request, "limit", EVENTS_PAGE), EVENTS_PAGE_MAX)
+
+    def page():
+        events, total = RECORDS.events(_lookup(run_id), since, limit)
+        return json_dumps({"since": since, "next": since + len(events) if events else max(since, total),
+                           "total": total, "events": events})
+    return _json(await _in_thread(page))
+
+
+def _read_sample(run_dir: Path, name: str) -> bytes | None:
+    """A PNG directly inside the run's samples folder: no symlink (the folder's or the file's), nothing else."""
+    if ("/" in name or "\\" in name or "\0" in name or name.startswith(".") or not name.endswith(".png")
+            or Path(name).name != name):
+        return None
+    folder = run_dir / SAMPLES_DIR
     try:
-        since = max(0, int(request.query.get("since", "0")))
-    except ValueError:
-        raise web.HTTPBadRequest(text="since must be an integer")
-    events = read_events(run_dir / EVENTS_FILE)
-    return web.json_response({"since": since, "next": len(events), "events": events[since:]})
+        if not stat.S_ISDIR(os.lstat(folder).st_mode) or folder.resolve().parent != run_dir:
+            return None
+    except OSError:
+        return None
+    if os.open in os.supports_dir_fd and hasattr(os, "O_NOFOLLOW"):  # no symlink swapped in after the checks
+        try:
+            dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+        except OSError:
+            return None
+        finally:
+            os.close(dir_fd)
+        f = os.fdopen(fd, "rb")
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            f.close()
+            return None
+    else:
+        path = folder / name
+        if path.resolve().parent != folder.resolve():
+            return None
+        f = open_regular_file(path)
+        if f is None:
+            return None
+    with f:
+        data = f.read(SAMPLE_MAX_BYTES + 1)
+    return data if len(data) <= SAMPLE_MAX_BYTES else None
 
 
 async def get_sample(request):
     """A preview image of the run (only PNG files directly inside its samples folder)."""
-    run_dir = _lookup(request)
-    name = request.match_info["name"]
-    path = run_dir / SAMPLES_DIR / name
-    if "/" in name or name.startswith(".") or not name.endswith(".png") or not path.is_file():
+    run_id, name = request.match_info["run_id"], request.match_info["name"]
+    data = await _in_thread(lambda: _read_sample(_lookup(run_id), name))
+    if data is None:
         raise web.HTTPNotFound(text="unknown sample")
-    return web.FileResponse(path, headers={"Cache-Control": "max-age=3600"})
+    return web.Response(body=data, content_type="image/png", headers={"Cache-Control": "max-age=3600"})
+
+
+def _request_stop(run_id: str) -> tuple[dict, int]:
+    run_dir = _lookup(run_id)
+    state = run_record(run_dir)["state"]
+    if state != "running":
+        return {"id": run_dir.name, "state": state, "stop_requested": False}, 409
+    # never through a symlink planted as STOP: that would truncate whatever file it points at
+    fd = os.open(run_dir / STOP_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write("stop requested\n")
+    return {"id": run_dir.name, "state": "running", "stop_requested": True}, 200
 
 
 async def stop_run(request):
-    run_dir = _lookup(request)
-    record = run_record(run_dir)
-    if record["state"] != "running":
-        return web.json_response({"id": run_dir.name, "state": record["state"], "stop_requested": False}, status=409)
-    (run_dir / STOP_FILE).write_text("stop requested\n")
-    return web.json_response({"id": run_dir.name, "state": "running", "stop_requested": True})
+    body, status = await _in_thread(_request_stop, request.match_info["run_id"])
+    return _json(json_dumps(body), status)
+
+
+def _with_cache_store(action):
+    from ..cache.store import CacheStore
+    store = CacheStore(paths.cache_root())
+    try:
+        return json_dumps(action(store))
+    finally:
+        store.close()
 
 
 async def cache_info(request):
-    from ..cache.store import CacheStore
-    store = CacheStore(paths.cache_root())
-    try:
-        return web.json_response(store.stats())
-    finally:
-        store.close()
+    return _json(await _in_thread(_with_cache_store, lambda store: store.stats()))
 
 
 async def cache_prune(request):
-    from ..cache.store import CacheStore
-    store = CacheStore(paths.cache_root())
-    try:
-        result = store.prune()
-        return web.json_response({**result, "after": store.stats()})
-    finally:
-        store.close()
+    return _json(await _in_thread(_with_cache_store, lambda store: {**store.prune(), "after": store.stats()}))
 
 
 def register(routes):

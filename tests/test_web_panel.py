@@ -1,21 +1,83 @@
-"""The web extension in headless Chromium against the real ComfyUI frontend (screenshot saved)."""
+"""The web extension: its panel on a million-step run under node (cheap), and in headless Chromium against the
+real ComfyUI frontend (screenshot saved)."""
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import time
 
 import pytest
 
 from conftest import ARTIFACTS, REPO
 
-pytestmark = pytest.mark.comfyui
-
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
+# Loads the real panel module under node with stand-ins for ComfyUI's app/api and a few DOM calls, replays a run
+# of a million steps (an eval every 1,000, previews every 100) and draws it once.
+MILLION_STEPS_DRIVER = r"""
+const calls = { lineTo: 0, moveTo: 0, arc: 0 };
+const ctx = new Proxy({}, { get: (t, k) => (k in calls ? () => calls[k]++ : () => {}), set: () => true });
+function element() {
+  const el = { style: {}, dataset: {}, textContent: "", children: [], clientWidth: 400, clientHeight: 120, roles: {},
+    addEventListener() {}, querySelector: (sel) => (el.roles[sel] ??= element()), getContext: () => ctx,
+    prepend(c) { el.children.unshift(c); c.remove = () => el.children.splice(el.children.indexOf(c), 1); } };
+  return el;
+}
+globalThis.document = { createElement: element };
+globalThis.window = { devicePixelRatio: 1 };
+const { Panel } = await import("./ext/pack/ingraph_trainer.js");
+const N = 1000000, SPIKE = 777777;
+const t0 = performance.now();
+const panel = new Panel({ id: 1 });
+panel.replaying = true; // as during a restore: one render at the end
+panel.apply("run", { type: "started", total: N, start_step: 0 });
+for (let s = 1; s <= N; s++) {
+  panel.apply("run", { type: "step", step: s, total: N, loss: s === SPIKE ? 50 : 1 + Math.sin(s / 1000), lr: 1e-4,
+                       samples_per_s: 3, eta_s: N - s });
+  if (s % 1000 === 0) panel.apply("run", { type: "eval", step: s, loss: 0.5 });
+  if (s % 100 === 0) panel.apply("run", { type: "sample", step: s, images: [`samples/${s}_0.png`, `samples/${s}_1.png`] });
+}
+panel.apply("run", { type: "step", step: N + 1, total: N, loss: null, lr: null, samples_per_s: null, eta_s: null });
+panel.replaying = false;
+panel.render();
+const chart = panel.$("chart");
+console.log(JSON.stringify({ ms: performance.now() - t0, points: Number(chart.dataset.points),
+  drawn: Number(chart.dataset.drawn), evals: Number(chart.dataset.evals), lineTo: calls.lineTo,
+  buckets: [panel.loss, panel.smooth, panel.evals].map((s) => s.buckets.length),
+  spikeDrawn: panel.loss.points().some(([s, v]) => s === SPIKE && v === 50),
+  images: panel.$("samples").children.length, step: panel.$("step").textContent, loss: panel.$("loss").textContent }));
+"""
+
+
+def test_panel_draws_a_million_step_run_with_bounded_points(tmp_path):
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    (tmp_path / "ext" / "pack").mkdir(parents=True)
+    for script in (REPO / "web").glob("*.js"):
+        shutil.copy(script, tmp_path / "ext" / "pack" / script.name)
+    (tmp_path / "scripts").mkdir()  # what "../../scripts/app.js" finds beside the extension folder
+    (tmp_path / "scripts" / "app.js").write_text("export const app = { registerExtension() {} };\n")
+    (tmp_path / "scripts" / "api.js").write_text(
+        "export const api = { apiURL: (p) => p, fetchApi: async () => ({ json: async () => ({}) }),"
+        " addEventListener() {} };\n")
+    (tmp_path / "package.json").write_text('{"type": "module"}')
+    (tmp_path / "drive.js").write_text(MILLION_STEPS_DRIVER)
+    out = subprocess.run([node, "drive.js"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"\npanel, 1M steps: {result}")
+    assert result["points"] == 1_000_000 and result["evals"] == 1000
+    assert all(b <= 1000 for b in result["buckets"]) and result["drawn"] <= 5000 and result["lineTo"] <= 4000
+    assert result["spikeDrawn"]  # min/max buckets keep a one-step spike
+    assert result["images"] == 16 and result["step"] == "1000001 / 1000000" and result["loss"] == "\u2013"
+
+
+@pytest.mark.comfyui
 def test_panel_shows_rising_steps_and_a_loss_chart(comfy, tmp_path):
     from playwright.sync_api import sync_playwright
     # the train + evaluate + compare workflow: the panel also charts evaluations and shows previews

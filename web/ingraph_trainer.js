@@ -1,8 +1,11 @@
 // InGraph Trainer: a live panel on the Train LoRA node (progress, loss chart, lr, speed, ETA, Stop).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
+import { Series, Smoother, drawChart } from "./ingraph_chart.js";
 
 const TRAIN_NODE = "InGraphTrainLoRA";
+const EVENTS_PAGE = 10000; // events per request when a reload rebuilds a run's history
+const SAMPLE_IMAGES = 16; // the newest preview images a panel keeps
 const panels = new Map(); // node id (string) -> Panel
 
 function fmtTime(s) {
@@ -12,15 +15,13 @@ function fmtTime(s) {
   return h ? `${h}h${String(m).padStart(2, "0")}m` : m ? `${m}m${String(sec).padStart(2, "0")}s` : `${sec}s`;
 }
 
-function smooth(values, beta = 0.9) {
-  let avg = 0;
-  return values.map((v, i) => { avg = beta * avg + (1 - beta) * v; return avg / (1 - Math.pow(beta, i + 1)); });
-}
+// a number from an event (null where it was not finite) as text
+const fixed = (v, digits) => (typeof v === "number" && isFinite(v) ? v.toFixed(digits) : "–");
+const exponential = (v, digits) => (typeof v === "number" && isFinite(v) ? v.toExponential(digits) : "–");
 
-class Panel {
+export class Panel {
   constructor(node) {
     this.node = node;
-    this.reset();
     const el = (this.el = document.createElement("div"));
     el.className = "ingraph-panel";
     el.style.cssText = "display:flex;flex-direction:column;gap:4px;padding:4px;font:11px sans-serif;color:#ddd;" +
@@ -37,21 +38,23 @@ class Panel {
         <span>loss <b data-role="loss">–</b></span><span>lr <b data-role="lr">–</b></span>
         <span><b data-role="speed">–</b> img/s</span><span>ETA <b data-role="eta">–</b></span>
       </div>
-      <canvas data-role="chart" data-points="0" data-evals="0" style="width:100%;flex:1;min-height:90px;background:#151518;border-radius:4px"></canvas>
+      <canvas data-role="chart" data-points="0" data-evals="0" data-drawn="0" style="width:100%;flex:1;min-height:90px;background:#151518;border-radius:4px"></canvas>
       <div data-role="state" style="color:#aaa;white-space:nowrap;overflow:hidden;text-overflow:ellipsis"></div>
       <div data-role="samples" style="display:flex;gap:4px;overflow-x:auto"></div>`;
     this.$ = (role) => el.querySelector(`[data-role="${role}"]`);
     this.$("stop").addEventListener("click", () => this.stop());
+    this.loss = new Series(); this.smooth = new Series(); this.evals = new Series(); this.smoother = new Smoother();
+    this.reset();
   }
 
+  // a new run shows nothing of the previous one; memory per run is bounded (series buckets, a few images)
   reset() {
-    this.runId = null; this.steps = []; this.losses = []; this.evals = []; this.state = "idle"; this.seen = 0;
-    if (this.el) { // a new run shows nothing of the previous one
-      this.$("samples").replaceChildren();
-      this.$("bar").style.width = "0";
-      this.$("step").textContent = "starting";
-      for (const role of ["loss", "lr", "speed", "eta"]) this.$(role).textContent = "–";
-    }
+    this.runId = null; this.state = "idle"; this.total = null; this.lastStep = null; this.lastEval = -1;
+    this.loss.clear(); this.smooth.clear(); this.evals.clear(); this.smoother.clear();
+    this.samples = []; // [{key, src, title}] newest last
+    this.message = ""; this.stepText = "starting";
+    this.latest = null; // the newest step event
+    this.invalidate();
   }
 
   async stop() {
@@ -63,60 +66,103 @@ class Panel {
 
   handle(runId, event) {
     if (this.buffer) { this.buffer.push([runId, event]); return; } // a restore is replaying history
+    this.apply(runId, event);
+  }
+
+  apply(runId, event) {
     // a new run starts a new chart; a resumed run continues the chart of the same run
     if (event.type === "started" && (runId !== this.runId || !(event.start_step > 0))) this.reset();
     this.runId = runId;
     switch (event.type) {
       case "started":
         this.state = "running"; this.total = event.total;
-        this.$("state").textContent = `run ${runId}` + (event.resumed_from ? ` (resumed at step ${event.start_step})` : "");
+        this.message = `run ${runId}` + (event.resumed_from ? ` (resumed at step ${event.start_step})` : "");
         break;
-      case "step":
-        if (this.steps.length && event.step <= this.steps[this.steps.length - 1]) break; // replayed already
-        this.state = "running"; this.total = event.total;
-        this.steps.push(event.step); this.losses.push(event.loss);
-        this.$("bar").style.width = `${(100 * event.step) / event.total}%`;
-        this.$("step").textContent = `${event.step} / ${event.total}`;
-        this.$("loss").textContent = event.loss.toFixed(4);
-        this.$("lr").textContent = Number(event.lr).toExponential(2);
-        this.$("speed").textContent = event.samples_per_s.toFixed(1);
-        this.$("eta").textContent = fmtTime(event.eta_s);
+      case "step": {
+        if (typeof event.step !== "number" || (this.lastStep != null && event.step <= this.lastStep)) break; // replayed already
+        this.state = "running"; this.total = event.total; this.lastStep = event.step; this.latest = event;
+        this.loss.push(event.step, event.loss);
+        const smoothed = this.smoother.push(event.loss);
+        if (smoothed != null) this.smooth.push(event.step, smoothed);
         break;
+      }
       case "eval":
-        if (this.evals.some((e) => e[0] === event.step)) break;
-        this.evals.push([event.step, event.loss]);
+        if (typeof event.step !== "number" || event.step <= this.lastEval) break; // replayed already
+        this.lastEval = event.step;
+        this.evals.push(event.step, event.loss);
         break;
       case "checkpoint":
-        this.$("state").textContent = `checkpoint at step ${event.step}`;
+        this.message = `checkpoint at step ${event.step}`;
         break;
       case "sample": {
         // images are files of the run directory ("samples/step000020_0.png"), served by the pack's route
-        const box = this.$("samples");
-        if (box.querySelector(`[data-step="${event.step}"]`)) break; // replayed already
         (event.images || []).forEach((path, i) => {
-          const img = document.createElement("img");
-          img.src = api.apiURL(`/ingraph/runs/${encodeURIComponent(runId)}/${path.split("/").map(encodeURIComponent).join("/")}`);
-          img.dataset.step = String(event.step);
-          img.title = `step ${event.step}: ${(event.prompts || [])[i] ?? ""}`;
-          img.style.cssText = "height:64px;border-radius:3px;image-rendering:pixelated";
-          box.prepend(img);
+          const key = `${runId}:${path}`;
+          if (typeof path !== "string" || this.samples.some((s) => s.key === key)) return; // replayed already
+          this.samples.push({
+            key, title: `step ${event.step}: ${(event.prompts || [])[i] ?? ""}`, step: String(event.step),
+            src: api.apiURL(`/ingraph/runs/${encodeURIComponent(runId)}/${path.split("/").map(encodeURIComponent).join("/")}`),
+          });
         });
+        if (this.samples.length > SAMPLE_IMAGES) this.samples.splice(0, this.samples.length - SAMPLE_IMAGES);
         break;
       }
       case "finished":
         this.state = event.stopped ? "stopped" : "finished";
-        this.$("state").textContent = `${this.state} at step ${event.steps}: ${event.adapter || ""}`;
+        this.message = `${this.state} at step ${event.steps}: ${event.adapter || ""}`;
         break;
       case "error":
         this.state = "failed";
-        this.$("state").textContent = `error: ${event.message}`;
+        this.message = `error: ${event.message}`;
         break;
     }
+    this.invalidate();
+  }
+
+  // one render per animation frame however many events arrived (a reload replays a whole run at once)
+  invalidate() {
+    if (this.replaying || this.pending) return;
+    this.pending = true;
+    const frame = window.requestAnimationFrame || ((f) => setTimeout(f, 16));
+    frame(() => { this.pending = false; this.render(); });
+  }
+
+  render() {
+    if (!this.el) return;
+    const e = this.latest;
+    if (e && this.lastStep != null) {
+      this.$("bar").style.width = `${Math.min(100, (100 * e.step) / (e.total || e.step || 1))}%`;
+      this.$("step").textContent = `${e.step} / ${e.total}`;
+      this.$("loss").textContent = fixed(e.loss, 4);
+      this.$("lr").textContent = exponential(e.lr, 2);
+      this.$("speed").textContent = fixed(e.samples_per_s, 1);
+      this.$("eta").textContent = fmtTime(e.eta_s);
+    } else {
+      this.$("bar").style.width = "0";
+      this.$("step").textContent = this.stepText;
+      for (const role of ["loss", "lr", "speed", "eta"]) this.$(role).textContent = "–";
+    }
+    this.$("state").textContent = this.message;
     const stop = this.$("stop");
     stop.disabled = this.state !== "running";
     stop.style.opacity = stop.disabled ? "0.4" : "1";
     stop.style.cursor = stop.disabled ? "default" : "pointer";
+    this.renderSamples();
     this.draw();
+  }
+
+  renderSamples() {
+    const box = this.$("samples");
+    const wanted = new Set(this.samples.map((s) => s.key));
+    for (const img of [...box.children]) if (!wanted.has(img.dataset.key)) img.remove();
+    const shown = new Set([...box.children].map((img) => img.dataset.key));
+    for (const s of this.samples) { // newest first
+      if (shown.has(s.key)) continue;
+      const img = document.createElement("img");
+      img.src = s.src; img.title = s.title; img.dataset.key = s.key; img.dataset.step = s.step;
+      img.style.cssText = "height:64px;border-radius:3px;image-rendering:pixelated";
+      box.prepend(img);
+    }
   }
 
   draw() {
@@ -127,49 +173,35 @@ class Panel {
     canvas.height = Math.round(h * dpr);
     const ctx = canvas.getContext("2d");
     ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-    ctx.clearRect(0, 0, w, h);
-    canvas.dataset.points = String(this.losses.length);
-    canvas.dataset.evals = String(this.evals.length);
-    const values = this.losses.concat(this.evals.map((e) => e[1]));
-    if (!values.length) return;
-    let lo = Math.min(...values), hi = Math.max(...values);
-    if (hi - lo < 1e-12) { lo -= 0.5; hi += 0.5; }
-    const maxStep = Math.max(this.total || 1, ...this.steps, ...this.evals.map((e) => e[0]));
-    const x = (s) => 4 + ((w - 8) * s) / maxStep, y = (v) => 4 + (h - 8) * (1 - (v - lo) / (hi - lo));
-    const line = (vals, color, width) => {
-      ctx.strokeStyle = color; ctx.lineWidth = width; ctx.beginPath();
-      vals.forEach((v, i) => (i ? ctx.lineTo(x(this.steps[i]), y(v)) : ctx.moveTo(x(this.steps[i]), y(v))));
-      ctx.stroke();
-    };
-    line(this.losses, "#4a6fa8", 1);
-    line(smooth(this.losses), "#7cc8ff", 2);
-    ctx.fillStyle = "#ffaa3c";
-    for (const [s, v] of this.evals) { ctx.beginPath(); ctx.arc(x(s), y(v), 3, 0, 2 * Math.PI); ctx.fill(); }
-    ctx.fillStyle = "#999"; ctx.font = "10px sans-serif";
-    ctx.fillText(hi.toPrecision(4), 6, 12); ctx.fillText(lo.toPrecision(4), 6, h - 6);
+    canvas.dataset.points = String(this.loss.count);
+    canvas.dataset.evals = String(this.evals.count);
+    canvas.dataset.drawn = String(drawChart(ctx, w, h, this));
   }
 
-  // after a page reload: rebuild the history of this node's newest run from the run record
+  // after a page reload: rebuild the history of this node's newest run from the run record, page by page
   async restore() {
     this.buffer = []; // live events that arrive meanwhile are applied after the history
-    let events = [], runId = null;
     try {
       const runs = (await (await api.fetchApi("/ingraph/runs")).json()).runs || [];
       const mine = runs.filter((r) => r.node === String(this.node.id));
       const run = mine.find((r) => r.state === "running") || mine[0];
-      if (run) {
-        runId = run.id;
-        events = (await (await api.fetchApi(`/ingraph/runs/${encodeURIComponent(run.id)}/events?since=0`)).json()).events;
+      let since = 0;
+      this.replaying = true;
+      while (run && !this.buffer.some(([id, e]) => id !== run.id && e.type === "started")) {
+        const url = `/ingraph/runs/${encodeURIComponent(run.id)}/events?since=${since}&limit=${EVENTS_PAGE}`;
+        const page = await (await api.fetchApi(url)).json();
+        for (const event of page.events || []) this.apply(run.id, event);
+        if (!(page.next > since) || !(page.events || []).length) break;
+        since = page.next;
       }
     } catch (e) {
       console.warn("InGraph Trainer: could not restore the run history", e);
     }
+    this.replaying = false;
     const live = this.buffer;
     this.buffer = null;
-    if (runId && !live.some(([id, e]) => id !== runId && e.type === "started")) {
-      for (const event of events) this.handle(runId, event);
-    }
-    for (const [id, event] of live) this.handle(id, event); // duplicates of the history are skipped
+    for (const [id, event] of live) this.apply(id, event); // duplicates of the history are skipped
+    this.invalidate();
   }
 }
 
