@@ -416,7 +416,8 @@ def test_real_caching_pass_beside_prune_then_training_finishes(assets, tmp_path)
     root = tmp_path / "cache"  # prepare_run.py caches into the run folder's sibling "cache"
     prepare = subprocess.Popen(
         [sys.executable, str(REPO / "tools" / "prepare_run.py"), "--checkpoint", str(assets["checkpoint"]),
-         "--images", str(images), "--run-dir", str(run_dir), "--set", "train.steps=2"],
+         "--images", str(images), "--run-dir", str(run_dir), "--set", "train.steps=2", "--set",
+         "train.precision=\"fp32\""],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pruner = CacheStore(root)
     prunes, removed = 0, 0
