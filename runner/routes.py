@@ -122,7 +122,11 @@ def _request_stop(run_id: str) -> tuple[dict, int]:
     if state != "running":
         return {"id": run_dir.name, "state": state, "stop_requested": False}, 409
     # never through a symlink planted as STOP: that would truncate whatever file it points at
-    fd = os.open(run_dir / STOP_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        fd = os.open(run_dir / STOP_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as e:
+        return {"id": run_dir.name, "state": state, "stop_requested": False,
+                "error": f"could not write {STOP_FILE}: {e.strerror}"}, 500
     with os.fdopen(fd, "w") as f:
         f.write("stop requested\n")
     return {"id": run_dir.name, "state": "running", "stop_requested": True}, 200

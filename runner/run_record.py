@@ -308,6 +308,7 @@ class RunRecords:
     def listing(self, runs_root: Path) -> list[dict]:
         """Records of every run folder, newest first (run ids begin with their start time)."""
         from .runs import valid_run_id
+        runs_root = Path(runs_root).resolve()  # the same summary key as a run looked up by id
         try:
             with os.scandir(runs_root) as entries:
                 dirs = sorted((e.name for e in entries if valid_run_id(e.name) and e.is_dir(follow_symlinks=False)),

@@ -77,6 +77,12 @@ def test_stopped_then_resumed_run_is_running_and_can_be_stopped_again(runs_root,
         assert record["state"] == "running" and record["step"] == 8
         assert record["artifacts"]["adapter"] is None  # the resumed run has not written one yet
         assert record["best_eval"] == {"step": 5, "loss": 0.25}  # whole-run things span both runs
+        victim = run.parent.parent / "victim.txt"
+        victim.write_text("precious")
+        (run / "STOP").symlink_to(victim)  # a planted STOP link must not truncate what it points at
+        body, status = routes._request_stop(run.name)
+        assert status == 500 and victim.read_text() == "precious"
+        (run / "STOP").unlink()
         body, status = routes._request_stop(run.name)
         assert status == 200 and body["stop_requested"] and (run / "STOP").is_file()
     finally:
