@@ -54,15 +54,6 @@ def write_owner(run_dir: Path, node_id: str):
     (Path(run_dir) / OWNER_FILE).write_text(json.dumps({"node": str(node_id)}))
 
 
-def read_owner(run_dir: Path) -> str | None:
-    import json
-    from ..trainer.layout import OWNER_FILE
-    try:
-        return str(json.loads((Path(run_dir) / OWNER_FILE).read_text())["node"])
-    except (OSError, ValueError, KeyError):
-        return None
-
-
 def _spec_output_name(run_dir: Path) -> str | None:
     import tomllib
     try:

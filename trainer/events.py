@@ -80,7 +80,7 @@ class EventReader:
                 continue
             try:
                 event = json.loads(line)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past the parser's depth
                 continue
             if isinstance(event, dict) and event.get("type") in EVENT_TYPES:
                 events.append(event)

@@ -6,6 +6,12 @@ import os
 
 def process_gone(pid: int) -> bool:
     """True when `pid` no longer runs: it does not exist, or it was killed and is not yet reaped (a zombie)."""
+    if os.name == "nt":  # there os.kill(pid, 0) would send CTRL_C_EVENT, not probe
+        import psutil  # a ComfyUI requirement
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
