@@ -222,6 +222,11 @@ class TrainLoRA(io.ComfyNode):
         resume_from = resolve_resume_choice(paths.runs_root(), resume, name)
         if resume_from is None:
             refuse_foreign_file(lora_path, bool(overwrite))
+        else:
+            from ..runner.run_record import trainer_running
+            if trainer_running(resume_from[0]):  # two trainers would write the same checkpoints
+                raise ValueError(f"Train LoRA: run {resume_from[0].name} is still training (queued elsewhere or "
+                                 "by another server); stop it before resuming it")
         if resume_from is not None:  # the run continues with the spec saved in its own directory
             run_dir, resume_tag = resume_from
             spec_path = run_dir / SPEC_FILE

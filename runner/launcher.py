@@ -34,6 +34,7 @@ class TrainerProcess:
         if self.processes > 1 or self.hostfile:
             cmd = deepspeed_launch_command(self.python, self.processes, self.hostfile) + \
                 [str(PACK_ROOT / "trainer" / "__main__.py"), *cmd[2:]]
+        cmd += ["--signed-run"]  # prepare_run signed the folder; the trainer checks the bytes it reads
         if self.resume:
             cmd += ["--resume", self.resume]
         if self.watch_parent:
@@ -45,13 +46,16 @@ class TrainerProcess:
         self.events = EventReader(self.run_dir / EVENTS_FILE, from_end=True)
         # a stop asked of an earlier launch of this run (honoured or not) is not a request to this one
         (self.run_dir / STOP_FILE).unlink(missing_ok=True)
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # PYTHONSAFEPATH: `python -m deepspeed...` would put the working folder first on sys.path (in every
+        # process it starts); and the working folder is the pack's, never the run's: DeepSpeed reads
+        # ./.deepspeed_env, and the run folder is under output/, which any client can write
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONSAFEPATH="1")
         if self.comfyui_path:
             env["COMFYUI_PATH"] = str(self.comfyui_path)
         with open(self.log_path, "ab") as log:
             # own session: a signal to the group reaches every process of the run and nothing else
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         cwd=self.run_dir, env=env, start_new_session=True)
+                                         cwd=PACK_ROOT, env=env, start_new_session=True)
         (self.run_dir / PID_FILE).write_text(str(self.proc.pid))
         return self
 

@@ -255,6 +255,12 @@ def _trainer_pid(run_dir: Path) -> tuple[int, float] | None:
     return (pid, found[1].st_mtime) if 0 < pid < MAX_PID else None  # -1 or 0 would address many processes
 
 
+def trainer_running(run_dir: Path) -> bool:
+    """Is the trainer last launched for this run still alive (on this machine)?"""
+    pid = _trainer_pid(Path(run_dir))
+    return pid is not None and not process_gone(pid[0])
+
+
 def _read_owner(run_dir: Path) -> str | None:
     """The graph node that started the run (owner.json), or None when the file is missing or damaged."""
     found = read_small_file(run_dir / OWNER_FILE)

@@ -58,7 +58,7 @@ def _spec_output_name(run_dir: Path) -> str | None:
     import tomllib
     try:
         return tomllib.loads((run_dir / SPEC_FILE).read_text(encoding="utf-8")).get("output", {}).get("name")
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError, AttributeError):
         return None
 
 

@@ -80,10 +80,11 @@ def watch_run(process: TrainerProcess, on_event: Callable[[dict], None], check_i
         nonlocal error_event
         for event in events:
             kind = event.get("type")
-            if kind == "step":
+            # a diverged loss travels as null (events.json_safe): the chart leaves that point out
+            if kind == "step" and isinstance(event.get("loss"), (int, float)):
                 result.steps.append(int(event["step"]))
                 result.losses.append(float(event["loss"]))
-            elif kind == "eval":
+            elif kind == "eval" and isinstance(event.get("loss"), (int, float)):
                 result.evals.append((int(event["step"]), float(event["loss"])))
             elif kind == "finished":
                 result.finished = event

@@ -263,3 +263,22 @@ def test_a_run_planted_through_the_upload_route_is_not_resumed(comfy, client, tm
     started = [e["event"] for e in events if e["event"]["type"] == "started"]
     assert started and started[0]["start_step"] == 0 and started[0]["resumed_from"] is None
     assert not marker.exists()
+
+
+def test_a_file_swapped_in_after_the_check_is_never_what_gets_loaded(tmp_path):
+    """The window between checking and unpickling: a client overwrites the file in place once the check
+    is done (ComfyUI's upload writes with open(path, "wb")); DeepSpeed must unpickle the checked bytes."""
+    marker = tmp_path / "pwned"
+    original = FakeEngine()
+    path = save(original, tmp_path / "run", 4)
+
+    class SwappingEngine(FakeEngine):
+        def load_checkpoint(self, root, tag, **kwargs):
+            plant_pickle(path / MODEL_FILE, marker, same_size=True)  # after the check, before the load
+            return super().load_checkpoint(root, tag, **kwargs)
+
+    assert ckpt.load_checkpoint(SwappingEngine(), path)["step"] == 4
+    assert not marker.exists()
+    with pytest.raises(Exception):  # the swap really happened: the live file is the planted pickle
+        original.load_checkpoint(str(path.parent), path.name)
+    assert marker.read_text() == "pwned"

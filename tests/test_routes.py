@@ -251,7 +251,9 @@ def plant_runs(root: Path) -> dict[str, int]:
 
 
 def p95(timings: list[float]) -> float:
-    return sorted(timings)[max(0, int(0.95 * len(timings)) - 1)]
+    """The nearest-rank 95th percentile: the smallest value at least 95 % of the timings do not exceed."""
+    import math
+    return sorted(timings)[math.ceil(0.95 * len(timings)) - 1]
 
 
 @pytest.mark.comfyui
@@ -300,7 +302,7 @@ def test_listing_50_runs_of_20000_events_keeps_the_server_responsive(comfy, tmp_
             assert {name: runs[name]["step"] for name in expected} == expected
             assert all(runs[name]["events"] == PLANTED_EVENTS for name in expected if name != broken.name)
             assert runs[broken.name]["events"] == PLANTED_EVENTS + 1  # the malformed JSON line is skipped
-        assert len(stats_timings) >= 5 and p95(stats_timings) < 0.2
+        assert len(stats_timings) >= 40 and p95(stats_timings) < 0.2  # enough calls for a 95th percentile
         assert second_s < max(0.5, first_s / 5)
         with pytest.raises(urllib.error.HTTPError) as info:
             get(f"/ingraph/runs/{broken.name}/samples/leak.png")

@@ -59,6 +59,11 @@ def test_stop_saves_a_checkpoint_writes_the_lora_and_ends_cleanly(comfy, client)
     assert again["stopped"] is True and first + 10 <= again["steps"] < 5000
     assert [e for e in events if e["type"] == "checkpoint"][-1]["step"] == again["steps"]
     assert client.get(f"/ingraph/runs/{run_id}")["state"] == "stopped"
+    # any client can read the run folder through ComfyUI's /view: the trainer's log carries no environment
+    from conftest import ENV_CANARY
+    log = client.get(f"/view?type=output&subfolder=ingraph/runs/{run_id}&filename=trainer.log")
+    assert b"deepspeed" in log.lower() or b"step" in log.lower()  # the log really was served
+    assert ENV_CANARY.encode() not in log and b"INGRAPH_TEST_CANARY" not in log
     with pytest.raises(urllib.error.HTTPError) as info:  # not running any more
         client.post(f"/ingraph/runs/{run_id}/stop")
     assert info.value.code == 409

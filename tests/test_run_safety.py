@@ -152,3 +152,25 @@ def test_only_files_with_the_packs_metadata_count_as_its_own(tmp_path, loras_fol
     assert adapters.written_by_pack(ours)
     assert not adapters.written_by_pack(theirs) and not adapters.written_by_pack(junk)
     assert not adapters.written_by_pack(tmp_path / "missing.safetensors")
+
+
+def test_deeply_nested_planted_files_are_refused_not_crashed_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("INGRAPH_SECRET_FILE", str(tmp_path / "secret"))
+    checkpoint = importlib.import_module("ingraph_trainer.trainer.checkpoint")
+    runs = importlib.import_module("ingraph_trainer.runner.runs")
+    run = tmp_path / "runs" / "20260101-000000-deep-aaaa"
+    tag = run / "checkpoints" / "step_000001"
+    tag.mkdir(parents=True)
+    (tag / "COMPLETE").write_text("[" * 100_000 + "]" * 100_000)
+    (tag / "trainer_state.json").write_text("{}")
+    (run / "run.toml").write_text("a = " + "[" * 100_000 + "]" * 100_000)
+    assert checkpoint.complete_checkpoints(run) == []
+    assert runs.find_latest_resumable(tmp_path / "runs", "deep") is None
+    with pytest.raises(config.RunSpecError, match="nested too deeply|not valid TOML"):
+        config.load_run_spec(run / "run.toml")
+
+
+def test_checkpoints_past_a_million_steps_sort_by_step(tmp_path, monkeypatch):
+    checkpoint = importlib.import_module("ingraph_trainer.trainer.checkpoint")
+    paths = [tmp_path / checkpoint.tag_for(step) for step in (999_000, 1_000_000, 20)]
+    assert [p.name for p in sorted(paths, key=checkpoint._step_of)] == ["step_000020", "step_999000", "step_1000000"]

@@ -37,6 +37,11 @@ def tag_for(step: int) -> str:
     return f"step_{step:06d}"
 
 
+def _step_of(path: Path) -> int:
+    digits = path.name[len("step_"):]
+    return int(digits) if digits.isdigit() else -1
+
+
 def _folder_files(path: Path) -> dict[str, int]:
     """relative path → size of every file in the folder, the mark excepted; anything but plain files and
     folders (a symlink, a device) is refused."""
@@ -94,7 +99,7 @@ def is_complete(path: Path) -> bool:
     try:
         verify_checkpoint(path, digests=False)
         return True
-    except (UntrustedCheckpoint, OSError, ValueError, TypeError):
+    except (UntrustedCheckpoint, OSError, ValueError, TypeError, RecursionError):
         return False
 
 
@@ -102,8 +107,9 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     root = checkpoints_dir(run_dir)
     if not root.is_dir() or root.is_symlink():
         return []
-    return sorted(p for p in root.iterdir()
-                  if p.name.startswith("step_") and p.is_dir() and not p.is_symlink() and is_complete(p))
+    found = [p for p in root.iterdir()
+             if p.name.startswith("step_") and p.is_dir() and not p.is_symlink() and is_complete(p)]
+    return sorted(found, key=_step_of)  # by step: step_1000000 comes after step_999999
 
 
 def _on_rank0(compute):
@@ -116,8 +122,8 @@ def _on_rank0(compute):
     if rank0:
         try:
             verdict = [compute(), None]
-        except (ValueError, OSError) as exc:
-            verdict = [None, f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)]
+        except (ValueError, OSError, RecursionError) as exc:
+            verdict = [None, str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"]
     if distributed:
         torch.distributed.broadcast_object_list(verdict, src=0)
     if verdict[1] is not None:
@@ -203,6 +209,8 @@ def _remove(path: Path):
 
 
 def _fsync_dir(path: Path):
+    if os.name == "nt":  # a folder cannot be opened for fsync there; NTFS orders its metadata itself
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -210,15 +218,54 @@ def _fsync_dir(path: Path):
         os.close(fd)
 
 
+def _copy_verified(path: Path, files: dict, into: Path) -> str | None:
+    """Copies the signed files to `into`, hashing the bytes copied; the reason if any differs, else None."""
+    import hashlib
+    for rel, entry in files.items():
+        target = into / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        h = hashlib.sha256()
+        with open(path / rel, "rb") as src, open(target, "wb") as dst:
+            for block in iter(lambda: src.read(1 << 20), b""):
+                h.update(block)
+                dst.write(block)
+        if h.hexdigest() != entry.get("sha256"):
+            return f"checkpoint {path}: {rel} changed after it was signed"
+    return None
+
+
+def _every_rank_agrees(problem: str | None) -> str | None:
+    """The first rank's problem, on every rank (so none goes on to a collective the others skip)."""
+    import torch
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return problem
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, problem)
+    return next((p for p in gathered if p), None)
+
+
 def load_checkpoint(engine, path: Path) -> dict:
     """Restores weights, optimizer, scheduler and random states; returns the trainer state.
 
-    Rank 0 first checks every file's digest against the signed mark; on any difference nothing is loaded."""
+    Rank 0 checks the signed mark; then every rank copies the listed files into a private temporary folder
+    (outside output/, which any client can write), checking each byte copied against the signed digests,
+    and DeepSpeed unpickles those copies: a file swapped in after the check is never what gets loaded."""
+    import tempfile
     path = Path(path)
-    _on_rank0(lambda: verify_checkpoint(path) and None)
-    _, client_state = engine.load_checkpoint(str(path.parent), tag=path.name,
-                                             load_optimizer_states=True, load_lr_scheduler_states=True,
-                                             load_module_strict=False)
+    mark = _on_rank0(lambda: verify_checkpoint(path, digests=False))
+    with tempfile.TemporaryDirectory(prefix="ingraph-resume-") as private:
+        copy = Path(private) / path.name
+        copy.mkdir()
+        try:
+            problem = _copy_verified(path, mark["files"], copy)
+        except OSError as exc:
+            problem = f"checkpoint {path} cannot be read ({type(exc).__name__})"
+        problem = _every_rank_agrees(problem)
+        if problem:
+            raise UntrustedCheckpoint(problem)
+        _, client_state = engine.load_checkpoint(str(copy.parent), tag=copy.name,
+                                                 load_optimizer_states=True, load_lr_scheduler_states=True,
+                                                 load_module_strict=False)
     if client_state is None:
         raise ValueError(f"DeepSpeed could not load checkpoint {path}")
     set_rng_state(client_state["rng"])

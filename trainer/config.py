@@ -287,12 +287,23 @@ def spec_from_dict(data: dict, source: str = "run spec") -> RunSpec:
 def load_run_spec(path: str | Path) -> RunSpec:
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise RunSpecError(f"{path}: run spec not found") from None
+    return parse_run_spec(raw, str(path))
+
+
+def parse_run_spec(raw: bytes, source: str) -> RunSpec:
+    """A spec from the bytes already read (the trainer checks the signature of exactly these bytes)."""
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise RunSpecError(f"{source}: not UTF-8 text") from None
     except tomllib.TOMLDecodeError as exc:
-        raise RunSpecError(f"{path}: not valid TOML ({exc})") from None
-    return spec_from_dict(data, str(path))
+        raise RunSpecError(f"{source}: not valid TOML ({exc})") from None
+    except RecursionError:
+        raise RunSpecError(f"{source}: nested too deeply") from None
+    return spec_from_dict(data, source)
 
 
 _TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r", "\b": "\\b", "\f": "\\f"}

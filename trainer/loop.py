@@ -151,6 +151,21 @@ class Trainer:
         torch.distributed.broadcast(flag, src=0)
         return bool(flag.item())
 
+    def _drop_stale_stop(self, started_at: float):
+        """A STOP left from before this process started (a stop that came as the last run ended, a run resumed
+        by hand) is not a request to this run; one written during start-up is."""
+        stop = self.run_dir / STOP_FILE
+        try:
+            import psutil  # a ComfyUI requirement: when this process began, imports included
+            started_at = psutil.Process().create_time()
+        except Exception:  # noqa: BLE001 - the run's own start is the next best answer
+            pass
+        try:
+            if self.is_rank0 and stop.stat().st_mtime < started_at:
+                stop.unlink()
+        except FileNotFoundError:
+            pass
+
     def _consume_stop(self):
         """A stop request is honoured once: a resumed run trains on until it is asked again."""
         if self.is_rank0:
@@ -238,6 +253,7 @@ class Trainer:
         global_batch = t.batch_size * t.grad_accum * world
         sampler = StepSampler(dataset.buckets, global_batch, t.seed, spec.data.shuffle)
 
+        self._drop_stale_stop(started_at)
         start_step = 0
         resume_from = ckpt.resolve_resume(self.run_dir, t.resume)
         if resume_from is not None:
@@ -256,8 +272,10 @@ class Trainer:
         best: dict = {}
         if start_step:  # the best evaluation before the interruption still counts
             for event in read_events(self.run_dir / EVENTS_FILE):
-                if event["type"] == "eval" and event["step"] <= start_step and event["loss"] < best.get("loss", math.inf):
-                    best.update(step=event["step"], loss=event["loss"])
+                step_, loss_ = event.get("step"), event.get("loss")  # the file is under output/: anything goes
+                if event["type"] == "eval" and isinstance(step_, int) and isinstance(loss_, (int, float)) \
+                        and step_ <= start_step and loss_ < best.get("loss", math.inf):
+                    best.update(step=step_, loss=loss_)
         previews = PreviewSampler(spec.samples, family, self.run_dir, self.is_rank0) if spec.samples.every else None
 
         def run_eval(step: int):

@@ -10,7 +10,7 @@ import time
 import traceback
 from pathlib import Path
 
-from .config import RunSpecError, load_run_spec
+from .config import RunSpecError, load_run_spec, parse_run_spec
 from .events import EVENTS_FILE, EventWriter
 from .process_state import process_gone
 
@@ -39,6 +39,25 @@ def start_parent_watchdog(parent_pid: int, events: EventWriter, interval: float 
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
+def load_signed_spec(config: str):
+    """The spec from one read of its bytes, whose signature rank 0 checks on exactly those bytes."""
+    from .layout import SPEC_FILE
+    from .trust import TrustError, verify_run
+    path = Path(config)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise RunSpecError(f"{path}: run spec cannot be read ({type(exc).__name__})") from None
+    if int(os.environ.get("RANK", "0")) == 0:
+        try:
+            verify_run(path.parent, SPEC_FILE, held={path.name: raw} if path.name == SPEC_FILE else None)
+            if path.name != SPEC_FILE:
+                raise TrustError(f"{path} is not the run folder's {SPEC_FILE}")
+        except (TrustError, OSError) as exc:
+            raise RunSpecError(f"{path}: not the run this installation signed ({exc})") from None
+    return parse_run_spec(raw, str(path))
+
+
 def report_spec_error(config: str, exc: Exception):
     """A spec that cannot be used still reaches the node as an error event: the spec sits in its run directory."""
     run_dir = Path(config).parent
@@ -60,11 +79,14 @@ def main(argv=None) -> int:
                         help="exit when this process (the ComfyUI that launched the run) is gone")
     parser.add_argument("--parent-host", default="",
                         help="the machine --parent-pid lives on; ranks on other machines do not watch it")
+    parser.add_argument("--signed-run", action="store_true",
+                        help="the spec must be the one this installation signed in its run folder (the launcher's "
+                             "runs: their folders sit under ComfyUI's output/, which any client can write)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by deepspeed
     opts = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        spec = load_run_spec(opts.config)
+        spec = load_signed_spec(opts.config) if opts.signed_run else load_run_spec(opts.config)
         if opts.resume is not None:  # the saved spec stays as it was given
             spec.train.resume = opts.resume
     except RunSpecError as exc:

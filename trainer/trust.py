@@ -97,7 +97,7 @@ def read_signed_json(path: Path, max_bytes: int = 16 << 20) -> dict:
         raise TrustError(f"{path} is too large to be a signature")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise TrustError(f"{path} is not a signature ({type(exc).__name__})") from None
     if not isinstance(data, dict):
         raise TrustError(f"{path} is not a signature")
@@ -130,9 +130,9 @@ def sign_run(run_dir: str | Path, names: list[str]):
     write_signed_json(run_dir / RUN_SIGNATURE_FILE, {"version": SIGNATURE_VERSION, "run": run_dir.name, "files": files})
 
 
-def verify_run(run_dir: str | Path, required: str) -> None:
+def verify_run(run_dir: str | Path, required: str, held: dict[str, bytes] | None = None) -> None:
     """Raises TrustError unless the run's signature verifies and every signed file (`required` among them)
-    still has the bytes that were signed."""
+    still has the bytes that were signed. `held`: files already read, checked as read (not read again)."""
     run_dir = Path(run_dir)
     body = read_signed_json(run_dir / RUN_SIGNATURE_FILE)
     files = body.get("files")
@@ -141,6 +141,10 @@ def verify_run(run_dir: str | Path, required: str) -> None:
         raise TrustError(f"{run_dir / RUN_SIGNATURE_FILE} does not sign this run")
     for name, digest in files.items():
         path = run_dir / name
+        if isinstance(name, str) and held and name in held:
+            if hashlib.sha256(held[name]).hexdigest() != digest:
+                raise TrustError(f"{path} changed after the run was signed")
+            continue
         if not isinstance(name, str) or "/" in name or name in ("", ".", "..") or path.is_symlink() \
                 or not path.is_file() or file_digest(path) != digest:
             raise TrustError(f"{path} changed after the run was signed")

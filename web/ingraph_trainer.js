@@ -70,8 +70,10 @@ export class Panel {
   }
 
   apply(runId, event) {
-    // a new run starts a new chart; a resumed run continues the chart of the same run
-    if (event.type === "started" && (runId !== this.runId || !(event.start_step > 0))) this.reset();
+    // a new run starts a new chart; a resumed run continues the chart of the same run, unless it went back to
+    // an older checkpoint than the last step drawn (another timeline: its steps would be dropped as replayed)
+    if (event.type === "started" && (runId !== this.runId || !(event.start_step > 0) ||
+        (this.lastStep != null && event.start_step < this.lastStep))) this.reset();
     this.runId = runId;
     switch (event.type) {
       case "started":
