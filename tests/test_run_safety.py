@@ -174,3 +174,21 @@ def test_checkpoints_past_a_million_steps_sort_by_step(tmp_path, monkeypatch):
     checkpoint = importlib.import_module("ingraph_trainer.trainer.checkpoint")
     paths = [tmp_path / checkpoint.tag_for(step) for step in (999_000, 1_000_000, 20)]
     assert [p.name for p in sorted(paths, key=checkpoint._step_of)] == ["step_000020", "step_999000", "step_1000000"]
+
+
+def test_a_module_planted_in_the_run_folder_is_never_imported(tmp_path):
+    """The run folder is under output/ (any client writes there); `python -m deepspeed...` would import a
+    planted deepspeed/ package from its working folder, and DeepSpeed reads ./.deepspeed_env."""
+    launcher = importlib.import_module("ingraph_trainer.runner.launcher")
+    marker = tmp_path / "imported"
+    run_dir = tmp_path / "run"
+    (run_dir / "deepspeed").mkdir(parents=True)
+    (run_dir / "deepspeed" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').write('planted')\n")
+    (run_dir / "run.toml").write_text("version = 1\n")  # unsigned: the trainer refuses it
+    process = launcher.TrainerProcess(run_dir, run_dir / "run.toml", processes=2, watch_parent=False).start()
+    try:
+        assert process.proc.wait(timeout=180) != 0
+    finally:
+        process.terminate()
+    assert "not the run this installation signed" in (run_dir / "trainer.log").read_text()  # the trainer ran
+    assert not marker.exists()
