@@ -434,3 +434,34 @@ def test_real_caching_pass_beside_prune_then_training_finishes(assets, tmp_path)
     result = run_trainer(Path(out.strip().splitlines()[-1]), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     pruner.close()
+
+
+def test_prune_never_unlinks_a_shard_a_writer_is_committing(tmp_path, monkeypatch):
+    """No grace period and no caching pass: only the write lock stands between a writer's rename and its row."""
+    import threading
+    import time
+    import torch
+    monkeypatch.setattr(store_mod, "ORPHAN_GRACE_S", 0.0)
+    root = tmp_path / "cache"
+    writer, pruner = CacheStore(root), CacheStore(root)
+    errors: list = []
+
+    def write():
+        try:
+            for n in range(300):
+                writer.put("latent", store_mod.content_key(n=n), {"x": torch.full((64,), float(n))})
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    prunes = 0
+    while thread.is_alive():
+        pruner.prune()  # no dataset uses these entries: prune removes rows and shards together
+        prunes += 1
+        time.sleep(0.005)  # SQLite's busy wait backs off: a prune that re-takes the lock at once starves writers
+    thread.join()
+    assert not errors and prunes >= 2
+    intact_rows(root)  # every row left has its shard, with its checksum
+    writer.close()
+    pruner.close()
