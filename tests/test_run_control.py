@@ -20,7 +20,8 @@ pytestmark = pytest.mark.comfyui
 
 def training_only(name: str, steps: int, **train_inputs) -> dict:
     wf = {k: v for k, v in load_workflow().items() if k in {"1", "2", "3", "4", "5", "6", "7"}}
-    wf["6"]["inputs"].update(steps=steps, output_name=name, **train_inputs)
+    # fp32: bf16 convolutions on a CPU are several times slower (each test's time is mostly evaluation)
+    wf["6"]["inputs"].update(steps=steps, output_name=name, **{"precision": "fp32", **train_inputs})
     return wf
 
 
@@ -62,7 +63,7 @@ def test_stop_saves_a_checkpoint_writes_the_lora_and_ends_cleanly(comfy, client)
     # any client can read the run folder through ComfyUI's /view: the trainer's log carries no environment
     from conftest import ENV_CANARY
     log = client.get(f"/view?type=output&subfolder=ingraph/runs/{run_id}&filename=trainer.log")
-    assert b"deepspeed" in log.lower() or b"step" in log.lower()  # the log really was served
+    assert b"accelerator" in log.lower()  # the log really was served (DeepSpeed names its accelerator)
     assert ENV_CANARY.encode() not in log and b"INGRAPH_TEST_CANARY" not in log
     with pytest.raises(urllib.error.HTTPError) as info:  # not running any more
         client.post(f"/ingraph/runs/{run_id}/stop")
