@@ -255,7 +255,7 @@ def test_a_run_planted_through_the_upload_route_is_not_resumed(comfy, client, tm
     assert "latest" in str(options) and run_id not in str(options)  # not offered as a checkpoint to resume
 
     wf = {k: v for k, v in load_workflow().items() if k in {"1", "2", "3", "4", "5", "6", "7"}}
-    wf["6"]["inputs"].update(steps=1, output_name=name, resume="latest")
+    wf["6"]["inputs"].update(steps=1, output_name=name, resume="latest", precision="fp32")  # fp32: faster on CPU
     outcome = client.run(wf, timeout=300)
     assert outcome.ok, outcome.error
     events = [m["data"] for m in outcome.messages if m.get("type") == "ingraph.event"]
