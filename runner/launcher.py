@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..trainer.events import EventReader
-from ..trainer.layout import EVENTS_FILE, LOG_FILE, PID_FILE, STOP_FILE
+from ..trainer.layout import EVENTS_FILE, LOG_FILE, PID_FILE
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,8 +44,6 @@ class TrainerProcess:
 
     def start(self) -> "TrainerProcess":
         self.events = EventReader(self.run_dir / EVENTS_FILE, from_end=True)
-        # a stop asked of an earlier launch of this run (honoured or not) is not a request to this one
-        (self.run_dir / STOP_FILE).unlink(missing_ok=True)
         # PYTHONSAFEPATH: `python -m deepspeed...` would put the working folder first on sys.path (in every
         # process it starts); and the working folder is the pack's, never the run's: DeepSpeed reads
         # ./.deepspeed_env, and the run folder is under output/, which any client can write

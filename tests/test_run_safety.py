@@ -12,11 +12,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-if "ingraph_trainer" not in sys.modules:
-    pkg = types.ModuleType("ingraph_trainer")
-    pkg.__path__ = [str(REPO)]
-    sys.modules["ingraph_trainer"] = pkg
+from conftest import REPO  # noqa: E402  (conftest registers the pack as the package ingraph_trainer)
 
 config = importlib.import_module("ingraph_trainer.trainer.config")
 events = importlib.import_module("ingraph_trainer.trainer.events")

@@ -15,7 +15,8 @@ import shutil
 from pathlib import Path
 
 from .layout import CHECKPOINTS_DIR
-from .trust import TrustError, canonical, file_digest, read_signed_json, write_signed_json
+from ..cache.store import file_sha256
+from .trust import TrustError, canonical, read_signed_json, write_signed_json
 
 # torch is imported where it is used: the ComfyUI side reads checkpoint state through this module
 
@@ -60,7 +61,7 @@ def _folder_files(path: Path) -> dict[str, int]:
 
 def write_mark(path: Path, step: int):
     """Signs what the folder holds now: run once every rank has written its files."""
-    files = {rel: {"size": size, "sha256": file_digest(path / rel)} for rel, size in sorted(_folder_files(path).items())}
+    files = {rel: {"size": size, "sha256": file_sha256(path / rel)} for rel, size in sorted(_folder_files(path).items())}
     write_signed_json(path / COMPLETE_MARK, {"version": MARK_VERSION, "step": step, "files": files})
 
 
@@ -89,7 +90,7 @@ def verify_checkpoint(path: Path, tag: str | None = None, digests: bool = True) 
             raise UntrustedCheckpoint(f"checkpoint {path}: {rel} changed after it was signed (size)")
     if digests:
         for rel, entry in files.items():
-            if file_digest(path / rel) != entry.get("sha256"):
+            if file_sha256(path / rel) != entry.get("sha256"):
                 raise UntrustedCheckpoint(f"checkpoint {path}: {rel} changed after it was signed")
     return mark
 

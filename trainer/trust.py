@@ -7,7 +7,7 @@ outside every folder ComfyUI's routes can write (output/, input/, user/, temp/):
 The ComfyUI side and the trainer read the same file; on several machines only rank 0 (the launching
 machine) signs and verifies, and broadcasts its verdict.
 
-Standard library only: both sides import it.
+Standard library only, besides the cache's file checksum (itself standard library): both sides import it.
 """
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ import os
 import secrets
 import tempfile
 from pathlib import Path
+
+from ..cache.store import file_sha256  # the cache's shard checksum: one sha256-of-a-file in the pack
 
 SECRET_ENV = "INGRAPH_SECRET_FILE"
 RUN_SIGNATURE_FILE = "run.sig"  # HMAC over the run spec and the manifests the runner wrote
@@ -81,14 +83,6 @@ def signature_matches(payload: bytes, signature) -> bool:
     return isinstance(signature, str) and hmac.compare_digest(sign(payload), signature)
 
 
-def file_digest(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def read_signed_json(path: Path, max_bytes: int = 16 << 20) -> dict:
     """A JSON object {..., "hmac": ...} whose HMAC (over the rest, canonical) verifies; else TrustError."""
     if path.is_symlink() or not path.is_file():
@@ -126,7 +120,7 @@ def write_signed_json(path: Path, body: dict):
 def sign_run(run_dir: str | Path, names: list[str]):
     """Signs the files the runner wrote into a run directory (the spec and its manifests), bound to the run's id."""
     run_dir = Path(run_dir)
-    files = {name: file_digest(run_dir / name) for name in names}
+    files = {name: file_sha256(run_dir / name) for name in names}
     write_signed_json(run_dir / RUN_SIGNATURE_FILE, {"version": SIGNATURE_VERSION, "run": run_dir.name, "files": files})
 
 
@@ -146,7 +140,7 @@ def verify_run(run_dir: str | Path, required: str, held: dict[str, bytes] | None
                 raise TrustError(f"{path} changed after the run was signed")
             continue
         if not isinstance(name, str) or "/" in name or name in ("", ".", "..") or path.is_symlink() \
-                or not path.is_file() or file_digest(path) != digest:
+                or not path.is_file() or file_sha256(path) != digest:
             raise TrustError(f"{path} changed after the run was signed")
 
 
