@@ -24,6 +24,10 @@ PREDICTIONS = ("auto", "epsilon", "v_prediction", "flow")
 FAMILY_NAMES = ("auto", "sd_unet", "sdxl", "sd3", "flux", "wan", "generic")  # trainer/models (auto: detected)
 TIMESTEP_SAMPLING = ("uniform", "logit_normal")
 TASKS = ("train", "evaluate")
+MODEL_FORMATS = ("diffusion_model", "checkpoint")  # how ComfyUI loads model.path: UNETLoader / Load Checkpoint
+WEIGHT_DTYPES = ("default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2")  # UNETLoader's weight_dtype
+BASE_PRECISIONS = ("as_loaded", "fp8")  # frozen base weights in the trainer: as the graph loaded them, or fp8
+VAE_FORMATS = ("vae", "checkpoint")  # samples.vae_path: a VAE file (VAELoader) or the VAE inside a checkpoint
 
 
 class RunSpecError(ValueError):
@@ -32,7 +36,16 @@ class RunSpecError(ValueError):
 
 @dataclass
 class ModelSpec:
-    path: str = ""  # diffusion-model weights with ComfyUI keys (what UNETLoader reads)
+    """Where the trainer rebuilds the graph's MODEL from, with ComfyUI's own loading and patching code:
+    the source file as its loader node read it, then the upstream LoRAs applied in order."""
+    path: str = ""  # the source weights: a diffusion-model file, a whole checkpoint, or a materialised copy
+    format: str = "diffusion_model"  # one of MODEL_FORMATS
+    weight_dtype: str = "default"  # one of WEIGHT_DTYPES, as UNETLoader was given it
+    lora_paths: list = field(default_factory=list)  # upstream LoRA files, applied in this order
+    lora_strengths: list = field(default_factory=list)  # strength_model of each, same length
+    # size and mtime (ns) of path and each LoRA, "size:mtime_ns", checked before loading (no content hashing)
+    stamps: list = field(default_factory=list)
+    base_precision: str = "as_loaded"  # one of BASE_PRECISIONS
     family: str = "auto"
     prediction: str = "auto"  # taken from the graph's MODEL by the Train node
 
@@ -89,6 +102,7 @@ class SampleSpec:
     every: int = 0  # 0: no previews
     conditioning: str = ""  # safetensors with the encoded prompts (written by the Train node)
     vae_path: str = ""  # VAE weights (ComfyUI keys) that decode the previews
+    vae_format: str = "vae"  # one of VAE_FORMATS
     prompts: list = field(default_factory=list)  # the prompt texts, for labels
     steps: int = 20
     cfg: float = 7.0
@@ -174,6 +188,24 @@ class RunSpec:
         need(bool(self.run_dir), "run_dir", "is required")
         need(bool(self.model.path), "model.path", "is required")
         need(self.model.prediction in PREDICTIONS, "model.prediction", f"must be one of {PREDICTIONS}")
+        m = self.model
+        need(m.format in MODEL_FORMATS, "model.format", f"must be one of {MODEL_FORMATS} (got {m.format!r})")
+        need(m.weight_dtype in WEIGHT_DTYPES, "model.weight_dtype",
+             f"must be one of {WEIGHT_DTYPES} (got {m.weight_dtype!r})")
+        need(m.base_precision in BASE_PRECISIONS, "model.base_precision",
+             f"must be one of {BASE_PRECISIONS} (got {m.base_precision!r})")
+        need(len(m.lora_paths) == len(m.lora_strengths), "model.lora_strengths",
+             f"needs one strength per model.lora_paths entry ({len(m.lora_strengths)} for {len(m.lora_paths)})")
+        need(all(isinstance(p, str) and p for p in m.lora_paths), "model.lora_paths", "must be a list of file paths")
+        need(all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                 for v in m.lora_strengths), "model.lora_strengths", "must be a list of finite numbers")
+        need(not m.stamps or len(m.stamps) == 1 + len(m.lora_paths), "model.stamps",
+             "needs one \"size:mtime_ns\" entry for model.path and one per LoRA, or none")
+        need(not (a.kind == "full" and (m.base_precision == "fp8" or m.weight_dtype.startswith("fp8"))),
+             "model.base_precision", "a full fine-tune trains every base weight, which fp8 cannot hold; load the "
+             "model in its own precision (weight_dtype default, base_precision as_loaded)")
+        need(self.samples.vae_format in VAE_FORMATS, "samples.vae_format",
+             f"must be one of {VAE_FORMATS} (got {self.samples.vae_format!r})")
         need(self.model.family in FAMILY_NAMES, "model.family", f"must be one of {FAMILY_NAMES} "
              f"(got {self.model.family!r})")
         need(bool(self.data.manifest), "data.manifest", "is required")
@@ -209,7 +241,8 @@ class RunSpec:
         need(t.keep_last >= 0, "train.keep_last", f"must be 0 (keep all) or more (got {t.keep_last})")
         for where, weights in (("model.path", self.model.path), ("adapter.init_from", a.init_from),
                                ("samples.conditioning", self.samples.conditioning),
-                               ("samples.vae_path", self.samples.vae_path)):
+                               ("samples.vae_path", self.samples.vae_path),
+                               *(("model.lora_paths", p) for p in m.lora_paths if isinstance(p, str))):
             # other weight formats load through pickle, which runs code: refuse them before anything loads
             need(not weights or weights.lower().endswith(".safetensors"), where,
                  f"must be a .safetensors file (got {Path(weights).name!r})")
