@@ -16,6 +16,11 @@ log = logging.getLogger("ingraph_trainer")
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 MISSING_CAPTION_ACTIONS = ("error", "use default caption")
+# where a loss mask comes from: a greyscale image `name.mask.png` beside `name.png` (white trains, black is
+# ignored), the image's own alpha channel, or nowhere. `*.mask.<ext>` files are never training images.
+MASK_SOURCES = ("mask files", "alpha channel", "off")
+MASK_SUFFIX = ".mask"
+ALPHA_MASK = "alpha"  # DatasetItem.mask_source of an item whose mask is its image's alpha channel
 DEFAULT_BACKGROUND = (255, 255, 255)  # transparent pixels are composited on this colour (white)
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # PIL's 16-bit greyscale PNG modes
 ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
@@ -36,6 +41,9 @@ class DatasetItem:
     text: str = ""  # cache key of this caption's embedding, once cached
     text_sha: str = ""
     pixels: str = ""  # how decoding differs from plain 8-bit RGB (pixel_variant); part of the latent's key
+    mask_source: str = ""  # path of its mask image, ALPHA_MASK, or "" (no mask: every latent pixel weighs 1)
+    # (key, sha) of each cached tag-shuffled variant of the caption (TrainingDataset.caption_variants of them)
+    text_variants: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,10 @@ class TrainingDataset:
     background: tuple[int, int, int] = DEFAULT_BACKGROUND
     latent_encoder: str = ""  # identity of the VAE its latents were cached with (encoding.vae_identity)
     text_encoder: str = ""  # identity of the text encoder its captions were cached with
+    caption_variants: int = 0  # tag-shuffled variants of each caption cached beside it (0: no shuffling)
+    keep_tags: int = 0  # leading comma-separated tags that stay in place when the others are shuffled
+    caption_dropout: float = 0.0  # share of training samples that see the empty caption instead (the trainer draws)
+    empty_text: tuple[str, str] = ()  # (key, sha) of the empty caption's embedding under text_encoder, once cached
 
     @property
     def resolution(self) -> int:
@@ -73,7 +85,18 @@ class TrainingDataset:
 
     @property
     def has_text(self) -> bool:
-        return all(item.text for item in self.items)
+        return all(item.text for item in self.items) and (not self.needs_empty_text or bool(self.empty_text)) \
+            and all(len(item.text_variants) == self.caption_variants for item in self.items)
+
+    @property
+    def needs_empty_text(self) -> bool:
+        return self.caption_dropout > 0
+
+    def cache_keys(self) -> list[str]:
+        """Every cache entry this dataset uses (latents with their masks, captions, their shuffled variants and
+        the empty caption): what a run manifest pins and what record_usage keeps."""
+        keys = [k for item in self.items for k in (item.latent, item.text, *(v for v, _ in item.text_variants)) if k]
+        return keys + ([self.empty_text[0]] if self.empty_text else [])
 
     def require_cached(self, input_name: str = "dataset"):
         """What a node needs before training or evaluating on it; the error names the input and the fix."""
@@ -194,9 +217,36 @@ def _listed_file(entry) -> bool:
     return is_file
 
 
+def _mask_stem(name: str) -> str | None:
+    """The image stem a mask file belongs to ('cat' for 'cat.mask.png'), or None if the name is no mask file."""
+    path = Path(name)
+    if path.suffix.lower() not in IMAGE_EXTENSIONS or not path.stem.lower().endswith(MASK_SUFFIX):
+        return None
+    return path.stem[:-len(MASK_SUFFIX)]
+
+
+def shuffled_caption(caption: str, variant: int, keep_tags: int = 0) -> str:
+    """Tag-shuffled variant `variant` of a comma-separated caption: the first `keep_tags` tags stay in place,
+    the others are shuffled by a generator seeded with the caption and the variant number, so a variant's
+    text (and so its cache key) is the same on every run and machine."""
+    import random
+    tags = [tag.strip() for tag in caption.split(",")]
+    tags = [tag for tag in tags if tag]
+    kept, rest = tags[:keep_tags], tags[keep_tags:]
+    seed = int.from_bytes(hashlib.sha256(f"{variant}\x00{caption}".encode()).digest()[:8], "big")
+    random.Random(seed).shuffle(rest)
+    return ", ".join(kept + rest)
+
+
+def caption_variants_of(caption: str, count: int, keep_tags: int = 0) -> list[str]:
+    return [shuffled_caption(caption, n, keep_tags) for n in range(count)]
+
+
 def scan_image_folder(folder: str | Path, *, resolution: int | None = None, buckets: BucketSettings | None = None,
                       repeats: int = 1, caption_prefix: str = "", missing_caption: str = "error",
-                      default_caption: str = "", background=DEFAULT_BACKGROUND) -> TrainingDataset:
+                      default_caption: str = "", background=DEFAULT_BACKGROUND, masks: str = "mask files",
+                      caption_variants: int = 0, keep_tags: int = 0,
+                      caption_dropout: float = 0.0) -> TrainingDataset:
     if buckets is None:  # one square size, as before bucketing existed
         buckets = BucketSettings(resolution=resolution or 512, enabled=False)
     resolution = buckets.resolution
@@ -209,6 +259,12 @@ def scan_image_folder(folder: str | Path, *, resolution: int | None = None, buck
         raise DatasetError(f"missing_caption must be one of {MISSING_CAPTION_ACTIONS}")
     if repeats < 1:
         raise DatasetError(f"repeats must be at least 1 (got {repeats})")
+    if masks not in MASK_SOURCES:
+        raise DatasetError(f"masks must be one of {MASK_SOURCES} (got {masks!r})")
+    if caption_variants < 0 or keep_tags < 0:
+        raise DatasetError(f"caption_variants and keep_tags must be 0 or more (got {caption_variants}, {keep_tags})")
+    if not 0.0 <= caption_dropout < 1.0:
+        raise DatasetError(f"caption_dropout must be in [0, 1) (got {caption_dropout})")
     if resolution < 64 or resolution % 8:
         raise DatasetError(f"resolution must be a multiple of 8, at least 64 (got {resolution})")
     if buckets.enabled and not (64 <= buckets.min_side <= buckets.max_side):
@@ -217,12 +273,18 @@ def scan_image_folder(folder: str | Path, *, resolution: int | None = None, buck
 
     if isinstance(background, str):
         background = parse_background(background)
-    images, skipped = [], []
+    images, skipped, mask_files = [], [], {}
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
         if entry.name.startswith(".") or not _listed_file(entry):
             continue
         suffix = Path(entry.name).suffix.lower()
-        if suffix in IMAGE_EXTENSIONS:
+        mask_of = _mask_stem(entry.name)
+        if mask_of is not None:
+            if mask_of in mask_files:
+                raise DatasetError(f"image {shown(mask_of)} has two mask files, {shown(mask_files[mask_of].name)} "
+                                   f"and {shown(entry.name)}; keep one")
+            mask_files[mask_of] = Path(entry.path)
+        elif suffix in IMAGE_EXTENSIONS:
             images.append(Path(entry.path))
         elif suffix != ".txt":
             skipped.append(entry.name)
@@ -232,15 +294,48 @@ def scan_image_folder(folder: str | Path, *, resolution: int | None = None, buck
         log.info("InGraph Trainer: ignored %d non-image file(s) in %s: %s", len(skipped), folder,
                  ", ".join(skipped[:10]) + (" ..." if len(skipped) > 10 else ""))
 
+    stems = {image.stem for image in images}
+    unmatched = sorted(name for name in mask_files if name not in stems)
+    if unmatched:
+        log.info("InGraph Trainer: ignored %d mask file(s) without an image in %s: %s", len(unmatched), folder,
+                 ", ".join(mask_files[n].name for n in unmatched[:10]))
+
     items = []
     for image in images:
         (width, height), pixels = _check_image(image, background)
         caption = _read_caption(image, caption_prefix, missing_caption, default_caption)
         bucket = bucket_for(width, height, buckets)
-        items.append(DatasetItem(str(image), caption, bucket, pixels=pixels))
+        mask = _mask_source(image, (width, height), masks, mask_files.get(image.stem), pixels)
+        items.append(DatasetItem(str(image), caption, bucket, pixels=pixels, mask_source=mask))
         if buckets.flip:
-            items.append(DatasetItem(str(image), caption, bucket, flip=True, pixels=pixels))
-    return TrainingDataset(str(folder), tuple(items), buckets, repeats, tuple(skipped), tuple(background))
+            items.append(DatasetItem(str(image), caption, bucket, flip=True, pixels=pixels, mask_source=mask))
+    return TrainingDataset(str(folder), tuple(items), buckets, repeats, tuple(skipped), tuple(background),
+                           caption_variants=caption_variants, keep_tags=keep_tags, caption_dropout=caption_dropout)
+
+
+def _mask_source(image: Path, size: tuple[int, int], masks: str, mask_file: Path | None, pixels: str) -> str:
+    """The item's mask_source under the dataset's `masks` setting; a mask file must be a readable image of the
+    same size as its image (after EXIF rotation), since it is cropped and resized with the same geometry."""
+    if masks == "alpha channel":
+        return ALPHA_MASK if "alpha" in pixels else ""
+    if masks == "off" or mask_file is None:
+        return ""
+    mask_size, _ = _check_image(mask_file)
+    if mask_size != size:
+        raise DatasetError(f"mask {shown(mask_file)} is {mask_size[0]}x{mask_size[1]} but its image "
+                           f"{shown(image.name)} is {size[0]}x{size[1]}; a mask must have its image's size")
+    return str(mask_file)
+
+
+def _fit_to_bucket(img, bucket: tuple[int, int], crop: str, flip: bool, crop_seed: str, resample):
+    """The geometry every pixel map of an item goes through (the image and its mask alike): resize to cover
+    the bucket, crop to it (centre, or a random box fixed by crop_seed), optionally mirror."""
+    from PIL import ImageOps
+    size, (left, top) = crop_box(img.width, img.height, bucket, crop, crop_seed)
+    if size != img.size:
+        img = img.resize(size, resample)
+    img = img.crop((left, top, left + bucket[0], top + bucket[1]))
+    return ImageOps.mirror(img) if flip else img
 
 
 def load_image_tensor(path: str, bucket: tuple[int, int] | int, crop: str = "center", flip: bool = False,
@@ -258,11 +353,52 @@ def load_image_tensor(path: str, bucket: tuple[int, int] | int, crop: str = "cen
             img = to_rgb(ImageOps.exif_transpose(img), background)
     except Exception as exc:
         raise DatasetError(f"cannot decode image {shown(path)}: {exc.__class__.__name__}: {exc}") from None
-    size, (left, top) = crop_box(img.width, img.height, bucket, crop, digest or path)
-    if size != img.size:
-        img = img.resize(size, Image.Resampling.LANCZOS)
-    img = img.crop((left, top, left + bucket[0], top + bucket[1]))
-    if flip:
-        img = ImageOps.mirror(img)
+    img = _fit_to_bucket(img, bucket, crop, flip, digest or path, Image.Resampling.LANCZOS)
     array = np.asarray(img, dtype=np.float32) / 255.0
     return torch.from_numpy(array).unsqueeze(0)
+
+
+def load_mask_tensor(image_path: str, mask_source: str, bucket: tuple[int, int] | int, crop: str = "center",
+                     flip: bool = False, digest: str = ""):
+    """An item's loss mask at its bucket's pixel size, [H, W] in 0..1 (1 trains, 0 is ignored): the mask file
+    as greyscale (transparent pixels count as black), or the image's alpha channel; cropped, resized and
+    mirrored exactly as load_image_tensor treats the image (`digest` is the image's, which fixes a random crop).
+    Resized with a box filter: a weight map is averaged, never sharpened (Lanczos would ring past 0..1)."""
+    import numpy as np
+    import torch
+    from PIL import Image, ImageOps
+
+    if isinstance(bucket, int):
+        bucket = (bucket, bucket)
+    source = image_path if mask_source == ALPHA_MASK else mask_source
+    try:
+        with Image.open(source) as img:
+            img = ImageOps.exif_transpose(img)
+            grey = img.convert("RGBA").getchannel("A") if mask_source == ALPHA_MASK else \
+                to_rgb(img, (0, 0, 0)).convert("L")
+    except Exception as exc:
+        raise DatasetError(f"cannot decode mask {shown(source)}: {exc.__class__.__name__}: {exc}") from None
+    grey = _fit_to_bucket(grey, bucket, crop, flip, digest or image_path, Image.Resampling.BOX)
+    return torch.from_numpy(np.asarray(grey, dtype=np.float32) / 255.0)
+
+
+def mask_to_latent_grid(mask, latent_shape) -> "torch.Tensor":
+    """The pixel mask [H, W] as per-latent-pixel weights shaped to broadcast over one latent (channels and any
+    frame axis of size 1): each latent pixel summarises a (H/h x W/w) patch of the image, so its weight is the
+    area average of the mask over that patch (a patch half inside the mask weighs 0.5)."""
+    import torch
+    h, w = latent_shape[-2:]
+    grid = torch.nn.functional.adaptive_avg_pool2d(mask.float()[None, None], (h, w))[0, 0]
+    return grid.reshape((1,) * (len(latent_shape) - 2) + (h, w)).clamp(0.0, 1.0)
+
+
+def prior_problems(dataset: TrainingDataset, prior: TrainingDataset, input_name: str = "prior_dataset") -> list[str]:
+    """Why a prior (regularisation) dataset cannot be mixed into this one's batches: both must be cached with
+    the same VAE and text encoder, or the model would learn from latents and embeddings of another model."""
+    problems = []
+    if prior.latent_encoder != dataset.latent_encoder:
+        problems.append(f"{input_name}: its latents were cached with another VAE than the training images'")
+    if prior.text_encoder != dataset.text_encoder:
+        problems.append(f"{input_name}: its captions were encoded with another text encoder than the training "
+                        "images'")
+    return problems

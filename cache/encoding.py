@@ -1,19 +1,23 @@
 """Encode a dataset's images (graph's VAE) and captions (graph's CLIP) into the cache, once per item.
 
-A latent's key covers the image bytes, its bucket, crop, flip and the VAE's weights; a text
-embedding's key covers the caption and the text encoder's weights and settings. Unchanged items are
-never encoded again; any change re-encodes exactly what depends on it.
+A latent's key covers the image bytes, its bucket, crop, flip and the VAE's weights (and, for an item
+with a loss mask, the mask's bytes: the mask is stored in the latent's shard, on the latent's grid); a
+text embedding's key covers the caption and the text encoder's weights and settings. Tag-shuffled
+caption variants and the empty caption (caption dropout) are text entries like any other. Unchanged
+items are never encoded again; any change re-encodes exactly what depends on it.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Callable
 
-from .dataset import TrainingDataset, load_image_tensor
+from .dataset import ALPHA_MASK, TrainingDataset, caption_variants_of, load_image_tensor, load_mask_tensor, \
+    mask_to_latent_grid
 from .store import CacheStore, content_key, fingerprint_state_dict
 
 LATENT_FORMAT = 2
 TEXT_FORMAT = 1
+MASK_FORMAT = 1  # how a mask becomes latent-grid weights (mask_to_latent_grid); part of a masked latent's key
 
 Progress = Callable[[int, int], None]
 
@@ -32,12 +36,25 @@ def clip_identity(clip) -> str:
     return content_key(**ident)[:32]
 
 
-def latent_key(digest: str, item, dataset: TrainingDataset, encoder: str) -> str:
+def latent_key(digest: str, item, dataset: TrainingDataset, encoder: str, mask_digest: str = "") -> str:
     # `pixels` only where decoding is more than a plain 8-bit conversion (16-bit, transparency on a chosen
-    # background): every other image keeps the key it had before those were handled
+    # background), `mask` only for a masked item: every other image keeps the key it had before those existed
     extra = {"pixels": item.pixels} if item.pixels else {}
+    if item.mask_source:
+        extra["mask"] = {"source": mask_digest, "format": MASK_FORMAT}
     return content_key(kind="latent", format=LATENT_FORMAT, source=digest, bucket=list(item.bucket),
                        crop=dataset.buckets.crop, flip=item.flip, encoder=encoder, **extra)
+
+
+def mask_digest(item, store: CacheStore) -> str:
+    """What identifies an item's mask: the mask file's bytes, or 'alpha' (the image's bytes are in the key)."""
+    if not item.mask_source:
+        return ""
+    return ALPHA_MASK if item.mask_source == ALPHA_MASK else store.source_digest(item.mask_source)
+
+
+def text_key(caption: str, encoder: str) -> str:
+    return content_key(kind="text", format=TEXT_FORMAT, caption=caption, encoder=encoder)
 
 
 def encode_latents(dataset: TrainingDataset, vae, store: CacheStore, progress: Progress | None = None):
@@ -46,13 +63,18 @@ def encode_latents(dataset: TrainingDataset, vae, store: CacheStore, progress: P
     items, encoded, reused = [], 0, 0
     for n, item in enumerate(dataset.items):
         digest = store.source_digest(item.path)
-        key = latent_key(digest, item, dataset, encoder)
+        key = latent_key(digest, item, dataset, encoder, mask_digest(item, store))
         entry = store.lookup(key)
         if entry is None:
             pixels = load_image_tensor(item.path, item.bucket, dataset.buckets.crop, item.flip, digest,
                                        dataset.background)
             latent = vae.encode(pixels[:, :, :, :3])
-            entry = store.put("latent", key, {"latent": latent[0].float()},
+            tensors = {"latent": latent[0].float()}
+            if item.mask_source:  # same crop, flip and random-crop seed as the pixels above
+                mask = load_mask_tensor(item.path, item.mask_source, item.bucket, dataset.buckets.crop, item.flip,
+                                        digest)
+                tensors["mask"] = mask_to_latent_grid(mask, tensors["latent"].shape)
+            entry = store.put("latent", key, tensors,
                               {"source": item.path, "bucket": f"{item.bucket[0]}x{item.bucket[1]}"})
             encoded += 1
         else:
@@ -64,34 +86,47 @@ def encode_latents(dataset: TrainingDataset, vae, store: CacheStore, progress: P
 
 
 def encode_text(dataset: TrainingDataset, clip, store: CacheStore, progress: Progress | None = None):
-    """Returns (dataset with text entries, encoded count, reused count)."""
+    """Returns (dataset with text entries, encoded count, reused count). Besides each caption: its
+    dataset.caption_variants tag-shuffled variants, and (with caption dropout) the empty caption, which is
+    what "no text" means to a ComfyUI text encoder: the graph's CLIP encoding "" (its padding and special
+    tokens included, as CLIPTextEncode with an empty prompt gives). Counts are of distinct texts."""
     encoder = clip_identity(clip)
-    items, encoded, reused, done = [], 0, 0, {}
-    for n, item in enumerate(dataset.items):
-        key = content_key(kind="text", format=TEXT_FORMAT, caption=item.caption, encoder=encoder)
+    counts, done = [0, 0], {}
+
+    def cached(caption: str) -> tuple[str, str]:
+        key = text_key(caption, encoder)
         if key not in done:
             entry = store.lookup(key)
             if entry is None:
-                out = clip.encode_from_tokens(clip.tokenize(item.caption), return_pooled=True, return_dict=True)
+                out = clip.encode_from_tokens(clip.tokenize(caption), return_pooled=True, return_dict=True)
                 tensors = {"cond": out["cond"][0].float()}
                 if out.get("pooled_output") is not None:
                     tensors["pooled"] = out["pooled_output"][0].float()
-                entry = store.put("text", key, tensors, {"caption": item.caption})
-                encoded += 1
+                entry = store.put("text", key, tensors, {"caption": caption})
+                counts[0] += 1
             else:
-                reused += 1
-            done[key] = entry
-        items.append(dataclasses.replace(item, text=done[key].key, text_sha=done[key].checksum))
+                counts[1] += 1
+            done[key] = (entry.key, entry.checksum)
+        return done[key]
+
+    items = []
+    for n, item in enumerate(dataset.items):
+        text, text_sha = cached(item.caption)
+        variants = tuple(cached(v) for v in caption_variants_of(item.caption, dataset.caption_variants,
+                                                                  dataset.keep_tags))
+        items.append(dataclasses.replace(item, text=text, text_sha=text_sha, text_variants=variants))
         if progress:
             progress(n + 1, len(dataset.items))
-    return dataclasses.replace(dataset, items=tuple(items), text_encoder=encoder), encoded, reused
+    empty = cached("") if dataset.needs_empty_text else ()
+    return dataclasses.replace(dataset, items=tuple(items), text_encoder=encoder, empty_text=empty), *counts
 
 
 def record_usage(dataset: TrainingDataset, store: CacheStore):
     """Marks the entries this dataset uses, so that pruning keeps them: its latents under its VAE's identity,
     its captions under its text encoder's, so caching the same folder for another model evicts nothing."""
-    for role, encoder, keys in (("latent", dataset.latent_encoder, [i.latent for i in dataset.items if i.latent]),
-                                ("text", dataset.text_encoder, [i.text for i in dataset.items if i.text])):
+    latents = {i.latent for i in dataset.items if i.latent}
+    for role, encoder, keys in (("latent", dataset.latent_encoder, sorted(latents)),
+                                ("text", dataset.text_encoder, [k for k in dataset.cache_keys() if k not in latents])):
         if encoder and keys:
             # replaces the record of versions that named a dataset without its encoders
             store.set_dataset(dataset.usage_identity(role, encoder), dataset.folder, keys,

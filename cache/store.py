@@ -411,7 +411,7 @@ def write_manifest(path: str | Path, dataset, cache_root: str | Path) -> Path:
     path = Path(path)
     store = CacheStore(cache_root)
     try:
-        store.pin_manifest(path, [k for i in dataset.items for k in (i.latent, i.text) if k])
+        store.pin_manifest(path, dataset.cache_keys())
     finally:
         store.close()
     manifest = {
@@ -419,9 +419,12 @@ def write_manifest(path: str | Path, dataset, cache_root: str | Path) -> Path:
         "cache_root": str(cache_root),
         "folder": dataset.folder,
         "repeats": dataset.repeats,
-        "fields": ["source", "caption", "latent", "latent_sha256", "text", "text_sha256", "width", "height", "flip"],
-        "items": [[i.path, i.caption, i.latent, i.latent_sha, i.text, i.text_sha, i.bucket[0], i.bucket[1], i.flip]
-                  for i in dataset.items],
+        "fields": ["source", "caption", "latent", "latent_sha256", "text", "text_sha256", "width", "height", "flip",
+                   "text_variants", "masked"],
+        "items": [[i.path, i.caption, i.latent, i.latent_sha, i.text, i.text_sha, i.bucket[0], i.bucket[1], i.flip,
+                   [list(v) for v in i.text_variants], bool(i.mask_source)] for i in dataset.items],
+        # the empty caption's embedding (caption dropout), [key, sha256], or null where it was not cached
+        "empty_text": list(dataset.empty_text) if dataset.empty_text else None,
     }
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(manifest, separators=(",", ":")), encoding="utf-8")

@@ -34,8 +34,9 @@ class CacheLatents(io.ComfyNode):
             display_name="Cache Latents",
             category=CATEGORY,
             is_output_node=True,  # a graph that only fills the cache runs without a Train node
-            description="Encodes each image once with the graph's VAE into the on-disk cache the trainer reads. "
-                        "Unchanged images are reused from the cache.",
+            description="Encodes each image once with the graph's VAE into the on-disk cache the trainer reads "
+                        "(with its loss mask, if it has one, on the latent grid). Unchanged images are reused "
+                        "from the cache.",
             inputs=[
                 Dataset.Input("dataset", tooltip="Images from Load Training Images."),
                 io.Vae.Input("vae", tooltip="The VAE of the model you train (e.g. from Load Checkpoint)."),
@@ -58,14 +59,16 @@ class CacheTextEmbeddings(io.ComfyNode):
             display_name="Cache Text Embeddings",
             category=CATEGORY,
             is_output_node=True,
-            description="Encodes each caption once with the graph's CLIP into the on-disk cache the trainer reads.",
+            description="Encodes each caption once with the graph's CLIP into the on-disk cache the trainer reads, "
+                        "with its tag-shuffled variants and, for caption dropout, the empty caption.",
             inputs=[
                 Dataset.Input("dataset", tooltip="Images and captions from Load Training Images or Cache Latents."),
                 io.Clip.Input("clip", tooltip="The text encoder of the model you train (e.g. from Load Checkpoint)."),
             ],
             outputs=[Dataset.Output(display_name="dataset", tooltip="The dataset with its caption embeddings cached."),
-                     io.Int.Output(display_name="encoded", tooltip="Captions encoded in this run."),
-                     io.Int.Output(display_name="reused", tooltip="Captions taken from the cache.")],
+                     io.Int.Output(display_name="encoded", tooltip="Distinct texts (captions, shuffled variants, "
+                                                                   "the empty caption) encoded in this run."),
+                     io.Int.Output(display_name="reused", tooltip="Distinct texts taken from the cache.")],
         )
 
     @classmethod

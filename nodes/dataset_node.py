@@ -1,7 +1,7 @@
 from comfy_api.latest import io
 
 from ..cache.buckets import BucketSettings
-from ..cache.dataset import MISSING_CAPTION_ACTIONS, parse_background, scan_image_folder
+from ..cache.dataset import MASK_SOURCES, MISSING_CAPTION_ACTIONS, parse_background, scan_image_folder
 from ..runner.paths import resolve_input_folder
 from .types import CATEGORY, Dataset
 
@@ -49,6 +49,24 @@ class LoadTrainingImages(io.ComfyNode):
                                 tooltip="Colour that transparent pixels (PNG alpha, palette or colour-key "
                                         "transparency) are composited on before encoding: #rrggbb or a name such "
                                         "as white. Changing it re-encodes only images with transparency."),
+                io.Combo.Input("masks", options=list(MASK_SOURCES), default="mask files", optional=True,
+                               tooltip="Masked loss: where each image's loss mask comes from. 'mask files': a "
+                                       "greyscale image name.mask.png beside name.png (white trains, black is "
+                                       "ignored, grey in between). 'alpha channel': the image's transparency. "
+                                       "Masks follow the image's crop and flip and are cached with its latent; "
+                                       "images without a mask train everywhere. *.mask.* files are never "
+                                       "training images."),
+                io.Float.Input("caption_dropout", default=0.0, min=0.0, max=0.99, step=0.01, optional=True,
+                               tooltip="Share of training samples that see no caption (the text encoder's "
+                                       "encoding of an empty prompt, cached once), so the model also learns the "
+                                       "images unconditioned. 0.05-0.1 is usual; 0 = off."),
+                io.Int.Input("caption_variants", default=0, min=0, max=64, optional=True,
+                             tooltip="Tag shuffling: this many copies of each comma-separated caption with its "
+                                     "tags in a shuffled order are encoded and cached; training picks one per "
+                                     "sample. 0 = captions as written."),
+                io.Int.Input("keep_tags", default=1, min=0, max=64, optional=True,
+                             tooltip="Tag shuffling: this many leading tags stay in place (a trigger word "
+                                     "first, for example)."),
             ],
             outputs=[Dataset.Output(display_name="dataset", tooltip="Image paths and captions.")],
         )
@@ -56,13 +74,16 @@ class LoadTrainingImages(io.ComfyNode):
     @classmethod
     def execute(cls, folder, resolution, bucketing, min_side, max_side, max_upscale, crop, flip, repeats,
                 caption_prefix, missing_caption, default_caption,
-                transparent_background="#ffffff") -> io.NodeOutput:
+                transparent_background="#ffffff", masks="mask files", caption_dropout=0.0, caption_variants=0,
+                keep_tags=1) -> io.NodeOutput:
         buckets = BucketSettings(resolution=resolution, enabled=bucketing, min_side=min_side, max_side=max_side,
                                  max_upscale=max_upscale, crop=crop, flip=flip)
         dataset = scan_image_folder(resolve_input_folder(folder), buckets=buckets, repeats=repeats,
                                     caption_prefix=caption_prefix, missing_caption=missing_caption,
                                     default_caption=default_caption,
-                                    background=parse_background(transparent_background or "#ffffff"))
+                                    background=parse_background(transparent_background or "#ffffff"),
+                                    masks=masks, caption_dropout=caption_dropout, caption_variants=caption_variants,
+                                    keep_tags=keep_tags)
         return io.NodeOutput(dataset)
 
     @classmethod

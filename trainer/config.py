@@ -55,6 +55,12 @@ class DataSpec:
     manifest: str = ""  # dataset manifest written by the cache (see cache/store.py)
     shuffle: bool = True
     eval_manifest: str = ""  # held-out evaluation set ("" = evaluate on the training images)
+    caption_dropout: float = 0.0  # share of training samples that see the empty caption (its embedding is cached)
+    shuffle_tags: bool = True  # draw among the manifest's cached tag-shuffled caption variants, where it has them
+    masked_loss: bool = True  # weight the loss by the masks cached with the latents, where the manifest has them
+    prior_manifest: str = ""  # prior (regularisation) images mixed into every batch ("" = none)
+    prior_weight: float = 1.0  # loss weight of the prior items (kohya's prior_loss_weight)
+    prior_fraction: float = 0.5  # share of each global batch's slots that hold prior items (rounded; >= 1 slot)
 
 
 @dataclass
@@ -209,6 +215,12 @@ class RunSpec:
         need(self.model.family in FAMILY_NAMES, "model.family", f"must be one of {FAMILY_NAMES} "
              f"(got {self.model.family!r})")
         need(bool(self.data.manifest), "data.manifest", "is required")
+        dd = self.data
+        need(0.0 <= dd.caption_dropout < 1.0, "data.caption_dropout", f"must be in [0, 1) (got {dd.caption_dropout})")
+        need(dd.prior_weight >= 0, "data.prior_weight", f"must be 0 or more (got {dd.prior_weight})")
+        need(0.0 < dd.prior_fraction < 1.0, "data.prior_fraction", f"must be in (0, 1) (got {dd.prior_fraction})")
+        need(not dd.prior_manifest or dd.prior_manifest != dd.manifest, "data.prior_manifest",
+             "is the training manifest itself; give the prior (regularisation) images' manifest")
         need(a.kind in ADAPTER_KINDS, "adapter.kind", f"must be one of {ADAPTER_KINDS} (got {a.kind!r})")
         need(not a.init_from or Path(a.init_from).is_file(), "adapter.init_from", f"{a.init_from} does not exist")
         need(not (a.init_from and a.kind == "full"), "adapter.init_from",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,10 @@ class CachedDataset:
     buckets: list[tuple[int, int]]
     sources: list[str]
     unique: list[int]  # one index per cached item (repeats excluded), for evaluation
+    # per item: [(key, sha)] of its tag-shuffled caption variants, and whether its latent shard holds a mask
+    text_variants: list[list[tuple[str, str]]] = field(default_factory=list)
+    masked: list[bool] = field(default_factory=list)
+    empty_text: tuple[str, str] | None = None  # the empty caption's embedding (caption dropout), if cached
 
     def __len__(self):
         return len(self.latent_keys)
@@ -38,11 +42,14 @@ class CachedDataset:
         return load_checked(self.root, "latent", self.latent_keys[i], self.latent_shas[i])["latent"]
 
     def text(self, i: int) -> dict:
-        key = self.text_keys[i]
+        return self.text_entry(self.text_keys[i], self.text_shas[i])
+
+    def text_entry(self, key: str, sha: str) -> dict:
+        """A text embedding by its cache key (a caption, a shuffled variant, the empty caption), kept in an LRU."""
         if key in self._text_cache:
             self._text_cache.move_to_end(key)
             return self._text_cache[key]
-        value = load_checked(self.root, "text", key, self.text_shas[i])
+        value = load_checked(self.root, "text", key, sha)
         self._text_cache[key] = value
         if len(self._text_cache) > 256:
             self._text_cache.popitem(last=False)
@@ -70,9 +77,22 @@ def load_cached_dataset(manifest_path: str) -> CachedDataset:
     def column(name):  # each item `repeats` times in a row
         return [row[col[name]] for row in rows for _ in range(repeats)]
     widths, heights = column("width"), column("height")
-    return CachedDataset(manifest["cache_root"], column("latent"), column("latent_sha256"), column("text"),
-                         column("text_sha256"), list(zip(widths, heights)), column("source"),
-                         list(range(0, len(rows) * repeats, repeats)))
+    dataset = CachedDataset(manifest["cache_root"], column("latent"), column("latent_sha256"), column("text"),
+                            column("text_sha256"), list(zip(widths, heights)), column("source"),
+                            list(range(0, len(rows) * repeats, repeats)))
+    if "masked" in col:  # manifests written before masks and caption variants have neither
+        dataset.text_variants = [[_entry_ref(v, manifest_path) for v in vs] for vs in column("text_variants")]
+        dataset.masked = [bool(m) for m in column("masked")]
+    if manifest.get("empty_text"):
+        dataset.empty_text = _entry_ref(manifest["empty_text"], manifest_path)
+    return dataset
+
+
+def _entry_ref(value, manifest_path) -> tuple[str, str]:
+    """A [key, sha256] pair of a manifest (load_checked vets the key itself)."""
+    if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value)):
+        raise ValueError(f"{manifest_path}: a text entry must be [key, sha256] (got {str(value)[:80]})")
+    return value[0], value[1]
 
 
 def seeded_generator(*parts: int) -> torch.Generator:

@@ -13,8 +13,10 @@ LOSSES = ("mse", "huber")
 
 
 def per_sample_loss(prediction: torch.Tensor, target: torch.Tensor, kind: str = "mse",
-                    huber_delta: float = 0.1) -> torch.Tensor:
-    """Mean over every dimension but the batch."""
+                    huber_delta: float = 0.1, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over every dimension but the batch; with a mask (loss weights per latent pixel, broadcast over
+    channels and frames, in the prediction's layout), the mask-weighted mean: sum(w * err) / sum(w). A pixel of
+    weight 0 adds nothing to the loss or its gradient; a fully masked sample has loss 0."""
     prediction, target = prediction.float(), target.float()
     if kind == "huber":
         err = torch.nn.functional.huber_loss(prediction, target, reduction="none", delta=huber_delta)
@@ -22,7 +24,20 @@ def per_sample_loss(prediction: torch.Tensor, target: torch.Tensor, kind: str = 
         err = (prediction - target).pow(2)
     else:
         raise ValueError(f"train.loss: {kind!r} is not one of {LOSSES}")
-    return err.mean(dim=tuple(range(1, err.dim())))
+    dims = tuple(range(1, err.dim()))
+    if mask is None:
+        return err.mean(dim=dims)
+    weight = mask.to(err.device, torch.float32).expand_as(err)
+    return (err * weight).sum(dim=dims) / weight.sum(dim=dims).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def batch_loss(per_sample: torch.Tensor, sample_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """A micro-batch's loss from its per-sample losses: the mean, each sample scaled by its weight (prior images'
+    prior_weight, 1 for training images; kohya's prior_loss_weight), so every micro-batch of the global batch
+    counts alike whichever rank holds the prior items."""
+    if sample_weight is None:
+        return per_sample.mean()
+    return (per_sample * sample_weight.to(per_sample.device, per_sample.dtype)).mean()
 
 
 def min_snr_weight(snr: torch.Tensor, gamma: float, prediction: str) -> torch.Tensor:

@@ -1,0 +1,240 @@
+"""What each step's global batch is made of beyond StepSampler's indices: which text each slot sees (caption
+dropout, tag-shuffled variants), the loss masks cached with the latents, and prior (regularisation) images
+mixed in at a fixed share of the slots with their own loss weight.
+
+Every draw is a pure function of (seed, step) over the whole global batch, and each rank takes its slots
+with micro_batch_slots, the layout the loop cuts indices, noise and timesteps with; so 1 and N processes,
+and a resumed run, see exactly the same texts, prior items and weights.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from ..cache.store import load_checked
+from .data import StepSampler, seeded_generator
+
+# generator streams (data.py uses 1, 2 and 4, evaluation 3): one per kind of draw, so adding one changes no other
+TEXT_CHOICE_STREAM = 11
+PRIOR_SLOT_STREAM = 12
+PRIOR_PICK_STREAM = 13
+
+
+def micro_batch_slots(batch_size: int, grad_accum: int, world: int, data_rank: int) -> list[slice]:
+    """This rank's micro-batches as slices of the step's global batch: micro-batch m of data-parallel rank r
+    holds slots (m * world + r) * batch_size onwards, so the global batch is the same on any layout."""
+    return [slice((m * world + data_rank) * batch_size, (m * world + data_rank + 1) * batch_size)
+            for m in range(grad_accum)]
+
+
+# --- captions: dropout and tag-shuffled variants ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TextDraw:
+    """Per global-batch slot: whether it sees the empty caption, and a uniform number in [0, 1) that picks
+    which of its item's tag-shuffled variants it sees (floor(pick * number of variants))."""
+    empty: torch.Tensor  # bool [slots]
+    pick: torch.Tensor  # float64 [slots]
+
+    def __getitem__(self, slots: slice) -> "TextDraw":
+        return TextDraw(self.empty[slots], self.pick[slots])
+
+    def __len__(self) -> int:
+        return len(self.empty)
+
+
+def text_draw(seed: int, step: int, global_batch: int, caption_dropout: float) -> TextDraw:
+    """The text choice of every slot of a step's global batch (slice it per micro-batch with
+    micro_batch_slots). Drawn even at dropout 0, which then leaves every slot its caption."""
+    u = torch.rand((global_batch, 2), generator=seeded_generator(seed, TEXT_CHOICE_STREAM, step),
+                   dtype=torch.float64)
+    return TextDraw(u[:, 0] < caption_dropout, u[:, 1])
+
+
+def check_caption_features(dataset, caption_dropout: float, where: str = "data.manifest"):
+    """Fails at start-up, not at some step, when the manifest cannot serve caption dropout."""
+    for part, name in _parts(dataset, where):
+        if caption_dropout > 0 and part.empty_text is None:
+            raise ValueError(f"data.caption_dropout: {name} has no empty-caption embedding; cache its captions "
+                             "with caption dropout above 0 (Load Training Images' caption_dropout, then Cache Text "
+                             "Embeddings)")
+
+
+def _parts(dataset, where: str):
+    if isinstance(dataset, MixedDataset):
+        return [(dataset.main, where), (dataset.prior, "data.prior_manifest")]
+    return [(dataset, where)]
+
+
+def _text_ref(part, j: int, empty: bool, pick: float | None, shuffle_tags: bool) -> tuple[str, str]:
+    if empty:
+        if part.empty_text is None:
+            raise ValueError("caption dropout needs the empty caption's embedding, which this manifest lacks")
+        return part.empty_text
+    variants = part.text_variants[j] if shuffle_tags and part.text_variants else ()
+    if pick is not None and variants:
+        return variants[min(int(pick * len(variants)), len(variants) - 1)]
+    return part.text_keys[j], part.text_shas[j]
+
+
+def stack_conds(conds: list[torch.Tensor]) -> torch.Tensor:
+    """Text embeddings of one batch as one tensor. Lengths can differ (an empty caption against a caption past
+    the encoder's minimum length): then each is repeated to their least common multiple, ComfyUI's own rule
+    for batching cross-attention conditioning (comfy/conds.py CONDCrossAttn.concat)."""
+    lengths = {c.shape[0] for c in conds}
+    if len(lengths) > 1:
+        total = math.lcm(*lengths)
+        conds = [c.repeat(total // c.shape[0], *([1] * (c.dim() - 1))) for c in conds]
+    return torch.stack(conds)
+
+
+# --- masks and the batch -----------------------------------------------------------------------------------
+
+class TrainingBatch(NamedTuple):
+    latents: torch.Tensor
+    cond: torch.Tensor
+    pooled: torch.Tensor | None
+    mask: torch.Tensor | None  # [B, 1, (1,) h, w] loss weights per latent pixel, or None when nothing is masked
+
+
+def training_batch(dataset, indices: list[int], draw: TextDraw | None = None, shuffle_tags: bool = True,
+                   masked_loss: bool = True) -> TrainingBatch:
+    """One micro-batch of a CachedDataset or MixedDataset: latents, the text each slot drew (`draw`, sliced to
+    these slots; None: every item's caption as written, as evaluation uses), and the masks stored in the latent
+    shards (items without one weigh 1 everywhere). With no draw, no variants and no masks this is exactly
+    CachedDataset.batch."""
+    latents, texts, masks = [], [], []
+    for n, i in enumerate(indices):
+        part, j = locate(dataset, i)
+        shard = load_checked(part.root, "latent", part.latent_keys[j], part.latent_shas[j])
+        latents.append(shard["latent"])
+        masked = masked_loss and bool(part.masked) and part.masked[j]
+        if masked and "mask" not in shard:
+            raise ValueError(f"cache entry {part.latent_keys[j]} of {part.sources[j]} has no mask though the "
+                             "manifest says it is masked; run Cache Latents again")
+        masks.append(shard["mask"] if masked else None)
+        key, sha = _text_ref(part, j, bool(draw.empty[n]) if draw is not None else False,
+                             float(draw.pick[n]) if draw is not None else None, shuffle_tags)
+        texts.append(part.text_entry(key, sha))
+    stacked = torch.stack(latents)
+    cond = stack_conds([t["cond"] for t in texts])
+    pooled = torch.stack([t["pooled"] for t in texts]) if all("pooled" in t for t in texts) else None
+    mask = None
+    if any(m is not None for m in masks):
+        ones = torch.ones((1,) * (stacked.dim() - 3) + tuple(stacked.shape[-2:]))
+        mask = torch.stack([m if m is not None else ones for m in masks])
+    return TrainingBatch(stacked, cond, pooled, mask)
+
+
+# --- prior (regularisation) images -------------------------------------------------------------------------
+
+class MixedDataset:
+    """The training set and the prior set as one index space: [0, len(main)) are training items, the rest
+    prior items. Evaluation stays on the training set (`unique`)."""
+
+    def __init__(self, main, prior):
+        self.main, self.prior = main, prior
+        self.offset = len(main)
+        self.buckets = list(main.buckets) + list(prior.buckets)
+        self.sources = list(main.sources) + list(prior.sources)
+        self.unique = main.unique
+
+    def __len__(self):
+        return self.offset + len(self.prior)
+
+    def locate(self, i: int):
+        return (self.main, i) if i < self.offset else (self.prior, i - self.offset)
+
+    def batch(self, indices: list[int]):
+        b = training_batch(self, indices, masked_loss=False)
+        return b.latents, b.cond, b.pooled
+
+
+def locate(dataset, i: int):
+    """(CachedDataset, index in it) of index i of a CachedDataset or a MixedDataset."""
+    return dataset.locate(i) if isinstance(dataset, MixedDataset) else (dataset, i)
+
+
+def prior_slot_count(global_batch: int, prior_fraction: float) -> int:
+    """Prior slots in every global batch: prior_fraction of it, rounded; at least one, and at least one slot
+    left for the training images."""
+    n = round(global_batch * prior_fraction)
+    if not 1 <= n <= global_batch - 1:
+        raise ValueError(f"data.prior_fraction: {prior_fraction} of a global batch of {global_batch} gives {n} "
+                         f"prior slots; it must give 1 to {global_batch - 1} (raise batch_size or "
+                         "gradient_accumulation, or change prior_fraction)")
+    return n
+
+
+class PriorMixSampler:
+    """StepSampler's interface (indices, noise_and_timesteps, batches_per_epoch, global_batch) over a
+    MixedDataset: every step's global batch holds prior_slot_count prior items at seeded slots, and the
+    training items of StepSampler over the training set (which defines the epoch) in the others.
+
+    Buckets: a batch is one bucket, so the prior items come from the prior set's items in the step's bucket.
+    Where the prior set has none in that bucket, those slots take more training items of that bucket (a
+    seeded draw, weight 1) and the step has no prior item: the step stays full and stackable, and
+    uncovered_buckets() names those buckets so the run can say so at start. With bucketing off (one
+    square size) every step is covered."""
+
+    noise_and_timesteps = StepSampler.noise_and_timesteps  # the same noise and timesteps: seed, global_batch
+
+    def __init__(self, main_buckets, prior_buckets, global_batch: int, seed: int, shuffle: bool = True,
+                 prior_fraction: float = 0.5):
+        self.global_batch, self.seed = global_batch, seed
+        self.prior_slots = prior_slot_count(global_batch, prior_fraction)
+        self.main = StepSampler(list(main_buckets), global_batch - self.prior_slots, seed, shuffle)
+        self.batches_per_epoch = self.main.batches_per_epoch
+        self.offset = len(main_buckets)
+        self.main_buckets = list(main_buckets)
+        self.main_groups = _groups(main_buckets, 0)
+        self.prior_groups = _groups(prior_buckets, self.offset)
+
+    def uncovered_buckets(self) -> list[tuple[int, int]]:
+        return [b for b in self.main_groups if b not in self.prior_groups]
+
+    def indices(self, step: int) -> list[int]:
+        main = self.main.indices(step)
+        bucket = self.main_buckets[main[0]]
+        pool = self.prior_groups.get(bucket, self.main_groups[bucket])
+        order = pool[torch.randperm(len(pool), generator=seeded_generator(self.seed, PRIOR_PICK_STREAM, step))]
+        picks = order.repeat(math.ceil(self.prior_slots / len(order)))[:self.prior_slots].tolist()
+        slots = torch.randperm(self.global_batch, generator=seeded_generator(self.seed, PRIOR_SLOT_STREAM, step))
+        prior_at = dict(zip(sorted(slots[:self.prior_slots].tolist()), picks))
+        rest = iter(main)
+        return [prior_at[s] if s in prior_at else next(rest) for s in range(self.global_batch)]
+
+    def is_prior(self, indices: list[int]) -> torch.Tensor:
+        return torch.tensor([i >= self.offset for i in indices], dtype=torch.bool)
+
+
+def _groups(buckets, offset: int) -> dict[tuple[int, int], torch.Tensor]:
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, b in enumerate(buckets):
+        groups.setdefault(tuple(b), []).append(offset + i)
+    return {b: torch.tensor(v) for b, v in groups.items()}
+
+
+def sample_weights(is_prior: torch.Tensor, prior_weight: float) -> torch.Tensor:
+    """The loss weight of each slot: prior_weight for prior items, 1 for training items."""
+    return torch.where(is_prior, torch.tensor(float(prior_weight)), torch.tensor(1.0))
+
+
+def loss_parts(per_sample: torch.Tensor, is_prior: torch.Tensor) -> torch.Tensor:
+    """[training loss sum, training count, prior loss sum, prior count] of a micro-batch's unweighted per-sample
+    losses, detached: sum them over micro-batches and all-reduce over ranks, then split_losses (no host sync
+    until the numbers are reported)."""
+    per_sample = per_sample.detach().float()
+    prior = is_prior.to(per_sample.device)
+    main = ~prior
+    return torch.stack([per_sample[main].sum(), main.sum().float(), per_sample[prior].sum(), prior.sum().float()])
+
+
+def split_losses(parts: torch.Tensor) -> dict:
+    """{"main_loss", "prior_loss"} for the step event: mean unweighted loss of the training and of the prior items
+    of the step (None for a group the step had none of)."""
+    main_sum, main_n, prior_sum, prior_n = (float(v) for v in parts.cpu())
+    return {"main_loss": main_sum / main_n if main_n else None, "prior_loss": prior_sum / prior_n if prior_n else None}
