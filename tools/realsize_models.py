@@ -83,7 +83,8 @@ def sd15_layout() -> dict:
         layout[f"model.diffusion_model.{key}"] = tensor
     clip = _meta_state(lambda: comfy.sd1_clip.SDClipModel(device="meta", dtype=torch.float16).transformer)
     for key, tensor in clip.items():
-        layout[f"cond_stage_model.transformer.{key}"] = tensor
+        if key != "text_projection.weight":  # SD1.5 files have none (ComfyUI's SD15 drops it when saving)
+            layout[f"cond_stage_model.transformer.{key}"] = tensor
     for key, tensor in _meta_state(lambda: AutoencoderKL(ddconfig=dict(KL_VAE_DDCONFIG), embed_dim=4)).items():
         layout[f"first_stage_model.{key}"] = tensor
     return layout
