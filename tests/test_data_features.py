@@ -146,8 +146,10 @@ def test_variants_and_the_empty_caption_are_cached_once_and_drawn_by_the_trainer
     assert clip.encoded.count("") == 1 and ds.empty_text and cached.empty_text == ds.empty_text
     assert all(len(item.text_variants) == 4 for item in ds.items) and encoded == len(clip.encoded)
     assert all(len(v) == 4 for v in cached.text_variants)
-    # the manifest pins every text entry the trainer may draw: none is pruned while the run exists
+    # the manifest alone pins every text entry the trainer may draw: none is pruned while the run exists
     store = store_mod.CacheStore(root)
+    assert store.prune(older_than_s=0)["removed"] == 0  # recorded as the dataset's too (record_usage)
+    store.set_dataset(ds.usage_identity("text", ds.text_encoder), ds.folder, [])
     assert store.prune(older_than_s=0)["removed"] == 0
     store.close()
     again = TextCLIP()
