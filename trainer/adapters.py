@@ -12,6 +12,23 @@ import torch
 from .config import ADAPTER_KINDS
 
 ADAPTER_NAME = "default"
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+ADAPTER_PARTS = ("lora_A", "lora_B", "lora_magnitude_vector", "lora_embedding_A", "lora_embedding_B", "hada_w1_a",
+                 "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2", "lokr_w1", "lokr_w1_a", "lokr_w1_b",
+                 "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")  # peft's adapter tensors (the base is not one)
+
+
+def is_adapter_tensor(name: str) -> bool:
+    """Does this parameter name (in the diffusion model) belong to an injected adapter, not the base model?"""
+    return any(f"{part}.{ADAPTER_NAME}" in name for part in ADAPTER_PARTS)
+
+
+def base_weight(layer: torch.nn.Module) -> torch.Tensor:
+    """A layer's frozen weight as float32, whatever it is stored in: fp8 (ComfyUI's scaled-fp8 layers keep a
+    per-tensor scale_weight) or a full-precision dtype."""
+    weight = layer.weight.detach().float()
+    scale = getattr(layer, "scale_weight", None)
+    return weight * scale.detach().float() if scale is not None else weight
 
 
 def _peft_config(kind: str, targets: list[str], rank: int, alpha: float, dropout: float):
@@ -32,7 +49,15 @@ def inject_adapter(diffusion_model: torch.nn.Module, targets: list[str], kind: s
     from peft import inject_adapter_in_model
     if not targets:
         raise ValueError("the adapter preset selects no layers of this model")
+    fp8 = [name for name in targets if getattr(diffusion_model.get_submodule(name), "weight", None) is not None
+           and diffusion_model.get_submodule(name).weight.dtype in FP8_DTYPES]
+    if fp8 and kind == "dora":  # peft's DoRA adds the update to the stored weight, which fp8 cannot take part in
+        raise ValueError(f"adapter.kind: DoRA needs the base weights in full precision, and {fp8[0]} is stored in "
+                         "fp8; train a LoRA, LoHa or LoKr on an fp8 base, or load the model in its own precision")
     diffusion_model.requires_grad_(False)
+    for name in fp8:  # peft makes an adapter in its base layer's dtype: fp8 bases get full-precision adapters
+        # what peft reads for a quantised base (bitsandbytes' attribute)
+        diffusion_model.get_submodule(name).compute_dtype = torch.float32
     inject_adapter_in_model(_peft_config(kind, targets, rank, alpha, dropout), diffusion_model,
                             adapter_name=ADAPTER_NAME)
     return [p for p in diffusion_model.parameters() if p.requires_grad]
@@ -70,7 +95,7 @@ def comfy_adapter_state_dict(diffusion_model: torch.nn.Module, kind: str, alpha:
             if kind == "dora":
                 # peft: (W + dW) * m / |W + dW| per output row. ComfyUI divides an output-axis dora_scale by
                 # |W| instead, so the scale it gets is m * |W| / |W + dW|: the same weight, exactly.
-                weight = _f32(layer.get_base_layer().weight)
+                weight = base_weight(layer.get_base_layer()).cpu()
                 merged = weight + scale * (up @ down)
                 magnitude = _f32(t["lora_magnitude_vector"]).reshape(-1, 1)
                 out[f"{prefix}.dora_scale"] = (magnitude * weight.norm(dim=1, keepdim=True)
@@ -151,7 +176,7 @@ def load_adapter_weights(diffusion_model: torch.nn.Module, kind: str, path: str,
             put(layer.lora_A[ADAPTER_NAME].weight, down, f"{module} lora_down")
             put(layer.lora_B[ADAPTER_NAME].weight, up * (file_scale / scale), f"{module} lora_up")
             if kind == "dora":  # the inverse of the export's scale: magnitude = dora_scale * |W + dW| / |W|
-                weight = layer.get_base_layer().weight.detach().float().cpu()
+                weight = base_weight(layer.get_base_layer()).cpu()
                 merged = weight + file_scale * (up @ down)
                 magnitude = t["dora_scale"] * merged.norm(dim=1, keepdim=True) / weight.norm(dim=1, keepdim=True)
                 put(layer.lora_magnitude_vector[ADAPTER_NAME].weight, magnitude.reshape(-1), f"{module} dora_scale")

@@ -58,6 +58,19 @@ def image_names(step: int, count: int) -> list[str]:
     return [f"{SAMPLES_DIR}/step{step:06d}_{i}.png" for i in range(count)]
 
 
+def load_vae(spec: SampleSpec):
+    """The previews' VAE as the graph loaded it: a VAE file (VAELoader) or the VAE inside a checkpoint (Load
+    Checkpoint; its diffusion model and text encoders are not built)."""
+    import comfy.sd
+    import comfy.utils
+    if spec.vae_format == "checkpoint":
+        return comfy.sd.load_checkpoint_guess_config(spec.vae_path, output_vae=True, output_clip=False,
+                                                     output_clipvision=False, output_model=False)[2]
+    if spec.vae_format != "vae":
+        raise ValueError(f"samples.vae_format: {spec.vae_format!r} is not one of vae, checkpoint")
+    return comfy.sd.VAE(sd=comfy.utils.load_torch_file(spec.vae_path, safe_load=True))
+
+
 class PreviewSampler:
     def __init__(self, spec: SampleSpec, family, run_dir: Path, write: bool):
         from safetensors.torch import load_file
@@ -72,9 +85,7 @@ class PreviewSampler:
 
     def vae(self):
         if self._vae is None:
-            import comfy.sd
-            import comfy.utils
-            self._vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(self.spec.vae_path, safe_load=True))
+            self._vae = load_vae(self.spec)
         return self._vae
 
     @contextlib.contextmanager
@@ -86,7 +97,7 @@ class PreviewSampler:
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             module.eval()
-            diffusion_model.dtype = next(diffusion_model.parameters()).dtype
+            diffusion_model.dtype = self.family.weight_dtype()  # fp8 bases: what ComfyUI's ops cast them to
             try:
                 yield
             finally:

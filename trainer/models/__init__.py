@@ -44,15 +44,126 @@ def family_for(base_model, family: str = "auto", prediction: str = "auto", patch
     return family_class(base_model, family)(base_model, prediction, patcher)
 
 
-def load_family(model_path: str, family: str = "auto", prediction: str = "auto") -> ModelFamily:
+PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # train.precision → torch dtype name
+
+
+def loader_options(weight_dtype: str) -> dict:
+    """ComfyUI's model_options for a UNETLoader weight_dtype, exactly as nodes.UNETLoader.load_unet maps it."""
     import torch
+    if weight_dtype == "fp8_e4m3fn":
+        return {"dtype": torch.float8_e4m3fn}
+    if weight_dtype == "fp8_e4m3fn_fast":
+        return {"dtype": torch.float8_e4m3fn, "fp8_optimizations": True}
+    if weight_dtype == "fp8_e5m2":
+        return {"dtype": torch.float8_e5m2}
+    if weight_dtype != "default":
+        raise ValueError(f"model.weight_dtype: {weight_dtype!r} is not one of default, fp8_e4m3fn, "
+                         "fp8_e4m3fn_fast, fp8_e5m2")
+    return {}
+
+
+def file_stamp(path: str) -> str:
+    """"size:mtime_ns": how the run spec identifies a source file (no content hashing)."""
+    import os
+    st = os.stat(path)
+    return f"{st.st_size}:{st.st_mtime_ns}"
+
+
+def check_stamps(model) -> None:
+    """Refuses a source file that changed since the graph read it: the trainer would train other weights."""
+    if not model.stamps:
+        return
+    for path, stamp in zip([model.path, *model.lora_paths], model.stamps):
+        try:
+            now = file_stamp(path)
+        except OSError as exc:
+            raise ValueError(f"model.stamps: {path} cannot be read ({exc.strerror}); queue the run again") from None
+        if now != stamp:
+            raise ValueError(f"model.stamps: {path} changed since the graph loaded it (size:mtime_ns {now}, the "
+                             f"graph read {stamp}); queue the run again so it trains the file as it is now")
+
+
+def base_storage_options(model, precision: str | None) -> dict:
+    """model_options for the frozen base in the trainer: fp8 when the graph loaded it in fp8 (or base_precision
+    asks for it); else the training precision, which is what the weights are computed in (fp32 when unknown:
+    fp32 runs stay exact). A scaled-fp8 file keeps its fp8 linear weights either way (ComfyUI's ops)."""
+    import torch
+    options = loader_options(model.weight_dtype)
+    if "dtype" not in options:
+        if model.base_precision == "fp8":
+            options["dtype"] = torch.float8_e4m3fn
+        else:
+            options["dtype"] = getattr(torch, PRECISION_DTYPES[precision or "fp32"])
+    return options
+
+
+def _as_model_spec(model, family: str, prediction: str):
+    from ..config import ModelSpec
+    if isinstance(model, ModelSpec):
+        return model
+    return ModelSpec(path=str(model), family=family, prediction=prediction)
+
+
+def load_base_model(model, precision: str | None = None):
+    """ComfyUI's ModelPatcher for a run spec's model section: the source file loaded as its loader node loaded
+    it (Load Checkpoint or Load Diffusion Model with its weight_dtype), then the upstream LoRAs applied in order
+    with ComfyUI's own code and baked into the weights with ComfyUI's own patching code."""
     import comfy.sd
-    patcher = comfy.sd.load_diffusion_model(model_path, model_options={"dtype": torch.float32})
+    check_stamps(model)
+    options = base_storage_options(model, precision)
+    if model.format == "checkpoint":
+        patcher = comfy.sd.load_checkpoint_guess_config(model.path, output_vae=False, output_clip=False,
+                                                        output_clipvision=False, model_options=options)[0]
+    elif model.format == "diffusion_model":
+        patcher = comfy.sd.load_diffusion_model(model.path, model_options=options)
+    else:
+        raise ValueError(f"model.format: {model.format!r} is not one of diffusion_model, checkpoint")
     if patcher is None:
-        raise ValueError(f"{model_path}: ComfyUI does not recognise this diffusion model")
-    return family_for(patcher.model, family, prediction, patcher)
+        raise ValueError(f"{model.path}: ComfyUI does not recognise this diffusion model")
+    for path, strength in zip(model.lora_paths, model.lora_strengths):
+        patcher = apply_lora(patcher, path, float(strength))
+    bake_patches(patcher)
+    return patcher
+
+
+def apply_lora(patcher, path: str, strength: float):
+    """What LoraLoaderModelOnly does (diffusers-layout files of this pack are renamed first, as the Train node's
+    output MODEL does)."""
+    import comfy.sd
+    import comfy.utils
+    from ..export import comfyui_readable, diffusers_module_names
+    tensors = comfy.utils.load_torch_file(path, safe_load=True)
+    tensors = comfyui_readable(tensors, diffusers_module_names(patcher.model))
+    return comfy.sd.load_lora_for_models(patcher, None, tensors, strength, 0.0)[0]
+
+
+def bake_patches(patcher) -> None:
+    """Writes the patcher's weight patches into the weights, key by key, with ComfyUI's own patching code (the
+    weight ComfyUI computes when it loads the patched model whole), and drops each original as soon as its
+    patched weight replaces it, so no second copy of the model is ever held."""
+    import uuid
+    for key in list(patcher.patches):
+        patcher.patch_weight_to_device(key, device_to=None)
+        patcher.backup.pop(key, None)
+    patcher.patches.clear()
+    patcher.patches_uuid = uuid.uuid4()
+
+
+def load_family(model, family: str = "auto", prediction: str = "auto", *, precision: str | None = None) -> ModelFamily:
+    """The trainer's model: a run spec's ModelSpec (or, as before, a diffusion-model path with family and
+    prediction) rebuilt with ComfyUI's code, ready to train (see ModelFamily.prepare_for_training).
+    `precision` is train.precision: the dtype the base is held and computed in (fp8 bases: computed in)."""
+    import torch
+    model = _as_model_spec(model, family, prediction)
+    patcher = load_base_model(model, precision)
+    result = family_for(patcher.model, model.family, model.prediction, patcher)
+    if precision is not None:
+        result.compute_dtype = getattr(torch, PRECISION_DTYPES[precision])
+    result.prepare_for_training()
+    return result
 
 
 __all__ = ["Batch", "ModelFamily", "UnsupportedSetting", "FAMILIES", "SCRATCH_FAMILIES", "load_family",
+           "load_base_model", "loader_options", "file_stamp", "check_stamps",
            "family_for", "family_class", "detect_prediction",
            "prediction_from_sampling"]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..adapters import FP8_DTYPES
 from ..config import PREDICTIONS as SPEC_PREDICTIONS
 
 PREDICTIONS = tuple(p for p in SPEC_PREDICTIONS if p != "auto")
@@ -52,6 +53,7 @@ class ModelFamily:
         self.base_model = base_model
         self.patcher = patcher  # ComfyUI's ModelPatcher around base_model (what its samplers take)
         self.diffusion_model = base_model.diffusion_model
+        self.compute_dtype = None  # train.precision's dtype (load_family sets it); None: the weights' own dtype
         if prediction not in PREDICTIONS:
             raise ValueError(f"model.prediction: {prediction!r} is not one of {PREDICTIONS}")
         self.prediction = prediction
@@ -59,6 +61,29 @@ class ModelFamily:
     @classmethod
     def matches(cls, base_model) -> bool:
         raise NotImplementedError
+
+    # Constructing a family and checking settings read the model and change nothing: the ComfyUI process builds
+    # one on the graph's live MODEL. What the trainer must change in the model's modules happens here, called by
+    # load_family on the trainer's own copy.
+    def prepare_for_training(self) -> None:
+        """Patches the trainer's copy of the model's modules for training (once)."""
+
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the model computes in: compute_dtype, else the first parameter not stored in fp8 (fp8 bases
+        are cast layer by layer to the input's dtype by ComfyUI's ops), else float32."""
+        if self.compute_dtype is not None:
+            return self.compute_dtype
+        for param in self.diffusion_model.parameters():
+            if param.is_floating_point() and param.dtype not in FP8_DTYPES:
+                return param.dtype
+        return torch.float32
+
+    def base_weight_bytes(self) -> int:
+        """Storage bytes of the frozen base weights (parameters and buffers of the diffusion model, adapter
+        tensors excluded): halves from bf16 to fp8."""
+        from ..adapters import is_adapter_tensor
+        tensors = [*self.diffusion_model.named_parameters(), *self.diffusion_model.named_buffers()]
+        return sum(t.numel() * t.element_size() for name, t in tensors if not is_adapter_tensor(name))
 
     # --- what a run may ask of this family -------------------------------------------------------------
     def check_settings(self, spec) -> None:
@@ -160,7 +185,7 @@ class ModelFamily:
         """What the diffusion model is called with, the way ComfyUI's apply_model prepares it (input scaling,
         timestep, conditioning): (x_in, timestep, kwargs)."""
         sampling = self.base_model.model_sampling
-        dtype = next(self.diffusion_model.parameters()).dtype
+        dtype = self.weight_dtype()
         x0, noise, sigma = self.noising(batch.latents, batch.noise, batch.timesteps)
         shape = (-1,) + (1,) * (x0.dim() - 1)
         x_noisy = sampling.noise_scaling(sigma.view(shape), noise, x0)
@@ -250,6 +275,8 @@ def residuals_out_of_place(blocks) -> None:
         return value
 
     for block in blocks:
+        if getattr(block, "_ingraph_out_of_place", False):  # wrapped already: one shim per block
+            continue
         forward = block.forward
 
         def wrapped(*args, _forward=forward, **kwargs):
@@ -259,6 +286,7 @@ def residuals_out_of_place(blocks) -> None:
                       else v for k, v in kwargs.items()}
             return plain(_forward(*args, **kwargs))
         block.forward = wrapped
+        block._ingraph_out_of_place = True
 
 
 class StageInput(torch.nn.Module):

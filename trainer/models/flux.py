@@ -20,8 +20,8 @@ class FluxFamily(ModelFamily):
     # ComfyUI detects Flux at its full width (3072, 24 heads, 4096-wide text); only the depths are free
     scratch_sizes = {"tiny": dict(depth=1, depth_single_blocks=0, vec_in_dim=64)}
 
-    def __init__(self, base_model, prediction: str, patcher=None):
-        super().__init__(base_model, prediction, patcher)
+    def prepare_for_training(self) -> None:
+        super().prepare_for_training()
         residuals_out_of_place(self.checkpoint_blocks())  # ComfyUI's blocks add residuals in place
 
     @classmethod
