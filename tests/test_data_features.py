@@ -429,3 +429,59 @@ def test_dataset_node_appends_the_new_inputs_last_with_tooltips():
     assert names[-5:] == ["transparent_background", "masks", "caption_dropout", "caption_variants", "keep_tags"]
     for i in inputs[-4:]:
         assert i.optional and i.tooltip and len(i.tooltip) > 20
+
+
+# --- the step the loop loads ---------------------------------------------------------------------------------
+
+def step_by_slot(dataset, sampler, spec_data, step, batch_size, grad_accum, world):
+    """Every rank's micro-batches of a step put back in global-batch slot order, as a dict of tensors."""
+    slots = {}
+    for rank in range(world):
+        _, micro, _ = mix.load_step(dataset, sampler, step, spec_data, 5, batch_size, grad_accum, world, rank)
+        for s, mb in zip(mix.micro_batch_slots(batch_size, grad_accum, world, rank), micro):
+            for k, slot in enumerate(range(s.start, s.stop)):
+                slots[slot] = {name: (v[k] if v is not None else None) for name, v in mb._asdict().items()}
+    return [slots[n] for n in range(len(slots))]
+
+
+def test_one_and_two_processes_load_the_same_step_with_every_feature_on(tmp_path):
+    (tmp_path / "images").mkdir()
+    (tmp_path / "prior").mkdir()
+    for n in range(5):
+        write_pair(tmp_path / "images", f"m{n}", f"ohwx, tag{n}, red, big", size=(64, 64), mask_band=(0, 8 * (n + 2)))
+    for n in range(3):
+        write_pair(tmp_path / "prior", f"p{n}", f"dog, tag{n}, brown", size=(64, 64))
+    _, main, _, _ = cached_run(tmp_path, caption_dropout=0.3, caption_variants=3, keep_tags=1)
+    _, _, _, _ = cached_run(tmp_path, folder="prior", caption_dropout=0.3, caption_variants=3)
+    spec = config.DataSpec(manifest=str(tmp_path / "run" / "images.json"),
+                           prior_manifest=str(tmp_path / "run" / "prior.json"), caption_dropout=0.3,
+                           prior_weight=0.5, prior_fraction=0.5)
+    dataset, sampler = mix.build_training_data(spec, global_batch=4, seed=5)
+    assert isinstance(sampler, mix.PriorMixSampler)
+    for step in range(6):
+        one = step_by_slot(dataset, sampler, spec, step, 2, 2, 1)
+        two = step_by_slot(dataset, sampler, spec, step, 2, 1, 2)
+        for a, b in zip(one, two):
+            assert a.keys() == b.keys()
+            for name in a:
+                assert (a[name] is None and b[name] is None) or torch.equal(a[name], b[name]), name
+        assert sum(bool(slot["is_prior"]) for slot in one) == 2
+        assert [slot["sample_weight"].item() for slot in one] == [0.5 if slot["is_prior"] else 1.0 for slot in one]
+        # every training item is masked; a prior item beside one weighs 1 everywhere (a micro-batch of prior
+        # items alone has no mask at all)
+        assert all(slot["mask"] is not None for slot in one if not slot["is_prior"])
+        assert all(torch.all(slot["mask"] == 1) for slot in one if slot["is_prior"] and slot["mask"] is not None)
+    # a plain spec loads what the loop loaded before these features: CachedDataset.batch and StepSampler's noise
+    plain = config.DataSpec(manifest=spec.manifest)
+    dataset, sampler = mix.build_training_data(plain, global_batch=4, seed=5)
+    assert type(sampler) is data.StepSampler
+    indices, micro, timesteps = mix.load_step(dataset, sampler, 3, plain, 5, 2, 2, 1, 0)
+    noise, uniform = sampler.noise_and_timesteps(3, tuple(main.batch([0])[0].shape[1:]))
+    for m, lo in enumerate((0, 2)):
+        latents, cond, pooled = main.batch(indices[lo:lo + 2])
+        mb = micro[m]
+        assert torch.equal(mb.latents, latents) and torch.equal(mb.cond, cond) and torch.equal(mb.pooled, pooled)
+        assert torch.equal(mb.noise, noise[lo:lo + 2]) and torch.equal(mb.timesteps, uniform[lo:lo + 2])
+        assert mb.sample_weight is None and mb.is_prior is None and mb.mask is not None
+    assert mix.load_step(dataset, sampler, 3, config.DataSpec(manifest=spec.manifest, masked_loss=False), 5, 2, 2,
+                         1, 0)[1][0].mask is None

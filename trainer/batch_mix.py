@@ -238,3 +238,54 @@ def split_losses(parts: torch.Tensor) -> dict:
     of the step (None for a group the step had none of)."""
     main_sum, main_n, prior_sum, prior_n = (float(v) for v in parts.cpu())
     return {"main_loss": main_sum / main_n if main_n else None, "prior_loss": prior_sum / prior_n if prior_n else None}
+
+
+# --- what the training loop calls --------------------------------------------------------------------------
+
+def build_training_data(data_spec, global_batch: int, seed: int):
+    """(dataset, sampler) for training from the spec's data section: the training manifest, mixed with the
+    prior manifest when there is one (a MixedDataset and a PriorMixSampler), else the CachedDataset and
+    StepSampler as before. Fails here, before any step, where the manifests cannot serve caption dropout."""
+    from .data import load_cached_dataset
+    dataset = load_cached_dataset(data_spec.manifest)
+    if data_spec.prior_manifest:
+        prior = load_cached_dataset(data_spec.prior_manifest)
+        dataset = MixedDataset(dataset, prior)
+        sampler = PriorMixSampler(dataset.main.buckets, prior.buckets, global_batch, seed, data_spec.shuffle,
+                                  data_spec.prior_fraction)
+    else:
+        sampler = StepSampler(dataset.buckets, global_batch, seed, data_spec.shuffle)
+    check_caption_features(dataset, data_spec.caption_dropout)
+    return dataset, sampler
+
+
+class MicroBatch(NamedTuple):
+    latents: torch.Tensor
+    cond: torch.Tensor
+    pooled: torch.Tensor | None
+    noise: torch.Tensor
+    timesteps: torch.Tensor
+    mask: torch.Tensor | None  # loss weights per latent pixel (objectives.per_sample_loss's mask), or None
+    sample_weight: torch.Tensor | None  # loss weight per sample (objectives.batch_loss), None without prior images
+    is_prior: torch.Tensor | None  # bool per sample, for loss_parts; None without prior images
+
+
+def load_step(dataset, sampler, step: int, data_spec, seed: int, batch_size: int, grad_accum: int, world: int,
+              data_rank: int, timesteps_of=lambda uniform: uniform):
+    """This rank's micro-batches of one step: (global indices, [MicroBatch], the global batch's timesteps).
+    Every draw (items, prior slots, texts, noise, timesteps) is made for the global batch and sliced with
+    micro_batch_slots, so any layout trains on the same samples. With no prior set, no dropout, no variants and
+    no masks, latents, cond, pooled, noise and timesteps are exactly what the loop loaded before."""
+    indices = sampler.indices(step)
+    slots = micro_batch_slots(batch_size, grad_accum, world, data_rank)
+    draw = text_draw(seed, step, len(indices), data_spec.caption_dropout)
+    batches = [training_batch(dataset, indices[s], draw[s], data_spec.shuffle_tags, data_spec.masked_loss)
+               for s in slots]
+    noise, uniform = sampler.noise_and_timesteps(step, tuple(batches[0].latents.shape[1:]))
+    timesteps = timesteps_of(uniform)
+    is_prior = sampler.is_prior(indices) if isinstance(sampler, PriorMixSampler) else None
+    weights = sample_weights(is_prior, data_spec.prior_weight) if is_prior is not None else None
+    micro = [MicroBatch(b.latents, b.cond, b.pooled, noise[s], timesteps[s], b.mask,
+                        weights[s] if weights is not None else None, is_prior[s] if is_prior is not None else None)
+             for b, s in zip(batches, slots)]
+    return indices, micro, timesteps
