@@ -34,7 +34,7 @@ class Evaluate(io.ComfyNode):
                 io.String.Output(display_name="table", tooltip="Loss at each quantile and the mean, as text."),
                 io.Image.Output(display_name="chart", tooltip="Loss by timestep quantile."),
             ],
-            hidden=[io.Hidden.unique_id],
+            hidden=[io.Hidden.unique_id, io.Hidden.prompt],
         )
 
     @classmethod
@@ -54,7 +54,8 @@ class Evaluate(io.ComfyNode):
         dataset.require_cached("dataset")
         result = evaluate_model(model, dataset, quantiles=parse_quantiles(quantiles), seed=seed, batch_size=batch_size,
                                 precision=precision, distributed=distributed, on_event=lambda event: None,
-                                check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted)
+                                check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted,
+                                prompt=cls.hidden.prompt, node_id=cls.hidden.unique_id)
         table = quantile_table({"loss": result})
         chart = chart_tensor(render_quantile_chart({"model": result}))
         return io.NodeOutput(result["loss"], table, chart, ui={"text": [table], "evaluation": [result]})

@@ -31,35 +31,6 @@ def _resumable() -> list[str]:
         return []
 
 
-def check_family_settings(model, prediction: str, train, adapter, file_format: str, distributed=None):
-    """Rejects, before anything is written, settings the MODEL's family cannot honour (the trainer checks again)."""
-    from ..trainer.config import DistributedSpec, OutputSpec, RunSpec
-    from ..trainer.models import UnsupportedSetting, family_for
-    family = family_for(model.model, prediction=prediction)
-    try:
-        family.check_settings(RunSpec(train=train, adapter=adapter, output=OutputSpec(format=file_format),
-                                      distributed=distributed or DistributedSpec()))
-    except UnsupportedSetting as exc:
-        raise ValueError(f"Train LoRA ({family.display_name} model): {exc}") from None
-    log.info("InGraph Trainer: training a %s model (%s)", family.display_name, prediction)
-
-
-def refuse_foreign_file(path, overwrite: bool):
-    """A file the user put in models/ (no pack metadata) is replaced only when they say so."""
-    from pathlib import Path
-    from ..runner.paths import lora_name_of
-    from ..trainer.adapters import written_by_pack
-    path = Path(path)
-    if path.exists() and not overwrite and not written_by_pack(path):
-        raise ValueError(f"Train LoRA: {lora_name_of(path)} already exists and was not written by InGraph Trainer; "
-                         "choose another output_name, or turn on overwrite to replace it")
-
-
-def _saved_spec(spec_path):
-    from ..trainer.config import load_run_spec
-    return load_run_spec(spec_path)
-
-
 class TrainLoRA(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -158,7 +129,7 @@ class TrainLoRA(io.ComfyNode):
                 io.Image.Output(display_name="loss_chart", tooltip="Training loss (raw and smoothed) and "
                                                                    "evaluation loss over the run."),
             ],
-            hidden=[io.Hidden.unique_id],
+            hidden=[io.Hidden.unique_id, io.Hidden.prompt],
         )
 
     @classmethod
@@ -171,22 +142,6 @@ class TrainLoRA(io.ComfyNode):
             return str(exc)
         return True
 
-    @staticmethod
-    def _trained_model(model, path: str, file_format: str, full: bool):
-        """The input MODEL with the result applied the way ComfyUI's loaders apply it."""
-        import comfy.sd
-        import comfy.utils
-        from ..trainer.export import comfyui_readable, diffusers_module_names
-        tensors = comfy.utils.load_torch_file(path, safe_load=True)
-        if full:  # every weight replaced; the MODEL's own options (sampling, patches on top) are kept
-            trained = model.clone()
-            trained.add_patches({f"diffusion_model.{k}": ("set", (v,)) for k, v in tensors.items()}, 1.0, 0.0)
-            return trained
-        if file_format == "diffusers":
-            tensors = comfyui_readable(tensors, diffusers_module_names(model.model))
-        trained, _ = comfy.sd.load_lora_for_models(model, None, tensors, 1.0, 0.0)
-        return trained
-
     @classmethod
     def execute(cls, model, dataset, adapter, steps, batch_size, gradient_accumulation, learning_rate, optimizer,
                 lr_schedule, warmup_steps, precision, gradient_checkpointing, seed, save_every,
@@ -196,17 +151,12 @@ class TrainLoRA(io.ComfyNode):
         import comfy.model_management
         import comfy.utils
 
-        from ..runner import paths
-        from ..runner.launcher import TrainerProcess
         from ..runner.loss_chart import chart_tensor, render_loss_chart
-        from ..runner.model_source import materialise_model, prediction_of
-        from ..runner.runs import SPEC_FILE, resolve_resume_choice
-        from ..runner.session import prepare_run, watch_run
+        from ..runner.train_run import train_lora
 
         dataset.require_cached("dataset")
         if eval_dataset is not None:
             eval_dataset.require_cached("eval_dataset")
-        lora_path, new_lora_name = paths.lora_output_path(output_name, paths.output_folder(adapter.kind))
         train = TrainSpec(steps=steps, batch_size=batch_size, grad_accum=gradient_accumulation,
                           learning_rate=learning_rate, optimizer=OPTIMIZERS[optimizer],
                           lr_schedule=SCHEDULES[lr_schedule], warmup_steps=warmup_steps, precision=precision,
@@ -216,57 +166,22 @@ class TrainLoRA(io.ComfyNode):
                           timestep_sampling=TIMESTEP_SAMPLING[timestep_sampling or "uniform"],
                           flow_shift=float(flow_shift or 1.0), guidance=float(1.0 if guidance is None else guidance),
                           keep_last=3 if keep_last is None else int(keep_last))
-        file_format = FILE_FORMATS[file_format or "ComfyUI"]
-        name = new_lora_name[: -len(".safetensors")]
-        resume = resume or "off"
-        resume_from = resolve_resume_choice(paths.runs_root(), resume, name)
-        if resume_from is None:
-            refuse_foreign_file(lora_path, bool(overwrite))
-        else:
-            from ..runner.run_record import trainer_running
-            if trainer_running(resume_from[0]):  # two trainers would write the same checkpoints
-                raise ValueError(f"Train LoRA: run {resume_from[0].name} is still training (queued elsewhere or "
-                                 "by another server); stop it before resuming it")
-        if resume_from is not None:  # the run continues with the spec saved in its own directory
-            run_dir, resume_tag = resume_from
-            spec_path = run_dir / SPEC_FILE
-            log.info("InGraph Trainer: resuming run %s from %s", run_dir.name, resume_tag)
-        else:
-            if resume == "latest":
-                log.info("InGraph Trainer: no checkpoint of %r to resume; starting a new run", name)
-            resume_tag = None
-            prediction = prediction_of(model)
-            check_family_settings(model, prediction, train, adapter, file_format, distributed)
-            model_path = materialise_model(model, paths.models_root())
-            run_dir, spec_path = prepare_run(runs_root=paths.runs_root(), name=name, model_path=model_path,
-                                             prediction=prediction, dataset=dataset, cache_root=paths.cache_root(),
-                                             adapter=adapter, train=train, distributed=distributed,
-                                             lora_path=lora_path,
-                                             eval_dataset=eval_dataset, previews=previews,
-                                             models_root=paths.models_root(),
-                                             file_format=file_format, overwrite=bool(overwrite))
-        saved = _saved_spec(spec_path)  # what the trainer will run, for a new run and a resumed one alike
-        if resume_from is not None:
-            refuse_foreign_file(saved.output.lora_path, bool(overwrite) or saved.output.overwrite)
-        steps = saved.train.steps  # a resumed run keeps its own kind and steps
-        lora_name = paths.lora_name_of(saved.output.lora_path, paths.output_folder(saved.adapter.kind))
         node_id = cls.hidden.unique_id
-        from ..runner.runs import write_owner
-        write_owner(run_dir, node_id)
-        bar = comfy.utils.ProgressBar(steps, node_id=node_id)
 
-        def on_event(event):
-            if event["type"] == "step":
-                bar.update_absolute(int(event["step"]), steps)
-            _send(event, node_id, run_dir.name)
+        def on_run(run_id: str, total_steps: int):
+            bar = comfy.utils.ProgressBar(total_steps, node_id=node_id)
 
-        process = TrainerProcess(run_dir, spec_path, comfyui_path=paths.comfyui_root(), resume=resume_tag,
-                                 processes=saved.distributed.processes, hostfile=saved.distributed.hostfile).start()
-        log.info("InGraph Trainer: run %s started (pid %d), log: %s", run_dir.name, process.pid, process.log_path)
-        result = watch_run(process, on_event, comfy.model_management.throw_exception_if_processing_interrupted)
-        log.info("InGraph Trainer: run %s finished; LoRA written to %s", run_dir.name, result.adapter_path)
+            def on_event(event):
+                if event["type"] == "step":
+                    bar.update_absolute(int(event["step"]), total_steps)
+                _send(event, node_id, run_id)
+            return on_event
 
-        trained_model = cls._trained_model(model, result.adapter_path, saved.output.format,
-                                           full=saved.adapter.kind == "full")
+        outcome = train_lora(model, dataset, adapter=adapter, train=train, output_name=output_name,
+                             resume=resume or "off", distributed=distributed, eval_dataset=eval_dataset,
+                             previews=previews, file_format=FILE_FORMATS[file_format or "ComfyUI"],
+                             overwrite=bool(overwrite), prompt=cls.hidden.prompt, node_id=node_id, on_run=on_run,
+                             check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted)
+        result = outcome.result
         chart = chart_tensor(render_loss_chart(result.steps, result.losses, result.evals))
-        return io.NodeOutput(trained_model, lora_name, chart)
+        return io.NodeOutput(outcome.model, outcome.lora_name, chart)

@@ -24,17 +24,21 @@ def parse_quantiles(text: str) -> list[float]:
 
 def evaluate_model(model, dataset, *, quantiles: list[float], seed: int, batch_size: int, precision: str,
                    distributed: DistributedSpec | None, on_event: Callable[[dict], None],
-                   check_interrupt: Callable[[], None]) -> dict:
-    """{"loss", "quantiles": {"0.1": loss, ...}, "items"}: same inputs, same numbers, on any number of processes."""
+                   check_interrupt: Callable[[], None], prompt: dict | None = None, node_id: str = "") -> dict:
+    """{"loss", "quantiles": {"0.1": loss, ...}, "items"}: same inputs, same numbers, on any number of processes.
+
+    `prompt` and `node_id` (the node's hidden inputs) say where the MODEL comes from, so it reaches the trainer
+    as files (runner.model_source)."""
     from . import paths
     from .launcher import TrainerProcess
-    from .model_source import materialise_model, prediction_of
+    from .model_source import hand_off_model, release_comfy_models
     from .session import prepare_run, watch_run
 
     train = TrainSpec(steps=1, batch_size=batch_size, precision=precision, seed=seed, eval_quantiles=quantiles)
+    release_comfy_models(model)  # the GPU goes to the trainer (and a fallback reads the weights unpatched)
+    hand_off = hand_off_model(model, prompt, node_id, "model", paths.models_root())
     run_dir, spec_path = prepare_run(runs_root=paths.evals_root(), name="eval", task="evaluate",
-                                     model_path=materialise_model(model, paths.models_root()),
-                                     prediction=prediction_of(model), dataset=dataset, cache_root=paths.cache_root(),
+                                     model=hand_off.model_spec, dataset=dataset, cache_root=paths.cache_root(),
                                      train=train, distributed=distributed)
     d = distributed or DistributedSpec()
     process = TrainerProcess(run_dir, spec_path, comfyui_path=paths.comfyui_root(), processes=d.processes,

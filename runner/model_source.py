@@ -1,17 +1,75 @@
-"""Hand the graph's MODEL to the trainer exactly as the graph has it (upstream patches included).
+"""Hand the graph's MODEL (and the previews' VAE) to the trainer without copying weights.
 
-A MODEL does not record its source file, so its patched diffusion-model weights are written once
-to a content-addressed file; later runs on the same weights reuse it.
+A MODEL does not record its source file, but the prompt does: the loader node upstream names the file, and
+LoRA loaders between it and the consumer name their patches. `describe_model` walks the API prompt from a
+node's input link back to the loader and returns that description (files by path, identified by size and
+mtime, never by hashing their contents); the trainer rebuilds the same weights with ComfyUI's own loading and
+patching code. Only a MODEL whose patches cannot be described that way is materialised: its patched weights are
+written once under output/ingraph/models, keyed by the upstream graph, and the copies are kept under a size cap,
+least-recently-used removed first.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger("ingraph_trainer")
+
+# materialised copies kept at most (bytes); the least recently used go first. INGRAPH_MATERIALISED_CAP_GB overrides.
+DEFAULT_MATERIALISED_CAP_GB = 40.0
+
+# nodes that change only the MODEL's options, never its weights (checked in ComfyUI 0.3.64's
+# comfy_extras/nodes_model_advanced.py: each clones the MODEL and adds an object patch of "model_sampling")
+OPTION_ONLY_NODES = {"ModelSamplingDiscrete", "ModelSamplingSD3", "ModelSamplingAuraFlow", "ModelSamplingFlux"}
+LORA_LOADERS = {"LoraLoader", "LoraLoaderModelOnly"}
+TRAIN_NODE = "InGraphTrainLoRA"
+# VAELoader names that are built in code, not read from a file in models/vae
+BUILT_IN_VAES = {"pixel_space", "taesd", "taesdxl", "taesd3", "taef1"}
+
+
+class Undescribable(Exception):
+    """The MODEL (or VAE) cannot be described by files: the message names the node that forced it."""
+
+    def __init__(self, node_id, class_type: str, reason: str):
+        super().__init__(f"node {node_id} ({class_type}): {reason}")
+        self.node_id, self.class_type = node_id, class_type
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a MODEL's weights come from: a file as its loader read it, then adapter files applied in order."""
+    path: str
+    format: str = "diffusion_model"  # trainer.config.MODEL_FORMATS
+    weight_dtype: str = "default"
+    loras: tuple = ()  # ((path, strength), ...)
+
+    def with_lora(self, path: str, strength: float) -> "ModelSource":
+        return ModelSource(self.path, self.format, self.weight_dtype, (*self.loras, (str(path), float(strength))))
+
+    def model_spec(self, prediction: str):
+        """The run spec's model section for this source, stamped now."""
+        from ..trainer.config import ModelSpec
+        lora_paths = [p for p, _ in self.loras]
+        return ModelSpec(path=self.path, format=self.format, weight_dtype=self.weight_dtype, lora_paths=lora_paths,
+                         lora_strengths=[s for _, s in self.loras],
+                         stamps=[file_stamp(p) for p in (self.path, *lora_paths)], prediction=prediction)
+
+
+@dataclass(frozen=True)
+class VaeSource:
+    path: str
+    format: str  # trainer.config.VAE_FORMATS
+
+
+def file_stamp(path: str | Path) -> str:
+    """"size:mtime_ns": how the trainer checks a file is the one described (as the cache does, no hashing)."""
+    st = os.stat(path)
+    return f"{st.st_size}:{st.st_mtime_ns}"
 
 
 def prediction_of(model) -> str:
@@ -20,13 +78,251 @@ def prediction_of(model) -> str:
     return prediction_from_sampling(model.get_model_object("model_sampling"))
 
 
+# --- what a Train node produced, so that its output MODEL is described as its source plus the new file --------
+
+@dataclass
+class _TrainedOutput:
+    source: ModelSource
+    patches_uuid: object  # the output ModelPatcher's weight-patch identity (kept by clones, changed by new patches)
+
+
+_TRAINED: dict[str, _TrainedOutput] = {}
+
+
+def record_trained_output(node_id: str, trained_model, source: ModelSource | None):
+    """Remembers what Train node `node_id` output (None: not describable, downstream nodes materialise it)."""
+    if source is None:
+        _TRAINED.pop(str(node_id), None)
+    else:
+        _TRAINED[str(node_id)] = _TrainedOutput(source, getattr(trained_model, "patches_uuid", None))
+
+
+def trained_output_source(adapter_path: str, input_source: ModelSource | None, *, full: bool,
+                          file_format: str) -> ModelSource | None:
+    """A Train node's output MODEL as files: a full fine-tune is its own file; an adapter is applied at strength 1
+    on the input's source (the diffusers layout is converted before ComfyUI applies it, so it is not a file
+    ComfyUI's loader reads as is)."""
+    if full:
+        return ModelSource(str(adapter_path), "diffusion_model")
+    if input_source is None or file_format == "diffusers":
+        return None
+    return input_source.with_lora(str(adapter_path), 1.0)
+
+
+# --- the walk ------------------------------------------------------------------------------------------------
+
+def _folder_file(folder: str, name) -> str | None:
+    import folder_paths
+    return folder_paths.get_full_path(folder, name) if isinstance(name, str) else None
+
+
+def _literal(node_id, node: dict, name: str, kind):
+    value = node.get("inputs", {}).get(name)
+    if isinstance(value, list) or not isinstance(value, kind) or isinstance(value, bool):
+        raise Undescribable(node_id, node.get("class_type", "?"), f"{name} is not a plain value ({value!r})")
+    return value
+
+
+def _file(node_id, node: dict, input_name: str, folder: str, resolve) -> str:
+    name = _literal(node_id, node, input_name, str)
+    path = resolve(folder, name)
+    if not path or not os.path.isfile(path):
+        raise Undescribable(node_id, node["class_type"], f"{name!r} is not a file in models/{folder}")
+    if not path.lower().endswith(".safetensors"):
+        raise Undescribable(node_id, node["class_type"], f"{name!r} is not a .safetensors file")
+    return str(path)
+
+
+def _link(node_id, node: dict, name: str):
+    link = node.get("inputs", {}).get(name)
+    if not (isinstance(link, list) and len(link) == 2):
+        raise Undescribable(node_id, node.get("class_type", "?"), f"its {name} input is not a link")
+    return link
+
+
+def _walk(prompt: dict, link, resolve, depth: int = 0) -> tuple[ModelSource, object]:
+    """(source, last weight change: None | "lora" | "any" | ("trained", patches_uuid)) of the MODEL at `link`."""
+    node_id, output = str(link[0]), link[1]
+    node = prompt.get(node_id)
+    if not isinstance(node, dict) or depth > 256:
+        raise Undescribable(node_id, "?", "not in the prompt")
+    kind = node.get("class_type", "?")
+    if output != 0:
+        raise Undescribable(node_id, kind, f"output {output} is not the MODEL output this pack knows")
+    if kind == "CheckpointLoaderSimple":
+        return ModelSource(_file(node_id, node, "ckpt_name", "checkpoints", resolve), "checkpoint"), None
+    if kind == "UNETLoader":
+        from ..trainer.config import WEIGHT_DTYPES
+        dtype = _literal(node_id, node, "weight_dtype", str)
+        if dtype not in WEIGHT_DTYPES:
+            raise Undescribable(node_id, kind, f"weight_dtype {dtype!r} is not one of {WEIGHT_DTYPES}")
+        return ModelSource(_file(node_id, node, "unet_name", "diffusion_models", resolve), "diffusion_model",
+                           dtype), None
+    if kind in LORA_LOADERS:
+        upstream, last = _walk(prompt, _link(node_id, node, "model"), resolve, depth + 1)
+        strength = float(_literal(node_id, node, "strength_model", (int, float)))
+        if strength == 0:  # ComfyUI adds no change to the weights (LoraLoader may add zero-strength patches)
+            return upstream, "any" if last is None else last
+        return upstream.with_lora(_file(node_id, node, "lora_name", "loras", resolve), strength), "lora"
+    if kind in OPTION_ONLY_NODES:
+        return _walk(prompt, _link(node_id, node, "model"), resolve, depth + 1)
+    if kind == TRAIN_NODE:
+        record = _TRAINED.get(node_id)
+        if record is None:
+            raise Undescribable(node_id, kind, "its output was not recorded in this process")
+        missing = [p for p in (record.source.path, *(p for p, _ in record.source.loras)) if not os.path.isfile(p)]
+        if missing:
+            raise Undescribable(node_id, kind, f"{missing[0]} no longer exists")
+        return record.source, ("trained", record.patches_uuid)
+    raise Undescribable(node_id, kind, "a node whose effect on the weights this pack cannot describe")
+
+
+def describe_model(prompt: dict | None, link, model=None, resolve=_folder_file) -> ModelSource:
+    """The files the MODEL at `link` ([node id, output]) was loaded and patched from; raises Undescribable.
+
+    With the live `model`, its weight patches must agree with the description (a prompt that does not match the
+    executed graph is not trusted)."""
+    if not isinstance(prompt, dict):
+        raise Undescribable("?", "?", "no prompt (the node was run outside a ComfyUI graph)")
+    if not (isinstance(link, list) and len(link) == 2):
+        raise Undescribable("?", "?", "the model input is not a link")
+    source, last = _walk(prompt, link, resolve)
+    if model is not None:
+        patches = getattr(model, "patches", None)
+        if isinstance(last, tuple):
+            agrees = getattr(model, "patches_uuid", None) == last[1]
+        elif last is None:
+            agrees = not patches
+        elif last == "lora":
+            agrees = bool(patches)
+        else:
+            agrees = True
+        if not agrees:
+            node = prompt.get(str(link[0]), {})
+            raise Undescribable(link[0], node.get("class_type", "?"), "the MODEL's patches differ from the prompt's")
+    return source
+
+
+def describe_vae(prompt: dict | None, link, resolve=_folder_file) -> VaeSource:
+    if not isinstance(prompt, dict) or not (isinstance(link, list) and len(link) == 2):
+        raise Undescribable("?", "?", "no prompt or no VAE link")
+    node_id, output = str(link[0]), link[1]
+    node = prompt.get(node_id) or {}
+    kind = node.get("class_type", "?")
+    if kind == "CheckpointLoaderSimple" and output == 2:
+        return VaeSource(_file(node_id, node, "ckpt_name", "checkpoints", resolve), "checkpoint")
+    if kind == "VAELoader" and output == 0:
+        if node.get("inputs", {}).get("vae_name") in BUILT_IN_VAES:
+            raise Undescribable(node_id, kind, "a built-in VAE, not a file")
+        return VaeSource(_file(node_id, node, "vae_name", "vae", resolve), "vae")
+    raise Undescribable(node_id, kind, "a node whose VAE this pack cannot describe")
+
+
+def input_link(prompt: dict | None, node_id, input_name: str):
+    """The [node id, output] link feeding `input_name` of node `node_id` in the prompt, or None."""
+    node = prompt.get(str(node_id)) if isinstance(prompt, dict) else None
+    link = (node or {}).get("inputs", {}).get(input_name)
+    return link if isinstance(link, list) and len(link) == 2 else None
+
+
+# --- the GPU goes to the trainer ------------------------------------------------------------------------------
+
+def release_comfy_models(trained_model=None) -> int:
+    """Unloads ComfyUI's loaded models (diffusion model, encoders) and empties its cache, so the trainer gets the
+    whole device; weights go back to their offload device, unpatched. Returns how many loaded models remain."""
+    import comfy.model_management as mm
+    mm.unload_all_models()
+    mm.soft_empty_cache(True)
+    remaining = list(mm.current_loaded_models)
+    holds_trained = trained_model is not None and any(
+        getattr(loaded, "model", None) is not None and loaded.model.model is trained_model.model
+        for loaded in remaining)
+    log.info("InGraph Trainer: ComfyUI holds %d loaded model(s) as the trainer starts (the trained model: %s)",
+             len(remaining), "loaded" if holds_trained else "not loaded")
+    return len(remaining)
+
+
+# --- the materialised fallback --------------------------------------------------------------------------------
+
+def materialised_cap_bytes() -> int:
+    return int(float(os.environ.get("INGRAPH_MATERIALISED_CAP_GB") or DEFAULT_MATERIALISED_CAP_GB) * 2**30)
+
+
+def graph_key(prompt: dict | None, link, what: str, state: dict) -> str | None:
+    """A key for the weights at `link` without reading them: the upstream graph as the prompt gives it (class
+    types, widget values, link structure), the size:mtime of every file its values name in ComfyUI's folders,
+    and the names, shapes and dtypes of the tensors. None where the graph cannot stand for the weights: no prompt,
+    or a Train node upstream whose output is not recorded (its result changes from run to run)."""
+    if not isinstance(prompt, dict) or not (isinstance(link, list) and len(link) == 2):
+        return None
+    import folder_paths
+    seen, order, stack = {}, [], [str(link[0])]
+    while stack:  # every node the value depends on, in a fixed order
+        node_id = stack.pop()
+        if node_id in seen:
+            continue
+        node = prompt.get(node_id)
+        if not isinstance(node, dict) or node.get("class_type", "").startswith("InGraph"):
+            return None
+        seen[node_id] = len(seen)
+        order.append(node_id)
+        for value in node.get("inputs", {}).values():
+            if isinstance(value, list) and len(value) == 2 and isinstance(value[0], (str, int)):
+                stack.append(str(value[0]))
+    folders = list(folder_paths.folder_names_and_paths)
+    described = []
+    for node_id in order:
+        node = prompt[node_id]
+        inputs = {}
+        for name, value in sorted(node.get("inputs", {}).items()):
+            if isinstance(value, list) and len(value) == 2 and str(value[0]) in seen:
+                inputs[name] = ["link", seen[str(value[0])], value[1]]
+                continue
+            inputs[name] = value
+            if isinstance(value, str) and value:
+                for folder in folders:
+                    try:
+                        path = folder_paths.get_full_path(folder, value)
+                    except Exception:
+                        path = None
+                    if path and os.path.isfile(path):
+                        inputs[f"{name}@{folder}"] = file_stamp(path)
+        described.append({"class_type": node.get("class_type"), "inputs": inputs})
+    shapes = [[k, list(v.shape), str(v.dtype)] for k, v in sorted(state.items())]
+    blob = json.dumps({"what": what, "output": link[1], "nodes": described, "tensors": shapes},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
 def patched_state_dict(model) -> dict:
-    import comfy.model_management
-    comfy.model_management.load_models_gpu([model], force_patch_weights=True, force_full_load=True)
-    return {k: v.detach() for k, v in model.model.diffusion_model.state_dict().items()}
+    """The MODEL's diffusion-model weights with its patches applied, computed tensor by tensor on the CPU the way
+    ComfyUI's ModelPatcher.patch_weight_to_device does, without loading the model onto the device or changing it.
+    Call release_comfy_models first: a model ComfyUI holds loaded may carry its patches in place."""
+    import torch
+    import comfy.float
+    import comfy.lora
+    from comfy.model_patcher import get_key_weight, string_to_seed
+    if getattr(model.model, "current_weight_patches_uuid", None) is not None:
+        model.unpatch_model()  # patched in place and still loaded: restore the originals before reading them
+    state = {}
+    for name, tensor in model.model.diffusion_model.state_dict().items():
+        key = f"diffusion_model.{name}"
+        if key not in model.patches:
+            state[name] = tensor.detach()
+            continue
+        weight, set_func, convert_func = get_key_weight(model.model, key)
+        temp = weight.detach().to("cpu", torch.float32, copy=True)
+        if convert_func is not None:
+            temp = convert_func(temp, inplace=True)
+        out = comfy.lora.calculate_weight(model.patches[key], temp, key)
+        # a weight stored through set_func (scaled fp8) keeps its exact value; others round as ComfyUI does
+        state[name] = out if set_func is not None else comfy.float.stochastic_rounding(
+            out, weight.dtype, seed=string_to_seed(key))
+    return state
 
 
 def digest_state_dict(state_dict: dict) -> str:
+    """Content hash of the weights: only where no graph can key them (see graph_key), since it reads every byte."""
     import torch
     h = hashlib.sha256()
     for name in sorted(state_dict):
@@ -36,31 +332,113 @@ def digest_state_dict(state_dict: dict) -> str:
     return h.hexdigest()
 
 
-def materialise_model(model, root: str | Path) -> Path:
-    return materialise_state_dict(patched_state_dict(model), root, "diffusion model")
+def materialise_model(model, root: str | Path, prompt: dict | None = None, link=None) -> Path:
+    names = model.model.diffusion_model.state_dict()  # names, shapes, dtypes (the patches change no shape)
+    return materialise_state_dict(lambda: patched_state_dict(model), root, "diffusion model",
+                                  graph_key(prompt, link, "model", names))
 
 
-def materialise_vae(vae, root: str | Path) -> Path:
-    """The graph's VAE weights (ComfyUI keys, what comfy.sd.VAE reads) in a content-addressed file."""
-    return materialise_state_dict(vae.get_sd(), root, "VAE")
+def materialise_vae(vae, root: str | Path, prompt: dict | None = None, link=None) -> Path:
+    """The graph's VAE weights (ComfyUI keys, what comfy.sd.VAE reads) in a file keyed like a MODEL's."""
+    state = vae.get_sd()
+    return materialise_state_dict(lambda: state, root, "VAE", graph_key(prompt, link, "vae", state))
 
 
-def materialise_state_dict(state: dict, root: str | Path, what: str) -> Path:
-    digest = digest_state_dict(state)
+def materialise_state_dict(produce, root: str | Path, what: str, key: str | None = None) -> Path:
+    """The weights `produce()` returns, in root/<key>.safetensors; produced only when no stored copy has the key."""
+    state = None
+    if key is None:
+        log.info("InGraph Trainer: no graph keys the %s; hashing its weights to find a stored copy", what)
+        state = produce()
+        key = digest_state_dict(state)
     root = Path(root)
-    path = root / f"{digest[:32]}.safetensors"
+    path = root / f"{key[:32]}.safetensors"
     if path.is_file():
+        os.utime(path)  # used now: the last to be removed
         return path
+    if state is None:
+        state = produce()
     from safetensors.torch import save_file
     root.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=root, prefix=".model-", suffix=".partial")
     os.close(fd)
     try:
-        save_file({k: v.to("cpu").contiguous() for k, v in state.items()}, tmp, metadata={"sha256": digest})
+        save_file({k: v.to("cpu").contiguous() for k, v in state.items()}, tmp, metadata={"key": key})
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
     log.info("InGraph Trainer: wrote the graph's %s to %s", what, path)
+    evict_materialised(root, keep=path)
     return path
+
+
+def evict_materialised(root: str | Path, keep: Path, cap_bytes: int | None = None) -> list[Path]:
+    """Removes the least recently used copies until the store fits its cap; never `keep` (about to be used)."""
+    cap = materialised_cap_bytes() if cap_bytes is None else cap_bytes
+    files = []
+    for entry in Path(root).glob("*.safetensors"):
+        try:
+            st = entry.stat()
+        except FileNotFoundError:
+            continue
+        files.append((st.st_mtime_ns, st.st_size, entry))
+    total = sum(size for _, size, _ in files)
+    removed = []
+    for _, size, entry in sorted(files):
+        if total <= cap:
+            break
+        if entry == keep:
+            continue
+        try:
+            entry.unlink()
+        except FileNotFoundError:
+            pass
+        total -= size
+        removed.append(entry)
+        log.info("InGraph Trainer: removed the least recently used model copy %s (store over %.1f GB)",
+                 entry.name, cap / 2**30)
+    return removed
+
+
+# --- the run spec's model section -----------------------------------------------------------------------------
+
+@dataclass
+class HandOff:
+    """What crossed into the trainer for one MODEL: the spec's model section and, where the MODEL was described
+    by files (not materialised), that description."""
+    model_spec: object
+    source: ModelSource | None = None
+    materialised: bool = False
+    notes: list = field(default_factory=list)
+
+
+def hand_off_model(model, prompt: dict | None, node_id, input_name: str, models_root: Path,
+                   resolve=_folder_file) -> HandOff:
+    """The spec's model section for the MODEL on `input_name` of node `node_id`: described by its files where the
+    graph allows, else materialised (one log line names the node that forced it). `resolve(folder, name)` finds a
+    loader's file (ComfyUI's folder_paths by default)."""
+    prediction = prediction_of(model)
+    link = input_link(prompt, node_id, input_name)
+    try:
+        source = describe_model(prompt, link, model, resolve)
+    except Undescribable as exc:
+        log.info("InGraph Trainer: the %s of node %s is materialised: %s", input_name, node_id, exc)
+        path = materialise_model(model, models_root, prompt, link)
+        source = ModelSource(str(path), "diffusion_model")
+        return HandOff(source.model_spec(prediction), source, materialised=True)
+    log.info("InGraph Trainer: the %s of node %s goes to the trainer as files: %s%s", input_name, node_id,
+             Path(source.path).name, "".join(f" + {Path(p).name}@{s:g}" for p, s in source.loras))
+    return HandOff(source.model_spec(prediction), source)
+
+
+def hand_off_vae(vae, prompt: dict | None, node_id, models_root: Path, resolve=_folder_file) -> VaeSource:
+    """The previews' VAE of Train node `node_id` (through its previews input's Sample Previews node)."""
+    previews_link = input_link(prompt, node_id, "previews")
+    link = input_link(prompt, previews_link[0], "vae") if previews_link else None
+    try:
+        return describe_vae(prompt, link, resolve)
+    except Undescribable as exc:
+        log.info("InGraph Trainer: the previews' VAE of node %s is materialised: %s", node_id, exc)
+        return VaeSource(str(materialise_vae(vae, models_root, prompt, link)), "vae")

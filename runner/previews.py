@@ -30,14 +30,14 @@ def encode_prompts(clip, prompts: list[str], negative: str) -> dict:
     return tensors
 
 
-def write_preview_inputs(settings: PreviewSettings, run_dir: Path, models_root: Path) -> SampleSpec:
-    """The conditioning into the run directory, the VAE weights into the model store; returns the spec part."""
+def write_preview_inputs(settings: PreviewSettings, run_dir: Path, vae) -> SampleSpec:
+    """The conditioning into the run directory; returns the spec part, the VAE read from `vae`
+    (runner.model_source.VaeSource: a VAE file, or the checkpoint it came from)."""
     import dataclasses
 
     from safetensors.torch import save_file
-
-    from .model_source import materialise_vae
+    if vae is None:
+        raise ValueError("previews: no VAE source given (runner.model_source.hand_off_vae)")
     path = Path(run_dir) / CONDITIONING_FILE
     save_file(settings.conditioning, str(path))
-    return dataclasses.replace(settings.spec, conditioning=str(path),
-                               vae_path=str(materialise_vae(settings.vae, models_root)))
+    return dataclasses.replace(settings.spec, conditioning=str(path), vae_path=str(vae.path), vae_format=vae.format)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..cache.store import write_manifest
-from ..trainer.config import AdapterSpec, DistributedSpec, RunSpec, TrainSpec, dump_run_spec
+from ..trainer.config import AdapterSpec, DistributedSpec, ModelSpec, RunSpec, TrainSpec, dump_run_spec
 from ..trainer.trust import sign_run
 from .launcher import TrainerProcess
 from .runs import MANIFEST_FILE, SPEC_FILE, create_run_dir
@@ -34,23 +34,30 @@ class RunResult:
 EVAL_MANIFEST_FILE = "eval_dataset.json"
 
 
-def prepare_run(*, runs_root: Path, name: str, model_path: Path, prediction: str, dataset, cache_root: Path,
+def prepare_run(*, runs_root: Path, name: str, model: ModelSpec, dataset, cache_root: Path,
                 adapter: AdapterSpec | None = None, train: TrainSpec, lora_path: Path | None = None,
                 distributed: DistributedSpec | None = None, task: str = "train",
-                eval_dataset=None, previews=None, models_root: Path | None = None,
-                file_format: str = "comfyui", overwrite: bool = False) -> tuple[Path, Path]:
+                eval_dataset=None, previews=None, previews_vae=None,
+                file_format: str = "comfyui", overwrite: bool = False, run_dir: Path | None = None,
+                adjust: Callable[[RunSpec], RunSpec] | None = None) -> tuple[Path, Path]:
     """Creates the run directory with its dataset manifest(s) and run spec; returns (run dir, spec path).
 
-    `previews` (runner.previews.PreviewSettings) needs `models_root`, where the VAE weights go.
+    `model` is the spec's model section (runner.model_source.hand_off_model). `previews`
+    (runner.previews.PreviewSettings) needs `previews_vae` (runner.model_source.VaeSource), the file its VAE is
+    read from. `run_dir`: this exact folder instead of a new one under runs_root. `adjust` changes the spec
+    before it is validated and written (tools/prepare_run.py's overrides).
     The spec and the manifests are signed with this installation's secret: only a signed run is ever resumed.
     The ComfyUI install the trainer imports is the launcher's (COMFYUI_PATH), never the spec's.
     """
-    run_dir = create_run_dir(runs_root, name)
+    if run_dir is None:
+        run_dir = create_run_dir(runs_root, name)
+    else:
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
     manifest = write_manifest(run_dir / MANIFEST_FILE, dataset, cache_root)
-    spec = RunSpec(task=task, run_dir=str(run_dir), adapter=dataclasses.replace(adapter or AdapterSpec()),
+    spec = RunSpec(task=task, run_dir=str(run_dir), model=dataclasses.replace(model),
+                   adapter=dataclasses.replace(adapter or AdapterSpec()),
                    train=dataclasses.replace(train), distributed=dataclasses.replace(distributed or DistributedSpec()))
-    spec.model.path = str(model_path)
-    spec.model.prediction = prediction
     spec.data.manifest = str(manifest)
     signed = [SPEC_FILE, MANIFEST_FILE]
     if eval_dataset is not None:
@@ -58,11 +65,13 @@ def prepare_run(*, runs_root: Path, name: str, model_path: Path, prediction: str
         spec.data.eval_manifest = str(write_manifest(run_dir / EVAL_MANIFEST_FILE, eval_dataset, cache_root))
     if previews is not None:
         from .previews import write_preview_inputs
-        spec.samples = write_preview_inputs(previews, run_dir, models_root)
+        spec.samples = write_preview_inputs(previews, run_dir, previews_vae)
     spec.output.lora_path = str(lora_path or "")
     spec.output.name = name
     spec.output.format = file_format
     spec.output.overwrite = overwrite
+    if adjust is not None:
+        spec = adjust(spec)
     spec.validate(str(run_dir / SPEC_FILE))
     spec_path = run_dir / SPEC_FILE
     spec_path.write_text(dump_run_spec(spec), encoding="utf-8")

@@ -15,11 +15,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tools.prepare_run import _bootstrap  # noqa: E402
+from tools.bootstrap import bootstrap  # noqa: E402
 
 
 def load_encoders(checkpoint: Path, vae_file: Path | None = None):
-    _bootstrap()
+    bootstrap()
     import comfy.sd
     import comfy.utils
     _, clip, vae, _ = comfy.sd.load_checkpoint_guess_config(str(checkpoint), output_model=False)

@@ -1,8 +1,8 @@
-"""Prepare a trainer run outside a ComfyUI server, with the same library code the nodes use.
+"""Prepare a trainer run outside a ComfyUI server, with the same runner/ functions the Train node uses.
 
-Loads a checkpoint with ComfyUI's loader, caches the dataset's latents and text embeddings,
-materialises the diffusion model and writes a run spec, so the trainer program can be launched
-(and tested, and benchmarked) on its own:
+Loads a checkpoint with ComfyUI's loader, caches the dataset's latents and text embeddings, describes the model
+(and the previews' VAE) as the Train node does for a Load Checkpoint node, and writes the run spec with
+runner.session.prepare_run, so the trainer program can be launched (and tested, and benchmarked) on its own:
 
     python tools/prepare_run.py --checkpoint CKPT --images DIR --run-dir RUN [--set train.steps=4 ...]
 """
@@ -11,66 +11,71 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tools.bootstrap import bootstrap as _bootstrap  # noqa: E402,F401  (other tools import it from here too)
+
+TRAIN_NODE_ID = "train"
 
 
-def _bootstrap():
-    sys.path.insert(0, str(REPO))
-    from tools.comfy_server import comfyui_path
-    sys.path.insert(0, str(comfyui_path()))
-    if "ingraph_trainer" not in sys.modules:
-        package = types.ModuleType("ingraph_trainer")
-        package.__path__ = [str(REPO)]
-        sys.modules["ingraph_trainer"] = package
-    from comfy.cli_args import args
-    import torch
-    if not torch.cuda.is_available():
-        args.cpu = True
+def checkpoint_graph(checkpoint: Path) -> tuple[dict, object]:
+    """The API prompt of Load Checkpoint → (Sample Previews) → Train, and a resolver that finds the checkpoint
+    where ComfyUI's folder_paths would find it in a server."""
+    prompt = {
+        "ckpt": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": checkpoint.name}},
+        "previews": {"class_type": "InGraphSamplePreviews", "inputs": {"vae": ["ckpt", 2]}},
+        TRAIN_NODE_ID: {"class_type": "InGraphTrainLoRA", "inputs": {"model": ["ckpt", 0],
+                                                                      "previews": ["previews", 0]}},
+    }
+
+    def resolve(folder: str, name: str):
+        return str(checkpoint) if folder == "checkpoints" and name == checkpoint.name else None
+    return prompt, resolve
 
 
 def prepare(checkpoint: Path, images: Path, run_dir: Path, overrides: dict, resolution: int = 64,
             bucketing: bool = False) -> Path:
     _bootstrap()
-    import comfy.sd
-    from ingraph_trainer.cache.store import write_manifest
-    from tools.cache_dataset import encode_folder
-    from ingraph_trainer.runner.model_source import materialise_model, prediction_of
-    from ingraph_trainer.trainer.config import RunSpec, dump_run_spec, spec_from_dict
     import dataclasses
 
+    import comfy.sd
+    from ingraph_trainer.runner.model_source import hand_off_model, hand_off_vae
+    from ingraph_trainer.runner.session import prepare_run
+    from ingraph_trainer.trainer.config import SampleSpec, TrainSpec, spec_from_dict
+    from tools.cache_dataset import encode_folder
+
+    checkpoint = Path(checkpoint).resolve()
     model, clip, vae, _ = comfy.sd.load_checkpoint_guess_config(str(checkpoint))
     work = run_dir.parent
     dataset, _ = encode_folder(images, work / "cache", clip, vae, resolution, bucketing)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    manifest = write_manifest(run_dir / "dataset.json", dataset, work / "cache")
-    spec = RunSpec(run_dir=str(run_dir))
-    spec.model.path = str(materialise_model(model, work / "models"))
-    spec.model.prediction = prediction_of(model)
-    spec.data.manifest = str(manifest)
-    spec.output.lora_path = str(run_dir / "lora.safetensors")
+    prompt, resolve = checkpoint_graph(checkpoint)
+    hand_off = hand_off_model(model, prompt, TRAIN_NODE_ID, "model", work / "models", resolve=resolve)
+    previews = previews_vae = None
     if overrides.get("samples.every"):
-        from ingraph_trainer.runner.previews import PreviewSettings, encode_prompts, write_preview_inputs
+        from ingraph_trainer.runner.previews import PreviewSettings, encode_prompts
         prompts = overrides.get("samples.prompts") or ["a photo"]
-        settings = PreviewSettings(spec.samples, encode_prompts(clip, prompts, ""), vae)
-        settings.spec.prompts = prompts
-        spec.samples = write_preview_inputs(settings, run_dir, work / "models")
-    data = dataclasses.asdict(spec)
-    for dotted, value in overrides.items():
-        table, _, key = dotted.rpartition(".")
-        (data[table] if table else data)[key] = value
-    spec = spec_from_dict(data, "overrides")
-    path = run_dir / "run.toml"
-    path.write_text(dump_run_spec(spec))
-    from ingraph_trainer.trainer.trust import sign_run
-    sign_run(run_dir, ["run.toml", "dataset.json"])  # resumable from the Train node like a run it wrote
-    return path
+        previews = PreviewSettings(SampleSpec(prompts=prompts), encode_prompts(clip, prompts, ""), vae)
+        previews_vae = hand_off_vae(vae, prompt, TRAIN_NODE_ID, work / "models", resolve=resolve)
+
+    def apply_overrides(spec):
+        data = dataclasses.asdict(spec)
+        for dotted, value in overrides.items():
+            table, _, key = dotted.rpartition(".")
+            (data[table] if table else data)[key] = value
+        return spec_from_dict(data, "overrides")
+
+    # signed like a run the Train node wrote, so it is resumable from the node too
+    _, spec_path = prepare_run(runs_root=work, run_dir=run_dir, name="lora", model=hand_off.model_spec,
+                               dataset=dataset, cache_root=work / "cache", train=TrainSpec(),
+                               lora_path=run_dir / "lora.safetensors", previews=previews, previews_vae=previews_vae,
+                               adjust=apply_overrides)
+    return spec_path
 
 
 def main(argv=None):
-    sys.path.insert(0, str(REPO))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--images", type=Path, required=True)

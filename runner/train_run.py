@@ -1,0 +1,125 @@
+"""The Train node's work: resume or new run, checks, the model's hand-off, launch, watch, the trained MODEL."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..trainer.config import AdapterSpec, DistributedSpec, TrainSpec
+
+log = logging.getLogger("ingraph_trainer")
+
+
+@dataclass
+class TrainOutcome:
+    model: object  # the input MODEL with the result applied
+    lora_name: str  # as Load LoRA (or Load Diffusion Model) lists it
+    result: object  # runner.session.RunResult
+
+
+def check_family_settings(model, prediction: str, train, adapter, file_format: str, distributed=None):
+    """Rejects, before anything is written, settings the MODEL's family cannot honour (the trainer checks again)."""
+    from ..trainer.config import DistributedSpec, OutputSpec, RunSpec
+    from ..trainer.models import UnsupportedSetting, family_for
+    family = family_for(model.model, prediction=prediction)
+    try:
+        family.check_settings(RunSpec(train=train, adapter=adapter, output=OutputSpec(format=file_format),
+                                      distributed=distributed or DistributedSpec()))
+    except UnsupportedSetting as exc:
+        raise ValueError(f"Train LoRA ({family.display_name} model): {exc}") from None
+    log.info("InGraph Trainer: training a %s model (%s)", family.display_name, prediction)
+
+
+def refuse_foreign_file(path, overwrite: bool):
+    """A file the user put in models/ (no pack metadata) is replaced only when they say so."""
+    from ..trainer.adapters import written_by_pack
+    from .paths import lora_name_of
+    path = Path(path)
+    if path.exists() and not overwrite and not written_by_pack(path):
+        raise ValueError(f"Train LoRA: {lora_name_of(path)} already exists and was not written by InGraph Trainer; "
+                         "choose another output_name, or turn on overwrite to replace it")
+
+
+def trained_model_of(model, path: str, file_format: str, full: bool):
+    """The input MODEL with the result applied the way ComfyUI's loaders apply it (lazily: nothing loads now)."""
+    import comfy.sd
+    import comfy.utils
+    from ..trainer.export import comfyui_readable, diffusers_module_names
+    tensors = comfy.utils.load_torch_file(path, safe_load=True)
+    if full:  # every weight replaced; the MODEL's own options (sampling, patches on top) are kept
+        trained = model.clone()
+        trained.add_patches({f"diffusion_model.{k}": ("set", (v,)) for k, v in tensors.items()}, 1.0, 0.0)
+        return trained
+    if file_format == "diffusers":
+        tensors = comfyui_readable(tensors, diffusers_module_names(model.model))
+    trained, _ = comfy.sd.load_lora_for_models(model, None, tensors, 1.0, 0.0)
+    return trained
+
+
+def train_lora(model, dataset, *, adapter: AdapterSpec, train: TrainSpec, output_name: str, resume: str = "off",
+               distributed: DistributedSpec | None = None, eval_dataset=None, previews=None,
+               file_format: str = "comfyui", overwrite: bool = False, prompt: dict | None = None,
+               node_id: str = "", on_run: Callable[[str, int], Callable[[dict], None]],
+               check_interrupt: Callable[[], None]) -> TrainOutcome:
+    """One Train node run. `on_run(run id, steps)` gives the event handler; `prompt` and `node_id` (the node's
+    hidden inputs) say where its MODEL and previews VAE come from, so they reach the trainer as files."""
+    from . import paths
+    from .launcher import TrainerProcess
+    from .model_source import (Undescribable, describe_model, hand_off_model, hand_off_vae, input_link,
+                               prediction_of, record_trained_output, release_comfy_models, trained_output_source)
+    from .run_record import trainer_running
+    from .runs import SPEC_FILE, resolve_resume_choice, write_owner
+    from .session import prepare_run, watch_run
+    from ..trainer.config import load_run_spec
+
+    lora_path, new_lora_name = paths.lora_output_path(output_name, paths.output_folder(adapter.kind))
+    name = new_lora_name[: -len(".safetensors")]
+    resume_from = resolve_resume_choice(paths.runs_root(), resume or "off", name)
+    if resume_from is None:
+        refuse_foreign_file(lora_path, overwrite)
+    elif trainer_running(resume_from[0]):  # two trainers would write the same checkpoints
+        raise ValueError(f"Train LoRA: run {resume_from[0].name} is still training (queued elsewhere or "
+                         "by another server); stop it before resuming it")
+    if resume_from is not None:  # the run continues with the spec saved in its own directory
+        run_dir, resume_tag = resume_from
+        spec_path = run_dir / SPEC_FILE
+        log.info("InGraph Trainer: resuming run %s from %s", run_dir.name, resume_tag)
+        release_comfy_models(model)
+        try:  # the output MODEL is the live input plus the result: described as such where the graph allows
+            input_source = describe_model(prompt, input_link(prompt, node_id, "model"), model)
+        except Undescribable:
+            input_source = None
+    else:
+        if resume == "latest":
+            log.info("InGraph Trainer: no checkpoint of %r to resume; starting a new run", name)
+        resume_tag = None
+        prediction = prediction_of(model)
+        check_family_settings(model, prediction, train, adapter, file_format, distributed)
+        # the GPU goes to the trainer; and a fallback reads weights unpatched, as a loaded model may hold them patched
+        release_comfy_models(model)
+        hand_off = hand_off_model(model, prompt, node_id, "model", paths.models_root())
+        input_source = hand_off.source
+        previews_vae = hand_off_vae(previews.vae, prompt, node_id, paths.models_root()) if previews else None
+        run_dir, spec_path = prepare_run(runs_root=paths.runs_root(), name=name, model=hand_off.model_spec,
+                                         dataset=dataset, cache_root=paths.cache_root(), adapter=adapter,
+                                         train=train, distributed=distributed, lora_path=lora_path,
+                                         eval_dataset=eval_dataset, previews=previews, previews_vae=previews_vae,
+                                         file_format=file_format, overwrite=overwrite)
+    saved = load_run_spec(spec_path)  # what the trainer will run, for a new run and a resumed one alike
+    if resume_from is not None:
+        refuse_foreign_file(saved.output.lora_path, overwrite or saved.output.overwrite)
+    lora_name = paths.lora_name_of(saved.output.lora_path, paths.output_folder(saved.adapter.kind))
+    write_owner(run_dir, node_id)
+    on_event = on_run(run_dir.name, saved.train.steps)
+    process = TrainerProcess(run_dir, spec_path, comfyui_path=paths.comfyui_root(), resume=resume_tag,
+                             processes=saved.distributed.processes, hostfile=saved.distributed.hostfile).start()
+    log.info("InGraph Trainer: run %s started (pid %d), log: %s", run_dir.name, process.pid, process.log_path)
+    result = watch_run(process, on_event, check_interrupt)
+    log.info("InGraph Trainer: run %s finished; LoRA written to %s", run_dir.name, result.adapter_path)
+
+    full = saved.adapter.kind == "full"
+    trained = trained_model_of(model, result.adapter_path, saved.output.format, full=full)
+    record_trained_output(node_id, trained, trained_output_source(result.adapter_path, input_source, full=full,
+                                                                  file_format=saved.output.format))
+    return TrainOutcome(trained, lora_name, result)

@@ -1,0 +1,258 @@
+"""The graph's MODEL reaches the trainer as files (no copies), the fallback says which node forced a copy, and
+ComfyUI gives the device up before the trainer starts (runner/model_source.py, runner/train_run.py)."""
+from __future__ import annotations
+
+import copy
+import os
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from conftest import load_workflow
+
+from ingraph_trainer.runner import model_source as ms
+
+
+# --- the walk over API prompts (no server) ---------------------------------------------------------------------
+
+@pytest.fixture
+def files(tmp_path):
+    """Fake model files by folder, and the resolver the walk uses instead of ComfyUI's folder_paths."""
+    made = {}
+    for folder, name in [("checkpoints", "base.safetensors"), ("diffusion_models", "unet.safetensors"),
+                         ("loras", "style.safetensors"), ("loras", "detail.safetensors"), ("loras", "old.ckpt"),
+                         ("vae", "kl.safetensors")]:
+        path = tmp_path / folder / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(os.urandom(64))
+        made[(folder, name)] = str(path)
+    return made, lambda folder, name: made.get((folder, name))
+
+
+def ckpt_lora_train(strength=0.7) -> dict:
+    return {
+        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "base.safetensors"}},
+        "2": {"class_type": "LoraLoader", "inputs": {"model": ["1", 0], "clip": ["1", 1],
+                                                     "lora_name": "style.safetensors", "strength_model": strength,
+                                                     "strength_clip": 1.0}},
+        "3": {"class_type": "ModelSamplingDiscrete", "inputs": {"model": ["2", 0], "sampling": "v_prediction",
+                                                                "zsnr": False}},
+        "4": {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["3", 0], "lora_name": "detail.safetensors",
+                                                              "strength_model": -0.5}},
+        "9": {"class_type": "InGraphTrainLoRA", "inputs": {"model": ["4", 0]}},
+    }
+
+
+class FakeModel:
+    """What the walk reads of a live ModelPatcher: its weight patches and their identity."""
+
+    def __init__(self, patches=None, uuid=None):
+        self.patches, self.patches_uuid = patches or {}, uuid
+
+
+def test_checkpoint_then_loras_in_graph_order_with_their_strengths(files):
+    made, resolve = files
+    prompt = ckpt_lora_train()
+    source = ms.describe_model(prompt, ms.input_link(prompt, "9", "model"), FakeModel({"k": [1]}), resolve)
+    assert source.path == made[("checkpoints", "base.safetensors")] and source.format == "checkpoint"
+    assert source.loras == ((made[("loras", "style.safetensors")], 0.7), (made[("loras", "detail.safetensors")], -0.5))
+    spec = source.model_spec("v_prediction")
+    assert spec.lora_paths == [p for p, _ in source.loras] and spec.lora_strengths == [0.7, -0.5]
+    st = os.stat(source.path)
+    assert spec.stamps[0] == f"{st.st_size}:{st.st_mtime_ns}" and len(spec.stamps) == 3
+    assert spec.format == "checkpoint" and spec.prediction == "v_prediction"
+
+
+def test_unet_loader_keeps_its_weight_dtype_and_zero_strength_loras_are_no_patch(files):
+    made, resolve = files
+    prompt = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": "unet.safetensors",
+                                                           "weight_dtype": "fp8_e4m3fn"}},
+              "2": {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "strength_model": 0.0,
+                                                                    "lora_name": "style.safetensors"}}}
+    source = ms.describe_model(prompt, ["2", 0], FakeModel(), resolve)
+    assert (source.path, source.format, source.weight_dtype, source.loras) == \
+        (made[("diffusion_models", "unet.safetensors")], "diffusion_model", "fp8_e4m3fn", ())
+
+
+@pytest.mark.parametrize("change,culprit", [
+    (lambda p: p.update({"5": {"class_type": "ModelMergeSimple", "inputs": {"model1": ["1", 0], "model2": ["1", 0],
+                                                                           "ratio": 0.5}}})
+     or p["2"]["inputs"].update(model=["5", 0]), r"node 5 \(ModelMergeSimple\)"),
+    (lambda p: p["2"]["inputs"].update(strength_model=["7", 0]), r"node 2 \(LoraLoader\): strength_model is not"),
+    (lambda p: p["4"]["inputs"].update(lora_name="old.ckpt"), r"node 4 \(LoraLoaderModelOnly\): 'old.ckpt' is not a "
+                                                             r"\.safetensors file"),
+    (lambda p: p["1"]["inputs"].update(ckpt_name="gone.safetensors"), r"node 1 \(CheckpointLoaderSimple\): "
+                                                                      r"'gone.safetensors' is not a file"),
+    (lambda p: p["9"]["inputs"].update(model=["1", 1]), r"node 1 \(CheckpointLoaderSimple\): output 1"),
+])
+def test_what_cannot_be_described_names_the_node(files, change, culprit):
+    _, resolve = files
+    prompt = ckpt_lora_train()
+    change(prompt)
+    with pytest.raises(ms.Undescribable, match=culprit):
+        ms.describe_model(prompt, prompt["9"]["inputs"]["model"], FakeModel({"k": [1]}), resolve)
+
+
+def test_a_prompt_that_disagrees_with_the_live_model_is_not_trusted(files):
+    _, resolve = files
+    prompt = ckpt_lora_train()
+    with pytest.raises(ms.Undescribable, match="patches differ"):  # LoRAs described, none on the live model
+        ms.describe_model(prompt, ["4", 0], FakeModel(), resolve)
+    with pytest.raises(ms.Undescribable, match="patches differ"):  # no LoRA described, patches on the live model
+        ms.describe_model(prompt, ["1", 0], FakeModel({"k": [1]}), resolve)
+
+
+def test_train_output_is_its_source_plus_the_new_adapter_while_it_is_the_live_object(files, tmp_path):
+    made, resolve = files
+    adapter = tmp_path / "loras" / "trained.safetensors"
+    adapter.write_bytes(b"x" * 10)
+    prompt = ckpt_lora_train()
+    base = ms.describe_model(prompt, ["4", 0], FakeModel({"k": [1]}), resolve)
+    trained = FakeModel({"k": [1]}, uuid="patches-of-the-trained-model")
+    ms.record_trained_output("9", trained, ms.trained_output_source(str(adapter), base, full=False,
+                                                                    file_format="comfyui"))
+    prompt["10"] = {"class_type": "ModelSamplingDiscrete", "inputs": {"model": ["9", 0]}}
+    prompt["11"] = {"class_type": "InGraphEvaluate", "inputs": {"model": ["10", 0]}}
+    source = ms.describe_model(prompt, ms.input_link(prompt, "11", "model"), trained, resolve)
+    assert source.loras == (*base.loras, (str(adapter), 1.0)) and source.path == base.path
+    with pytest.raises(ms.Undescribable, match=r"node 10 .*patches differ"):  # another object than the recorded
+        ms.describe_model(prompt, ["10", 0], FakeModel({"k": [1]}, uuid="another"), resolve)
+    full = ms.trained_output_source(str(adapter), base, full=True, file_format="comfyui")
+    assert (full.path, full.format, full.loras) == (str(adapter), "diffusion_model", ())
+    assert ms.trained_output_source(str(adapter), base, full=False, file_format="diffusers") is None
+    ms.record_trained_output("9", trained, None)
+    with pytest.raises(ms.Undescribable, match=r"node 9 \(InGraphTrainLoRA\): its output was not recorded"):
+        ms.describe_model(prompt, ["10", 0], trained, resolve)
+
+
+def test_previews_vae_from_a_checkpoint_or_a_vae_file(files):
+    made, resolve = files
+    prompt = {"1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "base.safetensors"}},
+              "2": {"class_type": "VAELoader", "inputs": {"vae_name": "kl.safetensors"}},
+              "3": {"class_type": "VAELoader", "inputs": {"vae_name": "taesd"}}}
+    assert ms.describe_vae(prompt, ["1", 2], resolve) == ms.VaeSource(made[("checkpoints", "base.safetensors")],
+                                                                      "checkpoint")
+    assert ms.describe_vae(prompt, ["2", 0], resolve) == ms.VaeSource(made[("vae", "kl.safetensors")], "vae")
+    with pytest.raises(ms.Undescribable, match=r"node 3 \(VAELoader\): a built-in VAE"):
+        ms.describe_vae(prompt, ["3", 0], resolve)
+
+
+def test_materialised_copies_stay_under_the_cap_least_recently_used_first(tmp_path):
+    for i, name in enumerate(["a", "b", "c", "d"]):
+        path = tmp_path / f"{name}.safetensors"
+        path.write_bytes(b"0" * 1000)
+        os.utime(path, ns=(10**18 + i, 10**18 + i))  # a oldest ... d newest
+    os.utime(tmp_path / "a.safetensors")  # used now: the newest
+    removed = ms.evict_materialised(tmp_path, keep=tmp_path / "b.safetensors", cap_bytes=2000)
+    assert [p.name for p in removed] == ["c.safetensors", "d.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "b.safetensors"]
+
+
+# --- with ComfyUI ----------------------------------------------------------------------------------------------
+
+@pytest.mark.comfyui
+def test_release_leaves_comfyui_no_loaded_model(assets, caplog):
+    from tools.bootstrap import bootstrap
+    bootstrap()
+    import comfy.model_management as mm
+    import comfy.sd
+    model = comfy.sd.load_checkpoint_guess_config(str(assets["checkpoint"]), output_vae=False, output_clip=False)[0]
+    mm.load_models_gpu([model])
+    assert any(m.model is model for m in mm.current_loaded_models)
+    with caplog.at_level("INFO", logger="ingraph_trainer"):
+        assert ms.release_comfy_models(model) == 0
+    assert not mm.current_loaded_models
+    assert "ComfyUI holds 0 loaded model(s) as the trainer starts (the trained model: not loaded)" in caplog.text
+
+
+def write_upstream_lora(checkpoint: Path, path: Path, rank: int = 2):
+    """A small LoRA on every to_q of the checkpoint's UNet, in ComfyUI's key layout."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    tensors, g = {}, torch.Generator().manual_seed(3)
+    with safe_open(str(checkpoint), "pt") as f:
+        for key in f.keys():
+            if re.search(r"^model\.diffusion_model\..*\.attn[12]\.to_q\.weight$", key):
+                out_f, in_f = f.get_slice(key).get_shape()
+                module = key[len("model."):-len(".weight")]
+                tensors[f"{module}.lora_down.weight"] = torch.randn(rank, in_f, generator=g) * 0.1
+                tensors[f"{module}.lora_up.weight"] = torch.randn(out_f, rank, generator=g) * 0.1
+                tensors[f"{module}.alpha"] = torch.tensor(float(rank))
+    save_file(tensors, str(path))
+
+
+def model_store_bytes(comfy) -> dict:
+    root = comfy.base_dir / "output" / "ingraph" / "models"
+    return {p.name: p.stat().st_size for p in root.glob("*.safetensors")} if root.is_dir() else {}
+
+
+@pytest.mark.comfyui
+def test_loader_chain_hands_off_files_and_an_undescribable_node_is_materialised(comfy, client, assets):
+    """Load Checkpoint → Load LoRA 0.7 → Train writes no weights and describes checkpoint + LoRA 0.7; its output
+    MODEL fed to Evaluate is that plus the new LoRA; a Model Merge upstream trains through a named fallback;
+    ComfyUI holds no loaded model whenever a trainer starts."""
+    write_upstream_lora(assets["checkpoint"], comfy.dir("models", "loras") / "h1_upstream.safetensors")
+    wf = load_workflow()
+    wf = {k: v for k, v in wf.items() if k in {"1", "2", "3", "4", "5", "6"}}
+    wf["6"]["inputs"].update(steps=1, batch_size=1, precision="fp32", output_name="handoff_files")
+    wf["20"] = {"class_type": "LoraLoader", "inputs": {"model": ["1", 0], "clip": ["1", 1], "strength_model": 0.7,
+                                                       "lora_name": "h1_upstream.safetensors", "strength_clip": 0.0}}
+    wf["6"]["inputs"]["model"] = ["20", 0]
+    wf["30"] = {"class_type": "InGraphEvaluate", "inputs": {"model": ["6", 0], "dataset": ["4", 0],
+                                                            "quantiles": "0.5", "seed": 0, "batch_size": 4,
+                                                            "precision": "fp32"}}
+    log_start = len(comfy.log_text())
+    before = model_store_bytes(comfy)
+    outcome = client.run(wf, timeout=600)
+    assert outcome.ok, (outcome.status, outcome.error, comfy.log_tail())
+    assert model_store_bytes(comfy) == before, "model weights were written for a MODEL from loader nodes"
+    run_id = next(m["data"]["run_id"] for m in outcome.messages if m.get("type") == "ingraph.event")
+    spec = tomllib.loads((comfy.base_dir / "output" / "ingraph" / "runs" / run_id / "run.toml").read_text())
+    model = spec["model"]
+    assert model["format"] == "checkpoint" and Path(model["path"]).name == "ingraph_tiny_sd15.safetensors"
+    assert [Path(p).name for p in model["lora_paths"]] == ["h1_upstream.safetensors"]
+    assert model["lora_strengths"] == [0.7] and len(model["stamps"]) == 2
+    evals = sorted((comfy.base_dir / "output" / "ingraph" / "evals").glob("*/run.toml"), key=os.path.getmtime)
+    evaluated = tomllib.loads(evals[-1].read_text())["model"]
+    assert [Path(p).name for p in evaluated["lora_paths"]] == ["h1_upstream.safetensors", "handoff_files.safetensors"]
+    assert evaluated["lora_strengths"] == [0.7, 1.0] and evaluated["format"] == "checkpoint"
+
+    merged = copy.deepcopy(wf)
+    del merged["30"]
+    merged["21"] = {"class_type": "ModelMergeSimple", "inputs": {"model1": ["1", 0], "model2": ["20", 0],
+                                                                 "ratio": 0.5}}
+    merged["6"]["inputs"].update(model=["21", 0], output_name="handoff_merged")
+    outcome = client.run(merged, timeout=600)
+    assert outcome.ok, (outcome.status, outcome.error, comfy.log_tail())
+    log = comfy.log_text()[log_start:]
+    assert re.search(r"the model of node 6 is materialised: node 21 \(ModelMergeSimple\)", log), log[-3000:]
+    written = set(model_store_bytes(comfy)) - set(before)
+    assert len(written) == 1
+    run_id = next(m["data"]["run_id"] for m in outcome.messages if m.get("type") == "ingraph.event")
+    spec = tomllib.loads((comfy.base_dir / "output" / "ingraph" / "runs" / run_id / "run.toml").read_text())
+    assert Path(spec["model"]["path"]).name in written and spec["model"]["lora_paths"] == []
+    starts = re.findall(r"ComfyUI holds (\d+) loaded model\(s\) as the trainer starts \(the trained model: (\w+)",
+                        log)
+    assert starts == [("0", "not")] * 3, starts  # two Train runs and one Evaluate
+
+
+def test_tools_import_no_cycle():
+    """tools/ modules import each other without a cycle (prepare_run uses cache_dataset; both use bootstrap)."""
+    import ast
+    tools = Path(__file__).resolve().parent.parent / "tools"
+    graph = {}
+    for path in tools.glob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tools."):
+                names.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                names |= {a.name.split(".")[1] for a in node.names if a.name.startswith("tools.")}
+        graph[path.stem] = names
+
+    def reaches(start, target, seen=()):
+        return any(n == target or (n not in seen and reaches(n, target, (*seen, n))) for n in graph.get(start, ()))
+    assert not [name for name in graph if reaches(name, name)]
