@@ -24,17 +24,17 @@ import os
 import re
 import socket
 import sqlite3
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from .files import atomic_write, atomic_write_text
 
 MANIFEST_VERSION = 2
 DB_FILE = "cache.sqlite"
 SHARDS_DIR = "shards"
 KINDS = ("latent", "text")  # every kind this pack writes; anything else in a row is hostile or foreign
 SHARD_SUFFIX = ".safetensors"
-TEMP_SUFFIX = ".partial"
 RUN_PIN_PREFIX = "run:"  # pseudo-dataset holding the keys of one run manifest while that file exists
 PASS_HEARTBEAT_S = 10.0  # a live caching pass refreshes its heartbeat at least this often while it works
 PASS_STALE_S = 900.0  # a pass whose heartbeat is older than this is treated as dead (crashed, other host)
@@ -266,22 +266,18 @@ class CacheStore:
         path.parent.mkdir(parents=True, exist_ok=True)
         if not _inside(path.parent, self.shards):
             raise ValueError(f"cache shard folder {path.parent} resolves outside {self.shards}")
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{key[:12]}-", suffix=TEMP_SUFFIX)
-        os.close(fd)
-        try:
-            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp,
+        with atomic_write(path, prefix=f".{key[:12]}-") as staged:  # the name prune knows (_TEMP_NAME)
+            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, staged.path,
                       metadata={k: str(v) for k, v in (meta or {}).items()})
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            checksum = file_sha256(tmp)
-            size = os.path.getsize(tmp)
-            os.chmod(tmp, 0o644)
+            checksum = file_sha256(staged.path)
+            size = os.path.getsize(staged.path)
             with self._write() as db:
                 existing = self._intact_row(db, key)
                 if existing is not None:
+                    staged.discard()
                     db.execute("UPDATE entries SET used=? WHERE key=?", (time.time(), key))
                     return existing
-                os.replace(tmp, path)  # atomic: readers see the old shard or the new one, never a part
+                staged.commit()  # under the write lock: prune never sees the shard without its row
                 now = time.time()
                 db.execute("INSERT OR REPLACE INTO entries (key, kind, checksum, bytes, meta, created, used) "
                            "VALUES (?, ?, ?, ?, ?, ?, ?)", (key, kind, checksum, size, json.dumps(meta or {}), now, now))
@@ -289,9 +285,6 @@ class CacheStore:
                     db.execute("UPDATE passes SET heartbeat=? WHERE id=?", (now, self._pass_id))
                     self._last_beat = now
             return Entry(key, kind, path, checksum)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
 
     # sources: skip re-hashing files whose size and mtime did not change ---------------------
     def source_digest(self, path: str | Path) -> str:
@@ -426,10 +419,7 @@ def write_manifest(path: str | Path, dataset, cache_root: str | Path) -> Path:
         # the empty caption's embedding (caption dropout), [key, sha256], or null where it was not cached
         "empty_text": list(dataset.empty_text) if dataset.empty_text else None,
     }
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(manifest, separators=(",", ":")), encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return atomic_write_text(path, json.dumps(manifest, separators=(",", ":")))
 
 
 def read_manifest(path: str | Path) -> dict:

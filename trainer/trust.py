@@ -19,6 +19,7 @@ import secrets
 import tempfile
 from pathlib import Path
 
+from ..cache.files import atomic_write
 from ..cache.store import file_sha256  # the cache's shard checksum: one sha256-of-a-file in the pack
 
 SECRET_ENV = "INGRAPH_SECRET_FILE"
@@ -104,17 +105,8 @@ def read_signed_json(path: Path, max_bytes: int = 16 << 20) -> dict:
 def write_signed_json(path: Path, body: dict):
     """Atomically (temp file + rename), so a reader never sees half a signature."""
     data = dict(body, hmac=sign(canonical(body)))
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, sort_keys=True, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(path, prefix=f".{path.name}-") as staged:
+        staged.path.write_text(json.dumps(data, sort_keys=True, indent=1), encoding="utf-8")
 
 
 def sign_run(run_dir: str | Path, names: list[str]):
