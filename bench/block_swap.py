@@ -24,7 +24,7 @@ def build(state: dict, swap: int, device, dtype):
     import comfy.sd
     import torch
     from ingraph_trainer.trainer.adapters import inject_adapter
-    from ingraph_trainer.trainer.loop import enable_block_swap
+    from ingraph_trainer.trainer.memory import enable_block_swap
     from ingraph_trainer.trainer.models import family_for
     patcher = comfy.sd.load_diffusion_model_state_dict(dict(state), model_options={"dtype": torch.float32})
     family = family_for(patcher.model, patcher=patcher)

@@ -12,11 +12,11 @@ sys.modules["ingraph_trainer"] = package
 
 import torch  # noqa: E402
 
-from ingraph_trainer.trainer import loop  # noqa: E402
+from ingraph_trainer.trainer import training_module  # noqa: E402
 from ingraph_trainer.trainer.main import main  # noqa: E402
 
 NAN_AT_STEP = int(os.environ["INGRAPH_NAN_AT_STEP"])
-training_forward = loop.TrainingModule.forward
+training_forward = training_module.TrainingModule.forward
 calls = {"n": 0}
 
 
@@ -29,5 +29,5 @@ def forward(self, *args, **kwargs):
     return loss
 
 
-loop.TrainingModule.forward = forward
+training_module.TrainingModule.forward = forward
 sys.exit(main())

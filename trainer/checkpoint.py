@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 from .layout import CHECKPOINTS_DIR
+from ..cache.files import fsync_dir
 from ..cache.store import file_sha256
 from .trust import TrustError, canonical, read_signed_json, write_signed_json
 
@@ -186,7 +187,7 @@ def save_checkpoint(engine, run_dir: str | Path, step: int, state: dict, is_rank
         if path.exists() or path.is_symlink():
             _remove(path)
         os.replace(written, path)
-        _fsync_dir(root)
+        fsync_dir(root)
         if keep_last > 0:
             prune_checkpoints(run_dir, keep_last, keep=path)
     barrier()
@@ -207,16 +208,6 @@ def _remove(path: Path):
         path.unlink()
     else:
         shutil.rmtree(path)
-
-
-def _fsync_dir(path: Path):
-    if os.name == "nt":  # a folder cannot be opened for fsync there; NTFS orders its metadata itself
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _copy_verified(path: Path, files: dict, into: Path) -> str | None:
@@ -281,3 +272,26 @@ def rng_state() -> dict:
 def set_rng_state(state: dict):
     import torch
     torch.set_rng_state(state["torch"])
+
+
+class Checkpointer:
+    """The run's checkpointing, as one component (torchtitan's CheckpointManager): where a run resumes from, and
+    which steps save. The layout saves and loads (DeepSpeed's files for its stages); this decides when."""
+
+    def __init__(self, layout, run_dir: str | Path, save_every: int, keep_last: int, is_rank0: bool):
+        self.layout, self.run_dir = layout, Path(run_dir)
+        self.save_every, self.keep_last, self.is_rank0 = save_every, keep_last, is_rank0
+
+    def resume(self, resume: str) -> tuple[int, Path | None]:
+        """(the step to start from, the checkpoint it was restored from). Collective."""
+        path = resolve_resume(self.run_dir, resume)
+        if path is None:
+            return 0, None
+        return int(self.layout.load(path)["step"]), path
+
+    def due(self, step: int, total: int, stop_requested: bool) -> bool:
+        """The last step is not saved: the run's result is written instead."""
+        return step < total and (bool(self.save_every and step % self.save_every == 0) or stop_requested)
+
+    def save(self, step: int, state: dict) -> Path:
+        return self.layout.save(self.run_dir, step, state, self.is_rank0, self.keep_last)

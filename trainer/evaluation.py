@@ -96,12 +96,12 @@ def run_evaluation(spec, events) -> dict:
     from .comfy_env import import_comfy
     from .data import load_cached_dataset
     from .distributed import init_distributed
-    from .loop import TrainingModule
+    from .training_module import TrainingModule
     from .models import load_family
 
     started = time.time()
     import_comfy()
-    family = load_family(spec.model.path, spec.model.family, spec.model.prediction)
+    family = load_family(spec.model, precision=spec.train.precision)
     family.set_objective(flow_shift=spec.train.flow_shift, guidance=spec.train.guidance)
     dataset = load_cached_dataset(spec.data.eval_manifest or spec.data.manifest)
     if world_size() > 1:

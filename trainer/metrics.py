@@ -4,6 +4,18 @@ from __future__ import annotations
 from pathlib import Path
 
 TENSORBOARD_DIR = "tensorboard"
+PARAM_NORM_EVERY = 10  # the parameter norm is a pass over every trained weight: not every step
+
+
+def param_norm_due(step: int, first: int, last: int) -> bool:
+    """The steps whose health record (and step event) carry the parameter norm: the first and last step of
+    the run and every PARAM_NORM_EVERY-th."""
+    return step in (first, last) or step % PARAM_NORM_EVERY == 0
+
+
+def param_norm(params) -> float:
+    import torch
+    return torch.stack([p.detach().float().norm() for p in params]).norm().item()
 
 
 class HealthLog:

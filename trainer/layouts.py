@@ -1,0 +1,152 @@
+"""The parallel layout, chosen once from the spec, behind one small interface: train a step, evaluate, gather the
+weights for export, save and load.
+
+- WholeModel: every process holds the whole model (one process, data parallel, ZeRO 0-3); the loop runs the
+  micro-batches through DeepSpeed's engine itself.
+- PipelineStages: the model's layers split across processes (DeepSpeed's PipelineModule, data parallel across
+  pipelines); the engine runs the micro-batches through the stages.
+
+Both run on a DeepSpeed engine at any world size, so a step's arithmetic is the same whoever drives it.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from . import checkpoint as ckpt
+from .distributed import rank, world_size
+
+
+class ParallelLayout:
+    """What the loop asks of a layout. `module` is what DeepSpeed wraps, `trainable` its trainable parameters
+    on this process; `initialize` makes the engine, after which the rest may be called."""
+    module: torch.nn.Module
+    trainable: list
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.engine = None
+
+    def initialize(self, deepspeed, optimizer, scheduler, config: dict):
+        self.deepspeed = deepspeed
+        self.engine, _, _, _ = deepspeed.initialize(model=self.module, optimizer=optimizer, lr_scheduler=scheduler,
+                                                    config=config)
+        return self.engine
+
+    @property
+    def device(self):
+        return self.engine.device
+
+    @property
+    def data_rank(self) -> int:
+        """This process's place among the model replicas (which slots of the global batch it trains)."""
+        raise NotImplementedError
+
+    def train_step(self, micro_batches) -> tuple[float, float | None]:
+        """One optimizer step over this process's micro-batches; (the global mean loss, the gradient norm),
+        the same on every process. One host synchronisation for the loss, whatever the accumulation."""
+        raise NotImplementedError
+
+    def evaluate(self, dataset, indices, quantiles, seed: int, batch_size: int) -> dict:
+        raise NotImplementedError
+
+    def gathered(self, params):
+        """A context in which these parameters are whole tensors on every process (for export). Collective."""
+        raise NotImplementedError
+
+    def save(self, run_dir, step: int, state: dict, is_rank0: bool, keep_last: int):
+        return ckpt.save_checkpoint(self.engine, run_dir, step, state, is_rank0, keep_last=keep_last)
+
+    def load(self, path) -> dict:
+        return ckpt.load_checkpoint(self.engine, path)
+
+
+class WholeModel(ParallelLayout):
+    def __init__(self, spec, family, params):
+        from .training_module import TrainingModule
+        super().__init__(spec)
+        self.module = TrainingModule(family)
+        self.trainable = params
+        self._own_grad_norm = True  # until the engine shows it reports one (ZeRO, bf16 optimizers do)
+
+    @property
+    def data_rank(self) -> int:
+        return rank()
+
+    def train_step(self, micro_batches):
+        engine, device = self.engine, self.device
+        losses, own_norm = [], None
+        for inputs in micro_batches:
+            latents, cond, noise, timesteps, pooled = (x.to(device) if x is not None else None for x in inputs)
+            loss = engine(latents, cond, noise, timesteps, pooled)
+            engine.backward(loss)
+            if self._own_grad_norm and engine.is_gradient_accumulation_boundary():
+                own_norm = grad_norm(self.trainable)
+            engine.step()
+            losses.append(loss.detach())
+        values = torch.stack(losses).double().cpu().tolist()  # the step's one wait for the device
+        mean = global_mean(sum(values) / len(values), device)
+        reported = engine.get_global_grad_norm()
+        if reported:
+            self._own_grad_norm = False
+            return mean, reported
+        return mean, own_norm.item() if own_norm is not None else None
+
+    def evaluate(self, dataset, indices, quantiles, seed, batch_size):
+        from .evaluation import evaluate
+        return evaluate(self.module, dataset, indices, quantiles, seed, batch_size, self.device)
+
+    def gathered(self, params):
+        if self.spec.distributed.zero_stage == 3:  # each process holds a slice of every parameter
+            return self.deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        return contextlib.nullcontext()
+
+
+class PipelineStages(ParallelLayout):
+    def __init__(self, spec, family):
+        from . import pipeline
+        super().__init__(spec)
+        self.module, self.loss, self.layers = pipeline.build(family, spec.distributed.pipeline_stages)
+        self.trainable = [p for p in self.module.parameters() if p.requires_grad]  # this stage's share
+        self._collected = False
+
+    @property
+    def data_rank(self) -> int:
+        return self.engine.grid.get_data_parallel_rank()
+
+    def train_step(self, micro_batches):
+        from .pipeline import micro_batch
+        loss = self.engine.train_batch(iter([micro_batch(*inputs) for inputs in micro_batches]))  # global already
+        return loss.item(), self.engine.get_global_grad_norm()
+
+    def evaluate(self, dataset, indices, quantiles, seed, batch_size):
+        from .pipeline import evaluate
+        return evaluate(self.engine, self.loss, dataset, indices, quantiles, seed, batch_size)
+
+    def gathered(self, params):
+        if not self._collected:  # each stage trained its own layers: every process gets all of them, once
+            from .pipeline import collect_parameters
+            collect_parameters(self.engine, self.layers, trainable_only=self.spec.adapter.kind != "full")
+            self._collected = True
+        return contextlib.nullcontext()
+
+
+def choose_layout(spec, family, params) -> ParallelLayout:
+    if spec.distributed.pipeline_stages > 1:
+        return PipelineStages(spec, family)
+    return WholeModel(spec, family, params)
+
+
+def grad_norm(params) -> torch.Tensor | None:
+    """The 2-norm of the gradients, on the device (no wait for it)."""
+    grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
+    return torch.stack(grads).norm() if grads else None
+
+
+def global_mean(value: float, device) -> float:
+    if world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t)
+    return t.item() / world_size()

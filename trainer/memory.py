@@ -1,0 +1,55 @@
+"""Trading compute for memory: gradient checkpointing and block swap, applied to the family's blocks."""
+from __future__ import annotations
+
+import torch
+
+
+def enable_gradient_checkpointing(blocks):
+    for block in blocks:
+        forward = block.forward
+
+        def checkpointed(*args, _forward=forward, **kwargs):
+            return torch.utils.checkpoint.checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+        block.forward = checkpointed
+
+
+def enable_block_swap(blocks, device):
+    """diffusion-pipe's block swap for adapter training: these blocks' frozen weights live in CPU memory and
+    visit the device only while the block runs, in the forward pass and again when the backward pass
+    recomputes it (swapped blocks are checkpointed, so no copy outlives its block's use). Trainable adapter
+    weights stay on the device, where the optimizer holds them."""
+    import threading
+    state = threading.local()
+    pinned = torch.cuda.is_available()
+    for block in blocks:
+        frozen = {name: p for name, p in block.named_parameters() if not p.requires_grad}
+        host = {name: (p.detach().cpu().pin_memory() if pinned else p.detach().cpu()) for name, p in frozen.items()}
+        for name, p in frozen.items():
+            p.data = host[name]  # the device copy is freed
+        forward = block.forward
+
+        def run_on_device(*args, _block=block, _host=host, **kwargs):
+            state.inside = True
+            try:
+                weights = {name: t.to(device, non_blocking=True) for name, t in _host.items()}
+                return torch.func.functional_call(_block, weights, args, kwargs, strict=False)
+            finally:
+                state.inside = False
+
+        def swapped(*args, _forward=forward, _run=run_on_device, **kwargs):
+            if getattr(state, "inside", False):  # functional_call calls the block: run its real forward
+                return _forward(*args, **kwargs)
+            return torch.utils.checkpoint.checkpoint(_run, *args, use_reentrant=False, **kwargs)
+        block.forward = swapped
+
+
+def memory_savers(family, spec) -> list:
+    """Checkpoints the blocks the spec asks for; returns the blocks to swap once the engine's device is known
+    (swapped blocks are checkpointed by the swap itself)."""
+    t, d = spec.train, spec.distributed
+    blocks = family.checkpoint_blocks() if (t.gradient_checkpointing or d.block_swap) else []
+    if d.block_swap > len(blocks):
+        raise ValueError(f"distributed.block_swap: this model has {len(blocks)} blocks (got {d.block_swap})")
+    if t.gradient_checkpointing:
+        enable_gradient_checkpointing(blocks[d.block_swap:])
+    return blocks[:d.block_swap]
