@@ -10,4 +10,6 @@ WEB_DIRECTORY = "./web"
 if importlib.util.find_spec("comfy_api") is not None:  # inside ComfyUI; absent when the trainer runs via -m
     from .nodes import comfy_entrypoint  # noqa: F401
     from .runner import routes as _routes  # noqa: F401  registers the /ingraph HTTP routes
+    from .runner import standby as _standby
+    _standby.register_prompt_hook()  # a queued training prompt starts a trainer process ahead of need
 

@@ -28,10 +28,16 @@ class TrainerProcess:
         self.proc: subprocess.Popen | None = None
         self.events = EventReader(self.run_dir / EVENTS_FILE)
         self.log_path = self.run_dir / LOG_FILE
+        self.standby = False  # whether a standby trainer took the run (runner/standby.py)
+
+    @property
+    def multi_process(self) -> bool:
+        """Started through the DeepSpeed launcher (never by a standby)."""
+        return self.processes > 1 or bool(self.hostfile)
 
     def command(self) -> list[str]:
         cmd = [self.python, str(PACK_ROOT / "trainer"), "--config", str(self.spec_path)]
-        if self.processes > 1 or self.hostfile:
+        if self.multi_process:
             cmd = deepspeed_launch_command(self.python, self.processes, self.hostfile) + \
                 [str(PACK_ROOT / "trainer" / "__main__.py"), *cmd[2:]]
         cmd += ["--signed-run"]  # prepare_run signed the folder; the trainer checks the bytes it reads
@@ -43,18 +49,22 @@ class TrainerProcess:
         return cmd
 
     def start(self) -> "TrainerProcess":
+        from . import standby
         self.events = EventReader(self.run_dir / EVENTS_FILE, from_end=True)
-        # PYTHONSAFEPATH: `python -m deepspeed...` would put the working folder first on sys.path (in every
-        # process it starts); and the working folder is the pack's, never the run's: DeepSpeed reads
-        # ./.deepspeed_env, and the run folder is under output/, which any client can write
-        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONSAFEPATH="1")
-        if self.comfyui_path:
-            env["COMFYUI_PATH"] = str(self.comfyui_path)
+        env = standby.trainer_environment(self.comfyui_path)
+        cmd = self.command()
+        single = not self.multi_process
         with open(self.log_path, "ab") as log:
-            # own session: a signal to the group reaches every process of the run and nothing else
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         cwd=PACK_ROOT, env=env, start_new_session=True)
+            ready = standby.take(self.python, env) if single else None
+            if ready is not None and ready.hand_off(cmd[2:], log.fileno()):  # same argv, minus python and script
+                self.proc, self.standby = ready.proc, True
+            else:
+                # own session: a signal to the group reaches every process of the run and nothing else
+                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                             cwd=PACK_ROOT, env=env, start_new_session=True)
         (self.run_dir / PID_FILE).write_text(str(self.proc.pid))
+        if single:  # the next run's trainer starts importing while this one trains
+            standby.prime(self.python, env)
         return self
 
     @property

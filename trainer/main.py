@@ -18,6 +18,26 @@ EXIT_BAD_SPEC = 2
 EXIT_FAILED = 1
 EXIT_ORPHANED = 3
 
+# Imported only by the runs that use it: peft imports bitsandbytes (2 s) when it is installed, for layers of
+# bitsandbytes' own that this trainer never builds; the 8-bit AdamW optimizer is its only use here.
+OPTIONAL_MODULES = {"bitsandbytes": ("adamw8bit",)}
+
+
+def hide_optional_modules():
+    """Until a run asks for them, the optional modules look absent (find_spec says None, import fails)."""
+    for name in OPTIONAL_MODULES:
+        sys.modules.setdefault(name, None)
+
+
+def reveal_modules_for(spec):
+    for name, optimizers in OPTIONAL_MODULES.items():
+        if spec.train.optimizer in optimizers and name in sys.modules and sys.modules[name] is None:
+            del sys.modules[name]
+
+
+def configure_logging():
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
 
 def start_parent_watchdog(parent_pid: int, events: EventWriter, interval: float = 1.0, parent_host: str = ""):
     """Exit when the process that launched us (ComfyUI) is gone: nobody would read our results.
@@ -71,6 +91,12 @@ def report_spec_error(config: str, exc: Exception):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    hide_optional_modules()
+    if argv[:1] == ["--standby"]:  # started ahead of need by the launcher; becomes a trainer when given a run
+        configure_logging()  # before the imports, as a run does: what they log goes to the run's log
+        from .standby import serve
+        return serve(argv[1:], main)
     parser = argparse.ArgumentParser(prog="ingraph-trainer", description="Train an adapter from a run spec.")
     parser.add_argument("--config", required=True, help="run spec (TOML) written by the Train node or by hand")
     parser.add_argument("--resume", default=None, metavar="latest|TAG",
@@ -84,7 +110,7 @@ def main(argv=None) -> int:
                              "runs: their folders sit under ComfyUI's output/, which any client can write)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by deepspeed
     opts = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     try:
         spec = load_signed_spec(opts.config) if opts.signed_run else load_run_spec(opts.config)
         if opts.resume is not None:  # the saved spec stays as it was given
@@ -93,6 +119,7 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         report_spec_error(opts.config, exc)
         return EXIT_BAD_SPEC
+    reveal_modules_for(spec)
 
     from .distributed import destroy, ensure_dist_env, rank
     ensure_dist_env()

@@ -1,0 +1,177 @@
+"""One trainer process kept started ahead of need, so a run does not wait for torch, ComfyUI, DeepSpeed and
+peft to import (about 10 s on 2 CPU cores; trainer/standby.py is its other half).
+
+When: the first standby starts when a prompt with a node that launches a trainer (Train LoRA, Evaluate) is
+queued, so its imports overlap the graph's own work before that node (loading the model, caching); after each
+single-process run is handed to it, a fresh one starts for the next run. A ComfyUI that never trains never
+starts one, and an unused standby exits after INGRAPH_STANDBY_IDLE_S seconds (default 900), giving its memory
+back (about 0.7 GB of RSS on CPU; on a GPU machine it also holds a CUDA context). INGRAPH_STANDBY=0 turns it off:
+every run then starts its own process, as multi-process (DeepSpeed launcher) runs always do.
+
+A standby is used only by a run whose environment is exactly the one it was started with (the server's
+environment plus the launcher's variables, COMFYUI_PATH included) and with the same Python; otherwise it is
+stopped and the run starts cold.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger("ingraph_trainer")
+
+PACK_ROOT = Path(__file__).resolve().parent.parent
+ENABLE_ENV = "INGRAPH_STANDBY"
+IDLE_ENV = "INGRAPH_STANDBY_IDLE_S"
+DEFAULT_IDLE_S = 900.0
+# prompts holding one of these nodes start a standby when queued
+TRAINER_NODES = frozenset({"InGraphTrainLoRA", "InGraphEvaluate"})
+
+
+def enabled() -> bool:
+    return os.environ.get(ENABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def idle_seconds() -> float:
+    try:
+        return float(os.environ.get(IDLE_ENV) or DEFAULT_IDLE_S)
+    except ValueError:
+        return DEFAULT_IDLE_S
+
+
+class Standby:
+    """A started, unassigned trainer process and the launcher's end of its command socket."""
+
+    def __init__(self, python: str, env: dict[str, str]):
+        self.python = python
+        self.env = env
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # its output until it is given a run: an unnamed file it copies into the run's log at the hand-off
+        output = tempfile.TemporaryFile(prefix="ingraph-standby-")
+        try:
+            cmd = [python, str(PACK_ROOT / "trainer"), "--standby", "--parent-pid", str(os.getpid()),
+                   "--idle-s", str(idle_seconds())]
+            # own session, as every trainer: a signal to the group reaches this process and its children only
+            self.proc = subprocess.Popen(cmd, stdin=theirs.fileno(), stdout=output, stderr=subprocess.STDOUT,
+                                         cwd=PACK_ROOT, env=env, start_new_session=True)
+        finally:
+            theirs.close()
+            output.close()
+        self.channel = ours
+
+    def wait_ready(self, timeout: float) -> bool:
+        """True once its imports are done (it says so on the socket); False on timeout or if it died."""
+        import select
+        ready, _, _ = select.select([self.channel], [], [], timeout)
+        return bool(ready) and self.channel.recv(16) == b"ready\n"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def hand_off(self, argv: list[str], log_fd: int) -> bool:
+        """Gives the standby its run; False when it is gone (the run then starts cold)."""
+        if not self.alive():
+            self.close()
+            return False
+        try:
+            socket.send_fds(self.channel, [json.dumps(argv).encode()], [log_fd])
+        except OSError:
+            self.stop()
+            return False
+        self.channel.close()  # one command per standby; nothing else is ever sent
+        return True
+
+    def close(self):
+        self.channel.close()
+
+    def stop(self):
+        """Kills an unassigned standby: it holds nothing of a run, so there is nothing to let it finish."""
+        self.close()
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+
+
+_lock = threading.Lock()
+_waiting: Standby | None = None
+
+
+def trainer_environment(comfyui_path: str | None) -> dict[str, str]:
+    """The environment every trainer of this server gets (standby or not)."""
+    # PYTHONSAFEPATH: `python -m deepspeed...` would put the working folder first on sys.path (in every
+    # process it starts); and the working folder is the pack's, never the run's: DeepSpeed reads
+    # ./.deepspeed_env, and the run folder is under output/, which any client can write
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONSAFEPATH="1")
+    if comfyui_path:
+        env["COMFYUI_PATH"] = str(comfyui_path)
+    return env
+
+
+def prime(python: str, env: dict[str, str]):
+    """Makes sure a standby for (python, env) is started, unless standbys are off."""
+    global _waiting
+    if not enabled():
+        return
+    with _lock:
+        if _waiting is not None and _waiting.alive() and (_waiting.python, _waiting.env) == (python, env):
+            return
+        stale, _waiting = _waiting, None
+        if stale is not None:
+            stale.stop()
+        try:
+            _waiting = Standby(python, env)
+        except OSError as exc:
+            log.warning("InGraph Trainer: no standby trainer (%s); runs start their own process", exc)
+
+
+def take(python: str, env: dict[str, str]) -> Standby | None:
+    """The ready standby when it matches (python, env) and still runs; None otherwise (the run starts cold)."""
+    global _waiting
+    if not enabled():
+        return None
+    with _lock:
+        standby, _waiting = _waiting, None
+    if standby is None:
+        return None
+    if standby.alive() and (standby.python, standby.env) == (python, env):
+        return standby
+    standby.stop()
+    return None
+
+
+def discard():
+    """Stops the ready standby, if any (tests; a server shutting down closes its socket anyway)."""
+    global _waiting
+    with _lock:
+        standby, _waiting = _waiting, None
+    if standby is not None:
+        standby.stop()
+
+
+def prime_for_prompt(json_data: dict) -> dict:
+    """ComfyUI's on-prompt hook: a queued prompt that will launch a trainer gets a standby warming up."""
+    prompt = json_data.get("prompt") if isinstance(json_data, dict) else None
+    if isinstance(prompt, dict) and any(isinstance(node, dict) and node.get("class_type") in TRAINER_NODES
+                                        for node in prompt.values()):
+        from . import paths
+        prime(sys.executable, trainer_environment(paths.comfyui_root()))
+    return json_data
+
+
+def register_prompt_hook():
+    try:
+        from server import PromptServer
+    except ImportError:  # not inside a ComfyUI server
+        return
+    if getattr(PromptServer, "instance", None) is not None:
+        PromptServer.instance.add_on_prompt_handler(prime_for_prompt)

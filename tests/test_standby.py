@@ -1,0 +1,188 @@
+"""The standby trainer (runner/standby.py, trainer/standby.py): a process started ahead of need takes a
+single-process run and behaves exactly as a freshly started trainer; it never outlives its launcher."""
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import REPO, read_events
+
+launcher = importlib.import_module("ingraph_trainer.runner.launcher")
+standby = importlib.import_module("ingraph_trainer.runner.standby")
+trainer_main = importlib.import_module("ingraph_trainer.trainer.main")
+
+WARM_UP_S = 180  # the imports take ~10 s alone; tests share 2 cores with a server and its trainers
+
+
+@pytest.fixture
+def fresh_standby(monkeypatch):
+    monkeypatch.setenv(standby.ENABLE_ENV, "1")
+    standby.discard()
+    yield
+    standby.discard()
+
+
+def _finish(process, timeout=300) -> int:
+    try:
+        return process.proc.wait(timeout=timeout)
+    finally:
+        process.terminate()
+
+
+def _events(run_dir):
+    return [{k: v for k, v in e.items() if k not in ("time", "run_dir", "samples_per_s", "step_time_s", "eta_s",
+                                                      "elapsed_s", "adapter", "seconds")}
+            for e in read_events(run_dir)]
+
+
+def test_a_standby_run_gives_the_events_log_and_exit_code_of_a_cold_run(prepared, fresh_standby, monkeypatch):
+    cold_spec = prepared(train__steps=2, train__precision="fp32")
+    warm_spec = prepared(train__steps=2, train__precision="fp32")
+    env = standby.trainer_environment(None)
+    standby.prime(sys.executable, env)
+    assert standby._waiting.wait_ready(WARM_UP_S), "the standby never finished its imports"
+    warm = launcher.TrainerProcess(warm_spec.parent, warm_spec, watch_parent=False).start()
+    assert warm.standby
+    assert _finish(warm) == 0
+    monkeypatch.setenv(standby.ENABLE_ENV, "0")
+    cold = launcher.TrainerProcess(cold_spec.parent, cold_spec, watch_parent=False).start()
+    assert not cold.standby
+    assert _finish(cold) == 0
+    warm_events, cold_events = _events(warm_spec.parent), _events(cold_spec.parent)
+    assert [e["type"] for e in warm_events] == [e["type"] for e in cold_events]
+    assert [e.get("loss") for e in warm_events] == [e.get("loss") for e in cold_events]  # same seed, same numbers
+    assert warm_events[0]["type"] == "started" and warm_events[-1]["type"] == "finished"
+    warm_log = (warm_spec.parent / "trainer.log").read_text()
+    # what the imports printed before the run existed (DeepSpeed's accelerator line) is in the run's log
+    assert "ccelerator" in warm_log and "takes this run" in warm_log
+    assert int((warm_spec.parent / "trainer.pid").read_text()) == warm.pid
+
+
+def test_a_bad_spec_given_to_a_standby_exits_2_with_its_error_event(prepared, fresh_standby, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "run.toml").write_text("version = 1\n")  # unsigned: refused, as a cold trainer refuses it
+    env = standby.trainer_environment(None)
+    standby.prime(sys.executable, env)
+    process = launcher.TrainerProcess(run_dir, run_dir / "run.toml", watch_parent=False).start()
+    assert process.standby
+    assert _finish(process) == trainer_main.EXIT_BAD_SPEC
+    events = read_events(run_dir)
+    assert events[-1]["type"] == "error" and "not the run this installation signed" in events[-1]["message"]
+
+
+def test_terminate_during_a_standby_run_ends_its_whole_group(prepared, fresh_standby):
+    spec = prepared(train__steps=5000, train__precision="fp32")
+    standby.prime(sys.executable, standby.trainer_environment(None))
+    process = launcher.TrainerProcess(spec.parent, spec, watch_parent=False).start()
+    assert process.standby and os.getsid(process.pid) == process.pid  # its own session and group
+    try:
+        deadline = time.monotonic() + WARM_UP_S
+        while not any(e["type"] == "started" for e in read_events(spec.parent)) and time.monotonic() < deadline:
+            assert process.poll() is None, process.log_tail()
+            time.sleep(0.1)
+        assert process.poll() is None
+    finally:
+        rc = process.terminate()
+    assert rc in (-signal.SIGTERM, -signal.SIGKILL, 1)  # stopped, as a cold trainer is
+    with pytest.raises(ProcessLookupError):  # nothing of its group is left
+        os.killpg(process.pid, 0)
+
+
+def test_an_unassigned_standby_exits_when_its_launcher_dies(tmp_path):
+    """The launcher (a ComfyUI server) is SIGKILLed: its standby must not stay behind."""
+    pid_file = tmp_path / "standby.pid"
+    script = textwrap.dedent(f"""
+        import sys, time, types
+        sys.path.insert(0, {str(REPO)!r})
+        pkg = types.ModuleType("ingraph_trainer"); pkg.__path__ = [{str(REPO)!r}]
+        sys.modules["ingraph_trainer"] = pkg
+        from ingraph_trainer.runner import standby
+        standby.prime(sys.executable, standby.trainer_environment(None))
+        open({str(pid_file)!r}, "w").write(str(standby._waiting.proc.pid))
+        print("ready" if standby._waiting.wait_ready({WARM_UP_S}) else "not ready", flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, **{standby.ENABLE_ENV: "1"}))
+    try:
+        assert parent.stdout.readline().strip() == "ready"
+        pid = int(pid_file.read_text())
+        os.kill(pid, 0)  # warm and waiting
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    finally:
+        parent.kill()
+
+
+def test_multi_process_runs_start_through_deepspeed_not_the_standby(tmp_path, monkeypatch, fresh_standby):
+    started = []
+
+    class Waiting:  # a standby that must be left alone
+        def hand_off(self, *_):
+            raise AssertionError("a 2-process run was handed to the standby")
+
+    monkeypatch.setattr(standby, "_waiting", Waiting())
+    monkeypatch.setattr(standby, "prime", lambda *a: started.append("prime"))
+    monkeypatch.setattr(launcher.subprocess, "Popen",
+                        lambda cmd, **kw: started.append(cmd) or type("P", (), {"pid": 1})())
+    process = launcher.TrainerProcess(tmp_path, tmp_path / "run.toml", processes=2, watch_parent=False).start()
+    assert not process.standby and isinstance(standby._waiting, Waiting)
+    assert started and "deepspeed.launcher.runner" in started[0]  # and no standby primed for it
+    assert started == [started[0]]
+    monkeypatch.setattr(standby, "_waiting", None)
+
+
+def test_standbys_start_only_for_training_prompts_and_never_when_switched_off(monkeypatch):
+    primed = []
+    monkeypatch.setattr(standby, "prime", lambda python, env: primed.append(env["COMFYUI_PATH"]))
+    paths = importlib.import_module("ingraph_trainer.runner.paths")
+    monkeypatch.setattr(paths, "comfyui_root", lambda: "/comfy")
+    standby.prime_for_prompt({"prompt": {"1": {"class_type": "CheckpointLoaderSimple"}}})
+    assert primed == []
+    standby.prime_for_prompt({"prompt": {"1": {"class_type": "CheckpointLoaderSimple"},
+                                         "2": {"class_type": "InGraphTrainLoRA"}}})
+    assert primed == ["/comfy"]
+    monkeypatch.undo()
+    monkeypatch.setenv(standby.ENABLE_ENV, "0")
+    standby.prime(sys.executable, standby.trainer_environment(None))
+    assert standby._waiting is None and standby.take(sys.executable, standby.trainer_environment(None)) is None
+
+
+def test_bitsandbytes_is_imported_only_by_runs_with_8bit_adamw():
+    """peft imports bitsandbytes (2 s) when installed; only the 8-bit optimizer needs it."""
+    script = textwrap.dedent(f"""
+        import sys, types
+        pkg = types.ModuleType("ingraph_trainer"); pkg.__path__ = [{str(REPO)!r}]
+        sys.modules["ingraph_trainer"] = pkg
+        from ingraph_trainer.trainer import main
+        from ingraph_trainer.trainer.config import RunSpec
+        main.hide_optional_modules()
+        import peft
+        assert sys.modules.get("bitsandbytes") is None, "peft imported bitsandbytes"
+        spec = RunSpec()
+        main.reveal_modules_for(spec)
+        assert sys.modules.get("bitsandbytes") is None, "revealed for a run with plain AdamW"
+        spec.train.optimizer = "adamw8bit"
+        main.reveal_modules_for(spec)
+        import bitsandbytes
+        print("ok", bitsandbytes.optim.AdamW8bit.__name__)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-2000:]

@@ -1,0 +1,113 @@
+"""A trainer process started ahead of need: `python <pack>/trainer --standby --parent-pid P`.
+
+It does the imports every run needs (torch, the launching server's ComfyUI, DeepSpeed, peft, the training
+loop) and then waits on its stdin, a Unix socket from the launcher, for one message: the trainer's command
+line (JSON list) with the run's log file as an attached descriptor. Only then does it read anything of a run.
+It moves its output (what the imports printed, kept in a launcher-made unnamed file) into the run's log, points
+stdout/stderr at that log and stdin at /dev/null, and runs `main(argv)` exactly as a freshly started trainer
+would: same argv, same events, same exit code.
+
+Unassigned, it exits when the launcher closes its end of the socket or exits, when the process `--parent-pid`
+names is gone (a fork of the launcher may hold the socket open), or after `--idle-s` seconds.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import sys
+import time
+
+EXIT_ORPHANED = 3  # as trainer.main's: the launcher is gone
+MAX_MESSAGE = 1 << 20
+READY = b"ready\n"  # sent once the imports are done (the launcher may wait for it; it need not)
+
+
+def warm_up():
+    """The imports of every run, in the order a run does them; bitsandbytes stays hidden (see main.py)."""
+    import torch  # noqa: F401
+
+    from .comfy_env import import_comfy
+    from .distributed import import_deepspeed
+    import_comfy()  # COMFYUI_PATH is the launching server's, set in this process's environment
+    import_deepspeed()
+    import peft  # noqa: F401
+    from . import evaluation, loop  # noqa: F401  everything the training loop imports at module level
+
+
+def wait_for_command(channel: socket.socket, parent_pid: int, idle_s: float) -> tuple[list[str], int] | None:
+    """(argv, log descriptor) from the launcher, or None when the launcher is gone or the wait ran out."""
+    from .process_state import process_gone
+    deadline = time.monotonic() + idle_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([channel], [], [], 1.0)
+        if not ready:
+            if parent_pid > 0 and (os.getppid() != parent_pid or process_gone(parent_pid)):
+                return None
+            continue
+        message, fds, _, _ = socket.recv_fds(channel, MAX_MESSAGE, 1)
+        if not message:  # the launcher closed the socket (or exited)
+            for fd in fds:
+                os.close(fd)
+            return None
+        if len(fds) != 1:
+            raise RuntimeError(f"standby: the launcher's message carried {len(fds)} descriptors, not the run's log")
+        argv = json.loads(message)
+        if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)) or "--standby" in argv:
+            raise RuntimeError("standby: the launcher's message is not a trainer command line")
+        return argv, fds[0]
+    return None
+
+
+def take_over_output(log_fd: int):
+    """What this process printed so far goes to the run's log, and so does everything from now on."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        size = os.fstat(1).st_size
+        offset = 0
+        while offset < size:  # fd 1 is the unnamed file the launcher opened read-write for this process
+            chunk = os.pread(1, min(1 << 20, size - offset), offset)
+            if not chunk:
+                break
+            os.write(log_fd, chunk)
+            offset += len(chunk)
+    except OSError:
+        pass  # output that cannot be read back (stdout is not a file) is not worth failing a run for
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+
+
+def serve(argv: list[str], run_main) -> int:
+    """The standby's life: warm up, wait for one command, become that trainer. Returns its exit code."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="ingraph-trainer --standby")
+    parser.add_argument("--parent-pid", type=int, default=0)
+    parser.add_argument("--idle-s", type=float, default=900.0)
+    opts = parser.parse_args(argv)
+    channel = socket.socket(fileno=os.dup(0))
+    warm_up()
+    try:
+        channel.sendall(READY)
+    except OSError:
+        pass  # the launcher sent the run before the imports were done and closed its end: the run is still there
+    warm_at = time.strftime("%H:%M:%S")
+    command = wait_for_command(channel, opts.parent_pid, opts.idle_s)
+    if command is None:
+        return 0 if opts.parent_pid <= 0 or not _parent_gone(opts.parent_pid) else EXIT_ORPHANED
+    run_argv, log_fd = command
+    take_over_output(log_fd)
+    channel.close()
+    print(f"ingraph-trainer: standby process {os.getpid()} (imports done at {warm_at}) takes this run", flush=True)
+    sys.argv[1:] = run_argv
+    return run_main(run_argv)
+
+
+def _parent_gone(parent_pid: int) -> bool:
+    from .process_state import process_gone
+    return os.getppid() != parent_pid or process_gone(parent_pid)
