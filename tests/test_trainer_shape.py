@@ -61,7 +61,139 @@ def test_manifest_writes_go_through_the_atomic_writer(tmp_path, monkeypatch):
     monkeypatch.setattr(store, "atomic_write_text", lambda path, text: written.append(Path(path)) or Path(path))
 
     class Dataset:
-        folder, repeats, items = "f", 1, []
+        folder, repeats, items, empty_text = "f", 1, [], None
+
+        def cache_keys(self):
+            return []
     monkeypatch.setattr(store.CacheStore, "pin_manifest", lambda self, path, keys: None)
     store.write_manifest(tmp_path / "dataset.json", Dataset(), tmp_path / "cache")
     assert written == [tmp_path / "dataset.json"]
+
+
+def test_each_choice_is_defined_once_with_the_labels_saved_workflows_hold():
+    from ingraph_trainer.trainer import config, export, objectives
+    # saved workflows store these labels by position: they may grow, never change
+    assert config.choice_labels(config.OPTIMIZER_CHOICES)[:2] == ["AdamW", "AdamW 8-bit"]
+    assert config.choice_labels(config.ADAPTER_FORMAT_CHOICES) == ["ComfyUI", "kohya (lora_unet_*)", "diffusers (peft)"]
+    assert config.choice_labels(config.SCHEDULE_CHOICES) == ["constant", "linear decay", "cosine decay"]
+    assert config.choice_labels(config.TIMESTEP_SAMPLING_CHOICES) == ["uniform", "logit-normal"]
+    assert config.choice_labels(config.LOSS_CHOICES) == ["MSE", "Huber"]
+    assert config.choice_labels(config.ADAPTER_KIND_CHOICES) == ["LoRA", "LoHa", "LoKr", "DoRA", "Full fine-tune"]
+    assert config.choice_labels(config.TARGET_CHOICES) == ["attention", "attention + feed-forward", "all linear layers"]
+    assert config.ADAPTER_FORMATS == ("comfyui", "kohya", "diffusers") and objectives.LOSSES is config.LOSSES
+    assert not hasattr(export, "FORMATS")
+    assert config.choice_value(config.SCHEDULE_CHOICES, "linear decay", "lr_schedule") == "linear"
+    assert config.choice_value(config.SCHEDULE_CHOICES, "cosine", "lr_schedule") == "cosine"
+    with pytest.raises(ValueError, match=r"lr_schedule: 'step' is not one of \['constant', 'linear decay'"):
+        config.choice_value(config.SCHEDULE_CHOICES, "step", "lr_schedule")
+    assert "AdamW 8-bit: bitsandbytes" in config.choices_tooltip(config.OPTIMIZER_CHOICES)
+    for name in dir(config):
+        if name.endswith("_CHOICES"):
+            choices = getattr(config, name)
+            assert all(c.tooltip for c in choices) and len({c.value for c in choices}) == len(choices), name
+
+
+def _trainer_import_graph() -> dict[str, set[str]]:
+    import ast
+    root = conftest.REPO / "trainer"
+    graph = {}
+    for path in root.rglob("*.py"):
+        module = path.relative_to(root).with_suffix("").as_posix().replace("/", ".")
+        package = module.rsplit(".", 1)[0] if "." in module else ""
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)] if package else []
+                target = ".".join([*base, *(node.module.split(".") if node.module else [])])
+                names = [target] if node.module else [".".join([*base, a.name]) for a in node.names]
+                edges |= {n.replace(".__init__", "") for n in names if n}
+        graph[module.replace(".__init__", "") or "__init__"] = edges
+    return graph
+
+
+def test_no_import_cycle_in_the_trainer():
+    """Lazy imports count too: loop, evaluation and pipeline used to import each other in a circle."""
+    graph = _trainer_import_graph()
+    state: dict[str, int] = {}
+
+    def visit(node, trail):
+        if state.get(node) == 1:
+            raise AssertionError("import cycle: " + " -> ".join(trail[trail.index(node):] + [node]))
+        if state.get(node) == 2 or node not in graph:
+            return
+        state[node] = 1
+        for nxt in graph[node]:
+            visit(nxt if nxt in graph else nxt.rsplit(".", 1)[0], trail + [node])
+        state[node] = 2
+    for node in graph:
+        visit(node, [])
+    assert "layouts" in graph["loop"] and "loop" not in graph["evaluation"]
+
+
+def test_the_training_loop_fits_on_one_screen():
+    import inspect
+    from ingraph_trainer.trainer.loop import Trainer
+    assert len(inspect.getsource(Trainer.train).splitlines()) <= 50
+
+
+def test_parameter_norm_cadence():
+    from ingraph_trainer.trainer.metrics import PARAM_NORM_EVERY, param_norm_due
+    due = [s for s in range(1, 36) if param_norm_due(s, first=1, last=35)]
+    assert due == [1, *range(PARAM_NORM_EVERY, 35, PARAM_NORM_EVERY), 35]
+    assert param_norm_due(21, first=21, last=40)  # a resumed run reports it on its first step
+
+
+def test_checkpoints_are_due_every_save_every_and_on_stop_never_on_the_last_step():
+    from ingraph_trainer.trainer.checkpoint import Checkpointer
+    every3 = Checkpointer(None, "run", save_every=3, keep_last=0, is_rank0=True)
+    assert [s for s in range(1, 10) if every3.due(s, 9, False)] == [3, 6]
+    assert every3.due(4, 9, True) and not every3.due(9, 9, True)
+    assert not Checkpointer(None, "run", 0, 0, True).due(5, 9, False)
+
+
+class _Engine:
+    """DeepSpeed's engine as WholeModel drives it, counting what the step reads back from the device."""
+
+    def __init__(self, losses, reported=None):
+        import torch
+        self.losses, self.reported, self.device = iter(losses), reported, torch.device("cpu")
+        self.calls = 0
+
+    def __call__(self, latents, cond, noise, timesteps, pooled):
+        import torch
+        self.param.grad = torch.full_like(self.param, 2.0)
+        return torch.tensor(next(self.losses), dtype=torch.float32)
+
+    def backward(self, loss):
+        pass
+
+    def is_gradient_accumulation_boundary(self):
+        self.calls += 1
+        return self.calls % 2 == 0
+
+    def step(self):
+        pass
+
+    def get_global_grad_norm(self):
+        return self.reported
+
+
+def test_whole_model_step_reads_the_loss_once_and_means_it_like_the_old_loop(monkeypatch):
+    import torch
+    from ingraph_trainer.trainer import layouts
+    layout = object.__new__(layouts.WholeModel)
+    param = torch.nn.Parameter(torch.zeros(4))
+    layout.trainable, layout._own_grad_norm = [param], True
+    layout.engine = _Engine([0.3, 0.7000001])
+    layout.engine.param = param
+    expected = (torch.tensor(0.3).item() + torch.tensor(0.7000001).item()) / 2  # the old per-micro-batch .item()
+    items = []
+    original_item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: items.append(1) or original_item(self))
+    batch = (torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1), None)
+    loss, grad_norm = layout.train_step([batch, batch])
+    assert loss == expected and grad_norm == pytest.approx(4.0)
+    assert len(items) == 1  # the gradient norm's; the losses come back in one transfer
+    layout.engine = _Engine([0.5, 0.5], reported=1.5)
+    layout.engine.param = param
+    assert layout.train_step([batch, batch])[1] == 1.5 and layout._own_grad_norm is False

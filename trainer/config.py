@@ -14,15 +14,86 @@ from typing import Any, get_type_hints
 
 SPEC_VERSION = 1
 
-TARGET_PRESETS = ("attention", "attention_ff", "all_linear")
-ADAPTER_KINDS = ("lora", "loha", "lokr", "dora", "full")  # full: every weight of the diffusion model trains
-ADAPTER_FORMATS = ("comfyui", "kohya", "diffusers")
-OPTIMIZERS = ("adamw", "adamw8bit")
-SCHEDULES = ("constant", "linear", "cosine")
-PRECISIONS = ("fp32", "bf16")
+
+@dataclass(frozen=True)
+class Choice:
+    """One option of a setting: the value the run spec holds, the label a node shows (saved workflows store the
+    label: never rename one), and what it does (for the node's tooltip)."""
+    value: str
+    label: str
+    tooltip: str
+
+
+def choice_values(choices: tuple[Choice, ...]) -> tuple[str, ...]:
+    return tuple(c.value for c in choices)
+
+
+def choice_labels(choices: tuple[Choice, ...]) -> list[str]:
+    return [c.label for c in choices]
+
+
+def choice_value(choices: tuple[Choice, ...], label: str, where: str) -> str:
+    """The spec value of a node's label (a spec value is accepted too); the error names the input."""
+    for c in choices:
+        if label in (c.label, c.value):
+            return c.value
+    raise ValueError(f"{where}: {label!r} is not one of {choice_labels(choices)}")
+
+
+def choices_tooltip(choices: tuple[Choice, ...]) -> str:
+    return " ".join(f"{c.label}: {c.tooltip}" for c in choices)
+
+
+# Each choice of the spec, defined once; the tuples of values below are what validation checks.
+ADAPTER_KIND_CHOICES = (
+    Choice("lora", "LoRA", "low-rank update."),
+    Choice("loha", "LoHa", "Hadamard product of two low-rank updates (more expressive at the same rank)."),
+    Choice("lokr", "LoKr", "Kronecker product of two small matrices."),
+    Choice("dora", "DoRA", "LoRA with a learned magnitude per output (weight-decomposed)."),
+    Choice("full", "Full fine-tune", "every weight of the diffusion model trains; saved as a diffusion model."),
+)
+TARGET_CHOICES = (
+    Choice("attention", "attention", "the attention projections."),
+    Choice("attention_ff", "attention + feed-forward", "attention and feed-forward layers."),
+    Choice("all_linear", "all linear layers", "every linear layer of the model's blocks."),
+)
+ADAPTER_FORMAT_CHOICES = (
+    Choice("comfyui", "ComfyUI", "diffusion_model.* keys, what ComfyUI's LoRA loaders read (every family)."),
+    Choice("kohya", "kohya (lora_unet_*)", "lora_unet_* keys for kohya-based tools (ComfyUI reads these too)."),
+    Choice("diffusers", "diffusers (peft)", "unet.*.lora_A/B keys that diffusers loads (SD UNets, plain LoRA only)."),
+)
+OPTIMIZER_CHOICES = (
+    Choice("adamw", "AdamW", "torch's AdamW."),
+    Choice("adamw8bit", "AdamW 8-bit", "bitsandbytes' 8-bit AdamW (less optimizer memory)."),
+)
+SCHEDULE_CHOICES = (
+    Choice("constant", "constant", "the learning rate stays as set after the warmup."),
+    Choice("linear", "linear decay", "falls linearly to 0 at the last step after the warmup."),
+    Choice("cosine", "cosine decay", "falls along a half cosine to 0 at the last step after the warmup."),
+)
+PRECISION_CHOICES = (
+    Choice("bf16", "bf16", "bfloat16 weights and activations (DeepSpeed's bf16 mode): half the memory."),
+    Choice("fp32", "fp32", "float32 throughout: exact and repeatable, slower."),
+)
+LOSS_CHOICES = (
+    Choice("mse", "MSE", "mean squared error."),
+    Choice("huber", "Huber", "less pulled by outlier images and noisy captions (train.huber_delta)."),
+)
+TIMESTEP_SAMPLING_CHOICES = (
+    Choice("uniform", "uniform", "every noise level equally often."),
+    Choice("logit_normal", "logit-normal", "more steps at mid noise (SD3's; train.logit_mean, train.logit_std)."),
+)
+
+TARGET_PRESETS = choice_values(TARGET_CHOICES)
+ADAPTER_KINDS = choice_values(ADAPTER_KIND_CHOICES)  # full: every weight of the diffusion model trains
+ADAPTER_FORMATS = choice_values(ADAPTER_FORMAT_CHOICES)
+OPTIMIZERS = choice_values(OPTIMIZER_CHOICES)
+SCHEDULES = choice_values(SCHEDULE_CHOICES)
+PRECISIONS = choice_values(PRECISION_CHOICES)
+LOSSES = choice_values(LOSS_CHOICES)
 PREDICTIONS = ("auto", "epsilon", "v_prediction", "flow")
 FAMILY_NAMES = ("auto", "sd_unet", "sdxl", "sd3", "flux", "wan", "generic")  # trainer/models (auto: detected)
-TIMESTEP_SAMPLING = ("uniform", "logit_normal")
+TIMESTEP_SAMPLING = choice_values(TIMESTEP_SAMPLING_CHOICES)
 TASKS = ("train", "evaluate")
 MODEL_FORMATS = ("diffusion_model", "checkpoint")  # how ComfyUI loads model.path: UNETLoader / Load Checkpoint
 WEIGHT_DTYPES = ("default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2")  # UNETLoader's weight_dtype
@@ -239,7 +310,7 @@ class RunSpec:
         need(t.max_grad_norm >= 0, "train.max_grad_norm", f"must be 0 (off) or more (got {t.max_grad_norm})")
         need(t.seed >= 0, "train.seed", f"must be 0 or more (got {t.seed})")
         need(t.warmup_steps >= 0, "train.warmup_steps", f"must be 0 or more (got {t.warmup_steps})")
-        need(t.loss in ("mse", "huber"), "train.loss", f"must be 'mse' or 'huber' (got {t.loss!r})")
+        need(t.loss in LOSSES, "train.loss", f"must be one of {LOSSES} (got {t.loss!r})")
         need(t.huber_delta > 0, "train.huber_delta", f"must be positive (got {t.huber_delta})")
         need(t.min_snr_gamma >= 0, "train.min_snr_gamma", f"must be 0 (off) or positive (got {t.min_snr_gamma})")
         need(t.timestep_sampling in TIMESTEP_SAMPLING, "train.timestep_sampling",

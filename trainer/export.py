@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-FORMATS = ("comfyui", "kohya", "diffusers")
+from .config import ADAPTER_FORMATS  # each choice is defined once, with its label, in config
 DIFFUSERS_KINDS = ("lora",)
 PREFIX = "diffusion_model."
 
@@ -32,8 +32,8 @@ def convert(tensors: dict[str, torch.Tensor], fmt: str, diffusers_names: dict[st
     """`diffusers_names`: ComfyUI module name → diffusers module name (empty where the family has none)."""
     if fmt == "comfyui":
         return tensors
-    if fmt not in FORMATS:
-        raise ValueError(f"output.format: {fmt!r} is not one of {FORMATS}")
+    if fmt not in ADAPTER_FORMATS:
+        raise ValueError(f"output.format: {fmt!r} is not one of {ADAPTER_FORMATS}")
     modules: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         module, part = split_key(key)

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import TIMESTEP_SAMPLING
+from .config import LOSSES, TIMESTEP_SAMPLING
 
-LOSSES = ("mse", "huber")
 
 
 def per_sample_loss(prediction: torch.Tensor, target: torch.Tensor, kind: str = "mse",
