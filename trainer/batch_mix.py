@@ -260,11 +260,12 @@ def build_training_data(data_spec, global_batch: int, seed: int):
 
 
 class MicroBatch(NamedTuple):
+    """The loop's micro-batch tuple (latents, cond, noise, timesteps, pooled), then what the features add."""
     latents: torch.Tensor
     cond: torch.Tensor
-    pooled: torch.Tensor | None
     noise: torch.Tensor
     timesteps: torch.Tensor
+    pooled: torch.Tensor | None
     mask: torch.Tensor | None  # loss weights per latent pixel (objectives.per_sample_loss's mask), or None
     sample_weight: torch.Tensor | None  # loss weight per sample (objectives.batch_loss), None without prior images
     is_prior: torch.Tensor | None  # bool per sample, for loss_parts; None without prior images
@@ -285,7 +286,7 @@ def load_step(dataset, sampler, step: int, data_spec, seed: int, batch_size: int
     timesteps = timesteps_of(uniform)
     is_prior = sampler.is_prior(indices) if isinstance(sampler, PriorMixSampler) else None
     weights = sample_weights(is_prior, data_spec.prior_weight) if is_prior is not None else None
-    micro = [MicroBatch(b.latents, b.cond, b.pooled, noise[s], timesteps[s], b.mask,
+    micro = [MicroBatch(b.latents, b.cond, noise[s], timesteps[s], b.pooled, b.mask,
                         weights[s] if weights is not None else None, is_prior[s] if is_prior is not None else None)
              for b, s in zip(batches, slots)]
     return indices, micro, timesteps
