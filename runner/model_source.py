@@ -67,9 +67,9 @@ class VaeSource:
 
 
 def file_stamp(path: str | Path) -> str:
-    """"size:mtime_ns": how the trainer checks a file is the one described (as the cache does, no hashing)."""
-    st = os.stat(path)
-    return f"{st.st_size}:{st.st_mtime_ns}"
+    """"size:mtime_ns", as the trainer checks it (trainer.models.file_stamp: one definition for both sides)."""
+    from ..trainer.models import file_stamp as stamp
+    return stamp(str(path))
 
 
 def prediction_of(model) -> str:
