@@ -415,8 +415,8 @@ def base_weight_bytes(started: dict | None) -> tuple[str, int] | None:
         elif isinstance(obj, (int, float)) and not isinstance(obj, bool) and re.search(r"byte", path, re.I):
             candidates.append((path, int(obj)))
     walk(started, "")
-    base = [c for c in candidates if re.search(r"base|frozen|weight", c[0], re.I)]
-    return (base or candidates or [None])[0]
+    base = [c for c in candidates if re.search(r"base|frozen", c[0], re.I)]  # not the adapter's or optimizer's
+    return base[0] if base else None
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -429,17 +429,33 @@ def fmt_s(s: float | None) -> str:
     return "n/a" if s is None else f"{s:.1f} s"
 
 
+def purpose(f: dict, wf: dict) -> str:
+    """What a model-weight file was written for, in the issue's terms."""
+    node = wf.get(f["node"] or "", {})
+    cls = node.get("class_type", "")
+    if f["kind"] == "weights:vae":
+        return "the previews' VAE" if cls.startswith("InGraphTrain") else f"a VAE (node {f['node']} {cls})"
+    if cls.startswith("InGraphTrain"):
+        return "the Train node's hand-off"
+    if cls.startswith("InGraphEvaluate"):
+        source = node["inputs"].get("model")
+        source_cls = wf.get(source[0], {}).get("class_type", "?") if isinstance(source, list) else "?"
+        what = "the Train node's output MODEL" if source_cls.startswith("InGraphTrain") else f"a MODEL from {source_cls}"
+        return f"Evaluate (node {f['node']}) on {what}"
+    return f"node {f['node']} {cls}"
+
+
 def report_files(run: TimedRun, monitor: Monitor, wf: dict) -> int:
     files = written_files(monitor, run)
     weights = [f for f in files if f["kind"].startswith("weights")]
     total = sum(f["size"] for f in weights)
     label = {k: f"{k} {v['class_type']}" for k, v in wf.items()}
-    by_node: dict[str, int] = {}
+    by_purpose: dict[str, int] = {}
     for f in weights:
-        by_node[label.get(f["node"], str(f["node"]))] = by_node.get(label.get(f["node"], str(f["node"])), 0) + f["size"]
+        by_purpose[purpose(f, wf)] = by_purpose.get(purpose(f, wf), 0) + f["size"]
     print(f"  model weights written: {fmt_bytes(total)} in {len(weights)} file(s)")
-    for node, size in sorted(by_node.items()):
-        print(f"    by node {node}: {fmt_bytes(size)}")
+    for what, size in sorted(by_purpose.items()):
+        print(f"    for {what}: {fmt_bytes(size)}")
     for f in weights:
         print(f"    {f['kind']}: {f['path']} {fmt_bytes(f['size'])} (node {label.get(f['node'], f['node'])})")
     for kind in ("adapter", "cache"):
