@@ -33,7 +33,9 @@ def warm_up():
     import_comfy()  # COMFYUI_PATH is the launching server's, set in this process's environment
     import_deepspeed()
     import peft  # noqa: F401
-    from . import evaluation, loop  # noqa: F401  everything the training loop imports at module level
+    import torch.utils.tensorboard  # noqa: F401  the health log's writer
+    import deepspeed.module_inject.auto_ep_layer  # noqa: F401  imported by deepspeed.initialize
+    from . import evaluation, hostfile, loop, objectives, training_module  # noqa: F401
 
 
 def wait_for_command(channel: socket.socket, parent_pid: int, idle_s: float) -> tuple[list[str], int] | None:
