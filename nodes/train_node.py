@@ -2,12 +2,12 @@ import logging
 
 from comfy_api.latest import io
 
-from ..trainer.config import TrainSpec
+from ..trainer.config import OPTIMIZER_CHOICES, TrainSpec, choices_tooltip
 from .types import CATEGORY, Adapter, Dataset, Distributed, Previews
 
 log = logging.getLogger("ingraph_trainer")
 
-OPTIMIZERS = {"AdamW": "adamw", "AdamW 8-bit": "adamw8bit"}
+OPTIMIZERS = {c.label: c.value for c in OPTIMIZER_CHOICES}  # label (what saved workflows hold) → spec value
 FILE_FORMATS = {"ComfyUI": "comfyui", "kohya (lora_unet_*)": "kohya", "diffusers (peft)": "diffusers"}
 SCHEDULES = {"constant": "constant", "linear decay": "linear", "cosine decay": "cosine"}
 TIMESTEP_SAMPLING = {"uniform": "uniform", "logit-normal": "logit_normal"}
@@ -54,7 +54,7 @@ class TrainLoRA(io.ComfyNode):
                 io.Float.Input("learning_rate", default=1e-4, min=1e-8, max=1.0, step=1e-6,
                                tooltip="Peak learning rate."),
                 io.Combo.Input("optimizer", options=list(OPTIMIZERS), default="AdamW",
-                               tooltip="AdamW, or bitsandbytes' 8-bit AdamW (less optimizer memory)."),
+                               tooltip=choices_tooltip(OPTIMIZER_CHOICES)),
                 io.Combo.Input("lr_schedule", options=list(SCHEDULES), default="constant",
                                tooltip="How the learning rate changes after warm-up."),
                 io.Int.Input("warmup_steps", default=0, min=0, max=100_000,
@@ -120,6 +120,18 @@ class TrainLoRA(io.ComfyNode):
                 io.Int.Input("keep_last", default=3, min=0, max=10_000, optional=True,
                              tooltip="Resumable checkpoints kept on disk: older ones are deleted as new ones are "
                                      "saved (0 = keep all). Each holds the trained weights and optimizer state."),
+                io.Float.Input("ema_decay", default=0.0, min=0.0, max=0.99999, step=0.0001, optional=True,
+                               tooltip="Keep an exponential moving average (EMA) of the trained weights, in fp32: "
+                                       "each step it moves 1 - decay of the way to the weights (0 = off; 0.999 "
+                                       "is usual, closer to 1 averages over more steps). Evaluation reports its "
+                                       "loss too (ema_loss); checkpoints keep it. Not with ZeRO-3 or pipeline "
+                                       "stages."),
+                io.Int.Input("ema_start_step", default=0, min=0, max=1_000_000, optional=True,
+                             tooltip="Until this step the EMA copies the weights; it averages from the next step "
+                                     "on (skips the first, fast-moving steps)."),
+                io.Boolean.Input("save_ema", default=False, optional=True,
+                                 tooltip="Save the EMA weights as the LoRA file (and the output MODEL) instead of "
+                                         "the weights of the last step. Needs ema_decay above 0."),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The input MODEL with the trained LoRA applied."),
@@ -147,7 +159,8 @@ class TrainLoRA(io.ComfyNode):
                 lr_schedule, warmup_steps, precision, gradient_checkpointing, seed, save_every,
                 output_name, resume="off", distributed=None, eval_dataset=None, eval_every=0,
                 previews=None, file_format="ComfyUI", loss="MSE", min_snr_gamma=0.0, timestep_sampling="uniform",
-                flow_shift=1.0, guidance=1.0, overwrite=False, keep_last=3) -> io.NodeOutput:
+                flow_shift=1.0, guidance=1.0, overwrite=False, keep_last=3, ema_decay=0.0, ema_start_step=0,
+                save_ema=False) -> io.NodeOutput:
         import comfy.model_management
         import comfy.utils
 
@@ -165,7 +178,8 @@ class TrainLoRA(io.ComfyNode):
                           min_snr_gamma=float(min_snr_gamma or 0.0),
                           timestep_sampling=TIMESTEP_SAMPLING[timestep_sampling or "uniform"],
                           flow_shift=float(flow_shift or 1.0), guidance=float(1.0 if guidance is None else guidance),
-                          keep_last=3 if keep_last is None else int(keep_last))
+                          keep_last=3 if keep_last is None else int(keep_last),
+                          ema_decay=float(ema_decay or 0.0), ema_start_step=int(ema_start_step or 0))
         node_id = cls.hidden.unique_id
 
         def on_run(run_id: str, total_steps: int):
@@ -180,7 +194,8 @@ class TrainLoRA(io.ComfyNode):
         outcome = train_lora(model, dataset, adapter=adapter, train=train, output_name=output_name,
                              resume=resume or "off", distributed=distributed, eval_dataset=eval_dataset,
                              previews=previews, file_format=FILE_FORMATS[file_format or "ComfyUI"],
-                             overwrite=bool(overwrite), prompt=cls.hidden.prompt, node_id=node_id, on_run=on_run,
+                             overwrite=bool(overwrite), output_weights="ema" if save_ema else "trained",
+                             prompt=cls.hidden.prompt, node_id=node_id, on_run=on_run,
                              check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted)
         result = outcome.result
         chart = chart_tensor(render_loss_chart(result.steps, result.losses, result.evals))

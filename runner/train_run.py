@@ -57,10 +57,16 @@ def trained_model_of(model, path: str, file_format: str, full: bool):
     return trained
 
 
+def with_output_weights(spec, weights: str):
+    """output.weights (trained or ema), which prepare_run has no argument for."""
+    spec.output.weights = weights
+    return spec
+
+
 def train_lora(model, dataset, *, adapter: AdapterSpec, train: TrainSpec, output_name: str, resume: str = "off",
                distributed: DistributedSpec | None = None, eval_dataset=None, previews=None,
-               file_format: str = "comfyui", overwrite: bool = False, prompt: dict | None = None,
-               node_id: str = "", on_run: Callable[[str, int], Callable[[dict], None]],
+               file_format: str = "comfyui", overwrite: bool = False, output_weights: str = "trained",
+               prompt: dict | None = None, node_id: str = "", on_run: Callable[[str, int], Callable[[dict], None]],
                check_interrupt: Callable[[], None]) -> TrainOutcome:
     """One Train node run. `on_run(run id, steps)` gives the event handler; `prompt` and `node_id` (the node's
     hidden inputs) say where its MODEL and previews VAE come from, so they reach the trainer as files."""
@@ -105,7 +111,8 @@ def train_lora(model, dataset, *, adapter: AdapterSpec, train: TrainSpec, output
                                          dataset=dataset, cache_root=paths.cache_root(), adapter=adapter,
                                          train=train, distributed=distributed, lora_path=lora_path,
                                          eval_dataset=eval_dataset, previews=previews, previews_vae=previews_vae,
-                                         file_format=file_format, overwrite=overwrite)
+                                         file_format=file_format, overwrite=overwrite,
+                                         adjust=lambda spec: with_output_weights(spec, output_weights))
     saved = load_run_spec(spec_path)  # what the trainer will run, for a new run and a resumed one alike
     if resume_from is not None:
         refuse_foreign_file(saved.output.lora_path, overwrite or saved.output.overwrite)

@@ -151,8 +151,10 @@ def resolve_resume(run_dir: str | Path, resume: str) -> Path | None:
     return None if tag is None else checkpoints_dir(run_dir) / tag
 
 
-def save_checkpoint(engine, run_dir: str | Path, step: int, state: dict, is_rank0: bool, keep_last: int = 0) -> Path:
-    """`state` must be JSON-serialisable; random states travel in DeepSpeed's client state.
+def save_checkpoint(engine, run_dir: str | Path, step: int, state: dict, is_rank0: bool, keep_last: int = 0,
+                    components: dict | None = None) -> Path:
+    """`state` must be JSON-serialisable; random states travel in DeepSpeed's client state, and so do the
+    `components` (name → object with state_dict(); the same on every rank, such as the EMA).
 
     Every rank writes under a fresh random name (no client can plant files there before the mark signs
     them), then rank 0 signs the folder and moves it to its step's name. A tag saved again (a resumed run)
@@ -177,7 +179,9 @@ def save_checkpoint(engine, run_dir: str | Path, step: int, state: dict, is_rank
     if distributed:
         torch.distributed.broadcast_object_list(partial, src=0)
     barrier()
-    engine.save_checkpoint(str(root), tag=partial[0], client_state={"trainer": state, "rng": rng_state()},
+    engine.save_checkpoint(str(root), tag=partial[0], client_state={"trainer": state, "rng": rng_state(),
+                                                              **{name: c.state_dict()
+                                                                 for name, c in (components or {}).items()}},
                            save_latest=False, exclude_frozen_parameters=True)  # the base model is in the run spec
     barrier()
     if is_rank0:
@@ -236,8 +240,9 @@ def _every_rank_agrees(problem: str | None) -> str | None:
     return next((p for p in gathered if p), None)
 
 
-def load_checkpoint(engine, path: Path) -> dict:
-    """Restores weights, optimizer, scheduler and random states; returns the trainer state.
+def load_checkpoint(engine, path: Path, components: dict | None = None) -> dict:
+    """Restores weights, optimizer, scheduler and random states, and each of `components` (load_state_dict(state,
+    where)) from what it saved; returns the trainer state.
 
     Rank 0 checks the signed mark; then every rank copies the listed files into a private temporary folder
     (outside output/, which any client can write), checking each byte copied against the signed digests,
@@ -261,6 +266,11 @@ def load_checkpoint(engine, path: Path) -> dict:
     if client_state is None:
         raise ValueError(f"DeepSpeed could not load checkpoint {path}")
     set_rng_state(client_state["rng"])
+    for name, component in (components or {}).items():
+        if name not in client_state:  # it could not resume exactly: refused rather than restarted
+            raise ValueError(f"checkpoint {path} was saved without its {name} state; resume it with the "
+                             f"settings it was trained with, or start a new run")
+        component.load_state_dict(client_state[name], f"checkpoint {path}")
     return client_state["trainer"]
 
 
@@ -278,20 +288,23 @@ class Checkpointer:
     """The run's checkpointing, as one component (torchtitan's CheckpointManager): where a run resumes from, and
     which steps save. The layout saves and loads (DeepSpeed's files for its stages); this decides when."""
 
-    def __init__(self, layout, run_dir: str | Path, save_every: int, keep_last: int, is_rank0: bool):
+    def __init__(self, layout, run_dir: str | Path, save_every: int, keep_last: int, is_rank0: bool,
+                 components: dict | None = None):
         self.layout, self.run_dir = layout, Path(run_dir)
         self.save_every, self.keep_last, self.is_rank0 = save_every, keep_last, is_rank0
+        # state saved and resumed beside DeepSpeed's (name → state_dict()/load_state_dict(state, where)), None: off
+        self.components = {name: c for name, c in (components or {}).items() if c is not None}
 
     def resume(self, resume: str) -> tuple[int, Path | None]:
         """(the step to start from, the checkpoint it was restored from). Collective."""
         path = resolve_resume(self.run_dir, resume)
         if path is None:
             return 0, None
-        return int(self.layout.load(path)["step"]), path
+        return int(self.layout.load(path, self.components)["step"]), path
 
     def due(self, step: int, total: int, stop_requested: bool) -> bool:
         """The last step is not saved: the run's result is written instead."""
         return step < total and (bool(self.save_every and step % self.save_every == 0) or stop_requested)
 
     def save(self, step: int, state: dict) -> Path:
-        return self.layout.save(self.run_dir, step, state, self.is_rank0, self.keep_last)
+        return self.layout.save(self.run_dir, step, state, self.is_rank0, self.keep_last, self.components)

@@ -65,7 +65,21 @@ ADAPTER_FORMAT_CHOICES = (
 OPTIMIZER_CHOICES = (
     Choice("adamw", "AdamW", "torch's AdamW."),
     Choice("adamw8bit", "AdamW 8-bit", "bitsandbytes' 8-bit AdamW (less optimizer memory)."),
+    Choice("prodigy", "Prodigy", "prodigyopt's Prodigy: estimates the step size itself (set the learning rate to 1.0; "
+           "ZeRO stage 0, one pipeline stage)."),
+    Choice("adafactor", "Adafactor", "pytorch-optimizer's Adafactor: factored second moments, little optimizer "
+           "memory (fp32 and ZeRO stage 0: DeepSpeed's bf16 and ZeRO optimizers hand it flattened weights)."),
+    Choice("came", "CAME", "pytorch-optimizer's CAME: Adafactor's memory with a confidence-guided update (fp32 and "
+           "ZeRO stage 0, as Adafactor)."),
+    Choice("lion", "Lion", "pytorch-optimizer's Lion: sign updates, one moment (use a 3-10x lower learning rate "
+           "than AdamW)."),
+    Choice("adamw_schedulefree", "AdamW schedule-free", "schedulefree's AdamW: no decay schedule needed; "
+           "evaluation, previews and the saved file use its averaged weights (fp32, ZeRO stage 0)."),
 )
+# what each optimizer cannot do under DeepSpeed's wrappers (checked by RunSpec.validate): DeepSpeed's bf16 and
+# ZeRO optimizers hand the optimizer flattened 1-D fp32 copies of the weights (per process under ZeRO 1-3)
+FACTORED_OPTIMIZERS = ("adafactor", "came")  # a flattened weight has no rows and columns to factor
+SCHEDULE_FREE_OPTIMIZERS = ("adamw_schedulefree",)  # its averaged weights are swapped into the optimizer's params
 SCHEDULE_CHOICES = (
     Choice("constant", "constant", "the learning rate stays as set after the warmup."),
     Choice("linear", "linear decay", "falls linearly to 0 at the last step after the warmup."),
@@ -79,6 +93,10 @@ LOSS_CHOICES = (
     Choice("mse", "MSE", "mean squared error."),
     Choice("huber", "Huber", "less pulled by outlier images and noisy captions (train.huber_delta)."),
 )
+OUTPUT_WEIGHTS_CHOICES = (
+    Choice("trained", "trained", "the weights as the last step left them."),
+    Choice("ema", "EMA", "the exponential moving average of the weights (train.ema_decay)."),
+)
 TIMESTEP_SAMPLING_CHOICES = (
     Choice("uniform", "uniform", "every noise level equally often."),
     Choice("logit_normal", "logit-normal", "more steps at mid noise (SD3's; train.logit_mean, train.logit_std)."),
@@ -91,6 +109,7 @@ OPTIMIZERS = choice_values(OPTIMIZER_CHOICES)
 SCHEDULES = choice_values(SCHEDULE_CHOICES)
 PRECISIONS = choice_values(PRECISION_CHOICES)
 LOSSES = choice_values(LOSS_CHOICES)
+OUTPUT_WEIGHTS = choice_values(OUTPUT_WEIGHTS_CHOICES)
 PREDICTIONS = ("auto", "epsilon", "v_prediction", "flow")
 FAMILY_NAMES = ("auto", "sd_unet", "sdxl", "sd3", "flux", "wan", "generic")  # trainer/models (auto: detected)
 TIMESTEP_SAMPLING = choice_values(TIMESTEP_SAMPLING_CHOICES)
@@ -171,6 +190,8 @@ class TrainSpec:
     eval_quantiles: list = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
     eval_every: int = 0  # 0: evaluate before the first step and after the last only
     resume: str = ""  # "": fresh run; "latest": newest complete checkpoint; or a checkpoint tag
+    ema_decay: float = 0.0  # exponential moving average of the trained weights (0 = off; 0.999 is usual)
+    ema_start_step: int = 0  # until this step the average copies the weights; it averages from the next one
 
 
 @dataclass
@@ -196,6 +217,7 @@ class OutputSpec:
     name: str = "lora"
     overwrite: bool = False  # replace a file at lora_path that this pack did not write (else refuse)
     format: str = "comfyui"  # key layout of the adapter file: comfyui, kohya or diffusers (see trainer/export.py)
+    weights: str = "trained"  # one of OUTPUT_WEIGHTS: the trained weights, or their EMA (train.ema_decay > 0)
 
 
 @dataclass
@@ -353,6 +375,31 @@ class RunSpec:
                  f"must be multiples of 8 (got {s.width}x{s.height})")
         d = self.distributed
         problems += d.problems()
+        need(0.0 <= t.ema_decay < 1.0, "train.ema_decay", f"must be in [0, 1) (got {t.ema_decay})")
+        need(t.ema_start_step >= 0, "train.ema_start_step", f"must be 0 or more (got {t.ema_start_step})")
+        need(self.output.weights in OUTPUT_WEIGHTS, "output.weights",
+             f"must be one of {OUTPUT_WEIGHTS} (got {self.output.weights!r})")
+        need(self.output.weights != "ema" or t.ema_decay > 0, "output.weights",
+             "'ema' needs the average kept: set train.ema_decay above 0")
+        # the average is of whole weights on every process; these layouts hold slices of them
+        need(not t.ema_decay or d.zero_stage < 3, "train.ema_decay",
+             "ZeRO-3 (distributed.zero_stage 3) partitions the weights across processes; use stage 0-2 with EMA")
+        need(not t.ema_decay or d.pipeline_stages <= 1, "train.ema_decay",
+             "pipeline stages (distributed.pipeline_stages) hold a share of the layers each; EMA needs one stage")
+        need(t.optimizer not in FACTORED_OPTIMIZERS or (d.zero_stage == 0 and t.precision == "fp32"),
+             "train.optimizer", f"{t.optimizer} factors the second moment of each weight matrix, but DeepSpeed "
+             f"hands it flattened 1-D copies under ZeRO (distributed.zero_stage {d.zero_stage}) and in bf16 "
+             f"(train.precision {t.precision}), where it would silently train unfactored; use fp32 with "
+             "distributed.zero_stage 0, or another optimizer")
+        need(t.optimizer != "prodigy" or (d.zero_stage == 0 and d.pipeline_stages <= 1), "train.optimizer",
+             f"prodigy estimates one step size from all the weights, but ZeRO (distributed.zero_stage "
+             f"{d.zero_stage}) and pipeline stages ({d.pipeline_stages}) give each process a share of them, so "
+             "each would estimate its own; use distributed.zero_stage 0 and one pipeline stage")
+        need(t.optimizer not in SCHEDULE_FREE_OPTIMIZERS or (d.zero_stage == 0 and t.precision == "fp32"),
+             "train.optimizer", f"{t.optimizer} evaluates and saves its averaged weights, which it can swap into "
+             f"the model only where it updates the model's own weights: not DeepSpeed's fp32 copies under ZeRO "
+             f"(distributed.zero_stage {d.zero_stage}) or bf16 (train.precision {t.precision}); use fp32 with "
+             "distributed.zero_stage 0")
         need(d.pipeline_stages <= 1 or not s.every, "samples.every", "previews need the whole model in one "
              "process; they are not available with pipeline stages")
         need(not d.block_swap or a.kind != "full", "distributed.block_swap", "block swap keeps frozen weights in "

@@ -55,11 +55,12 @@ class ParallelLayout:
         """A context in which these parameters are whole tensors on every process (for export). Collective."""
         raise NotImplementedError
 
-    def save(self, run_dir, step: int, state: dict, is_rank0: bool, keep_last: int):
-        return ckpt.save_checkpoint(self.engine, run_dir, step, state, is_rank0, keep_last=keep_last)
+    def save(self, run_dir, step: int, state: dict, is_rank0: bool, keep_last: int, components=None):
+        return ckpt.save_checkpoint(self.engine, run_dir, step, state, is_rank0, keep_last=keep_last,
+                                    components=components)
 
-    def load(self, path) -> dict:
-        return ckpt.load_checkpoint(self.engine, path)
+    def load(self, path, components=None) -> dict:
+        return ckpt.load_checkpoint(self.engine, path, components)
 
 
 class WholeModel(ParallelLayout):

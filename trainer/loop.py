@@ -14,13 +14,14 @@ from .comfy_env import import_comfy
 from .config import RunSpec
 from .data import Prefetcher, StepBatches, load_cached_dataset
 from .distributed import data_parallel_size, deepspeed_config, init_distributed, rank, world_size
+from .ema import build_average, exported_weights
 from .events import EVENTS_FILE, EventWriter, read_events
 from .export import diffusers_module_names
 from .layouts import choose_layout
 from .memory import enable_block_swap, memory_savers
 from .metrics import HealthLog, param_norm, param_norm_due
 from .models import load_family
-from .optim import build_optimizer, build_scheduler
+from .optim import averaged_weights, build_optimizer, build_scheduler
 from .result import write_result
 from .sampling import PreviewSampler, sample_due
 from .stop_requests import StopRequests
@@ -67,11 +68,13 @@ class Trainer:
         optimizer = build_optimizer(spec, layout.trainable)
         self.optimizer = optimizer
         layout.initialize(deepspeed, optimizer, build_scheduler(spec, optimizer), deepspeed_config(spec))
+        self.ema = build_average(spec, self.params)  # after initialize: on the device the engine put them on
         if swapped_blocks:
             enable_block_swap(swapped_blocks, layout.device)
         self.global_batch = t.batch_size * t.grad_accum * data_parallel_size(spec)
         self.batches = StepBatches(self.dataset, t, data_parallel_size(spec), layout.data_rank, spec.data.shuffle)
-        self.checkpointer = Checkpointer(layout, self.run_dir, t.save_every, t.keep_last, self.is_rank0)
+        self.checkpointer = Checkpointer(layout, self.run_dir, t.save_every, t.keep_last, self.is_rank0,
+                                         components={"ema": self.ema})
         self.stops = StopRequests(self.run_dir, self.is_rank0)
 
     def run(self):
@@ -93,14 +96,17 @@ class Trainer:
             self.data_wait += time.perf_counter() - t0
             lr = self.optimizer.param_groups[0]["lr"]
             loss, grad_norm = self.layout.train_step(batch.micro_batches)
+            if self.ema is not None:
+                self.ema.update(step)
             grad_norm = float(grad_norm) if grad_norm is not None else None
             check_finite(step, loss, grad_norm)  # every rank sees the same global values: all stop together
             self.report_step(step, start_step, batch, loss, lr, grad_norm, time.perf_counter() - t0)
             if t.eval_every and step % t.eval_every == 0 and step < t.steps:
                 self.evaluate(step)
             if self.previews is not None and sample_due(self.spec.samples, step, t.steps):
-                self.events.emit("sample", step=step, images=self.previews.render(self.layout.module, step),
-                                 prompts=self.spec.samples.prompts)
+                with averaged_weights(self.optimizer):
+                    images = self.previews.render(self.layout.module, step)
+                self.events.emit("sample", step=step, images=images, prompts=self.spec.samples.prompts)
             stop_requested = self.stops.requested(self.layout.device)
             if self.checkpointer.due(step, t.steps, stop_requested):
                 path = self.checkpointer.save(step, {"step": step, "seed": t.seed})
@@ -115,8 +121,9 @@ class Trainer:
         prefetch.close()
         eval_after = self.evaluate(step)
         self.health.close()
-        adapter = write_result(self.spec, self.family, self.params, self.layout, self.is_rank0,
-                               len(self.dataset.unique), step, self.started_at)
+        with averaged_weights(self.optimizer), exported_weights(self.spec, self.ema):
+            adapter = write_result(self.spec, self.family, self.params, self.layout, self.is_rank0,
+                                   len(self.dataset.unique), step, self.started_at)
         steady = self.step_times[1:] or self.step_times
         self.events.emit("finished", adapter=adapter, steps=step, stopped=stopped, final_loss=loss,
                          eval_before=eval_before["loss"] if eval_before else None, eval_after=eval_after["loss"],
@@ -143,8 +150,15 @@ class Trainer:
 
     def evaluate(self, step: int) -> dict:
         t = self.spec.train
-        result = self.layout.evaluate(self.eval_dataset, self.eval_dataset.unique, t.eval_quantiles, t.seed,
-                                      t.batch_size)
+
+        def held_out():
+            return self.layout.evaluate(self.eval_dataset, self.eval_dataset.unique, t.eval_quantiles, t.seed,
+                                        t.batch_size)
+        with averaged_weights(self.optimizer):
+            result = held_out()
+        if self.ema is not None:  # the same items and noise, on the average of the weights
+            with self.ema.swapped_in():
+                result["ema_loss"] = held_out()["loss"]
         if not self.best or result["loss"] < self.best["loss"]:
             self.best = {"step": step, "loss": result["loss"]}
         self.events.emit("eval", step=step, best_step=self.best["step"], **result)
