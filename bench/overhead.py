@@ -72,7 +72,7 @@ def bare_loop(spec_path: Path) -> list[float]:
     from ingraph_trainer.trainer.adapters import inject_adapter
     from ingraph_trainer.trainer.comfy_env import import_comfy
     from ingraph_trainer.trainer.config import load_run_spec
-    from ingraph_trainer.trainer.data import StepBatches, load_cached_dataset
+    from ingraph_trainer.trainer.batch_mix import StepBatches, build_training_data
     from ingraph_trainer.trainer.models import Batch, load_family
     from ingraph_trainer.trainer.optim import build_optimizer, build_scheduler
     spec = load_run_spec(spec_path)
@@ -88,12 +88,12 @@ def bare_loop(spec_path: Path) -> list[float]:
     family.diffusion_model.to(device=device, dtype=dtype)
     optimizer = build_optimizer(spec, params)
     scheduler = build_scheduler(spec, optimizer)
-    load = StepBatches(load_cached_dataset(spec.data.manifest), t, 1, 0, spec.data.shuffle)
+    load = StepBatches(*build_training_data(spec.data, t.batch_size * t.grad_accum, t.seed), t, spec.data, 1, 0)
     steps = [load(s).micro_batches for s in range(t.steps)]  # every batch ready: the loop alone is timed
     times = []
     for micro_batches in steps:
         t0 = time.perf_counter()
-        for latents, cond, noise, timesteps, pooled in micro_batches:
+        for latents, cond, noise, timesteps, pooled, *_ in micro_batches:  # a plain run: no masks, no prior set
             batch = Batch(latents.to(device, dtype), cond.to(device, dtype),
                           pooled.to(device, dtype) if pooled is not None else None, noise.to(device, dtype),
                           timesteps.to(device))

@@ -132,6 +132,19 @@ class TrainLoRA(io.ComfyNode):
                 io.Boolean.Input("save_ema", default=False, optional=True,
                                  tooltip="Save the EMA weights as the LoRA file (and the output MODEL) instead of "
                                          "the weights of the last step. Needs ema_decay above 0."),
+                Dataset.Input("prior_dataset", optional=True,
+                              tooltip="Prior (regularisation) images: a second cached dataset, cached with the same "
+                                      "VAE and text encoder, mixed into every batch (prior_fraction of it) so the "
+                                      "model keeps what it knew of their class. The events report their loss "
+                                      "(prior_loss) apart from the training images' (main_loss). Not with "
+                                      "pipeline stages."),
+                io.Float.Input("prior_weight", default=1.0, min=0.0, max=10.0, step=0.05, optional=True,
+                               tooltip="Loss weight of the prior images against 1 for the training images "
+                                       "(kohya's prior_loss_weight). Used only with a prior_dataset."),
+                io.Float.Input("prior_fraction", default=0.5, min=0.01, max=0.99, step=0.01, optional=True,
+                               tooltip="Share of each batch (batch_size x gradient_accumulation x processes) that "
+                                       "holds prior images, rounded; at least one slot each for prior and training "
+                                       "images. Used only with a prior_dataset."),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The input MODEL with the trained LoRA applied."),
@@ -160,7 +173,7 @@ class TrainLoRA(io.ComfyNode):
                 output_name, resume="off", distributed=None, eval_dataset=None, eval_every=0,
                 previews=None, file_format="ComfyUI", loss="MSE", min_snr_gamma=0.0, timestep_sampling="uniform",
                 flow_shift=1.0, guidance=1.0, overwrite=False, keep_last=3, ema_decay=0.0, ema_start_step=0,
-                save_ema=False) -> io.NodeOutput:
+                save_ema=False, prior_dataset=None, prior_weight=1.0, prior_fraction=0.5) -> io.NodeOutput:
         import comfy.model_management
         import comfy.utils
 
@@ -170,6 +183,8 @@ class TrainLoRA(io.ComfyNode):
         dataset.require_cached("dataset")
         if eval_dataset is not None:
             eval_dataset.require_cached("eval_dataset")
+        if prior_dataset is not None:
+            prior_dataset.require_cached("prior_dataset")
         train = TrainSpec(steps=steps, batch_size=batch_size, grad_accum=gradient_accumulation,
                           learning_rate=learning_rate, optimizer=OPTIMIZERS[optimizer],
                           lr_schedule=SCHEDULES[lr_schedule], warmup_steps=warmup_steps, precision=precision,
@@ -196,7 +211,10 @@ class TrainLoRA(io.ComfyNode):
                              previews=previews, file_format=FILE_FORMATS[file_format or "ComfyUI"],
                              overwrite=bool(overwrite), output_weights="ema" if save_ema else "trained",
                              prompt=cls.hidden.prompt, node_id=node_id, on_run=on_run,
-                             check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted)
+                             check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted,
+                             prior_dataset=prior_dataset,
+                             prior_weight=float(1.0 if prior_weight is None else prior_weight),
+                             prior_fraction=float(prior_fraction or 0.5))
         result = outcome.result
         chart = chart_tensor(render_loss_chart(result.steps, result.losses, result.evals))
         return io.NodeOutput(outcome.model, outcome.lora_name, chart)

@@ -32,19 +32,23 @@ class RunResult:
 
 
 EVAL_MANIFEST_FILE = "eval_dataset.json"
+PRIOR_MANIFEST_FILE = "prior_dataset.json"
 
 
 def prepare_run(*, runs_root: Path, name: str, model: ModelSpec, dataset, cache_root: Path,
                 adapter: AdapterSpec | None = None, train: TrainSpec, lora_path: Path | None = None,
                 distributed: DistributedSpec | None = None, task: str = "train",
-                eval_dataset=None, previews=None, previews_vae=None,
+                eval_dataset=None, previews=None, previews_vae=None, prior_dataset=None,
+                prior_weight: float = 1.0, prior_fraction: float = 0.5,
                 file_format: str = "comfyui", overwrite: bool = False, run_dir: Path | None = None,
                 adjust: Callable[[RunSpec], RunSpec] | None = None) -> tuple[Path, Path]:
     """Creates the run directory with its dataset manifest(s) and run spec; returns (run dir, spec path).
 
     `model` is the spec's model section (runner.model_source.hand_off_model). `previews`
     (runner.previews.PreviewSettings) needs `previews_vae` (runner.model_source.VaeSource), the file its VAE is
-    read from. `run_dir`: this exact folder instead of a new one under runs_root. `adjust` changes the spec
+    read from. `prior_dataset`: prior (regularisation) images mixed into every batch at `prior_fraction` of its
+    slots, their loss weighted by `prior_weight`; the dataset's caption dropout reaches the spec with it.
+    `run_dir`: this exact folder instead of a new one under runs_root. `adjust` changes the spec
     before it is validated and written (tools/prepare_run.py's overrides).
     The spec and the manifests are signed with this installation's secret: only a signed run is ever resumed.
     The ComfyUI install the trainer imports is the launcher's (COMFYUI_PATH), never the spec's.
@@ -59,7 +63,12 @@ def prepare_run(*, runs_root: Path, name: str, model: ModelSpec, dataset, cache_
                    adapter=dataclasses.replace(adapter or AdapterSpec()),
                    train=dataclasses.replace(train), distributed=dataclasses.replace(distributed or DistributedSpec()))
     spec.data.manifest = str(manifest)
+    spec.data.caption_dropout = float(getattr(dataset, "caption_dropout", 0.0))  # the trainer draws who sees ""
     signed = [SPEC_FILE, MANIFEST_FILE]
+    if prior_dataset is not None:
+        signed.append(PRIOR_MANIFEST_FILE)
+        spec.data.prior_manifest = str(write_manifest(run_dir / PRIOR_MANIFEST_FILE, prior_dataset, cache_root))
+        spec.data.prior_weight, spec.data.prior_fraction = float(prior_weight), float(prior_fraction)
     if eval_dataset is not None:
         signed.append(EVAL_MANIFEST_FILE)
         spec.data.eval_manifest = str(write_manifest(run_dir / EVAL_MANIFEST_FILE, eval_dataset, cache_root))

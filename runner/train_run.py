@@ -31,6 +31,18 @@ def check_family_settings(model, prediction: str, train, adapter, file_format: s
     log.info("InGraph Trainer: training a %s model (%s)", family.display_name, prediction)
 
 
+def check_prior_dataset(dataset, prior_dataset):
+    """Refuses, before anything is written, prior images the trainer could not mix into the training batches."""
+    from ..cache.dataset import prior_problems
+    problems = prior_problems(dataset, prior_dataset)
+    if dataset.caption_dropout > 0 and not prior_dataset.empty_text:  # dropout draws over every slot of a batch
+        problems.append("prior_dataset: the training images' caption dropout gives prior images the empty caption "
+                        "too, which the prior images' cache lacks; set the same caption_dropout on their Load "
+                        "Training Images node (Cache Text Embeddings then caches the empty caption)")
+    if problems:
+        raise ValueError("Train LoRA: " + "; ".join(problems))
+
+
 def refuse_foreign_file(path, overwrite: bool):
     """A file the user put in models/ (no pack metadata) is replaced only when they say so."""
     from ..trainer.adapters import written_by_pack
@@ -67,9 +79,11 @@ def train_lora(model, dataset, *, adapter: AdapterSpec, train: TrainSpec, output
                distributed: DistributedSpec | None = None, eval_dataset=None, previews=None,
                file_format: str = "comfyui", overwrite: bool = False, output_weights: str = "trained",
                prompt: dict | None = None, node_id: str = "", on_run: Callable[[str, int], Callable[[dict], None]],
-               check_interrupt: Callable[[], None]) -> TrainOutcome:
+               check_interrupt: Callable[[], None], prior_dataset=None, prior_weight: float = 1.0,
+               prior_fraction: float = 0.5) -> TrainOutcome:
     """One Train node run. `on_run(run id, steps)` gives the event handler; `prompt` and `node_id` (the node's
-    hidden inputs) say where its MODEL and previews VAE come from, so they reach the trainer as files."""
+    hidden inputs) say where its MODEL and previews VAE come from, so they reach the trainer as files.
+    `prior_dataset`: prior (regularisation) images, `prior_fraction` of every batch, loss weight `prior_weight`."""
     from . import paths
     from .launcher import TrainerProcess
     from .model_source import (Undescribable, describe_model, hand_off_model, hand_off_vae, input_link,
@@ -102,6 +116,8 @@ def train_lora(model, dataset, *, adapter: AdapterSpec, train: TrainSpec, output
         resume_tag = None
         prediction = prediction_of(model)
         check_family_settings(model, prediction, train, adapter, file_format, distributed)
+        if prior_dataset is not None:
+            check_prior_dataset(dataset, prior_dataset)
         # the GPU goes to the trainer; and a fallback reads weights unpatched, as a loaded model may hold them patched
         release_comfy_models(model)
         hand_off = hand_off_model(model, prompt, node_id, "model", paths.models_root())
@@ -111,7 +127,8 @@ def train_lora(model, dataset, *, adapter: AdapterSpec, train: TrainSpec, output
                                          dataset=dataset, cache_root=paths.cache_root(), adapter=adapter,
                                          train=train, distributed=distributed, lora_path=lora_path,
                                          eval_dataset=eval_dataset, previews=previews, previews_vae=previews_vae,
-                                         file_format=file_format, overwrite=overwrite,
+                                         file_format=file_format, overwrite=overwrite, prior_dataset=prior_dataset,
+                                         prior_weight=prior_weight, prior_fraction=prior_fraction,
                                          adjust=lambda spec: with_output_weights(spec, output_weights))
     saved = load_run_spec(spec_path)  # what the trainer will run, for a new run and a resumed one alike
     if resume_from is not None:

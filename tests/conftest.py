@@ -95,15 +95,16 @@ def load_workflow(name: str = "train_lora_api.json") -> dict:
 
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory, assets):
-    """A cache and materialised model shared by trainer-tier tests; `make_run(**overrides)` writes a spec."""
+    """A cache and materialised model shared by trainer-tier tests; `make_run(*flags, **overrides)` writes a spec
+    (flags: tools/prepare_run.py's own, such as --prior-images DIR)."""
     work = tmp_path_factory.mktemp("trainer")
     counter = {"n": 0}
 
-    def make_run(**overrides) -> Path:
+    def make_run(*flags, **overrides) -> Path:
         counter["n"] += 1
         run_dir = work / f"run{counter['n']}"
         args = [sys.executable, str(REPO / "tools" / "prepare_run.py"), "--checkpoint", str(assets["checkpoint"]),
-                "--images", str(assets["images"]), "--run-dir", str(run_dir)]
+                "--images", str(assets["images"]), "--run-dir", str(run_dir), *flags]
         for key, value in overrides.items():
             args += ["--set", f"{key.replace('__', '.')}={json.dumps(value)}"]
         out = subprocess.run(args, check=True, capture_output=True, text=True, timeout=300)

@@ -5,6 +5,10 @@ Loads a checkpoint with ComfyUI's loader, caches the dataset's latents and text 
 runner.session.prepare_run, so the trainer program can be launched (and tested, and benchmarked) on its own:
 
     python tools/prepare_run.py --checkpoint CKPT --images DIR --run-dir RUN [--set train.steps=4 ...]
+        [--masks off] [--caption-dropout 0.3 --caption-variants 2 --keep-tags 1]
+        [--prior-images DIR --set data.prior_weight=0.5 --set data.prior_fraction=0.5]
+
+The mask and caption flags are Load Training Images' options; they apply to the prior images too.
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ def checkpoint_graph(checkpoint: Path) -> tuple[dict, object]:
 
 
 def prepare(checkpoint: Path, images: Path, run_dir: Path, overrides: dict, resolution: int = 64,
-            bucketing: bool = False) -> Path:
+            bucketing: bool = False, features: dict | None = None, prior_images: Path | None = None) -> Path:
     _bootstrap()
     import dataclasses
 
@@ -50,7 +54,13 @@ def prepare(checkpoint: Path, images: Path, run_dir: Path, overrides: dict, reso
     checkpoint = Path(checkpoint).resolve()
     model, clip, vae, _ = comfy.sd.load_checkpoint_guess_config(str(checkpoint))
     work = run_dir.parent
-    dataset, _ = encode_folder(images, work / "cache", clip, vae, resolution, bucketing)
+    features = features or {}
+    dataset, _ = encode_folder(images, work / "cache", clip, vae, resolution, bucketing, **features)
+    prior_dataset = None
+    if prior_images is not None:
+        from ingraph_trainer.runner.train_run import check_prior_dataset
+        prior_dataset, _ = encode_folder(prior_images, work / "cache", clip, vae, resolution, bucketing, **features)
+        check_prior_dataset(dataset, prior_dataset)
     prompt, resolve = checkpoint_graph(checkpoint)
     hand_off = hand_off_model(model, prompt, TRAIN_NODE_ID, "model", work / "models", resolve=resolve)
     previews = previews_vae = None
@@ -71,7 +81,7 @@ def prepare(checkpoint: Path, images: Path, run_dir: Path, overrides: dict, reso
     _, spec_path = prepare_run(runs_root=work, run_dir=run_dir, name="lora", model=hand_off.model_spec,
                                dataset=dataset, cache_root=work / "cache", train=TrainSpec(),
                                lora_path=run_dir / "lora.safetensors", previews=previews, previews_vae=previews_vae,
-                               adjust=apply_overrides)
+                               prior_dataset=prior_dataset, adjust=apply_overrides)
     return spec_path
 
 
@@ -84,6 +94,12 @@ def main(argv=None):
     parser.add_argument("--bucketing", action="store_true", help="aspect-ratio buckets (min side 64)")
     parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=JSON",
                         help="override a spec field, value as JSON (e.g. train.steps=4, train.precision=\"fp32\")")
+    parser.add_argument("--prior-images", type=Path, default=None,
+                        help="prior (regularisation) images mixed into every batch (data.prior_weight, "
+                             "data.prior_fraction with --set)")
+    _bootstrap()
+    from tools.cache_dataset import add_feature_flags, dataset_features
+    add_feature_flags(parser)
     opts = parser.parse_args(argv)
     overrides = {}
     for item in opts.set:
@@ -92,7 +108,8 @@ def main(argv=None):
             overrides[key] = json.loads(value)
         except json.JSONDecodeError:
             overrides[key] = value
-    print(prepare(opts.checkpoint, opts.images, opts.run_dir, overrides, opts.resolution, opts.bucketing))
+    print(prepare(opts.checkpoint, opts.images, opts.run_dir, overrides, opts.resolution, opts.bucketing,
+                  dataset_features(opts), opts.prior_images))
 
 
 if __name__ == "__main__":

@@ -230,7 +230,10 @@ def loss_parts(per_sample: torch.Tensor, is_prior: torch.Tensor) -> torch.Tensor
     per_sample = per_sample.detach().float()
     prior = is_prior.to(per_sample.device)
     main = ~prior
-    return torch.stack([per_sample[main].sum(), main.sum().float(), per_sample[prior].sum(), prior.sum().float()])
+    zero = torch.zeros((), device=per_sample.device)
+    # torch.where, not boolean indexing: indexing sizes its result on the host, a wait per micro-batch
+    return torch.stack([torch.where(main, per_sample, zero).sum(), main.sum().float(),
+                        torch.where(prior, per_sample, zero).sum(), prior.sum().float()])
 
 
 def split_losses(parts: torch.Tensor) -> dict:
@@ -238,6 +241,22 @@ def split_losses(parts: torch.Tensor) -> dict:
     of the step (None for a group the step had none of)."""
     main_sum, main_n, prior_sum, prior_n = (float(v) for v in parts.cpu())
     return {"main_loss": main_sum / main_n if main_n else None, "prior_loss": prior_sum / prior_n if prior_n else None}
+
+
+def prior_report(dataset, sampler) -> tuple[dict, str | None]:
+    """(fields for the started event, a warning or None) about the prior set: how many prior items, and the
+    training buckets no prior item shares, whose steps train without prior images."""
+    if not isinstance(sampler, PriorMixSampler):
+        return {}, None
+    uncovered = [list(b) for b in sampler.uncovered_buckets()]
+    fields = {"prior_items": len(dataset.prior.unique), "prior_slots": sampler.prior_slots,
+              "prior_uncovered_buckets": uncovered}
+    if not uncovered:
+        return fields, None
+    return fields, (f"data.prior_manifest: no prior image has the size of the training bucket(s) "
+                    f"{', '.join(f'{w}x{h}' for w, h in uncovered)}; steps in those buckets train without prior "
+                    "images (their prior slots take more training images). Cache prior images of those sizes, or "
+                    "turn bucketing off.")
 
 
 # --- what the training loop calls --------------------------------------------------------------------------
@@ -266,9 +285,15 @@ class MicroBatch(NamedTuple):
     noise: torch.Tensor
     timesteps: torch.Tensor
     pooled: torch.Tensor | None
-    mask: torch.Tensor | None  # loss weights per latent pixel (objectives.per_sample_loss's mask), or None
-    sample_weight: torch.Tensor | None  # loss weight per sample (objectives.batch_loss), None without prior images
-    is_prior: torch.Tensor | None  # bool per sample, for loss_parts; None without prior images
+    mask: torch.Tensor | None = None  # loss weights per latent pixel (objectives.per_sample_loss's mask), or None
+    sample_weight: torch.Tensor | None = None  # loss weight per sample (objectives.batch_loss); None: no prior set
+    is_prior: torch.Tensor | None = None  # bool per sample, for loss_parts; None without prior images
+
+    def model_inputs(self) -> tuple[tuple, dict]:
+        """(positional, keyword) arguments of TrainingModule.forward: the features go as keywords, and only
+        where the step has them, so a plain run calls the model exactly as before."""
+        features = {"mask": self.mask, "sample_weight": self.sample_weight, "is_prior": self.is_prior}
+        return tuple(self[:5]), {k: v for k, v in features.items() if v is not None}
 
 
 def load_step(dataset, sampler, step: int, data_spec, seed: int, batch_size: int, grad_accum: int, world: int,
@@ -290,3 +315,33 @@ def load_step(dataset, sampler, step: int, data_spec, seed: int, batch_size: int
                         weights[s] if weights is not None else None, is_prior[s] if is_prior is not None else None)
              for b, s in zip(batches, slots)]
     return indices, micro, timesteps
+
+
+@dataclass
+class StepBatch:
+    """This rank's share of one optimizer step, with what the step event reports about the global batch."""
+    micro_batches: list  # [MicroBatch], on the CPU
+    buckets: list  # the aspect-ratio buckets of the global batch
+    timestep_mean: float
+    timestep_std: float
+    latent_std: float  # mean over this rank's micro-batches
+
+
+class StepBatches:
+    """Loads step s's batch for this rank (data-parallel rank `data_rank` of `world` replicas) with load_step:
+    the global batch, its texts, prior items, noise and timesteps are the same on any layout. Runs in the
+    prefetch thread, statistics included."""
+
+    def __init__(self, dataset, sampler, train, data_spec, world: int, data_rank: int):
+        self.dataset, self.sampler, self.t, self.data = dataset, sampler, train, data_spec
+        self.world, self.data_rank = world, data_rank
+
+    def __call__(self, step: int) -> StepBatch:
+        from .objectives import training_timesteps
+        t = self.t
+        indices, micro, timesteps = load_step(
+            self.dataset, self.sampler, step, self.data, t.seed, t.batch_size, t.grad_accum, self.world,
+            self.data_rank, lambda uniform: training_timesteps(uniform, t.timestep_sampling, t.logit_mean, t.logit_std))
+        latent_std = [m.latents.float().std().item() for m in micro]
+        return StepBatch(micro, sorted({self.dataset.buckets[i] for i in indices}), timesteps.mean().item(),
+                         timesteps.std().item() if len(timesteps) > 1 else 0.0, sum(latent_std) / len(latent_std))

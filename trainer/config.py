@@ -314,6 +314,9 @@ class RunSpec:
         need(0.0 < dd.prior_fraction < 1.0, "data.prior_fraction", f"must be in (0, 1) (got {dd.prior_fraction})")
         need(not dd.prior_manifest or dd.prior_manifest != dd.manifest, "data.prior_manifest",
              "is the training manifest itself; give the prior (regularisation) images' manifest")
+        need(not dd.prior_manifest or self.distributed.pipeline_stages <= 1, "data.prior_manifest",
+             "prior images are not available with pipeline stages (distributed.pipeline_stages > 1); train with "
+             "1 stage, or without prior images")
         need(a.kind in ADAPTER_KINDS, "adapter.kind", f"must be one of {ADAPTER_KINDS} (got {a.kind!r})")
         need(not a.init_from or Path(a.init_from).is_file(), "adapter.init_from", f"{a.init_from} does not exist")
         need(not (a.init_from and a.kind == "full"), "adapter.init_from",

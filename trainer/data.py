@@ -147,40 +147,6 @@ class StepSampler:
         return noise, timesteps
 
 
-@dataclass
-class StepBatch:
-    """This rank's share of one optimizer step, with what the step event reports about the global batch."""
-    micro_batches: list  # (latents, cond, noise, timesteps, pooled) each, on the CPU
-    buckets: list  # the aspect-ratio buckets of the global batch
-    timestep_mean: float
-    timestep_std: float
-    latent_std: float  # mean over this rank's micro-batches
-
-
-class StepBatches:
-    """Loads step s's batch for this rank (data-parallel rank `data_rank` of `world` replicas): micro-batch m
-    holds the global batch's slots (m * world + data_rank) * batch_size onwards, so the global batch, its noise
-    and timesteps are the same on any layout. Runs in the prefetch thread, statistics included."""
-
-    def __init__(self, dataset: CachedDataset, train, world: int, data_rank: int, shuffle: bool):
-        self.dataset, self.t, self.world, self.data_rank = dataset, train, world, data_rank
-        self.sampler = StepSampler(dataset.buckets, train.batch_size * train.grad_accum * world, train.seed, shuffle)
-
-    def __call__(self, step: int) -> StepBatch:
-        from .objectives import training_timesteps
-        t, dataset = self.t, self.dataset
-        indices = self.sampler.indices(step)
-        starts = [(m * self.world + self.data_rank) * t.batch_size for m in range(t.grad_accum)]
-        batches = [dataset.batch(indices[lo:lo + t.batch_size]) for lo in starts]
-        noise, uniform = self.sampler.noise_and_timesteps(step, tuple(batches[0][0].shape[1:]))
-        timesteps = training_timesteps(uniform, t.timestep_sampling, t.logit_mean, t.logit_std)
-        micro = [(latents, cond, noise[lo:lo + t.batch_size], timesteps[lo:lo + t.batch_size], pooled)
-                 for (latents, cond, pooled), lo in zip(batches, starts)]
-        latent_std = [latents.float().std().item() for latents, _, _ in batches]
-        return StepBatch(micro, sorted({dataset.buckets[i] for i in indices}), timesteps.mean().item(),
-                         timesteps.std().item() if len(timesteps) > 1 else 0.0, sum(latent_std) / len(latent_std))
-
-
 class Prefetcher:
     """Loads the next step's batches in a background thread while the current step computes."""
 

@@ -27,6 +27,10 @@ class ParallelLayout:
     def __init__(self, spec):
         self.spec = spec
         self.engine = None
+        self.loss_split: dict = {}  # the last train_step's main_loss and prior_loss (runs with prior images)
+
+    def check_data(self, dataset) -> None:
+        """Raises, naming the spec field, where this layout cannot train what the dataset holds."""
 
     def initialize(self, deepspeed, optimizer, scheduler, config: dict):
         self.deepspeed = deepspeed
@@ -76,18 +80,27 @@ class WholeModel(ParallelLayout):
         return rank()
 
     def train_step(self, micro_batches):
+        from .batch_mix import MicroBatch, split_losses
         engine, device = self.engine, self.device
-        losses, own_norm = [], None
+        losses, parts, own_norm = [], [], None
         for inputs in micro_batches:
-            latents, cond, noise, timesteps, pooled = (x.to(device) if x is not None else None for x in inputs)
-            loss = engine(latents, cond, noise, timesteps, pooled)
+            args, features = MicroBatch(*(x.to(device) if x is not None else None for x in inputs)).model_inputs()
+            loss = engine(*args, **features)
+            if "is_prior" in features:  # (loss, its training and prior parts)
+                loss, part = loss
+                parts.append(part)
             engine.backward(loss)
             if self._own_grad_norm and engine.is_gradient_accumulation_boundary():
                 own_norm = grad_norm(self.trainable)
             engine.step()
             losses.append(loss.detach())
-        values = torch.stack(losses).double().cpu().tolist()  # the step's one wait for the device
+        values = torch.stack(losses).double()
+        if parts:  # read back with the losses: still one wait
+            values = torch.cat([values, torch.stack(parts).sum(0).double()])
+        values = values.cpu().tolist()  # the step's one wait for the device
+        values, part_sums = values[:len(losses)], values[len(losses):]
         mean = global_mean(sum(values) / len(values), device)
+        self.loss_split = split_losses(global_sum(part_sums, device)) if parts else {}
         reported = engine.get_global_grad_norm()
         if reported:
             self._own_grad_norm = False
@@ -116,9 +129,14 @@ class PipelineStages(ParallelLayout):
     def data_rank(self) -> int:
         return self.engine.grid.get_data_parallel_rank()
 
+    def check_data(self, dataset):
+        from .pipeline import check_data
+        check_data(self.spec.data, dataset)
+
     def train_step(self, micro_batches):
         from .pipeline import micro_batch
-        loss = self.engine.train_batch(iter([micro_batch(*inputs) for inputs in micro_batches]))  # global already
+        # masks and prior images are refused for pipelines (check_data, RunSpec.validate): the tuple's head only
+        loss = self.engine.train_batch(iter([micro_batch(*inputs[:5]) for inputs in micro_batches]))  # global already
         return loss.item(), self.engine.get_global_grad_norm()
 
     def evaluate(self, dataset, indices, quantiles, seed, batch_size):
@@ -143,6 +161,15 @@ def grad_norm(params) -> torch.Tensor | None:
     """The 2-norm of the gradients, on the device (no wait for it)."""
     grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
     return torch.stack(grads).norm() if grads else None
+
+
+def global_sum(values: list[float], device) -> torch.Tensor:
+    """The sums of these numbers over every process (float64, on the CPU)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    if world_size() > 1:
+        t = t.to(device)
+        torch.distributed.all_reduce(t)
+    return t.cpu()
 
 
 def global_mean(value: float, device) -> float:

@@ -12,7 +12,8 @@ from .adapters import inject_adapter, load_adapter_weights
 from .checkpoint import Checkpointer
 from .comfy_env import import_comfy
 from .config import RunSpec
-from .data import Prefetcher, StepBatches, load_cached_dataset
+from .batch_mix import StepBatches, build_training_data, prior_report
+from .data import Prefetcher, load_cached_dataset
 from .distributed import data_parallel_size, deepspeed_config, init_distributed, rank, world_size
 from .ema import build_average, exported_weights
 from .events import EVENTS_FILE, EventWriter, read_events
@@ -51,7 +52,9 @@ class Trainer:
         self.family = family = load_family(spec.model, precision=spec.train.precision)
         family.set_objective(t.loss, t.huber_delta, t.min_snr_gamma, t.flow_shift, t.guidance)
         family.check_settings(spec)
-        self.dataset = load_cached_dataset(spec.data.manifest)
+        self.global_batch = t.batch_size * t.grad_accum * data_parallel_size(spec)
+        # the training set (mixed with the prior set where there is one) and what each step draws from it
+        self.dataset, self.sampler = build_training_data(spec.data, self.global_batch, t.seed)
         self.eval_dataset = load_cached_dataset(spec.data.eval_manifest) if spec.data.eval_manifest else self.dataset
         torch.manual_seed(t.seed)  # adapter initialisation
         if a.kind == "full":
@@ -65,14 +68,15 @@ class Trainer:
         deepspeed = init_distributed()  # before the model: pipeline stages need the process group
         swapped_blocks = memory_savers(family, spec)
         self.layout = layout = choose_layout(spec, family, self.params)
+        layout.check_data(self.dataset)
         optimizer = build_optimizer(spec, layout.trainable)
         self.optimizer = optimizer
         layout.initialize(deepspeed, optimizer, build_scheduler(spec, optimizer), deepspeed_config(spec))
         self.ema = build_average(spec, self.params)  # after initialize: on the device the engine put them on
         if swapped_blocks:
             enable_block_swap(swapped_blocks, layout.device)
-        self.global_batch = t.batch_size * t.grad_accum * data_parallel_size(spec)
-        self.batches = StepBatches(self.dataset, t, data_parallel_size(spec), layout.data_rank, spec.data.shuffle)
+        self.batches = StepBatches(self.dataset, self.sampler, t, spec.data, data_parallel_size(spec),
+                                   layout.data_rank)
         self.checkpointer = Checkpointer(layout, self.run_dir, t.save_every, t.keep_last, self.is_rank0,
                                          components={"ema": self.ema})
         self.stops = StopRequests(self.run_dir, self.is_rank0)
@@ -135,6 +139,7 @@ class Trainer:
     def announce(self, start_step: int, resumed_from):
         """The started event; the health log, the best evaluation so far and the previews of this run."""
         spec, t, d, family = self.spec, self.spec.train, self.spec.distributed, self.family
+        prior, prior_warning = prior_report(self.dataset, self.sampler)
         self.events.emit("started", run_dir=str(self.run_dir), total=t.steps, start_step=start_step,
                          world_size=world_size(), data_parallel=data_parallel_size(spec),
                          pipeline_stages=d.pipeline_stages, block_swap=d.block_swap, family=family.name,
@@ -142,7 +147,9 @@ class Trainer:
                          adapted_modules=len(self.targets), trainable_params=sum(p.numel() for p in self.params),
                          dataset_items=len(self.dataset.unique), samples=len(self.dataset),
                          eval_items=len(self.eval_dataset.unique),
-                         resumed_from=str(resumed_from) if resumed_from else None)
+                         resumed_from=str(resumed_from) if resumed_from else None, **prior)
+        if prior_warning:
+            self.events.emit("log", level="warning", message=prior_warning)
         self.health = HealthLog(self.run_dir, self.is_rank0)
         self.best = best_evaluation(self.run_dir, start_step) if start_step else {}
         self.previews = PreviewSampler(spec.samples, family, self.run_dir, self.is_rank0) \
@@ -175,9 +182,10 @@ class Trainer:
                          samples_per_s=samples_per_s, step_time_s=step_time,
                          eta_s=sum(recent) / len(recent) * (t.steps - step), data_wait_s=round(self.data_wait, 4),
                          buckets=[list(b) for b in batch.buckets], timestep_mean=batch.timestep_mean,
-                         timestep_std=batch.timestep_std, **norm)
+                         timestep_std=batch.timestep_std, **norm, **self.layout.loss_split)
         self.health.step(step, **{"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
                                   "train/param_norm": norm.get("param_norm"), "perf/step_time_s": step_time,
+                                  **{f"train/{k}": v for k, v in self.layout.loss_split.items()},
                                   "perf/samples_per_s": samples_per_s, "perf/data_wait_s": self.data_wait,
                                   "data/timestep_mean": batch.timestep_mean, "data/timestep_std": batch.timestep_std,
                                   "data/latent_std": batch.latent_std})

@@ -43,6 +43,20 @@ def check_layout(stages: int):
         raise ValueError(f"distributed.pipeline_stages: {stages} stages do not divide {world_size()} processes")
 
 
+def check_data(data_spec, dataset):
+    """The stages pass (latents, cond, noise, timesteps[, pooled]) and take the plain mean of the per-sample
+    losses: loss masks and prior images (per-sample weights, their own loss in the events) do not pass through
+    them. Caption dropout and tag shuffling only change the text, and do."""
+    from .batch_mix import MixedDataset
+    if data_spec.prior_manifest or isinstance(dataset, MixedDataset):
+        raise ValueError("data.prior_manifest: prior images are not available with pipeline stages "
+                         "(distributed.pipeline_stages > 1); train with 1 stage, or without prior images")
+    if data_spec.masked_loss and any(dataset.masked):
+        raise ValueError(f"data.masked_loss: {data_spec.manifest} has loss masks, which pipeline stages "
+                         "(distributed.pipeline_stages > 1) cannot apply; set data.masked_loss to false (or the "
+                         "dataset's masks to off), or train with 1 stage")
+
+
 def build(family, stages: int):
     """(PipelineModule, its loss function, the layers in order)."""
     from deepspeed.pipe import PipelineModule

@@ -26,6 +26,7 @@ class Batch:
     pooled: torch.Tensor | None
     noise: torch.Tensor
     timesteps: torch.Tensor  # in [0, 1): where on the noise schedule each sample lies (0 = clean)
+    mask: torch.Tensor | None = None  # loss weights per latent pixel, [B, 1, (1,) h, w] as cached; None: all 1
 
 
 class UnsupportedSetting(ValueError):
@@ -171,12 +172,13 @@ class ModelFamily:
         return 1.0 / sigma ** 2  # alpha_bar / (1 - alpha_bar) on ComfyUI's schedule
 
     def training_loss(self, prediction: torch.Tensor, target: torch.Tensor, snr: torch.Tensor,
-                      weighted: bool) -> torch.Tensor:
-        """Per-sample loss: the configured objective when `weighted`, else plain MSE."""
+                      weighted: bool, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-sample loss: the configured objective when `weighted`, else plain MSE; mask-weighted per latent
+        pixel where a mask is given (in the prediction's layout)."""
         from ..objectives import min_snr_weight, per_sample_loss
         if not weighted:
-            return per_sample_loss(prediction, target)
-        loss = per_sample_loss(prediction, target, self.loss_kind, self.huber_delta)
+            return per_sample_loss(prediction, target, mask=mask)
+        loss = per_sample_loss(prediction, target, self.loss_kind, self.huber_delta, mask=mask)
         if self.min_snr_gamma > 0:
             loss = loss * min_snr_weight(snr.float(), self.min_snr_gamma, self.prediction)
         return loss
@@ -202,18 +204,20 @@ class ModelFamily:
         return x0, self.to_model_layout(noise.float()), self.sigmas(timesteps).to(x0.device)
 
     def loss_of_output(self, out: torch.Tensor, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,
-                       reduce: bool = True, weighted: bool = True) -> torch.Tensor:
+                       reduce: bool = True, weighted: bool = True, mask: torch.Tensor | None = None) -> torch.Tensor:
         """The loss of the model's raw output against the family's target for these latents and noise."""
         x0, noise, sigma = self.noising(latents, noise, timesteps)
         shape = (-1,) + (1,) * (x0.dim() - 1)
-        per_sample = self.training_loss(out, self.target(x0, noise, sigma.view(shape)), self.snr(sigma), weighted)
+        mask = self.to_model_layout(mask) if mask is not None else None  # a video model's frame axis
+        per_sample = self.training_loss(out, self.target(x0, noise, sigma.view(shape)), self.snr(sigma), weighted,
+                                        mask)
         return per_sample.mean() if reduce else per_sample
 
     def loss(self, batch: Batch, reduce: bool = True, weighted: bool = True) -> torch.Tensor:
         """The diffusion loss of a batch: noised with ComfyUI's noise scaling, run as ComfyUI runs the model."""
         x_in, timestep, kwargs = self.model_inputs(batch)
         out = self.diffusion_model(x_in, timestep, transformer_options={}, **kwargs)
-        return self.loss_of_output(out, batch.latents, batch.noise, batch.timesteps, reduce, weighted)
+        return self.loss_of_output(out, batch.latents, batch.noise, batch.timesteps, reduce, weighted, batch.mask)
 
     def pipeline_layers(self) -> list[torch.nn.Module]:
         """The model as a sequence of layers for pipeline stages: each takes and returns a tuple of tensors;

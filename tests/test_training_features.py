@@ -1,0 +1,262 @@
+"""Caption dropout, masked loss and prior images wired into training: the loop's batches carry them, the loss
+applies them, the step events report the training and prior images' losses apart, the graph and a hand-written
+spec reach them, and pipeline stages refuse what they cannot apply.
+
+One trainer launch for the whole feature set (fp32, the tiny SD1.5 model); the rest is unit tier.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import read_events, run_trainer
+
+config = importlib.import_module("ingraph_trainer.trainer.config")
+mix = importlib.import_module("ingraph_trainer.trainer.batch_mix")
+
+STEPS, PRIOR_WEIGHT = 3, 0.5
+
+
+# --- the loss ------------------------------------------------------------------------------------------------
+
+def tiny_sd_family():
+    from tools.prepare_run import _bootstrap
+    _bootstrap()
+    import comfy.ops
+    import comfy.sd
+    from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
+    from ingraph_trainer.trainer.models import family_for
+    from ingraph_trainer.trainer.models.base import init_weights
+    from tools.embedded_default import TINY_UNET_CONFIG
+    state = init_weights(UNetModel(**TINY_UNET_CONFIG, operations=comfy.ops.disable_weight_init), 0).state_dict()
+    patcher = comfy.sd.load_diffusion_model_state_dict(state, model_options={"dtype": torch.float32})
+    return family_for(patcher.model, patcher=patcher)
+
+
+@pytest.mark.comfyui
+def test_the_training_module_applies_masks_and_sample_weights_and_splits_prior_losses():
+    from ingraph_trainer.trainer.models import Batch
+    from ingraph_trainer.trainer.training_module import TrainingModule
+    family = tiny_sd_family()
+    g = torch.Generator().manual_seed(0)
+    latents, noise = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
+    cond, timesteps = torch.randn(2, 77, 768, generator=g), torch.rand(2, generator=g)
+    mask = torch.ones(2, 1, 8, 8)
+    mask[..., 4:] = 0.0  # the right half of every image does not train
+    # the family's loss takes the mask: no gradient from the right half of the prediction
+    prediction = torch.randn(2, 4, 8, 8, generator=g, requires_grad=True)
+    family.loss_of_output(prediction, latents, noise, timesteps, reduce=False, mask=mask).sum().backward()
+    assert torch.all(prediction.grad[..., 4:] == 0) and torch.all(prediction.grad[..., :4] != 0)
+
+    module = TrainingModule(family)
+    with torch.no_grad():
+        plain = module(latents, cond, noise, timesteps, None)
+        assert torch.equal(plain, family.loss(Batch(latents, cond, None, noise, timesteps)))  # as before
+        per_sample = family.loss(Batch(latents, cond, None, noise, timesteps, mask), reduce=False)
+        weight, is_prior = torch.tensor([PRIOR_WEIGHT, 1.0]), torch.tensor([True, False])
+        loss, parts = module(latents, cond, noise, timesteps, None, mask=mask, sample_weight=weight,
+                             is_prior=is_prior)
+    assert not torch.equal(per_sample, family.loss(Batch(latents, cond, None, noise, timesteps), reduce=False))
+    assert torch.equal(loss, (per_sample * weight).mean())
+    assert mix.split_losses(parts) == pytest.approx({"main_loss": per_sample[1].item(),
+                                                     "prior_loss": per_sample[0].item()})
+
+
+class _Engine:
+    """DeepSpeed's engine as WholeModel drives it: records what each micro-batch is called with."""
+
+    def __init__(self):
+        self.device, self.calls = torch.device("cpu"), []
+
+    def __call__(self, *args, **features):
+        self.calls.append((len(args), sorted(features)))
+        per_sample = args[0].flatten(1).mean(1)
+        loss = (per_sample * features["sample_weight"]).mean() if "sample_weight" in features else per_sample.mean()
+        return (loss, mix.loss_parts(per_sample, features["is_prior"])) if "is_prior" in features else loss
+
+    def backward(self, loss):
+        pass
+
+    def is_gradient_accumulation_boundary(self):
+        return False
+
+    def step(self):
+        pass
+
+    def get_global_grad_norm(self):
+        return 1.0
+
+
+def test_a_step_passes_the_features_to_the_model_and_reports_main_and_prior_loss_with_one_read_back(monkeypatch):
+    from ingraph_trainer.trainer import layouts
+    layout = object.__new__(layouts.WholeModel)
+    layout.trainable, layout._own_grad_norm, layout.loss_split = [], False, {}
+    layout.engine = _Engine()
+    # per-sample losses: 1 and 11 in the first micro-batch, 3 and 13 in the second
+    latents = [torch.stack([torch.full((1, 2, 2), v), torch.full((1, 2, 2), v + 10)]) for v in (1.0, 3.0)]
+    plain = [mix.MicroBatch(x, x, x, torch.zeros(2), None) for x in latents]
+    assert layout.train_step(plain)[0] == 7.0 and layout.loss_split == {}
+    assert layout.engine.calls == [(5, []), (5, [])]  # a plain run calls the model exactly as before
+    reads = []
+    for name in ("tolist", "item"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, _o=original, _n=name: reads.append(_n) or _o(self))
+    mixed = [mix.MicroBatch(x, x, x, torch.zeros(2), None, torch.ones(2, 1, 2, 2), torch.tensor([PRIOR_WEIGHT, 1.0]),
+                            torch.tensor([True, False])) for x in latents]
+    loss, _ = layout.train_step(mixed)
+    assert reads == ["tolist"]  # the step's losses and their training/prior parts come back in one transfer
+    assert layout.engine.calls[2:] == [(5, ["is_prior", "mask", "sample_weight"])] * 2
+    assert loss == ((0.5 * 1 + 11) / 2 + (0.5 * 3 + 13) / 2) / 2
+    assert layout.loss_split == {"main_loss": 12.0, "prior_loss": 2.0}
+
+
+# --- pipeline stages --------------------------------------------------------------------------------------------
+
+def test_pipeline_stages_refuse_prior_images_and_masks_by_field():
+    from ingraph_trainer.trainer.pipeline import check_data
+    spec = config.RunSpec(run_dir="run", model=config.ModelSpec(path="model.safetensors"),
+                          data=config.DataSpec(manifest="d.json", prior_manifest="p.json"),
+                          distributed=config.DistributedSpec(processes=2, pipeline_stages=2))
+    with pytest.raises(config.RunSpecError, match=r"data\.prior_manifest: prior images are not available with "
+                                                  r"pipeline stages"):
+        spec.validate()
+    masked = type("Cached", (), {"masked": [False, True]})()
+    with pytest.raises(ValueError, match=r"data\.prior_manifest: prior images are not available"):
+        check_data(config.DataSpec(manifest="d.json", prior_manifest="p.json"), masked)
+    with pytest.raises(ValueError, match=r"data\.masked_loss: d\.json has loss masks, which pipeline stages"):
+        check_data(config.DataSpec(manifest="d.json"), masked)
+    check_data(config.DataSpec(manifest="d.json", masked_loss=False), masked)  # masks off: trains
+    check_data(config.DataSpec(manifest="d.json", caption_dropout=0.3), type("Cached", (), {"masked": []})())
+
+
+# --- one run with every feature --------------------------------------------------------------------------------
+
+def feature_folders(root: Path, images: Path) -> tuple[Path, Path]:
+    """The embedded images, each with a mask that leaves its right half out; and four of them, recaptioned, as
+    prior images (same 64x64 bucket)."""
+    from PIL import Image
+    train, prior = root / "train", root / "prior"
+    for folder in (train, prior):
+        folder.mkdir(parents=True)
+    for n, image in enumerate(sorted(images.glob("*.png"))):
+        shutil.copy(image, train / image.name)
+        shutil.copy(image.with_suffix(".txt"), train / image.with_suffix(".txt").name)
+        w, h = Image.open(image).size
+        mask = Image.new("L", (w, h), 255)
+        mask.paste(0, (w // 2, 0, w, h))
+        mask.save(train / f"{image.stem}.mask.png")
+        if n < 4:
+            shutil.copy(image, prior / image.name)
+            (prior / f"{image.stem}.txt").write_text("a circle", encoding="utf-8")
+    return train, prior
+
+
+@pytest.fixture(scope="module")
+def featured_run(prepared, assets, tmp_path_factory):
+    train, prior = feature_folders(tmp_path_factory.mktemp("features"), assets["images"])
+    spec_path = prepared("--images", str(train), "--prior-images", str(prior), "--caption-dropout", "0.3",
+                         "--caption-variants", "2", "--keep-tags", "1", train__steps=STEPS, train__batch_size=2,
+                         train__grad_accum=2, train__precision="fp32", data__prior_weight=PRIOR_WEIGHT,
+                         data__prior_fraction=0.5)
+    proc = run_trainer(spec_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return spec_path
+
+
+@pytest.mark.comfyui
+def test_a_run_with_caption_dropout_masks_and_prior_images_reports_main_and_prior_loss(featured_run):
+    from ingraph_trainer.trainer.trust import read_signed_json
+    spec = config.load_run_spec(featured_run)
+    run_dir = featured_run.parent
+    assert spec.data.caption_dropout == 0.3 and spec.data.prior_weight == PRIOR_WEIGHT
+    assert Path(spec.data.prior_manifest) == run_dir / "prior_dataset.json"
+    assert "prior_dataset.json" in read_signed_json(run_dir / "run.sig")["files"]  # the trainer verifies it
+    events = read_events(run_dir)
+    started = next(e for e in events if e["type"] == "started")
+    assert (started["prior_items"], started["prior_slots"], started["prior_uncovered_buckets"]) == (4, 2, [])
+    steps = [e for e in events if e["type"] == "step"]
+    assert len(steps) == STEPS and events[-1]["type"] == "finished"
+    for e in steps:
+        assert math.isfinite(e["main_loss"]) and math.isfinite(e["prior_loss"])
+        # two training and two prior items a step, the prior ones at weight 0.5: the loss is their weighted mean
+        assert e["loss"] == pytest.approx((2 * e["main_loss"] + 2 * PRIOR_WEIGHT * e["prior_loss"]) / 4, rel=1e-5)
+
+
+@pytest.mark.comfyui
+def test_a_hand_written_spec_reaches_the_same_batches(featured_run, tmp_path):
+    """The spec's [data] fields written by hand, over the run's manifests: the loop's batches are the ones of the
+    run the tools wrote, with masks, prior items at their weight and the empty caption in some slots."""
+    written = config.load_run_spec(featured_run)
+    d, t = written.data, written.train
+    by_hand = tmp_path / "run.toml"
+    by_hand.write_text(f"""version = {written.version}
+run_dir = "{tmp_path}"
+[model]
+path = "{written.model.path}"
+[data]
+manifest = "{d.manifest}"
+caption_dropout = 0.3
+prior_manifest = "{d.prior_manifest}"
+prior_weight = {PRIOR_WEIGHT}
+prior_fraction = 0.5
+[train]
+steps = {STEPS}
+batch_size = 2
+grad_accum = 2
+[output]
+lora_path = "{tmp_path / 'lora.safetensors'}"
+""", encoding="utf-8")
+    hand = config.load_run_spec(by_hand)
+    assert hand.data == d
+
+    def batches(spec):
+        dataset, sampler = mix.build_training_data(spec.data, 4, spec.train.seed)
+        return dataset, mix.StepBatches(dataset, sampler, spec.train, spec.data, 1, 0)
+    dataset, from_hand = batches(hand)
+    _, from_tools = batches(written)
+    empty = dataset.main.text_entry(*dataset.main.empty_text)["cond"]
+    empties = 0
+    for step in range(10):
+        ours, theirs = from_hand(step).micro_batches, from_tools(step).micro_batches
+        for a, b in zip(ours, theirs):
+            assert all(torch.equal(x, y) for x, y in zip(a, b) if x is not None)
+            if a.mask is None:  # the prior images have no masks: a micro-batch of them alone has none
+                assert a.is_prior.all()
+            else:  # and weigh 1 everywhere beside masked training images
+                trained = a.mask[~a.is_prior]
+                assert torch.all(trained[..., 4:] == 0) and torch.all(trained[..., :4] == 1)
+                assert torch.all(a.mask[a.is_prior] == 1)
+            assert set(a.sample_weight[a.is_prior].tolist()) <= {PRIOR_WEIGHT}
+            assert set(a.sample_weight[~a.is_prior].tolist()) <= {1.0}
+            empties += sum(torch.equal(c, empty) for c in a.cond)
+        assert sum(int(m.is_prior.sum()) for m in ours) == 2
+    assert 0 < empties < 40
+    assert t.batch_size == hand.train.batch_size
+
+
+@pytest.mark.comfyui
+def test_the_train_node_appends_the_prior_inputs_last_with_tooltips():
+    from tools.prepare_run import _bootstrap
+    _bootstrap()
+    from ingraph_trainer.nodes.train_node import TrainLoRA
+    inputs = TrainLoRA.define_schema().inputs
+    assert [i.id for i in inputs[-4:]] == ["save_ema", "prior_dataset", "prior_weight", "prior_fraction"]
+    assert all(i.optional and len(i.tooltip) > 40 for i in inputs[-3:])
+
+
+def test_the_train_node_refuses_a_prior_set_it_cannot_mix_by_input_name():
+    from types import SimpleNamespace
+    from ingraph_trainer.runner.train_run import check_prior_dataset
+    images = SimpleNamespace(latent_encoder="vae-a", text_encoder="clip-a", caption_dropout=0.3, empty_text=("k", "s"))
+    check_prior_dataset(images, SimpleNamespace(**vars(images)))
+    other_vae = SimpleNamespace(**{**vars(images), "latent_encoder": "vae-b"})
+    with pytest.raises(ValueError, match="prior_dataset: its latents were cached with another VAE"):
+        check_prior_dataset(images, other_vae)
+    no_empty = SimpleNamespace(**{**vars(images), "empty_text": ()})
+    with pytest.raises(ValueError, match="prior_dataset: the training images' caption dropout"):
+        check_prior_dataset(images, no_empty)
