@@ -260,3 +260,15 @@ def test_the_train_node_refuses_a_prior_set_it_cannot_mix_by_input_name():
     no_empty = SimpleNamespace(**{**vars(images), "empty_text": ()})
     with pytest.raises(ValueError, match="prior_dataset: the training images' caption dropout"):
         check_prior_dataset(images, no_empty)
+
+
+def test_the_start_names_the_training_buckets_no_prior_image_covers():
+    from types import SimpleNamespace
+    sampler = mix.PriorMixSampler([(64, 64), (64, 64), (96, 64)], [(64, 64)], global_batch=2, seed=0,
+                                  prior_fraction=0.5)
+    fields, warning = mix.prior_report(SimpleNamespace(prior=SimpleNamespace(unique=[0])), sampler)
+    assert fields == {"prior_items": 1, "prior_slots": 1, "prior_uncovered_buckets": [[96, 64]]}
+    assert warning.startswith("data.prior_manifest: no prior image has the size of the training bucket(s) 96x64")
+    covered = mix.PriorMixSampler([(64, 64)], [(64, 64)], global_batch=2, seed=0, prior_fraction=0.5)
+    assert mix.prior_report(SimpleNamespace(prior=SimpleNamespace(unique=[0])), covered)[1] is None
+    assert mix.prior_report(None, object()) == ({}, None)  # no prior set: nothing to report
