@@ -1,6 +1,8 @@
 """Model families behind one interface; `load_family` rebuilds a model with ComfyUI's own code."""
 from __future__ import annotations
 
+import logging
+
 from .base import Batch, ModelFamily, UnsupportedSetting
 from .flux import FluxFamily
 from .generic import GenericFamily
@@ -107,17 +109,22 @@ def _as_model_spec(model, family: str, prediction: str):
 def load_base_model(model, precision: str | None = None):
     """ComfyUI's ModelPatcher for a run spec's model section: the source file loaded as its loader node loaded
     it (Load Checkpoint or Load Diffusion Model with its weight_dtype), then the upstream LoRAs applied in order
-    with ComfyUI's own code and baked into the weights with ComfyUI's own patching code."""
+    with ComfyUI's own code and baked into the weights with ComfyUI's own patching code. The load peaks at about
+    the weights held, not the weights plus the file (see loading.py)."""
     import comfy.sd
+    from .loading import released_after_copy
     check_stamps(model)
     options = base_storage_options(model, precision)
-    if model.format == "checkpoint":
-        patcher = comfy.sd.load_checkpoint_guess_config(model.path, output_vae=False, output_clip=False,
-                                                        output_clipvision=False, model_options=options)[0]
-    elif model.format == "diffusion_model":
-        patcher = comfy.sd.load_diffusion_model(model.path, model_options=options)
-    else:
+    if model.format not in ("checkpoint", "diffusion_model"):
         raise ValueError(f"model.format: {model.format!r} is not one of diffusion_model, checkpoint")
+    with released_after_copy(model.path) as released:  # the file's pages leave memory as each tensor is copied
+        if model.format == "checkpoint":
+            patcher = comfy.sd.load_checkpoint_guess_config(model.path, output_vae=False, output_clip=False,
+                                                            output_clipvision=False, model_options=options)[0]
+        else:
+            patcher = comfy.sd.load_diffusion_model(model.path, model_options=options)
+    logging.getLogger(__name__).debug("%s: %.1f MiB of the file's pages dropped once copied into the model",
+                                      model.path, released["released_bytes"] / 2**20)
     if patcher is None:
         raise ValueError(f"{model.path}: ComfyUI does not recognise this diffusion model")
     for path, strength in zip(model.lora_paths, model.lora_strengths):

@@ -1,0 +1,129 @@
+"""Loading a model file with ComfyUI's own loaders without holding the whole file in memory alongside the model.
+
+ComfyUI's `load_torch_file` memory-maps a safetensors file and `load_model_weights` hands every tensor to
+`load_state_dict`, which copies them into the model one module at a time. Each page of the file it reads stays
+mapped into the process until the loader returns, so the load peaks at the model plus the whole file (1.9-3x the
+weights held, file-backed pages count in the process's memory). `released_after_copy` drops each tensor's pages
+of the file from the process right after load_state_dict has copied it, while ComfyUI's code path runs unchanged:
+the same detection, dtype choice, weight_dtype casting and key processing, so the weights are ComfyUI's bit for
+bit. Dropping a clean page of a file mapping loses nothing (it is read back from the file if touched again); a
+page anyone wrote to (copy-on-write, no longer the file's) is never dropped, nor is anything outside the file's
+own mappings (tensors ComfyUI computed while processing keys, the model's own weights).
+
+Where this does nothing, the load is ComfyUI's as before, with its peak: on systems without /proc/self/maps and
+madvise (not Linux), with ComfyUI's --disable-mmap (the file is copied, not mapped), and with a model class that
+overrides `load_model_weights` or modules that override `_load_from_state_dict` without its pre-hooks.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import struct
+
+MADV_DONTNEED = 4
+PAGEMAP_PRESENT = 1 << 63
+PAGEMAP_FILE_OR_SHARED = 1 << 61  # clear for a private page that was written to (copy-on-write)
+
+
+def file_mappings(path: str) -> list[tuple[int, int]]:
+    """(start, end) of this process's memory mappings of `path`, from /proc/self/maps; empty where unknown."""
+    target = os.path.realpath(path)
+    ranges = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(None, 5)
+                if len(fields) == 6 and fields[5].rstrip("\n") == target:
+                    start, end = (int(x, 16) for x in fields[0].split("-"))
+                    ranges.append((start, end))
+    except OSError:
+        return []
+    return ranges
+
+
+class PageReleaser:
+    """Drops ranges of a file's mappings from the process (madvise MADV_DONTNEED), page-aligned inward, and only
+    where every resident page still holds the file's bytes."""
+
+    def __init__(self, ranges: list[tuple[int, int]]):
+        self.ranges = ranges
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.madvise = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).madvise
+        self.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        self.pagemap = open("/proc/self/pagemap", "rb", buffering=0)
+        self.released_bytes = 0
+
+    def close(self) -> None:
+        self.pagemap.close()
+
+    def _all_file_pages(self, start: int, end: int) -> bool:
+        count = (end - start) // self.page
+        self.pagemap.seek(start // self.page * 8)
+        entries = self.pagemap.read(count * 8)
+        if len(entries) != count * 8:
+            return False
+        return all(not (e & PAGEMAP_PRESENT) or e & PAGEMAP_FILE_OR_SHARED
+                   for e in struct.unpack(f"<{count}Q", entries))
+
+    def release(self, tensor) -> None:
+        if tensor.device.type != "cpu" or tensor.numel() == 0:
+            return
+        span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+        first = tensor.data_ptr()
+        last = first + span * tensor.element_size()
+        start = -(-first // self.page) * self.page
+        end = last // self.page * self.page
+        if end <= start or not any(lo <= start and end <= hi for lo, hi in self.ranges):
+            return
+        if not self._all_file_pages(start, end):
+            return
+        if self.madvise(start, end - start, MADV_DONTNEED) == 0:
+            self.released_bytes += end - start
+
+
+@contextlib.contextmanager
+def released_after_copy(path: str):
+    """While ComfyUI loads `path` (comfy.sd.load_diffusion_model, load_checkpoint_guess_config), each tensor of
+    the file leaves the process's memory as soon as the model holds its copy. Yields a dict whose
+    "released_bytes" tells how much was dropped (0 where nothing could be)."""
+    import comfy.model_base
+    report = {"released_bytes": 0}
+    base = comfy.model_base.BaseModel
+    original = base.__dict__["load_model_weights"]
+
+    def load_model_weights(self, sd, unet_prefix=""):
+        ranges = file_mappings(path)
+        if not ranges:
+            return original(self, sd, unet_prefix)
+        releaser = PageReleaser(ranges)
+        copied: list = []  # the file tensors of the module load_state_dict is filling now
+
+        def before_module(module, state_dict, prefix, *_):
+            # modules are filled one after another, each before its children: when the next one starts,
+            # the previous one's tensors have been copied
+            for tensor in copied:
+                releaser.release(tensor)
+            copied.clear()
+            for name in (*module._parameters, *module._buffers):
+                source = state_dict.get(prefix + name)
+                if source is not None and hasattr(source, "data_ptr"):
+                    copied.append(source)
+
+        hooks = [m.register_load_state_dict_pre_hook(before_module) for m in self.diffusion_model.modules()]
+        try:
+            return original(self, sd, unet_prefix)
+        finally:
+            for hook in hooks:
+                hook.remove()
+            for tensor in copied:
+                releaser.release(tensor)
+            report["released_bytes"] += releaser.released_bytes
+            releaser.close()
+
+    base.load_model_weights = load_model_weights
+    try:
+        yield report
+    finally:
+        base.load_model_weights = original
