@@ -21,10 +21,13 @@ import ctypes
 import ctypes.util
 import os
 import struct
+import threading
 
 MADV_DONTNEED = 4
 PAGEMAP_PRESENT = 1 << 63
 PAGEMAP_FILE_OR_SHARED = 1 << 61  # clear for a private page that was written to (copy-on-write)
+# the wrapper replaces a ComfyUI class attribute for the load's duration: one load at a time installs it
+_PATCH_LOCK = threading.RLock()
 
 
 def file_mappings(path: str) -> list[tuple[int, int]]:
@@ -60,8 +63,11 @@ class PageReleaser:
 
     def _all_file_pages(self, start: int, end: int) -> bool:
         count = (end - start) // self.page
-        self.pagemap.seek(start // self.page * 8)
-        entries = self.pagemap.read(count * 8)
+        try:
+            self.pagemap.seek(start // self.page * 8)
+            entries = self.pagemap.read(count * 8)
+        except OSError:
+            return False
         if len(entries) != count * 8:
             return False
         return all(not (e & PAGEMAP_PRESENT) or e & PAGEMAP_FILE_OR_SHARED
@@ -88,6 +94,13 @@ def released_after_copy(path: str):
     """While ComfyUI loads `path` (comfy.sd.load_diffusion_model, load_checkpoint_guess_config), each tensor of
     the file leaves the process's memory as soon as the model holds its copy. Yields a dict whose
     "released_bytes" tells how much was dropped (0 where nothing could be)."""
+    with _PATCH_LOCK:
+        with _released_after_copy(path) as report:
+            yield report
+
+
+@contextlib.contextmanager
+def _released_after_copy(path: str):
     import comfy.model_base
     report = {"released_bytes": 0}
     base = comfy.model_base.BaseModel
@@ -95,9 +108,12 @@ def released_after_copy(path: str):
 
     def load_model_weights(self, sd, unet_prefix=""):
         ranges = file_mappings(path)
-        if not ranges:
+        try:
+            releaser = PageReleaser(ranges) if ranges else None
+        except (OSError, AttributeError):  # no pagemap or madvise here: ComfyUI's load as it is
+            releaser = None
+        if releaser is None:
             return original(self, sd, unet_prefix)
-        releaser = PageReleaser(ranges)
         copied: list = []  # the file tensors of the module load_state_dict is filling now
 
         def before_module(module, state_dict, prefix, *_):
