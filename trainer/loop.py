@@ -146,7 +146,7 @@ class Trainer:
                          prediction=family.prediction, objective={"loss": t.loss, "min_snr_gamma": t.min_snr_gamma},
                          adapted_modules=len(self.targets), trainable_params=sum(p.numel() for p in self.params),
                          dataset_items=len(self.dataset.unique), samples=len(self.dataset),
-                         eval_items=len(self.eval_dataset.unique),
+                         eval_items=len(self.eval_dataset.unique), base_weight_bytes=family.base_weight_bytes(),
                          resumed_from=str(resumed_from) if resumed_from else None, **prior)
         if prior_warning:
             self.events.emit("log", level="warning", message=prior_warning)
