@@ -2,15 +2,13 @@ import logging
 
 from comfy_api.latest import io
 
-from ..trainer.config import OPTIMIZER_CHOICES, TrainSpec, choices_tooltip
+from ..trainer.config import (ADAPTER_FORMAT_CHOICES, BASE_PRECISION_CHOICES, LOSS_CHOICES, OPTIMIZER_CHOICES,
+                               PRECISION_CHOICES, SCHEDULE_CHOICES, TIMESTEP_SAMPLING_CHOICES, TrainSpec,
+                               choice_labels, choice_value, choices_tooltip)
 from .types import CATEGORY, Adapter, Dataset, Distributed, Previews
 
 log = logging.getLogger("ingraph_trainer")
 
-OPTIMIZERS = {c.label: c.value for c in OPTIMIZER_CHOICES}  # label (what saved workflows hold) → spec value
-FILE_FORMATS = {"ComfyUI": "comfyui", "kohya (lora_unet_*)": "kohya", "diffusers (peft)": "diffusers"}
-SCHEDULES = {"constant": "constant", "linear decay": "linear", "cosine decay": "cosine"}
-TIMESTEP_SAMPLING = {"uniform": "uniform", "logit-normal": "logit_normal"}
 EVENT_NAME = "ingraph.event"
 
 
@@ -53,13 +51,13 @@ class TrainLoRA(io.ComfyNode):
                              tooltip="Batches whose gradients are summed before each optimizer step."),
                 io.Float.Input("learning_rate", default=1e-4, min=1e-8, max=1.0, step=1e-6,
                                tooltip="Peak learning rate."),
-                io.Combo.Input("optimizer", options=list(OPTIMIZERS), default="AdamW",
+                io.Combo.Input("optimizer", options=choice_labels(OPTIMIZER_CHOICES), default="AdamW",
                                tooltip=choices_tooltip(OPTIMIZER_CHOICES)),
-                io.Combo.Input("lr_schedule", options=list(SCHEDULES), default="constant",
+                io.Combo.Input("lr_schedule", options=choice_labels(SCHEDULE_CHOICES), default="constant",
                                tooltip="How the learning rate changes after warm-up."),
                 io.Int.Input("warmup_steps", default=0, min=0, max=100_000,
                              tooltip="Steps over which the learning rate rises linearly from 0 to its peak."),
-                io.Combo.Input("precision", options=["bf16", "fp32"], default="bf16",
+                io.Combo.Input("precision", options=choice_labels(PRECISION_CHOICES), default="bf16",
                                tooltip="bf16: half the memory, faster on most GPUs; fp32: exact, reproducible."),
                 io.Boolean.Input("gradient_checkpointing", default=False,
                                  tooltip="Recompute activations in the backward pass: less memory, slower steps."),
@@ -84,13 +82,13 @@ class TrainLoRA(io.ComfyNode):
                 Previews.Input("previews", optional=True,
                                tooltip="Sample Previews settings: images rendered on the current weights during "
                                        "training, shown in this node."),
-                io.Combo.Input("loss", options=["MSE", "Huber"], default="MSE", optional=True,
+                io.Combo.Input("loss", options=choice_labels(LOSS_CHOICES), default="MSE", optional=True,
                                tooltip="Training loss: MSE, or Huber (less pulled by outlier images and noisy "
                                        "captions). Evaluation always reports MSE, so runs stay comparable."),
                 io.Float.Input("min_snr_gamma", default=0.0, min=0.0, max=100.0, step=0.5, optional=True,
                                tooltip="Min-SNR weighting of the training loss (faster convergence; 5 is usual, "
                                        "0 = off)."),
-                io.Combo.Input("file_format", options=list(FILE_FORMATS), default="ComfyUI", optional=True,
+                io.Combo.Input("file_format", options=choice_labels(ADAPTER_FORMAT_CHOICES), default="ComfyUI", optional=True,
                                tooltip="Key layout of the saved file. ComfyUI: what Load LoRA reads natively. kohya: "
                                        "lora_unet_* keys for kohya-based tools (ComfyUI reads these too). diffusers: "
                                        "the peft layout diffusers' load_lora_weights reads (plain LoRA only; "
@@ -100,7 +98,7 @@ class TrainLoRA(io.ComfyNode):
                                        "from its last complete checkpoint (a new run if there is none). Or pick a "
                                        "checkpoint. A resumed run uses the settings saved with it."),
                 # appended last: saved workflows map widget values by position
-                io.Combo.Input("timestep_sampling", options=list(TIMESTEP_SAMPLING), default="uniform", optional=True,
+                io.Combo.Input("timestep_sampling", options=choice_labels(TIMESTEP_SAMPLING_CHOICES), default="uniform", optional=True,
                                tooltip="Where on the noise schedule training samples fall. uniform: evenly. "
                                        "logit-normal: concentrated at mid noise (SD3's recipe; usual for "
                                        "flow-matching models)."),
@@ -145,6 +143,9 @@ class TrainLoRA(io.ComfyNode):
                                tooltip="Share of each batch (batch_size x gradient_accumulation x processes) that "
                                        "holds prior images, rounded; at least one slot each for prior and training "
                                        "images. Used only with a prior_dataset."),
+                io.Combo.Input("base_precision", options=choice_labels(BASE_PRECISION_CHOICES), default="as loaded",
+                               optional=True, tooltip="How the trainer holds the frozen base weights. "
+                                                      + choices_tooltip(BASE_PRECISION_CHOICES)),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The input MODEL with the trained LoRA applied."),
@@ -173,7 +174,8 @@ class TrainLoRA(io.ComfyNode):
                 output_name, resume="off", distributed=None, eval_dataset=None, eval_every=0,
                 previews=None, file_format="ComfyUI", loss="MSE", min_snr_gamma=0.0, timestep_sampling="uniform",
                 flow_shift=1.0, guidance=1.0, overwrite=False, keep_last=3, ema_decay=0.0, ema_start_step=0,
-                save_ema=False, prior_dataset=None, prior_weight=1.0, prior_fraction=0.5) -> io.NodeOutput:
+                save_ema=False, prior_dataset=None, prior_weight=1.0, prior_fraction=0.5,
+                base_precision="as loaded") -> io.NodeOutput:
         import comfy.model_management
         import comfy.utils
 
@@ -186,12 +188,13 @@ class TrainLoRA(io.ComfyNode):
         if prior_dataset is not None:
             prior_dataset.require_cached("prior_dataset")
         train = TrainSpec(steps=steps, batch_size=batch_size, grad_accum=gradient_accumulation,
-                          learning_rate=learning_rate, optimizer=OPTIMIZERS[optimizer],
-                          lr_schedule=SCHEDULES[lr_schedule], warmup_steps=warmup_steps, precision=precision,
+                          learning_rate=learning_rate, optimizer=choice_value(OPTIMIZER_CHOICES, optimizer, "optimizer"),
+                          lr_schedule=choice_value(SCHEDULE_CHOICES, lr_schedule, "lr_schedule"), warmup_steps=warmup_steps, precision=choice_value(PRECISION_CHOICES, precision, "precision"),
                           gradient_checkpointing=gradient_checkpointing, seed=seed, save_every=save_every,
-                          eval_every=eval_every or 0, loss=(loss or "MSE").lower(),
+                          eval_every=eval_every or 0, loss=choice_value(LOSS_CHOICES, loss or "MSE", "loss"),
                           min_snr_gamma=float(min_snr_gamma or 0.0),
-                          timestep_sampling=TIMESTEP_SAMPLING[timestep_sampling or "uniform"],
+                          timestep_sampling=choice_value(TIMESTEP_SAMPLING_CHOICES, timestep_sampling or "uniform",
+                                                         "timestep_sampling"),
                           flow_shift=float(flow_shift or 1.0), guidance=float(1.0 if guidance is None else guidance),
                           keep_last=3 if keep_last is None else int(keep_last),
                           ema_decay=float(ema_decay or 0.0), ema_start_step=int(ema_start_step or 0))
@@ -208,13 +211,15 @@ class TrainLoRA(io.ComfyNode):
 
         outcome = train_lora(model, dataset, adapter=adapter, train=train, output_name=output_name,
                              resume=resume or "off", distributed=distributed, eval_dataset=eval_dataset,
-                             previews=previews, file_format=FILE_FORMATS[file_format or "ComfyUI"],
+                             previews=previews, file_format=choice_value(ADAPTER_FORMAT_CHOICES, file_format or "ComfyUI", "file_format"),
                              overwrite=bool(overwrite), output_weights="ema" if save_ema else "trained",
                              prompt=cls.hidden.prompt, node_id=node_id, on_run=on_run,
                              check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted,
                              prior_dataset=prior_dataset,
                              prior_weight=float(1.0 if prior_weight is None else prior_weight),
-                             prior_fraction=float(prior_fraction or 0.5))
+                             prior_fraction=float(prior_fraction or 0.5),
+                             base_precision=choice_value(BASE_PRECISION_CHOICES, base_precision or "as loaded",
+                                                         "base_precision"))
         result = outcome.result
         chart = chart_tensor(render_loss_chart(result.steps, result.losses, result.evals))
         return io.NodeOutput(outcome.model, outcome.lora_name, chart)

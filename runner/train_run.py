@@ -1,6 +1,7 @@
 """The Train node's work: resume or new run, checks, the model's hand-off, launch, watch, the trained MODEL."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,10 +81,11 @@ def train_lora(model, dataset, *, adapter: AdapterSpec, train: TrainSpec, output
                file_format: str = "comfyui", overwrite: bool = False, output_weights: str = "trained",
                prompt: dict | None = None, node_id: str = "", on_run: Callable[[str, int], Callable[[dict], None]],
                check_interrupt: Callable[[], None], prior_dataset=None, prior_weight: float = 1.0,
-               prior_fraction: float = 0.5) -> TrainOutcome:
+               prior_fraction: float = 0.5, base_precision: str = "as_loaded") -> TrainOutcome:
     """One Train node run. `on_run(run id, steps)` gives the event handler; `prompt` and `node_id` (the node's
     hidden inputs) say where its MODEL and previews VAE come from, so they reach the trainer as files.
-    `prior_dataset`: prior (regularisation) images, `prior_fraction` of every batch, loss weight `prior_weight`."""
+    `prior_dataset`: prior (regularisation) images, `prior_fraction` of every batch, loss weight `prior_weight`.
+    `base_precision` (config.BASE_PRECISIONS): how the trainer holds the frozen base weights (fp8 halves bf16)."""
     from . import paths
     from .launcher import TrainerProcess
     from .model_source import (Undescribable, describe_model, hand_off_model, hand_off_vae, input_link,
@@ -123,7 +125,8 @@ def train_lora(model, dataset, *, adapter: AdapterSpec, train: TrainSpec, output
         hand_off = hand_off_model(model, prompt, node_id, "model", paths.models_root())
         input_source = hand_off.source
         previews_vae = hand_off_vae(previews.vae, prompt, node_id, paths.models_root()) if previews else None
-        run_dir, spec_path = prepare_run(runs_root=paths.runs_root(), name=name, model=hand_off.model_spec,
+        model_spec = dataclasses.replace(hand_off.model_spec, base_precision=base_precision)
+        run_dir, spec_path = prepare_run(runs_root=paths.runs_root(), name=name, model=model_spec,
                                          dataset=dataset, cache_root=paths.cache_root(), adapter=adapter,
                                          train=train, distributed=distributed, lora_path=lora_path,
                                          eval_dataset=eval_dataset, previews=previews, previews_vae=previews_vae,

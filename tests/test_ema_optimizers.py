@@ -68,11 +68,12 @@ def test_every_optimizer_has_a_label_and_the_node_lists_them_with_the_ema_inputs
     assert set(NEW_OPTIMIZERS) <= set(config.OPTIMIZERS)
     from tools.prepare_run import _bootstrap
     _bootstrap()
-    from ingraph_trainer.nodes.train_node import OPTIMIZERS, TrainLoRA
+    from ingraph_trainer.nodes.train_node import TrainLoRA
     inputs = TrainLoRA.define_schema().inputs
     by_name = {i.id: i for i in inputs}
     assert by_name["optimizer"].options == config.choice_labels(config.OPTIMIZER_CHOICES)
-    assert set(OPTIMIZERS.values()) == set(config.OPTIMIZERS)
+    assert [config.choice_value(config.OPTIMIZER_CHOICES, label, "optimizer") for label in by_name["optimizer"].options] \
+        == list(config.OPTIMIZERS)
     assert "Prodigy: prodigyopt" in by_name["optimizer"].tooltip
     ema = [i.id for i in inputs].index("ema_decay")  # appended after the inputs saved workflows already hold
     assert [i.id for i in inputs[ema - 1: ema + 3]] == ["keep_last", "ema_decay", "ema_start_step", "save_ema"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import math
 import shutil
+import types
 from pathlib import Path
 
 import pytest
@@ -245,8 +246,10 @@ def test_the_train_node_appends_the_prior_inputs_last_with_tooltips():
     _bootstrap()
     from ingraph_trainer.nodes.train_node import TrainLoRA
     inputs = TrainLoRA.define_schema().inputs
-    assert [i.id for i in inputs[-4:]] == ["save_ema", "prior_dataset", "prior_weight", "prior_fraction"]
-    assert all(i.optional and len(i.tooltip) > 40 for i in inputs[-3:])
+    names = [i.id for i in inputs]
+    first = names.index("prior_dataset")  # after the inputs saved workflows already hold
+    assert names[first - 1: first + 3] == ["save_ema", "prior_dataset", "prior_weight", "prior_fraction"]
+    assert all(i.optional and len(i.tooltip) > 40 for i in inputs[first: first + 3])
 
 
 def test_the_train_node_refuses_a_prior_set_it_cannot_mix_by_input_name():
@@ -272,3 +275,37 @@ def test_the_start_names_the_training_buckets_no_prior_image_covers():
     covered = mix.PriorMixSampler([(64, 64)], [(64, 64)], global_batch=2, seed=0, prior_fraction=0.5)
     assert mix.prior_report(SimpleNamespace(prior=SimpleNamespace(unique=[0])), covered)[1] is None
     assert mix.prior_report(None, object()) == ({}, None)  # no prior set: nothing to report
+
+
+@pytest.mark.comfyui
+def test_the_train_node_offers_base_precision_last_and_hands_it_to_the_spec(monkeypatch):
+    import inspect
+    from tools.prepare_run import _bootstrap
+    _bootstrap()
+    from ingraph_trainer.nodes.train_node import TrainLoRA
+    from ingraph_trainer.runner import train_run
+    from ingraph_trainer.trainer import config
+    last = TrainLoRA.define_schema().inputs[-1]
+    assert last.id == "base_precision" and last.optional and "fp8" in last.tooltip
+    assert [config.choice_value(config.BASE_PRECISION_CHOICES, o, "base_precision") for o in last.options] \
+        == list(config.BASE_PRECISIONS)
+    assert inspect.signature(TrainLoRA.execute).parameters["base_precision"].default in last.options
+    # train_lora writes it into the model section it hands to prepare_run
+    from ingraph_trainer.runner import model_source, session
+
+    class Handed(Exception):
+        pass
+
+    def prepare_run(**kwargs):
+        raise Handed(kwargs["model"])
+    monkeypatch.setattr(model_source, "hand_off_model", lambda *a, **k: types.SimpleNamespace(
+        model_spec=config.ModelSpec(path="base.safetensors", weight_dtype="default"), source=None))
+    monkeypatch.setattr(model_source, "release_comfy_models", lambda model: None)
+    monkeypatch.setattr(model_source, "prediction_of", lambda model: "epsilon")
+    monkeypatch.setattr(train_run, "check_family_settings", lambda *a, **k: None)
+    monkeypatch.setattr(session, "prepare_run", prepare_run)
+    with pytest.raises(Handed) as handed:
+        train_run.train_lora(object(), None, adapter=config.AdapterSpec(), train=config.TrainSpec(),
+                             output_name="base_precision_probe", base_precision="fp8", on_run=None,
+                             check_interrupt=lambda: None)
+    assert handed.value.args[0].base_precision == "fp8" and handed.value.args[0].path == "base.safetensors"

@@ -116,7 +116,14 @@ TIMESTEP_SAMPLING = choice_values(TIMESTEP_SAMPLING_CHOICES)
 TASKS = ("train", "evaluate")
 MODEL_FORMATS = ("diffusion_model", "checkpoint")  # how ComfyUI loads model.path: UNETLoader / Load Checkpoint
 WEIGHT_DTYPES = ("default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2")  # UNETLoader's weight_dtype
-BASE_PRECISIONS = ("as_loaded", "fp8")  # frozen base weights in the trainer: as the graph loaded them, or fp8
+BASE_PRECISION_CHOICES = (  # the frozen base weights in the trainer
+    Choice("as_loaded", "as loaded", "the base weights in the precision the graph loaded them (Load Diffusion "
+           "Model's weight_dtype; otherwise the training precision)."),
+    Choice("fp8", "fp8", "the base weights stored in fp8 (e4m3fn) and computed layer by layer in the training "
+           "precision, as ComfyUI's fp8 loading does: half the memory of bf16. Adapters and optimizer state stay "
+           "in full precision; full fine-tuning and DoRA refuse it."),
+)
+BASE_PRECISIONS = choice_values(BASE_PRECISION_CHOICES)
 VAE_FORMATS = ("vae", "checkpoint")  # samples.vae_path: a VAE file (VAELoader) or the VAE inside a checkpoint
 
 
