@@ -33,7 +33,7 @@ def spec_with(optimizer="adamw", precision="fp32", zero_stage=0, processes=1, pi
 @pytest.mark.parametrize("optimizer,precision,zero_stage,stages,refused", [
     ("adafactor", "fp32", 0, 1, False), ("adafactor", "bf16", 0, 1, True), ("adafactor", "fp32", 1, 1, True),
     ("came", "fp32", 2, 1, True), ("came", "bf16", 0, 1, True), ("came", "fp32", 0, 1, False),
-    ("prodigy", "bf16", 0, 1, False), ("prodigy", "fp32", 1, 1, True), ("prodigy", "fp32", 0, 2, True),
+    ("prodigy", "bf16", 0, 1, True), ("prodigy", "fp32", 0, 1, False), ("prodigy", "fp32", 1, 1, True), ("prodigy", "fp32", 0, 2, True),
     ("adamw_schedulefree", "fp32", 0, 1, False), ("adamw_schedulefree", "bf16", 0, 1, True),
     ("adamw_schedulefree", "fp32", 3, 1, True),
     ("lion", "bf16", 3, 1, False), ("adamw", "bf16", 2, 1, False), ("adamw8bit", "bf16", 1, 1, False),

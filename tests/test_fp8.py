@@ -91,3 +91,13 @@ def test_fp8_lora_trains_like_bf16_and_loads_onto_comfyuis_fp8_model(prepared, t
     assert not [r for r in caplog.records if "lora key not loaded" in r.getMessage()
                 or "NOT LOADED" in r.getMessage()], caplog.text
     assert len(patched.patches) == runs["fp8"][0]["adapted_modules"] > 0
+
+
+def test_a_full_fine_tune_of_fp8_weights_is_refused_naming_the_file():
+    import torch
+    from ingraph_trainer.trainer.loop import refuse_fp8_full_fine_tune
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    refuse_fp8_full_fine_tune(model, "plain.safetensors")  # full precision: nothing to refuse
+    model[1].weight.data = model[1].weight.data.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"scaled_fp8\.safetensors holds 1 fp8 weights \(such as 1\.weight\)"):
+        refuse_fp8_full_fine_tune(model, "scaled_fp8.safetensors")

@@ -405,6 +405,11 @@ class RunSpec:
              f"prodigy estimates one step size from all the weights, but ZeRO (distributed.zero_stage "
              f"{d.zero_stage}) and pipeline stages ({d.pipeline_stages}) give each process a share of them, so "
              "each would estimate its own; use distributed.zero_stage 0 and one pipeline stage")
+        # DeepSpeed's bf16 optimizer splits its fp32 weights across data-parallel processes even at stage 0
+        need(t.optimizer != "prodigy" or t.precision == "fp32" or (d.processes <= 1 and not d.hostfile),
+             "train.optimizer", f"prodigy in bf16 on several processes (distributed.processes {d.processes}, "
+             f"distributed.zero_stage {d.zero_stage}): DeepSpeed's bf16 optimizer gives each process a share "
+             "of the weights, so each would estimate its own step size; use train.precision fp32 or one process")
         need(t.optimizer not in SCHEDULE_FREE_OPTIMIZERS or (d.zero_stage == 0 and t.precision == "fp32"),
              "train.optimizer", f"{t.optimizer} evaluates and saves its averaged weights, which it can swap into "
              f"the model only where it updates the model's own weights: not DeepSpeed's fp32 copies under ZeRO "

@@ -39,6 +39,16 @@ def check_finite(step: int, loss: float | None, grad_norm: float | None):
                                    "the last complete checkpoint is intact (lower the learning rate, or resume)")
 
 
+def refuse_fp8_full_fine_tune(diffusion_model: torch.nn.Module, source: str):
+    """A scaled-fp8 file keeps fp8 weights even when loaded as "default": fp8 cannot hold trained weights."""
+    from .adapters import FP8_DTYPES
+    fp8 = [name for name, p in diffusion_model.named_parameters() if p.dtype in FP8_DTYPES]
+    if fp8:
+        raise ValueError(f"adapter.kind: a full fine-tune trains every base weight, which fp8 cannot hold, and "
+                         f"{source} holds {len(fp8)} fp8 weights (such as {fp8[0]}); fine-tune a bf16 or fp32 "
+                         "file, or train an adapter on this one")
+
+
 class Trainer:
     def __init__(self, spec: RunSpec, events: EventWriter):
         self.spec, self.events = spec, events
@@ -58,6 +68,7 @@ class Trainer:
         self.eval_dataset = load_cached_dataset(spec.data.eval_manifest) if spec.data.eval_manifest else self.dataset
         torch.manual_seed(t.seed)  # adapter initialisation
         if a.kind == "full":
+            refuse_fp8_full_fine_tune(family.diffusion_model, spec.model.path)
             self.targets, self.params = [], list(family.diffusion_model.requires_grad_(True).parameters())
         else:
             self.targets = family.adapter_targets(a.targets)

@@ -25,6 +25,7 @@ import threading
 
 MADV_DONTNEED = 4
 PAGEMAP_PRESENT = 1 << 63
+PAGEMAP_SWAPPED = 1 << 62
 PAGEMAP_FILE_OR_SHARED = 1 << 61  # clear for a private page that was written to (copy-on-write)
 # the wrapper replaces a ComfyUI class attribute for the load's duration: one load at a time installs it
 _PATCH_LOCK = threading.RLock()
@@ -70,7 +71,8 @@ class PageReleaser:
             return False
         if len(entries) != count * 8:
             return False
-        return all(not (e & PAGEMAP_PRESENT) or e & PAGEMAP_FILE_OR_SHARED
+        # a page swapped out (not present, but in swap) may hold written data that the file cannot give back
+        return all(not (e & (PAGEMAP_PRESENT | PAGEMAP_SWAPPED)) or e & PAGEMAP_FILE_OR_SHARED
                    for e in struct.unpack(f"<{count}Q", entries))
 
     def release(self, tensor) -> None:
