@@ -200,7 +200,55 @@ def describe_model(prompt: dict | None, link, model=None, resolve=_folder_file) 
         if not agrees:
             node = prompt.get(str(link[0]), {})
             raise Undescribable(link[0], node.get("class_type", "?"), "the MODEL's patches differ from the prompt's")
+        if last == "lora":
+            stale = next((path for path, _ in source.loras if not _file_is_in_patches(path, patches)), None)
+            if stale is not None:
+                node = prompt.get(str(link[0]), {})
+                raise Undescribable(link[0], node.get("class_type", "?"),
+                                    f"{os.path.basename(stale)} on disk is not what the MODEL holds (rewritten "
+                                    "since ComfyUI loaded it)")
     return source
+
+
+def _patch_tensors(patches: dict):
+    """The tensors ComfyUI's LoRA patches hold (weight adapters keep the loaded file's tensors as they are)."""
+    import torch
+    for patch_list in (patches or {}).values():
+        for patch in patch_list:
+            value = patch[1] if isinstance(patch, tuple) and len(patch) > 1 else None
+            weights = getattr(value, "weights", None)
+            if weights is None and isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], tuple):
+                weights = value[1]  # ("kind", (tensors...)) patches
+            for tensor in weights or ():
+                if isinstance(tensor, torch.Tensor):
+                    yield tensor
+
+
+TEXT_ENCODER_KEY_PREFIXES = ("lora_te", "text_encoder", "te_", "te1", "te2", "clip", "lora_clip")
+
+
+def _file_is_in_patches(path: str, patches: dict, probes: int = 16) -> bool:
+    """Whether a LoRA file's matrices are among the MODEL's patches: LoraLoader's output stays cached while the file
+    under its name is rewritten (a Train node re-using its output_name), and then the file is not what the graph
+    holds. Compares up to `probes` of the file's 2-D tensors (small: a LoRA's factors) by value."""
+    import torch
+    from safetensors import safe_open
+    held: dict[tuple, list] = {}
+    for tensor in _patch_tensors(patches):
+        held.setdefault(tuple(tensor.shape), []).append(tensor)
+    try:
+        with safe_open(path, "pt") as f:
+            # the text encoder's matrices (kohya's lora_te*) patch the CLIP, not the MODEL: compared last
+            names = sorted((k for k in f.keys() if len(f.get_slice(k).get_shape()) == 2),
+                           key=lambda k: (k.startswith(TEXT_ENCODER_KEY_PREFIXES), k))
+            for name in names[:probes]:
+                tensor = f.get_tensor(name)
+                if any(torch.equal(tensor, h.to(tensor.device, tensor.dtype))
+                       for h in held.get(tuple(tensor.shape), ())):
+                    return True
+    except Exception:  # noqa: BLE001 - a file ComfyUI could not have loaded either: not what the MODEL holds
+        return False
+    return not names  # nothing to compare by (no matrices): trust the stamp
 
 
 def describe_vae(prompt: dict | None, link, resolve=_folder_file) -> VaeSource:

@@ -55,7 +55,8 @@ class FakeModel:
 def test_checkpoint_then_loras_in_graph_order_with_their_strengths(files):
     made, resolve = files
     prompt = ckpt_lora_train()
-    source = ms.describe_model(prompt, ms.input_link(prompt, "9", "model"), FakeModel({"k": [1]}), resolve)
+    # no live model: the fake LoRA files hold no tensors to compare (that check has its own test below)
+    source = ms.describe_model(prompt, ms.input_link(prompt, "9", "model"), None, resolve)
     assert source.path == made[("checkpoints", "base.safetensors")] and source.format == "checkpoint"
     assert source.loras == ((made[("loras", "style.safetensors")], 0.7), (made[("loras", "detail.safetensors")], -0.5))
     spec = source.model_spec("v_prediction")
@@ -109,7 +110,7 @@ def test_train_output_is_its_source_plus_the_new_adapter_while_it_is_the_live_ob
     adapter = tmp_path / "loras" / "trained.safetensors"
     adapter.write_bytes(b"x" * 10)
     prompt = ckpt_lora_train()
-    base = ms.describe_model(prompt, ["4", 0], FakeModel({"k": [1]}), resolve)
+    base = ms.describe_model(prompt, ["4", 0], None, resolve)
     trained = FakeModel({"k": [1]}, uuid="patches-of-the-trained-model")
     ms.record_trained_output("9", trained, ms.trained_output_source(str(adapter), base, full=False,
                                                                     file_format="comfyui"))
@@ -256,3 +257,31 @@ def test_tools_import_no_cycle():
     def reaches(start, target, seen=()):
         return any(n == target or (n not in seen and reaches(n, target, (*seen, n))) for n in graph.get(start, ()))
     assert not [name for name in graph if reaches(name, name)]
+
+
+def test_a_lora_file_rewritten_since_comfyui_loaded_it_is_not_described(tmp_path):
+    """LoraLoader's output stays cached while a Train node rewrites the file under its name: the file on disk is
+    then not what the MODEL holds, and the walk must not hand it to the trainer."""
+    import torch
+    from safetensors.torch import save_file
+    lora = tmp_path / "loras" / "mine.safetensors"
+    base = tmp_path / "checkpoints" / "base.safetensors"
+    lora.parent.mkdir()
+    base.parent.mkdir()
+    base.write_bytes(b"")
+    up, down = torch.randn(8, 2), torch.randn(2, 8)
+    save_file({"diffusion_model.a.lora_up.weight": up, "diffusion_model.a.lora_down.weight": down}, str(lora))
+    prompt = {"1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "base.safetensors"}},
+              "2": {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "lora_name": "mine.safetensors",
+                                                                    "strength_model": 1.0}}}
+    resolve = {("checkpoints", "base.safetensors"): str(base), ("loras", "mine.safetensors"): str(lora)}.get
+
+    class Adapter:  # what comfy.weight_adapter keeps: the loaded file's tensors
+        def __init__(self, *tensors):
+            self.weights = (*tensors, None, None, None, None)
+    live = FakeModel({"diffusion_model.a.weight": [(1.0, Adapter(up.clone(), down.clone()), 1.0, None, None)]})
+    source = ms.describe_model(prompt, ["2", 0], live, lambda folder, name: resolve((folder, name)))
+    assert source.loras == ((str(lora), 1.0),)
+    save_file({"diffusion_model.a.lora_up.weight": up + 1, "diffusion_model.a.lora_down.weight": down + 1}, str(lora))
+    with pytest.raises(ms.Undescribable, match=r"mine\.safetensors on disk is not what the MODEL holds"):
+        ms.describe_model(prompt, ["2", 0], live, lambda folder, name: resolve((folder, name)))
