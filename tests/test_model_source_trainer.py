@@ -36,8 +36,9 @@ def _random_lora(patcher, seed: int, count: int = 4, rank: int = 2) -> dict[str,
 
 
 def test_rebuild_equals_comfyuis_checkpoint_with_loras(comfy_env, assets, tmp_path):
-    """Load Checkpoint → Load LoRA (0.7) → Load LoRA (a diffusers-layout file, 0.5): the trainer's weights are the
-    weights ComfyUI's patched model computes with, with no copy of the model written anywhere."""
+    """Load Checkpoint → Load LoRA (0.7) → Load LoRA (a diffusers-layout file, 0.5, applied as ComfyUI's loader
+    applies it: its peft-layout attention keys are not read): the trainer's weights are the weights ComfyUI's
+    patched model computes with, with no copy of the model written anywhere."""
     import comfy.sd
     import comfy.utils
     from safetensors.torch import load_file, save_file
@@ -55,8 +56,7 @@ def test_rebuild_equals_comfyuis_checkpoint_with_loras(comfy_env, assets, tmp_pa
 
     patched = graph
     for path, strength in ((first, 0.7), (second, 0.5)):
-        lora = comfy.utils.load_torch_file(str(path), safe_load=True)
-        lora = export.comfyui_readable(lora, export.diffusers_module_names(graph.model))
+        lora = comfy.utils.load_torch_file(str(path), safe_load=True)  # what LoraLoaderModelOnly does
         patched = comfy.sd.load_lora_for_models(patched, None, lora, strength, 0.0)[0]
     patched.patch_model()  # ComfyUI's own patching, as when it loads the patched model whole
     expected = {k: v.clone() for k, v in patched.model.diffusion_model.state_dict().items()}

@@ -134,13 +134,12 @@ def load_base_model(model, precision: str | None = None):
 
 
 def apply_lora(patcher, path: str, strength: float):
-    """What LoraLoaderModelOnly does (diffusers-layout files of this pack are renamed first, as the Train node's
-    output MODEL does)."""
+    """Exactly what Load LoRA / LoraLoaderModelOnly do with the file: the graph's MODEL holds what ComfyUI's loader
+    made of it, keys it skips included (a Train node's diffusers-layout output, which the node converts before
+    applying, is never described as a file: runner/model_source.trained_output_source)."""
     import comfy.sd
     import comfy.utils
-    from ..export import comfyui_readable, diffusers_module_names
     tensors = comfy.utils.load_torch_file(path, safe_load=True)
-    tensors = comfyui_readable(tensors, diffusers_module_names(patcher.model))
     return comfy.sd.load_lora_for_models(patcher, None, tensors, strength, 0.0)[0]
 
 
