@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from ..cache.files import atomic_write_text
 from ..cache.store import write_manifest
 from ..trainer.config import AdapterSpec, DistributedSpec, ModelSpec, RunSpec, TrainSpec, dump_run_spec
 from ..trainer.trust import sign_run
@@ -53,11 +55,28 @@ def prepare_run(*, runs_root: Path, name: str, model: ModelSpec, dataset, cache_
     The spec and the manifests are signed with this installation's secret: only a signed run is ever resumed.
     The ComfyUI install the trainer imports is the launcher's (COMFYUI_PATH), never the spec's.
     """
+    created = run_dir is None or not Path(run_dir).exists()  # only a folder made here is removed on failure
     if run_dir is None:
         run_dir = create_run_dir(runs_root, name)
     else:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return _write_run(run_dir, name=name, model=model, dataset=dataset, cache_root=cache_root, adapter=adapter,
+                          train=train, lora_path=lora_path, distributed=distributed, task=task,
+                          eval_dataset=eval_dataset, previews=previews, previews_vae=previews_vae,
+                          prior_dataset=prior_dataset, prior_weight=prior_weight, prior_fraction=prior_fraction,
+                          file_format=file_format, overwrite=overwrite, adjust=adjust)
+    except BaseException:
+        # a refused spec leaves no half-written run behind (the Train node's resume list would offer it)
+        if created:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+
+
+def _write_run(run_dir: Path, *, name, model, dataset, cache_root, adapter, train, lora_path, distributed, task,
+               eval_dataset, previews, previews_vae, prior_dataset, prior_weight, prior_fraction, file_format,
+               overwrite, adjust) -> tuple[Path, Path]:
     manifest = write_manifest(run_dir / MANIFEST_FILE, dataset, cache_root)
     spec = RunSpec(task=task, run_dir=str(run_dir), model=dataclasses.replace(model),
                    adapter=dataclasses.replace(adapter or AdapterSpec()),
@@ -83,7 +102,7 @@ def prepare_run(*, runs_root: Path, name: str, model: ModelSpec, dataset, cache_
         spec = adjust(spec)
     spec.validate(str(run_dir / SPEC_FILE))
     spec_path = run_dir / SPEC_FILE
-    spec_path.write_text(dump_run_spec(spec), encoding="utf-8")
+    atomic_write_text(spec_path, dump_run_spec(spec))
     sign_run(run_dir, signed)
     return run_dir, spec_path
 
