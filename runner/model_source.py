@@ -14,7 +14,7 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -407,24 +407,27 @@ def materialise_state_dict(produce, root: str | Path, what: str, key: str | None
     if state is None:
         state = produce()
     from safetensors.torch import save_file
+    from ..cache.files import atomic_write
     root.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=root, prefix=".model-", suffix=".partial")
-    os.close(fd)
-    try:
-        save_file({k: v.to("cpu").contiguous() for k, v in state.items()}, tmp, metadata={"key": key})
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_write(path, prefix=".model-") as staged:  # fsynced: a reused copy is never a torn one
+        save_file({k: v.to("cpu").contiguous() for k, v in state.items()}, str(staged.path), metadata={"key": key})
     log.info("InGraph Trainer: wrote the graph's %s to %s", what, path)
     evict_materialised(root, keep=path)
     return path
 
 
+STALE_PARTIAL_S = 24 * 3600  # a temporary this old is no write in progress
+
+
 def evict_materialised(root: str | Path, keep: Path, cap_bytes: int | None = None) -> list[Path]:
     """Removes the least recently used copies until the store fits its cap; never `keep` (about to be used)."""
     cap = materialised_cap_bytes() if cap_bytes is None else cap_bytes
+    for partial in Path(root).glob(".model-*.partial"):  # left by a server killed while writing (as large as a model)
+        try:
+            if time.time() - partial.stat().st_mtime > STALE_PARTIAL_S:
+                partial.unlink()
+        except FileNotFoundError:
+            pass
     files = []
     for entry in Path(root).glob("*.safetensors"):
         try:

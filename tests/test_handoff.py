@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import time
 import tomllib
 from pathlib import Path
 
@@ -285,3 +286,17 @@ def test_a_lora_file_rewritten_since_comfyui_loaded_it_is_not_described(tmp_path
     save_file({"diffusion_model.a.lora_up.weight": up + 1, "diffusion_model.a.lora_down.weight": down + 1}, str(lora))
     with pytest.raises(ms.Undescribable, match=r"mine\.safetensors on disk is not what the MODEL holds"):
         ms.describe_model(prompt, ["2", 0], live, lambda folder, name: resolve((folder, name)))
+
+
+def test_a_stale_partial_copy_is_removed_and_a_fresh_one_kept(tmp_path):
+    """A server killed while writing a copy leaves a temporary as large as the model; the store removes it once it
+    is clearly no write in progress, and never one that may be."""
+    stale, fresh = tmp_path / ".model-a1b2.partial", tmp_path / ".model-c3d4.partial"
+    stale.write_bytes(b"x" * 100)
+    fresh.write_bytes(b"x" * 100)
+    old = time.time() - ms.STALE_PARTIAL_S - 60
+    os.utime(stale, (old, old))
+    keep = tmp_path / "k.safetensors"
+    keep.write_bytes(b"x")
+    ms.evict_materialised(tmp_path, keep=keep, cap_bytes=10**9)
+    assert not stale.exists() and fresh.exists() and keep.exists()
