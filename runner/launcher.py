@@ -29,6 +29,7 @@ class TrainerProcess:
         self.events = EventReader(self.run_dir / EVENTS_FILE)
         self.log_path = self.run_dir / LOG_FILE
         self.standby = False  # whether a standby trainer took the run (runner/standby.py)
+        self._prime_when_done: tuple | None = None  # (python, env) of the standby to start once this run ends
 
     @property
     def multi_process(self) -> bool:
@@ -63,8 +64,9 @@ class TrainerProcess:
                 self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                              cwd=PACK_ROOT, env=env, start_new_session=True)
         (self.run_dir / PID_FILE).write_text(str(self.proc.pid))
-        if single:  # the next run's trainer starts importing while this one trains
-            standby.prime(self.python, env)
+        # the next standby starts once this run ends, not beside it: its ComfyUI import opens a CUDA context,
+        # memory this run's GPU would lose (a training prompt queued meanwhile starts one through the prompt hook)
+        self._prime_when_done = (self.python, env) if single else None
         return self
 
     @property
@@ -72,7 +74,13 @@ class TrainerProcess:
         return self.proc.pid
 
     def poll(self) -> int | None:
-        return self.proc.poll()
+        rc = self.proc.poll()
+        if rc is not None and self._prime_when_done:
+            from . import standby
+            python, env = self._prime_when_done
+            self._prime_when_done = None
+            standby.prime(python, env)  # for the next run in the queue
+        return rc
 
     def poll_events(self) -> list[dict]:
         return self.events.poll()

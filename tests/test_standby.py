@@ -186,3 +186,23 @@ def test_bitsandbytes_is_imported_only_by_runs_with_8bit_adamw():
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-2000:]
+
+
+def test_the_next_standby_starts_when_a_run_ends_not_beside_it(tmp_path, monkeypatch, fresh_standby):
+    """A standby's ComfyUI import opens a CUDA context: started beside a run it would take that run's GPU memory."""
+    primed = []
+    monkeypatch.setattr(standby, "take", lambda *a: None)
+    monkeypatch.setattr(standby, "prime", lambda *a: primed.append("prime"))
+
+    class Running:
+        pid, rc = 1, None
+
+        def poll(self):
+            return self.rc
+    proc = Running()
+    monkeypatch.setattr(launcher.subprocess, "Popen", lambda cmd, **kw: proc)
+    process = launcher.TrainerProcess(tmp_path, tmp_path / "run.toml", watch_parent=False).start()
+    assert process.poll() is None and primed == []  # training: no standby beside it
+    proc.rc = 0
+    assert process.poll() == 0 and primed == ["prime"]
+    assert process.poll() == 0 and primed == ["prime"]  # once
