@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -254,18 +252,12 @@ def written_by_pack(path: str | Path) -> bool:
 
 
 def save_adapter_atomic(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
-    """Write to a temporary file beside the target, then rename: readers never see a partial file."""
+    """Through the one atomic writer: readers (Load LoRA's list, other tools) never see a partial file."""
     from safetensors.torch import save_file
+
+    from ..cache.files import atomic_write
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".partial")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the file from a ComfyUI run by another user
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_write(path) as staged:
+        save_file(tensors, str(staged.path), metadata=metadata)
     return path

@@ -115,10 +115,10 @@ class PreviewSampler:
         names = image_names(step, len(self.positives))
         if self.write:
             from PIL import Image
+
+            from ..cache.files import atomic_write
             (self.run_dir / SAMPLES_DIR).mkdir(exist_ok=True)
             for name, image in zip(names, images.reshape(-1, *images.shape[-3:])):
-                path = self.run_dir / name
-                tmp = path.with_suffix(".partial")
-                Image.fromarray(to_pixels(image)).save(tmp, format="PNG")
-                tmp.replace(path)
+                with atomic_write(self.run_dir / name) as staged:  # the panel reads samples while they appear
+                    Image.fromarray(to_pixels(image)).save(staged.path, format="PNG")
         return names
