@@ -404,10 +404,13 @@ def test_symlink_loops_and_non_utf8_names_are_errors_naming_the_file(tmp_path):
 
 # --- the real encoders and a trainer run on a cache pruned while it was filled ---------------------------------------
 
+REAL_PASS_IMAGES = 64  # enough for prune to run many times beside the real encoders
+
+
 @pytest.mark.comfyui
 def test_real_caching_pass_beside_prune_then_training_finishes(assets, tmp_path):
     from conftest import run_trainer
-    images = make_images(tmp_path / "images", 200, seed=11)
+    images = make_images(tmp_path / "images", REAL_PASS_IMAGES, seed=11)
     run_dir = tmp_path / "run"
     root = tmp_path / "cache"  # prepare_run.py caches into the run folder's sibling "cache"
     prepare = subprocess.Popen(
@@ -423,7 +426,7 @@ def test_real_caching_pass_beside_prune_then_training_finishes(assets, tmp_path)
     out, err = prepare.communicate(timeout=60)
     assert prepare.returncode == 0, err[-3000:]
     rows = intact_rows(root)
-    assert len(rows) == 200 + 8 and removed == 0
+    assert len(rows) == REAL_PASS_IMAGES + 8 and removed == 0
     manifest = store_mod.read_manifest(run_dir / "dataset.json")
     assert all(item[2] in rows and item[4] in rows for item in manifest["items"])
     print(f"prune ran {prunes} times beside the real caching pass; {len(rows)} rows checked intact")

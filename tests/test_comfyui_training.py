@@ -41,7 +41,9 @@ def ingraph_events(outcome, kind=None):
 def trained(comfy):
     from client.api import ComfyClient
     client = ComfyClient(comfy.address)
-    wf = training_workflow("test_trained")
+    # fp32: bf16 convolutions are several times slower on CPU, and precision is not what these tests check (the
+    # shipped bf16 setting still trains in the interrupt and killed-trainer tests)
+    wf = training_workflow("test_trained", precision="fp32")
     outcome = client.run(wf, timeout=600)
     client.close()
     assert outcome.ok, (outcome.status, outcome.error, comfy.log_tail())
