@@ -619,7 +619,10 @@ def load_ratio_line(hwm_loading: int | None, held, precision: str, unet_params: 
 def base_weight_runs(client, monitor, shipped, train_node, train_schema, opts) -> dict:
     """1-step train-only runs with a bf16 base and an fp8 base; the trainer's reported base-weight bytes."""
     schema_inputs = {**train_schema.get("required", {}), **train_schema.get("optional", {})}
-    choices = schema_inputs.get("base_precision", [None])[0]
+    spec = schema_inputs.get("base_precision") or [None]
+    # a combo is [options, {...}] in the classic object_info, ["COMBO", {"options": [...]}] for comfy_api nodes
+    choices = spec[0] if isinstance(spec[0], list) else \
+        (spec[1].get("options") if len(spec) > 1 and isinstance(spec[1], dict) else None)
     choices = choices if isinstance(choices, list) else []
     variants = [("bf16", next((c for c in choices if "fp8" not in str(c).lower()), None))]
     fp8 = next((c for c in choices if "fp8" in str(c).lower()), None)
