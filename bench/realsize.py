@@ -295,19 +295,8 @@ def train_only(wf: dict) -> dict:
 
 
 def native_workflow(steps: int, rank: int, batch: int, precision: str, seed: int, prefix: str) -> dict:
-    return {
-        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": CKPT}},
-        "2": {"class_type": "LoadImageTextSetFromFolderNode",
-              "inputs": {"folder": IMAGES, "clip": ["1", 1], "resize_method": "None", "width": -1, "height": -1}},
-        "3": {"class_type": "VAEEncode", "inputs": {"pixels": ["2", 0], "vae": ["1", 2]}},
-        "4": {"class_type": "TrainLoraNode",
-              "inputs": {"model": ["1", 0], "latents": ["3", 0], "positive": ["2", 1], "batch_size": batch,
-                         "grad_accumulation_steps": 1, "steps": steps, "learning_rate": 1e-3, "rank": rank,
-                         "optimizer": "AdamW", "loss_function": "MSE", "seed": seed, "training_dtype": precision,
-                         "lora_dtype": precision, "algorithm": "LoRA", "gradient_checkpointing": False,
-                         "existing_lora": "[None]"}},
-        "5": {"class_type": "SaveLoRANode", "inputs": {"lora": ["4", 1], "prefix": f"loras/{prefix}"}},
-    }
+    from bench.vs_native import native_workflow as stock_trainer_workflow
+    return stock_trainer_workflow(steps, rank, batch, precision, seed, checkpoint=CKPT, images=IMAGES, prefix=prefix)
 
 
 # ---------------------------------------------------------------- running

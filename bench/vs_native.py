@@ -26,11 +26,12 @@ from tools.embedded_default import build_checkpoint, build_images  # noqa: E402
 CKPT = "ingraph_tiny_sd15.safetensors"
 
 
-def native_workflow(steps, rank, batch, precision, seed):
+def native_workflow(steps, rank, batch, precision, seed, checkpoint=CKPT, images="bench_images", prefix=None):
+    """ComfyUI's own TrainLoraNode on a checkpoint and an image folder (bench/realsize.py uses it too)."""
     return {
-        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": CKPT}},
+        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": checkpoint}},
         "2": {"class_type": "LoadImageTextSetFromFolderNode",
-              "inputs": {"folder": "bench_images", "clip": ["1", 1], "resize_method": "None",
+              "inputs": {"folder": images, "clip": ["1", 1], "resize_method": "None",
                          "width": -1, "height": -1}},
         "3": {"class_type": "VAEEncode", "inputs": {"pixels": ["2", 0], "vae": ["1", 2]}},
         "4": {"class_type": "TrainLoraNode",
@@ -39,7 +40,8 @@ def native_workflow(steps, rank, batch, precision, seed):
                          "optimizer": "AdamW", "loss_function": "MSE", "seed": seed, "training_dtype": precision,
                          "lora_dtype": precision, "algorithm": "LoRA", "gradient_checkpointing": False,
                          "existing_lora": "[None]"}},
-        "5": {"class_type": "SaveLoRANode", "inputs": {"lora": ["4", 1], "prefix": f"loras/native_{steps}"}},
+        "5": {"class_type": "SaveLoRANode", "inputs": {"lora": ["4", 1],
+                                                       "prefix": f"loras/{prefix or f'native_{steps}'}"}},
     }
 
 
