@@ -27,6 +27,9 @@ class Batch:
     noise: torch.Tensor
     timesteps: torch.Tensor  # in [0, 1): where on the noise schedule each sample lies (0 = clean)
     mask: torch.Tensor | None = None  # loss weights per latent pixel, [B, 1, (1,) h, w] as cached; None: all 1
+    # reference images of each item as raw VAE latents, one tensor per reference slot ([B, C, (T,) h, w] as
+    # cached); a family whose `reference_input` is set hands them to its model as ComfyUI's conditioning nodes do
+    references: list[torch.Tensor] | None = None
 
 
 class UnsupportedSetting(ValueError):
@@ -47,6 +50,10 @@ class ModelFamily:
     target_patterns: dict[str, tuple[str, ...]] = {}
     diffusers_format = False  # whether the diffusers (peft) LoRA layout exists for this family
     latent_ndim = 4  # dims of a latent batch the diffusion model takes (5: video models, B C T H W)
+    # how the model takes an item's reference images (Batch.references): None (it takes none),
+    # "reference_latents" (Flux Kontext, Qwen-Image-Edit: ComfyUI's ReferenceLatent conditioning) or
+    # "start_image" (Wan image-to-video: the concat latent and mask WanImageToVideo builds)
+    reference_input: str | None = None
 
     def __init__(self, base_model, prediction: str, patcher=None):
         self.loss_kind, self.huber_delta, self.min_snr_gamma = "mse", 0.1, 0.0  # see set_objective
