@@ -1,6 +1,7 @@
 """Adapters (LoRA, LoHa, LoKr, DoRA) through peft, exported with ComfyUI keys, float32 alpha, kohya-style metadata."""
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -77,10 +78,70 @@ def _by_module(peft_sd: dict) -> dict[str, dict[str, torch.Tensor]]:
     return modules
 
 
-def comfy_adapter_state_dict(diffusion_model: torch.nn.Module, kind: str, alpha: float) -> dict[str, torch.Tensor]:
+# What a loader divides an output-axis dora_scale by, per output row: the norm of the base weight |W| (ComfyUI
+# 0.3.64) or of the updated weight |W + dW| (the DoRA paper, peft, LyCORIS and so the kohya-based tools). With the
+# latter the file's scale is the magnitude m itself; with the former it is m * |W| / |W + dW|: the same weight.
+DORA_NORM_BASE, DORA_NORM_UPDATED = "base", "updated"
+DORA_NORM_METADATA_KEY = "dora_norm"  # in the pack's metadata of DoRA files: which of the two the file is written for
+
+
+@functools.lru_cache(maxsize=None)
+def comfyui_dora_norm() -> str:
+    """The norm the installed ComfyUI's own weight decomposition divides dora_scale by, found by asking it: its
+    weight_decompose on a 2x2 weight whose update doubles it (W + dW = 2W) with dora_scale 1 returns
+    2W / |W| (rows of norm 2) when it divides by |W|, and 2W / |2W| (rows of norm 1) when by |W + dW|.
+    Cached: one call of a few microseconds per process."""
+    from .comfy_env import import_comfy
+    import_comfy()  # the trainer has it already; a process that writes or reads a file without a model may not
+    import comfy.weight_adapter.base as comfy_adapter_base
+    decompose = comfy_adapter_base.weight_decompose  # read at call time: the one ComfyUI has now
+    weight = torch.tensor([[3.0, 4.0], [0.0, 2.0]])  # row norms 5 and 2
+    try:
+        merged = decompose(torch.ones(2, 1), weight.clone(), weight.clone(), 1.0, 1.0, torch.float32, lambda d: d)
+        row_norms = merged.float().norm(dim=1)
+    except Exception as exc:  # noqa: BLE001 - any failure means the probe no longer fits ComfyUI
+        raise RuntimeError(f"DoRA export: ComfyUI's weight_decompose ({comfy_adapter_base.__file__}) could not be "
+                           f"probed ({type(exc).__name__}: {exc}); its signature changed, so the ComfyUI layout's "
+                           "dora_scale convention is unknown (the kohya layout is not affected)") from None
+    for norm, expected in ((DORA_NORM_BASE, 2.0), (DORA_NORM_UPDATED, 1.0)):
+        if torch.allclose(row_norms, torch.full_like(row_norms, expected), rtol=1e-4):
+            return norm
+    raise RuntimeError(f"DoRA export: ComfyUI's weight_decompose ({comfy_adapter_base.__file__}) divides dora_scale "
+                       f"by neither |W| nor |W + dW| (rows of a doubled weight came back with norms "
+                       f"{row_norms.tolist()}, expected all 2 or all 1), so no ComfyUI-layout DoRA file can be written "
+                       "that it reads as trained; export in the kohya layout instead")
+
+
+def dora_norm_for(file_format: str) -> str:
+    """The convention a DoRA file of this layout is written in: the kohya layout is for LyCORIS and the kohya-based
+    tools (the paper's), the ComfyUI layout for the installed ComfyUI's own loader (asked, not assumed)."""
+    return DORA_NORM_UPDATED if file_format == "kohya" else comfyui_dora_norm()
+
+
+def dora_scale_from_magnitude(magnitude: torch.Tensor, weight: torch.Tensor, merged: torch.Tensor,
+                              norm: str) -> torch.Tensor:
+    """peft's DoRA computes (W + dW) * m / |W + dW| per output row; the scale a loader dividing by `norm` needs
+    for the same weight. `magnitude` is [out, 1]; `weight` and `merged` (W + dW) are [out, in]."""
+    if norm == DORA_NORM_UPDATED:
+        return magnitude.contiguous()
+    return (magnitude * weight.norm(dim=1, keepdim=True) / merged.norm(dim=1, keepdim=True)).contiguous()
+
+
+def magnitude_from_dora_scale(dora_scale: torch.Tensor, weight: torch.Tensor, merged: torch.Tensor,
+                              norm: str) -> torch.Tensor:
+    """The inverse of dora_scale_from_magnitude."""
+    if norm == DORA_NORM_UPDATED:
+        return dora_scale
+    return dora_scale * merged.norm(dim=1, keepdim=True) / weight.norm(dim=1, keepdim=True)
+
+
+def comfy_adapter_state_dict(diffusion_model: torch.nn.Module, kind: str, alpha: float,
+                             file_format: str = "comfyui") -> dict[str, torch.Tensor]:
     """peft's adapter tensors with the keys and conventions ComfyUI's LoRA loader reads
-    (diffusion_model.<module>.lora_up/lora_down/alpha[/dora_scale], .hada_*, .lokr_*)."""
+    (diffusion_model.<module>.lora_up/lora_down/alpha[/dora_scale], .hada_*, .lokr_*). `file_format` is the layout
+    the tensors will be written in (export.convert renames them): it picks DoRA's dora_scale convention."""
     from peft import get_peft_model_state_dict
+    dora_norm = dora_norm_for(file_format) if kind == "dora" else None
     out = {}
     for module, t in _by_module(get_peft_model_state_dict(diffusion_model, adapter_name=ADAPTER_NAME)).items():
         prefix = f"diffusion_model.{module}"
@@ -91,13 +152,10 @@ def comfy_adapter_state_dict(diffusion_model: torch.nn.Module, kind: str, alpha:
             out[f"{prefix}.lora_down.weight"], out[f"{prefix}.lora_up.weight"] = down, up
             out[f"{prefix}.alpha"] = torch.tensor(scale * down.shape[0], dtype=torch.float32)
             if kind == "dora":
-                # peft: (W + dW) * m / |W + dW| per output row. ComfyUI divides an output-axis dora_scale by
-                # |W| instead, so the scale it gets is m * |W| / |W + dW|: the same weight, exactly.
                 weight = base_weight(layer.get_base_layer()).cpu()
                 merged = weight + scale * (up @ down)
                 magnitude = _f32(t["lora_magnitude_vector"]).reshape(-1, 1)
-                out[f"{prefix}.dora_scale"] = (magnitude * weight.norm(dim=1, keepdim=True)
-                                               / merged.norm(dim=1, keepdim=True)).contiguous()
+                out[f"{prefix}.dora_scale"] = dora_scale_from_magnitude(magnitude, weight, merged, dora_norm)
         elif kind == "loha":
             for name in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"):
                 out[f"{prefix}.{name}"] = _f32(t[name])
@@ -135,6 +193,21 @@ def _comfy_keyed(tensors: dict[str, torch.Tensor], diffusers_names: dict[str, st
     return out
 
 
+def _file_dora_norm(path: str, tensors: dict[str, torch.Tensor]) -> str:
+    """The dora_scale convention a DoRA file was written in: as its metadata says (files this pack writes), else
+    by its layout, as the export writes it."""
+    from safetensors import safe_open
+    with safe_open(path, "pt") as f:
+        meta = f.metadata() or {}
+    try:
+        norm = json.loads(meta.get(PACK_METADATA_KEY, "{}")).get(DORA_NORM_METADATA_KEY)
+    except (ValueError, AttributeError):
+        norm = None
+    if norm in (DORA_NORM_BASE, DORA_NORM_UPDATED):
+        return norm
+    return dora_norm_for("kohya" if any(k.startswith("lora_unet_") for k in tensors) else "comfyui")
+
+
 def load_adapter_weights(diffusion_model: torch.nn.Module, kind: str, path: str,
                          diffusers_names: dict[str, str] | None = None):
     """Starts the injected adapter from a file this trainer wrote (any format): the inverse of
@@ -143,7 +216,9 @@ def load_adapter_weights(diffusion_model: torch.nn.Module, kind: str, path: str,
 
     from .export import PREFIX, split_key
     try:
-        tensors = _comfy_keyed(load_file(path), diffusers_names or {})
+        raw = load_file(path)
+        tensors = _comfy_keyed(raw, diffusers_names or {})
+        dora_norm = _file_dora_norm(path, raw) if kind == "dora" else None
     except (OSError, ValueError) as exc:
         raise ValueError(f"adapter.init_from: {path}: {exc}") from None
     modules: dict[str, dict[str, torch.Tensor]] = {}
@@ -173,10 +248,10 @@ def load_adapter_weights(diffusion_model: torch.nn.Module, kind: str, path: str,
             file_scale = float(t["alpha"]) / down.shape[0] if "alpha" in t else 1.0
             put(layer.lora_A[ADAPTER_NAME].weight, down, f"{module} lora_down")
             put(layer.lora_B[ADAPTER_NAME].weight, up * (file_scale / scale), f"{module} lora_up")
-            if kind == "dora":  # the inverse of the export's scale: magnitude = dora_scale * |W + dW| / |W|
+            if kind == "dora":  # the inverse of the export's scale, in the convention the file was written in
                 weight = base_weight(layer.get_base_layer()).cpu()
                 merged = weight + file_scale * (up @ down)
-                magnitude = t["dora_scale"] * merged.norm(dim=1, keepdim=True) / weight.norm(dim=1, keepdim=True)
+                magnitude = magnitude_from_dora_scale(t["dora_scale"], weight, merged, dora_norm)
                 put(layer.lora_magnitude_vector[ADAPTER_NAME].weight, magnitude.reshape(-1), f"{module} dora_scale")
         elif kind == "loha":
             file_scale = float(t["alpha"]) / t["hada_w1_b"].shape[0] if "alpha" in t else 1.0
@@ -228,7 +303,9 @@ def kohya_metadata(spec, family, num_images: int, steps_done: int, started_at: f
                                        **({"dora_wd": True} if a.kind == "dora" else {})}),
         PACK_METADATA_KEY: json.dumps({"spec_version": spec.version, "family": family.name,
                                        "prediction": family.prediction, "kind": a.kind,
-                                       "format": spec.output.format}),
+                                       "format": spec.output.format,
+                                       **({DORA_NORM_METADATA_KEY: dora_norm_for(spec.output.format)}
+                                          if a.kind == "dora" else {})}),
     }
     return meta
 

@@ -1,8 +1,10 @@
 """Adapter file formats. Training always produces ComfyUI keys (diffusion_model.<module>.<part>);
 the other formats are renamings of those tensors:
 
-- "comfyui": diffusion_model.<module>.lora_up.weight / lora_down.weight / alpha (and hada_*, lokr_*, dora_scale)
-- "kohya": lora_unet_<diffusers module with _>.<part> (kohya sd-scripts and LyCORIS; ComfyUI reads it too)
+- "comfyui": diffusion_model.<module>.lora_up.weight / lora_down.weight / alpha (and hada_*, lokr_*, dora_scale
+  in the installed ComfyUI's own convention, asked at export: adapters.comfyui_dora_norm)
+- "kohya": lora_unet_<diffusers module with _>.<part> (kohya sd-scripts and LyCORIS; ComfyUI reads it too);
+  dora_scale is the paper's magnitude m, as LyCORIS and peft divide by the updated weight's norm
 - "diffusers": unet.<diffusers module>.lora_A.weight / lora_B.weight, the peft layout diffusers loads;
   it has no alpha, so alpha / rank is folded into lora_B (LoRA only)
 """

@@ -28,7 +28,7 @@ def write_result(spec, family, params, layout, is_rank0: bool, num_images: int, 
         # DoRA's export reads the base weights too; under ZeRO-3 they are sharded like the rest
         export_params = list(family.diffusion_model.parameters()) if a.kind == "dora" else params
         with layout.gathered(export_params):  # collective: every rank enters
-            tensors = comfy_adapter_state_dict(family.diffusion_model, a.kind, a.alpha)
+            tensors = comfy_adapter_state_dict(family.diffusion_model, a.kind, a.alpha, spec.output.format)
         tensors = export.convert(tensors, spec.output.format, export.diffusers_module_names(family.base_model)
                                  if spec.output.format != "comfyui" else {})
         meta = kohya_metadata(spec, family, num_images, steps_done, started_at)
