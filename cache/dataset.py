@@ -7,10 +7,13 @@ import hashlib
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .buckets import BucketSettings, bucket_for, crop_box
+from .video import CLIP_MODES, VIDEO_EXTENSIONS, ClipError, clip_spans, is_frame_folder, parse_frame_buckets, \
+    probe_clip
 
 log = logging.getLogger("ingraph_trainer")
 
@@ -44,6 +47,17 @@ class DatasetItem:
     mask_source: str = ""  # path of its mask image, ALPHA_MASK, or "" (no mask: every latent pixel weighs 1)
     # (key, sha) of each cached tag-shuffled variant of the caption (TrainingDataset.caption_variants of them)
     text_variants: tuple[tuple[str, str], ...] = ()
+    # a clip item (path: a video file or a folder of frames): `frames` frames from frame `start` of the clip at
+    # the dataset's fps; 0 frames: a still image
+    frames: int = 0
+    start: int = 0
+    # reference images (edit models' source image, image-to-video's start image), one path per reference slot,
+    # cached in the item's latent shard on its bucket's grid
+    references: tuple[str, ...] = ()
+
+    @property
+    def is_clip(self) -> bool:
+        return self.frames > 0
 
 
 @dataclass(frozen=True)
@@ -60,6 +74,12 @@ class TrainingDataset:
     keep_tags: int = 0  # leading comma-separated tags that stay in place when the others are shuffled
     caption_dropout: float = 0.0  # share of training samples that see the empty caption instead (the trainer draws)
     empty_text: tuple[str, str] = ()  # (key, sha) of the empty caption's embedding under text_encoder, once cached
+    # (fps, clip mode, frame buckets) where the dataset holds clips; () for images only (their identity unchanged)
+    video: tuple = ()
+
+    @property
+    def fps(self) -> float:
+        return float(self.video[0]) if self.video else 0.0
 
     @property
     def resolution(self) -> int:
@@ -68,8 +88,8 @@ class TrainingDataset:
     @property
     def identity(self) -> str:
         """The folder and the settings that shape its items (without encoders: see usage_identity)."""
-        return hashlib.sha256(json.dumps([self.folder, self.buckets.as_key(), self.buckets.crop,
-                                          self.buckets.flip]).encode()).hexdigest()[:24]
+        shaping = [self.folder, self.buckets.as_key(), self.buckets.crop, self.buckets.flip]
+        return hashlib.sha256(json.dumps(shaping + ([list(self.video)] if self.video else [])).encode()).hexdigest()[:24]
 
     def usage_identity(self, role: str, encoder: str) -> str:
         """Names this dataset's latents ("latent") or captions ("text") for one encoder in the cache's
@@ -159,8 +179,13 @@ def to_rgb(img, background=DEFAULT_BACKGROUND):
     return img.convert("RGB")
 
 
+def caption_file_of(source: Path) -> Path:
+    """`name.txt` beside an image, a video file or a folder of frames."""
+    return source.parent / f"{source.name}.txt" if source.is_dir() else source.with_suffix(".txt")
+
+
 def _read_caption(image: Path, prefix: str, missing: str, default_caption: str) -> str:
-    caption_file = image.with_suffix(".txt")
+    caption_file = caption_file_of(image)
     try:
         # utf-8-sig: editors on Windows start files with a byte-order mark that must not reach the caption
         text = caption_file.read_text(encoding="utf-8-sig").strip()
@@ -198,7 +223,7 @@ def _listed_file(entry) -> bool:
     """Whether a folder entry is a regular file (following symlinks). A dataset file (image or caption) whose
     name is not valid UTF-8, or that is a symlink loop or a broken symlink, is an error naming it."""
     suffix = Path(entry.name).suffix.lower()
-    relevant = suffix in IMAGE_EXTENSIONS or suffix == ".txt"
+    relevant = suffix in IMAGE_EXTENSIONS or suffix in VIDEO_EXTENSIONS or suffix == ".txt"
     if relevant:
         try:
             entry.name.encode("utf-8")
@@ -246,7 +271,9 @@ def scan_image_folder(folder: str | Path, *, resolution: int | None = None, buck
                       repeats: int = 1, caption_prefix: str = "", missing_caption: str = "error",
                       default_caption: str = "", background=DEFAULT_BACKGROUND, masks: str = "mask files",
                       caption_variants: int = 0, keep_tags: int = 0,
-                      caption_dropout: float = 0.0) -> TrainingDataset:
+                      caption_dropout: float = 0.0, frame_buckets="1", fps: float = 16.0,
+                      clip_mode: str = "single_beginning", reference_folder: str | Path | None = None
+                      ) -> TrainingDataset:
     if buckets is None:  # one square size, as before bucketing existed
         buckets = BucketSettings(resolution=resolution or 512, enabled=False)
     resolution = buckets.resolution
@@ -273,32 +300,54 @@ def scan_image_folder(folder: str | Path, *, resolution: int | None = None, buck
 
     if isinstance(background, str):
         background = parse_background(background)
-    images, skipped, mask_files = [], [], {}
+    try:
+        frame_counts = parse_frame_buckets(frame_buckets)
+    except ClipError as exc:
+        raise DatasetError(str(exc)) from None
+    if clip_mode not in CLIP_MODES:
+        raise DatasetError(f"clip_mode must be one of {CLIP_MODES} (got {clip_mode!r})")
+    if fps < 0:
+        raise DatasetError(f"fps must be 0 (the source's own frame rate) or more (got {fps})")
+    images, clips, skipped, mask_files, reference_files = [], [], [], {}, {}
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
-        if entry.name.startswith(".") or not _listed_file(entry):
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir() and is_frame_folder(entry.path, IMAGE_EXTENSIONS):
+            clips.append(Path(entry.path))  # a folder of frames
+            continue
+        if not _listed_file(entry):
             continue
         suffix = Path(entry.name).suffix.lower()
-        mask_of = _mask_stem(entry.name)
+        mask_of, reference_of = _mask_stem(entry.name), _reference_stem(entry.name)
         if mask_of is not None:
             if mask_of in mask_files:
                 raise DatasetError(f"image {shown(mask_of)} has two mask files, {shown(mask_files[mask_of].name)} "
                                    f"and {shown(entry.name)}; keep one")
             mask_files[mask_of] = Path(entry.path)
+        elif reference_of is not None:
+            _add_reference(reference_files, reference_of, Path(entry.path))
         elif suffix in IMAGE_EXTENSIONS:
             images.append(Path(entry.path))
+        elif suffix in VIDEO_EXTENSIONS:
+            clips.append(Path(entry.path))
         elif suffix != ".txt":
             skipped.append(entry.name)
-    if not images:
-        raise DatasetError(f"image folder {folder} contains no images ({', '.join(IMAGE_EXTENSIONS)})")
+    if reference_folder:
+        _scan_reference_folder(Path(reference_folder), reference_files)
+    if not images and not clips:
+        raise DatasetError(f"image folder {folder} contains no images ({', '.join(IMAGE_EXTENSIONS)}) or videos "
+                           f"({', '.join(VIDEO_EXTENSIONS)}, folders of frames)")
     if skipped:
         log.info("InGraph Trainer: ignored %d non-image file(s) in %s: %s", len(skipped), folder,
                  ", ".join(skipped[:10]) + (" ..." if len(skipped) > 10 else ""))
 
-    stems = {image.stem for image in images}
+    stems = {image.stem for image in images} | {clip.stem if clip.is_file() else clip.name for clip in clips}
     unmatched = sorted(name for name in mask_files if name not in stems)
     if unmatched:
         log.info("InGraph Trainer: ignored %d mask file(s) without an image in %s: %s", len(unmatched), folder,
                  ", ".join(mask_files[n].name for n in unmatched[:10]))
+    sources = sorted(images + clips, key=lambda p: p.name)
+    references = _references_per_source(sources, reference_files)
 
     items = []
     for image in images:
@@ -306,11 +355,95 @@ def scan_image_folder(folder: str | Path, *, resolution: int | None = None, buck
         caption = _read_caption(image, caption_prefix, missing_caption, default_caption)
         bucket = bucket_for(width, height, buckets)
         mask = _mask_source(image, (width, height), masks, mask_files.get(image.stem), pixels)
-        items.append(DatasetItem(str(image), caption, bucket, pixels=pixels, mask_source=mask))
+        refs = references[image]
+        items.append(DatasetItem(str(image), caption, bucket, pixels=pixels, mask_source=mask, references=refs))
         if buckets.flip:
-            items.append(DatasetItem(str(image), caption, bucket, flip=True, pixels=pixels, mask_source=mask))
+            items.append(DatasetItem(str(image), caption, bucket, flip=True, pixels=pixels, mask_source=mask,
+                                     references=refs))
+    too_short = []
+    for clip in clips:
+        stem = clip.stem if clip.is_file() else clip.name
+        if stem in mask_files and masks == "mask files":
+            raise DatasetError(f"mask {shown(mask_files[stem])}: loss masks for clips are not supported yet; "
+                               "remove it or set 'masks' to 'off'")
+        try:
+            info = probe_clip(clip, IMAGE_EXTENSIONS)
+        except ClipError as exc:
+            raise DatasetError(str(exc)) from None
+        spans = clip_spans(info.frame_count(0 if clip.is_dir() else fps), frame_counts, clip_mode)
+        if not spans:
+            too_short.append(clip.name)
+            continue
+        caption = _read_caption(clip, caption_prefix, missing_caption, default_caption)
+        bucket = bucket_for(info.width, info.height, buckets)
+        for flip in (False, True) if buckets.flip else (False,):
+            items += [DatasetItem(str(clip), caption, bucket, flip=flip, frames=frames, start=start,
+                                  references=references[clip]) for start, frames in spans]
+    if too_short:
+        log.info("InGraph Trainer: ignored %d clip(s) shorter than the shortest frame bucket (%d) in %s: %s",
+                 len(too_short), frame_counts[0], folder, ", ".join(too_short[:10]))
+        skipped += too_short
+    if not items:
+        raise DatasetError(f"image folder {folder}: every clip is shorter than the shortest frame bucket "
+                           f"({frame_counts[0]} frames); add 1 to frame_buckets or lower fps")
+    video = (float(fps), clip_mode, list(frame_counts)) if clips else ()
     return TrainingDataset(str(folder), tuple(items), buckets, repeats, tuple(skipped), tuple(background),
-                           caption_variants=caption_variants, keep_tags=keep_tags, caption_dropout=caption_dropout)
+                           caption_variants=caption_variants, keep_tags=keep_tags, caption_dropout=caption_dropout,
+                           video=video)
+
+
+# reference images: `name.ref.png` (slot 1), `name.ref2.png` (slot 2) ... beside `name.png` (or a clip), or in a
+# second folder matched by name (there `name.png` is slot 1). Reference files are never training images.
+_REFERENCE = re.compile(r"^(?P<stem>.+)\.ref(?P<slot>[1-9][0-9]*)?$", re.IGNORECASE)
+
+
+def _reference_stem(name: str) -> tuple[str, int] | None:
+    path = Path(name)
+    match = _REFERENCE.match(path.stem) if path.suffix.lower() in IMAGE_EXTENSIONS else None
+    return (match["stem"], int(match["slot"] or 1)) if match else None
+
+
+def _add_reference(found: dict, of: tuple[str, int], path: Path):
+    stem, slot = of
+    if (stem, slot) in found:
+        raise DatasetError(f"{shown(stem)} has two reference images for slot {slot}, "
+                           f"{shown(found[stem, slot])} and {shown(path)}; keep one")
+    found[stem, slot] = path
+
+
+def _scan_reference_folder(folder: Path, found: dict):
+    if not folder.is_dir():
+        raise DatasetError(f"reference_folder: {shown(folder)} is not a folder")
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if entry.name.startswith(".") or not _listed_file(entry):
+            continue
+        path = Path(entry.name)
+        if path.suffix.lower() not in IMAGE_EXTENSIONS:
+            continue
+        _add_reference(found, _reference_stem(entry.name) or (path.stem, 1), Path(entry.path))
+
+
+def _references_per_source(sources: list[Path], found: dict) -> dict[Path, tuple[str, ...]]:
+    """Each source's reference paths by slot. Every item of one dataset has the same number of reference slots
+    (a batch stacks them slot by slot), numbered from 1 without gaps; the error names a file at fault."""
+    out = {}
+    for source in sources:
+        stem = source.stem if source.is_file() else source.name
+        slots = sorted(slot for s, slot in found if s == stem)
+        if slots != list(range(1, len(slots) + 1)):
+            raise DatasetError(f"{shown(source)}: its reference images are numbered {slots}; number them from 1 "
+                               f"without gaps ({stem}.ref.png, {stem}.ref2.png, ...)")
+        for n in slots:
+            _check_image(found[stem, n])
+        out[source] = tuple(str(found[stem, n]) for n in slots)
+    counts = {len(refs) for refs in out.values()}
+    if len(counts) > 1:
+        most = max(len(r) for r in out.values())
+        short = next(source for source, refs in out.items() if len(refs) < most)
+        raise DatasetError(f"{shown(short)} has {len(out[short])} reference image(s) but other items have {most}; "
+                           f"every item of a dataset needs the same number (add {short.stem}.ref.png beside it, "
+                           "or move the items without references to another dataset)")
+    return out
 
 
 def _mask_source(image: Path, size: tuple[int, int], masks: str, mask_file: Path | None, pixels: str) -> str:
@@ -356,6 +489,32 @@ def load_image_tensor(path: str, bucket: tuple[int, int] | int, crop: str = "cen
     img = _fit_to_bucket(img, bucket, crop, flip, digest or path, Image.Resampling.LANCZOS)
     array = np.asarray(img, dtype=np.float32) / 255.0
     return torch.from_numpy(array).unsqueeze(0)
+
+
+def clip_fps(item: DatasetItem, fps: float) -> float:
+    """The rate a clip item's video is resampled to: the dataset's fps, or 0 (frame by frame) for a folder of
+    frames, whose frames are taken as already at the dataset's rate."""
+    return 0.0 if Path(item.path).is_dir() else float(fps)
+
+
+def load_clip_item_tensor(item: DatasetItem, fps: float, crop: str = "center", digest: str = "",
+                          background=DEFAULT_BACKGROUND, stats=None):
+    """A clip item's frames, each decoded, resized to cover the bucket, cropped (one box for every frame: a
+    random crop is fixed by the clip's digest) and optionally mirrored: [frames, H, W, 3] in 0..1."""
+    import numpy as np
+    import torch
+    from PIL import Image
+    from .video import load_clip_tensor
+
+    def fit(img):
+        img = _fit_to_bucket(to_rgb(img, background), item.bucket, crop, item.flip, digest or item.path,
+                             Image.Resampling.LANCZOS)
+        return torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0)
+    try:
+        return load_clip_tensor(item.path, item.start, item.frames, clip_fps(item, fps), fit, IMAGE_EXTENSIONS,
+                                stats)
+    except ClipError as exc:
+        raise DatasetError(str(exc)) from None
 
 
 def load_mask_tensor(image_path: str, mask_source: str, bucket: tuple[int, int] | int, crop: str = "center",

@@ -11,9 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from .dataset import ALPHA_MASK, TrainingDataset, caption_variants_of, load_image_tensor, load_mask_tensor, \
-    mask_to_latent_grid
+from .dataset import ALPHA_MASK, IMAGE_EXTENSIONS, DatasetError, TrainingDataset, caption_variants_of, \
+    clip_fps, load_clip_item_tensor, load_image_tensor, load_mask_tensor, mask_to_latent_grid, shown
 from .store import CacheStore, content_key, fingerprint_state_dict
+from .video import clip_digest
 
 LATENT_FORMAT = 2
 TEXT_FORMAT = 1
@@ -36,12 +37,17 @@ def clip_identity(clip) -> str:
     return content_key(**ident)[:32]
 
 
-def latent_key(digest: str, item, dataset: TrainingDataset, encoder: str, mask_digest: str = "") -> str:
+def latent_key(digest: str, item, dataset: TrainingDataset, encoder: str, mask_digest: str = "",
+               reference_digests=()) -> str:
     # `pixels` only where decoding is more than a plain 8-bit conversion (16-bit, transparency on a chosen
     # background), `mask` only for a masked item: every other image keeps the key it had before those existed
     extra = {"pixels": item.pixels} if item.pixels else {}
     if item.mask_source:
         extra["mask"] = {"source": mask_digest, "format": MASK_FORMAT}
+    if item.is_clip:  # which frames, at which rate; a still image keeps the key it always had
+        extra["clip"] = {"start": item.start, "frames": item.frames, "fps": clip_fps(item, dataset.fps)}
+    if reference_digests:
+        extra["references"] = list(reference_digests)
     return content_key(kind="latent", format=LATENT_FORMAT, source=digest, bucket=list(item.bucket),
                        crop=dataset.buckets.crop, flip=item.flip, encoder=encoder, **extra)
 
@@ -57,19 +63,43 @@ def text_key(caption: str, encoder: str) -> str:
     return content_key(kind="text", format=TEXT_FORMAT, caption=caption, encoder=encoder)
 
 
+def is_video_vae(vae) -> bool:
+    """Whether a ComfyUI VAE encodes frames together into video latents (B, C, T, H, W)."""
+    return getattr(vae, "latent_dim", 2) == 3
+
+
+def source_digest(item, store: CacheStore) -> str:
+    return clip_digest(item.path, store.source_digest, IMAGE_EXTENSIONS) if item.is_clip \
+        else store.source_digest(item.path)
+
+
 def encode_latents(dataset: TrainingDataset, vae, store: CacheStore, progress: Progress | None = None):
-    """Returns (dataset with latent entries, encoded count, reused count)."""
+    """Returns (dataset with latent entries, encoded count, reused count). A clip item's frames become one video
+    latent [C, T, h, w] (a video VAE's); its reference images are encoded beside it, one `reference<n>` tensor
+    per slot on the item's bucket."""
     encoder = vae_identity(vae)
     items, encoded, reused = [], 0, 0
     for n, item in enumerate(dataset.items):
-        digest = store.source_digest(item.path)
-        key = latent_key(digest, item, dataset, encoder, mask_digest(item, store))
+        if item.frames > 1 and not is_video_vae(vae):
+            raise DatasetError(f"clip {shown(item.path)}: its {item.frames}-frame items need a video VAE (Wan, "
+                               "HunyuanVideo, LTX-Video ...); this VAE encodes single images. Connect the video "
+                               "model's VAE, or set frame_buckets to 1 to train on single frames")
+        digest = source_digest(item, store)
+        reference_digests = [store.source_digest(r) for r in item.references]
+        key = latent_key(digest, item, dataset, encoder, mask_digest(item, store), reference_digests)
         entry = store.lookup(key)
         if entry is None:
-            pixels = load_image_tensor(item.path, item.bucket, dataset.buckets.crop, item.flip, digest,
-                                       dataset.background)
+            if item.is_clip:  # decoded frame by frame, only the item's frames kept
+                pixels = load_clip_item_tensor(item, dataset.fps, dataset.buckets.crop, digest, dataset.background)
+            else:
+                pixels = load_image_tensor(item.path, item.bucket, dataset.buckets.crop, item.flip, digest,
+                                           dataset.background)
             latent = vae.encode(pixels[:, :, :, :3])
             tensors = {"latent": latent[0].float()}
+            for slot, (path, ref_digest) in enumerate(zip(item.references, reference_digests)):
+                ref = load_image_tensor(path, item.bucket, dataset.buckets.crop, item.flip, ref_digest,
+                                        dataset.background)
+                tensors[f"reference{slot}"] = vae.encode(ref[:, :, :, :3])[0].float()
             if item.mask_source:  # same crop, flip and random-crop seed as the pixels above
                 mask = load_mask_tensor(item.path, item.mask_source, item.bucket, dataset.buckets.crop, item.flip,
                                         digest)

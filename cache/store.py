@@ -413,9 +413,11 @@ def write_manifest(path: str | Path, dataset, cache_root: str | Path) -> Path:
         "folder": dataset.folder,
         "repeats": dataset.repeats,
         "fields": ["source", "caption", "latent", "latent_sha256", "text", "text_sha256", "width", "height", "flip",
-                   "text_variants", "masked"],
+                   "text_variants", "masked", "frames", "references"],
+        # frames: a clip item's frame count (0: a still image); references: reference slots in its latent shard
         "items": [[i.path, i.caption, i.latent, i.latent_sha, i.text, i.text_sha, i.bucket[0], i.bucket[1], i.flip,
-                   [list(v) for v in i.text_variants], bool(i.mask_source)] for i in dataset.items],
+                   [list(v) for v in i.text_variants], bool(i.mask_source), i.frames, len(i.references)]
+                  for i in dataset.items],
         # the empty caption's embedding (caption dropout), [key, sha256], or null where it was not cached
         "empty_text": list(dataset.empty_text) if dataset.empty_text else None,
     }

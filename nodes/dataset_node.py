@@ -2,6 +2,7 @@ from comfy_api.latest import io
 
 from ..cache.buckets import BucketSettings
 from ..cache.dataset import MASK_SOURCES, MISSING_CAPTION_ACTIONS, parse_background, scan_image_folder
+from ..cache.video import CLIP_MODES, DEFAULT_FRAME_BUCKETS
 from ..runner.paths import resolve_input_folder
 from .types import CATEGORY, Dataset
 
@@ -67,6 +68,26 @@ class LoadTrainingImages(io.ComfyNode):
                 io.Int.Input("keep_tags", default=1, min=0, max=64, optional=True,
                              tooltip="Tag shuffling: this many leading tags stay in place (a trigger word "
                                      "first, for example)."),
+                io.String.Input("frame_buckets", default=DEFAULT_FRAME_BUCKETS, optional=True,
+                                tooltip="Videos (mp4, webm, mov, gif, mkv) and folders of frames in the folder are "
+                                        "clips: each becomes items of the longest of these frame counts that fits "
+                                        "it (at fps), combined with the aspect buckets; every batch holds one "
+                                        "frame count. Wan, HunyuanVideo and LTX-Video VAEs want 4k+1 frames "
+                                        "(1, 17, 33 ...). Images are 1-frame items."),
+                io.Float.Input("fps", default=16.0, min=0.0, max=240.0, step=0.5, optional=True,
+                               tooltip="Frame rate clips are resampled to before they are cut into items (frames "
+                                       "repeat or drop); 0 = each video's own frames. A folder of frames is "
+                                       "taken as already at this rate."),
+                io.Combo.Input("clip_mode", options=list(CLIP_MODES), default="single_beginning", optional=True,
+                               tooltip="How a clip longer than its frame bucket becomes items: one from its start, "
+                                       "one from its middle, or several evenly spaced (possibly overlapping) "
+                                       "windows covering the whole clip."),
+                io.String.Input("reference_folder", default="", optional=True,
+                                tooltip="Reference images (edit models' source image, image-to-video's start "
+                                        "image) from a second folder, matched by name: name.png there for "
+                                        "name.png or name.mp4 here (name.ref2.png for a second slot). Without it, "
+                                        "name.ref.png (name.ref2.png ...) beside the item is its reference. Every "
+                                        "item needs the same number of references. Empty: only the files beside."),
             ],
             outputs=[Dataset.Output(display_name="dataset", tooltip="Image paths and captions.")],
         )
@@ -75,7 +96,8 @@ class LoadTrainingImages(io.ComfyNode):
     def execute(cls, folder, resolution, bucketing, min_side, max_side, max_upscale, crop, flip, repeats,
                 caption_prefix, missing_caption, default_caption,
                 transparent_background="#ffffff", masks="mask files", caption_dropout=0.0, caption_variants=0,
-                keep_tags=1) -> io.NodeOutput:
+                keep_tags=1, frame_buckets=DEFAULT_FRAME_BUCKETS, fps=16.0, clip_mode="single_beginning",
+                reference_folder="") -> io.NodeOutput:
         buckets = BucketSettings(resolution=resolution, enabled=bucketing, min_side=min_side, max_side=max_side,
                                  max_upscale=max_upscale, crop=crop, flip=flip)
         dataset = scan_image_folder(resolve_input_folder(folder), buckets=buckets, repeats=repeats,
@@ -83,15 +105,23 @@ class LoadTrainingImages(io.ComfyNode):
                                     default_caption=default_caption,
                                     background=parse_background(transparent_background or "#ffffff"),
                                     masks=masks, caption_dropout=caption_dropout, caption_variants=caption_variants,
-                                    keep_tags=keep_tags)
+                                    keep_tags=keep_tags, frame_buckets=frame_buckets, fps=fps, clip_mode=clip_mode,
+                                    reference_folder=resolve_input_folder(reference_folder) if reference_folder
+                                    else None)
         return io.NodeOutput(dataset)
 
     @classmethod
-    def fingerprint_inputs(cls, folder, **kwargs):
-        # re-scan when files in the folder change, even if the inputs did not
+    def fingerprint_inputs(cls, folder, reference_folder="", **kwargs):
+        # re-scan when files in the folder (a frame folder's frames, the reference folder) change, even if the
+        # inputs did not
         import os
+
+        def listing(path, depth=1):
+            return tuple(sorted((e.name, e.stat().st_mtime_ns, e.stat().st_size,
+                                 listing(e.path, depth - 1) if depth and e.is_dir() else ())
+                                for e in os.scandir(path)))
         try:
-            path = resolve_input_folder(folder)
-            return tuple(sorted((e.name, e.stat().st_mtime_ns, e.stat().st_size) for e in os.scandir(path)))
+            refs = listing(resolve_input_folder(reference_folder)) if reference_folder else ()
+            return listing(resolve_input_folder(folder)), refs
         except OSError:
             return float("nan")

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from ..cache.store import load_checked
-from .data import StepSampler, seeded_generator
+from .data import StepSampler, seeded_generator, stack_references
 
 # generator streams (data.py uses 1, 2 and 4, evaluation 3): one per kind of draw, so adding one changes no other
 TEXT_CHOICE_STREAM = 11
@@ -98,6 +98,7 @@ class TrainingBatch(NamedTuple):
     cond: torch.Tensor
     pooled: torch.Tensor | None
     mask: torch.Tensor | None  # [B, 1, (1,) h, w] loss weights per latent pixel, or None when nothing is masked
+    references: list[torch.Tensor] | None = None  # Batch.references: one [B, C, (T,) h, w] per slot, or None
 
 
 def training_batch(dataset, indices: list[int], draw: TextDraw | None = None, shuffle_tags: bool = True,
@@ -106,11 +107,13 @@ def training_batch(dataset, indices: list[int], draw: TextDraw | None = None, sh
     these slots; None: every item's caption as written, as evaluation uses), and the masks stored in the latent
     shards (items without one weigh 1 everywhere). With no draw, no variants and no masks this is exactly
     CachedDataset.batch."""
-    latents, texts, masks = [], [], []
+    latents, texts, masks, shards, sources = [], [], [], [], []
     for n, i in enumerate(indices):
         part, j = locate(dataset, i)
         shard = load_checked(part.root, "latent", part.latent_keys[j], part.latent_shas[j])
         latents.append(shard["latent"])
+        shards.append(shard)
+        sources.append(part.sources[j])
         masked = masked_loss and bool(part.masked) and part.masked[j]
         if masked and "mask" not in shard:
             raise ValueError(f"cache entry {part.latent_keys[j]} of {part.sources[j]} has no mask though the "
@@ -126,7 +129,29 @@ def training_batch(dataset, indices: list[int], draw: TextDraw | None = None, sh
     if any(m is not None for m in masks):
         ones = torch.ones((1,) * (stacked.dim() - 3) + tuple(stacked.shape[-2:]))
         mask = torch.stack([m if m is not None else ones for m in masks])
-    return TrainingBatch(stacked, cond, pooled, mask)
+    return TrainingBatch(stacked, cond, pooled, mask,
+                         stack_references(shards, reference_slots(dataset), sources))
+
+
+def reference_slots(dataset) -> int:
+    """Reference images per item (0: none); a prior set must have as many as the training set."""
+    return max(part.reference_slots for part, _ in _parts(dataset, ""))
+
+
+def check_reference_input(dataset, family, where: str = "data.manifest"):
+    """Fails at start-up, naming the setting, where the dataset's items carry reference images the model family
+    cannot take (ModelFamily.reference_input is None), or a prior set's count differs from the training set's."""
+    counts = [(name, part.reference_slots) for part, name in _parts(dataset, where)]
+    if len({n for _, n in counts}) > 1:
+        raise ValueError(f"data.prior_manifest: its items have {counts[1][1]} reference image(s), the training "
+                         f"items {counts[0][1]}; a batch needs the same number")
+    slots = counts[0][1]
+    if slots and getattr(family, "reference_input", None) is None:
+        from .models.base import UnsupportedSetting
+        raise UnsupportedSetting(f"{where}: its items carry {slots} reference image(s) (name.ref.png or a "
+                                 f"reference folder), but {family.display_name} takes none (its reference_input is "
+                                 "None); train an edit or image-to-video model, or load the dataset without "
+                                 "reference images")
 
 
 # --- prior (regularisation) images -------------------------------------------------------------------------
@@ -261,10 +286,11 @@ def prior_report(dataset, sampler) -> tuple[dict, str | None]:
 
 # --- what the training loop calls --------------------------------------------------------------------------
 
-def build_training_data(data_spec, global_batch: int, seed: int):
+def build_training_data(data_spec, global_batch: int, seed: int, family=None, pipeline_stages: int = 1):
     """(dataset, sampler) for training from the spec's data section: the training manifest, mixed with the
     prior manifest when there is one (a MixedDataset and a PriorMixSampler), else the CachedDataset and
-    StepSampler as before. Fails here, before any step, where the manifests cannot serve caption dropout."""
+    StepSampler as before. Fails here, before any step, where the manifests cannot serve caption dropout, or
+    carry reference images that `family` (or pipeline stages) cannot take."""
     from .data import load_cached_dataset
     dataset = load_cached_dataset(data_spec.manifest)
     if data_spec.prior_manifest:
@@ -275,6 +301,11 @@ def build_training_data(data_spec, global_batch: int, seed: int):
     else:
         sampler = StepSampler(dataset.buckets, global_batch, seed, data_spec.shuffle)
     check_caption_features(dataset, data_spec.caption_dropout)
+    if family is not None:
+        check_reference_input(dataset, family)
+    if pipeline_stages > 1 and reference_slots(dataset):
+        raise ValueError(f"data.manifest: its items carry reference images, which pipeline stages "
+                         "(distributed.pipeline_stages > 1) do not pass on; train with 1 stage")
     return dataset, sampler
 
 
@@ -288,11 +319,13 @@ class MicroBatch(NamedTuple):
     mask: torch.Tensor | None = None  # loss weights per latent pixel (objectives.per_sample_loss's mask), or None
     sample_weight: torch.Tensor | None = None  # loss weight per sample (objectives.batch_loss); None: no prior set
     is_prior: torch.Tensor | None = None  # bool per sample, for loss_parts; None without prior images
+    references: list | None = None  # Batch.references (reference latents per slot), or None
 
     def model_inputs(self) -> tuple[tuple, dict]:
         """(positional, keyword) arguments of TrainingModule.forward: the features go as keywords, and only
         where the step has them, so a plain run calls the model exactly as before."""
-        features = {"mask": self.mask, "sample_weight": self.sample_weight, "is_prior": self.is_prior}
+        features = {"mask": self.mask, "sample_weight": self.sample_weight, "is_prior": self.is_prior,
+                    "references": self.references}
         return tuple(self[:5]), {k: v for k, v in features.items() if v is not None}
 
 
@@ -312,7 +345,8 @@ def load_step(dataset, sampler, step: int, data_spec, seed: int, batch_size: int
     is_prior = sampler.is_prior(indices) if isinstance(sampler, PriorMixSampler) else None
     weights = sample_weights(is_prior, data_spec.prior_weight) if is_prior is not None else None
     micro = [MicroBatch(b.latents, b.cond, noise[s], timesteps[s], b.pooled, b.mask,
-                        weights[s] if weights is not None else None, is_prior[s] if is_prior is not None else None)
+                        weights[s] if weights is not None else None, is_prior[s] if is_prior is not None else None,
+                        b.references)
              for b, s in zip(batches, slots)]
     return indices, micro, timesteps
 

@@ -31,6 +31,7 @@ class CachedDataset:
     text_variants: list[list[tuple[str, str]]] = field(default_factory=list)
     masked: list[bool] = field(default_factory=list)
     empty_text: tuple[str, str] | None = None  # the empty caption's embedding (caption dropout), if cached
+    reference_slots: int = 0  # reference images in every item's latent shard (reference0 ...; Batch.references)
 
     def __len__(self):
         return len(self.latent_keys)
@@ -55,6 +56,13 @@ class CachedDataset:
             self._text_cache.popitem(last=False)
         return value
 
+    def references(self, indices: list[int]) -> list[torch.Tensor] | None:
+        """The items' reference latents, one [B, C, (T,) h, w] tensor per slot (Batch.references), or None."""
+        if not self.reference_slots:
+            return None
+        shards = [load_checked(self.root, "latent", self.latent_keys[i], self.latent_shas[i]) for i in indices]
+        return stack_references(shards, self.reference_slots, [self.sources[i] for i in indices])
+
     def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(latents, text embeddings, pooled text vectors or None where the text encoder has none)."""
         latents = torch.stack([self.latent(i) for i in indices])
@@ -77,15 +85,48 @@ def load_cached_dataset(manifest_path: str) -> CachedDataset:
     def column(name):  # each item `repeats` times in a row
         return [row[col[name]] for row in rows for _ in range(repeats)]
     widths, heights = column("width"), column("height")
+    # a batch is one bucket: an aspect-ratio bucket, and for a clip item of more than one frame its frame count
+    # (a still image and a 1-frame item have latents of one shape)
+    frames = column("frames") if "frames" in col else [0] * len(widths)
+    buckets = [(w, h, f) if f > 1 else (w, h) for w, h, f in zip(widths, heights, frames)]
     dataset = CachedDataset(manifest["cache_root"], column("latent"), column("latent_sha256"), column("text"),
-                            column("text_sha256"), list(zip(widths, heights)), column("source"),
+                            column("text_sha256"), buckets, column("source"),
                             list(range(0, len(rows) * repeats, repeats)))
+    if "references" in col:
+        slots = {int(n) for n in column("references")}
+        if len(slots) > 1:
+            raise ValueError(f"{manifest_path}: items have different numbers of reference images ({sorted(slots)}); "
+                             "every item of a dataset needs the same number")
+        dataset.reference_slots = slots.pop()
     if "masked" in col:  # manifests written before masks and caption variants have neither
         dataset.text_variants = [[_entry_ref(v, manifest_path) for v in vs] for vs in column("text_variants")]
         dataset.masked = [bool(m) for m in column("masked")]
     if manifest.get("empty_text"):
         dataset.empty_text = _entry_ref(manifest["empty_text"], manifest_path)
     return dataset
+
+
+class References(list):
+    """Batch.references: a list of tensors, one per reference slot, that moves to a device as one tensor does
+    (the layouts move each micro-batch field with .to)."""
+
+    def to(self, *args, **kwargs) -> "References":
+        return References(t.to(*args, **kwargs) for t in self)
+
+
+def stack_references(shards: list[dict], slots: int, sources: list[str]) -> References | None:
+    """Reference latents of a batch's latent shards, stacked slot by slot; an error names an item lacking one."""
+    if not slots:
+        return None
+    out = []
+    for slot in range(slots):
+        name = f"reference{slot}"
+        for shard, source in zip(shards, sources):
+            if name not in shard:
+                raise ValueError(f"cache entry of {source} has no reference image {slot + 1} though the manifest "
+                                 "lists it; run Cache Latents again")
+        out.append(torch.stack([shard[name] for shard in shards]))
+    return References(out)
 
 
 def _entry_ref(value, manifest_path) -> tuple[str, str]:

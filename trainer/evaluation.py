@@ -19,7 +19,7 @@ EVAL_NOISE_STREAM = 3  # generator stream of the evaluation noise (data.py uses 
 
 def eval_chunks(dataset: CachedDataset, indices: list[int], batch_size: int) -> list[list[int]]:
     """Batches of one bucket each, in a fixed order (independent of the number of processes)."""
-    by_bucket: dict[tuple[int, int], list[int]] = {}
+    by_bucket: dict[tuple, list[int]] = {}  # (w, h), or (w, h, frames) for clips
     for i in indices:
         by_bucket.setdefault(dataset.buckets[i], []).append(i)
     return [group[s:s + batch_size] for _, group in sorted(by_bucket.items()) for s in range(0, len(group), batch_size)]
@@ -66,11 +66,13 @@ def _evaluate(module, dataset, indices, quantiles, seed, batch_size, device) -> 
         slot = r * world + me
         chunk = chunks[slot] if slot < len(chunks) else chunks[-1]
         latents, cond, pooled = dataset.batch(chunk)
+        references = dataset.references(chunk) if getattr(dataset, "reference_slots", 0) else None
         noise = eval_noise(latents.shape[1:], chunk, seed)
         for qn, q in enumerate(quantiles):
             batch = Batch(latents=latents.to(device), cond=cond.to(device),
                           pooled=pooled.to(device) if pooled is not None else None, noise=noise.to(device),
-                          timesteps=torch.full((len(chunk),), float(q), device=device))
+                          timesteps=torch.full((len(chunk),), float(q), device=device),
+                          references=references.to(device) if references is not None else None)
             losses = module.family.loss(batch, reduce=False, weighted=False).double().cpu()
             if slot < len(chunks):
                 for item, loss in zip(chunk, losses):

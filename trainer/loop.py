@@ -64,7 +64,8 @@ class Trainer:
         family.check_settings(spec)
         self.global_batch = t.batch_size * t.grad_accum * data_parallel_size(spec)
         # the training set (mixed with the prior set where there is one) and what each step draws from it
-        self.dataset, self.sampler = build_training_data(spec.data, self.global_batch, t.seed)
+        self.dataset, self.sampler = build_training_data(spec.data, self.global_batch, t.seed, family,
+                                                         d.pipeline_stages)
         self.eval_dataset = load_cached_dataset(spec.data.eval_manifest) if spec.data.eval_manifest else self.dataset
         torch.manual_seed(t.seed)  # adapter initialisation
         if a.kind == "full":

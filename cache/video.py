@@ -1,0 +1,185 @@
+"""Video clips in a training dataset: video files (decoded with PyAV, which ComfyUI already requires) and folders
+of frames. A clip is probed once (frame times only, no pixels) and cut into items of a frame bucket's length at a
+chosen frame rate, as diffusion-pipe does; an item's frames are decoded only when its latent is cached, one frame
+at a time, each fitted to the bucket at once, so a clip is never held in memory whole.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".gif", ".mkv")
+# how a clip longer than its frame bucket becomes items (diffusion-pipe's video_clip_mode)
+CLIP_MODES = ("single_beginning", "single_middle", "multiple_overlapping")
+DEFAULT_FRAME_BUCKETS = "1, 17, 33, 49, 65, 81"
+
+
+class ClipError(ValueError):
+    """A clip that cannot be read; the message names the file or folder."""
+
+
+def parse_frame_buckets(text, field_name: str = "frame_buckets") -> tuple[int, ...]:
+    """'1, 17, 33' as sorted distinct frame counts; the error names the field."""
+    values = text if isinstance(text, (list, tuple)) else str(text).replace(";", ",").split(",")
+    try:
+        buckets = sorted({int(str(v).strip()) for v in values if str(v).strip()})
+    except ValueError:
+        raise ClipError(f"{field_name}: {text!r} is not a list of frame counts (e.g. 1, 17, 33)") from None
+    if not buckets or buckets[0] < 1:
+        raise ClipError(f"{field_name}: {text!r} needs at least one frame count, each at least 1")
+    return tuple(buckets)
+
+
+def clip_spans(n_frames: int, frame_buckets, mode: str = "single_beginning") -> list[tuple[int, int]]:
+    """(first frame, frame count) of each item a clip of n_frames (at the dataset's frame rate) becomes: the
+    longest frame bucket that fits, taken from the start, from the middle, or as several evenly spaced, possibly
+    overlapping windows that together cover the whole clip. [] when no bucket fits (the clip is too short)."""
+    if mode not in CLIP_MODES:
+        raise ClipError(f"clip_mode must be one of {CLIP_MODES} (got {mode!r})")
+    fitting = [b for b in frame_buckets if b <= n_frames]
+    if not fitting:
+        return []
+    frames = max(fitting)
+    if mode == "single_beginning":
+        return [(0, frames)]
+    if mode == "single_middle":
+        return [((n_frames - frames) // 2, frames)]
+    count = (n_frames - 1) // frames + 1
+    if count == 1:
+        return [(0, frames)]
+    last = n_frames - frames
+    return [(round(i * last / (count - 1)), frames) for i in range(count)]
+
+
+def is_frame_folder(path: str | Path, image_extensions) -> bool:
+    """A folder holding image files (its frames, in name order) is a clip."""
+    try:
+        return any(Path(e.name).suffix.lower() in image_extensions and e.is_file() and not e.name.startswith(".")
+                   for e in os.scandir(path))
+    except OSError:
+        return False
+
+
+def frame_files(folder: str | Path, image_extensions) -> list[str]:
+    return sorted(e.path for e in os.scandir(folder)
+                  if not e.name.startswith(".") and Path(e.name).suffix.lower() in image_extensions and e.is_file())
+
+
+@dataclass(frozen=True)
+class ClipInfo:
+    width: int
+    height: int
+    times: tuple[float, ...]  # presentation time of each source frame, seconds from the first
+    frame_s: float  # duration of the last frame (the typical interval between frames)
+
+    def frame_count(self, fps: float) -> int:
+        """Frames of the clip at `fps` (0: the source's own frames)."""
+        if fps <= 0:
+            return len(self.times)
+        return max(1, math.floor((self.times[-1] + self.frame_s) * fps + 1e-6))
+
+    def source_index(self, k: int, fps: float) -> int:
+        """Which source frame is shown at frame k of the clip resampled to fps (frames repeat or drop)."""
+        if fps <= 0:
+            return k
+        return max(0, bisect.bisect_right(self.times, k / fps + 1e-6) - 1)
+
+
+def probe_clip(path: str | Path, image_extensions=()) -> ClipInfo:
+    """Frame size and frame times of a video file (its packets are read, none decoded) or a folder of frames."""
+    path = Path(path)
+    if path.is_dir():
+        files = frame_files(path, image_extensions)
+        if not files:
+            raise ClipError(f"frame folder {path} holds no images")
+        from PIL import Image, ImageOps
+        try:
+            with Image.open(files[0]) as img:
+                width, height = ImageOps.exif_transpose(img).size
+        except Exception as exc:
+            raise ClipError(f"cannot read frame {files[0]}: {exc.__class__.__name__}: {exc}") from None
+        return ClipInfo(width, height, tuple(float(i) for i in range(len(files))), 1.0)  # one frame per 1/fps
+    import av
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise ClipError(f"video {path} has no video stream")
+            stream = container.streams.video[0]
+            width, height = stream.codec_context.width, stream.codec_context.height
+            base = float(stream.time_base)
+            pts = sorted(p.pts for p in container.demux(stream) if p.pts is not None and p.size)
+    except ClipError:
+        raise
+    except Exception as exc:  # PyAV raises its own error types for bad files
+        raise ClipError(f"cannot read video {path}: {exc.__class__.__name__}: {exc}") from None
+    if not pts or not width or not height:
+        raise ClipError(f"video {path} has no frames")
+    times = tuple((p - pts[0]) * base for p in pts)
+    rate = float(stream.average_rate or stream.guessed_rate or 0) or None
+    gaps = [b - a for a, b in zip(times, times[1:]) if b > a]
+    frame_s = (1.0 / rate) if rate else (sorted(gaps)[len(gaps) // 2] if gaps else 1.0)
+    return ClipInfo(width, height, times, frame_s)
+
+
+def clip_digest(path: str | Path, file_digest, image_extensions) -> str:
+    """Content identity of a clip: the video file's digest, or of a frame folder the names and digests of its
+    frames (editing one frame changes it)."""
+    path = Path(path)
+    if not path.is_dir():
+        return file_digest(path)
+    h = hashlib.sha256(b"frames\x00")
+    for f in frame_files(path, image_extensions):
+        h.update(f"{Path(f).name}\x00{file_digest(f)}\x00".encode())
+    return h.hexdigest()
+
+
+def load_clip_tensor(path: str, start: int, frames: int, fps: float, fit, image_extensions=(), stats=None):
+    """Frames [start, start + frames) of the clip at fps as [frames, H, W, 3] in 0..1. `fit` turns one decoded
+    PIL RGB frame into the bucket's pixels (a [H, W, 3] float tensor). Decoding stops after the last frame it
+    needs, and only the fitted frames it needs are kept. `stats`, a dict, gets "decoded": frames decoded."""
+    import torch
+    info = probe_clip(path, image_extensions)
+    wanted = [info.source_index(k, fps) for k in range(start, start + frames)]
+    needed, last = set(wanted), max(wanted)
+    fitted: dict[int, torch.Tensor] = {}
+    decoded = 0
+    path = Path(path)
+    if path.is_dir():
+        from PIL import Image, ImageOps
+        files = frame_files(path, image_extensions)
+        for index in sorted(needed):
+            try:
+                with Image.open(files[index]) as img:
+                    fitted[index] = fit(ImageOps.exif_transpose(img))
+            except Exception as exc:
+                raise ClipError(f"cannot decode frame {files[index]}: {exc.__class__.__name__}: {exc}") from None
+            decoded += 1
+    else:
+        import av
+        try:
+            with av.open(str(path)) as container:
+                stream = container.streams.video[0]
+                stream.thread_type = "AUTO"
+                first = None
+                for frame in container.decode(stream):
+                    if frame.pts is None:
+                        continue
+                    first = frame.pts if first is None else first
+                    decoded += 1
+                    index = bisect.bisect_left(info.times, (frame.pts - first) * float(stream.time_base) - 1e-9)
+                    if index in needed:
+                        fitted[index] = fit(frame.to_image())
+                    if index >= last:
+                        break
+        except Exception as exc:
+            raise ClipError(f"cannot decode video {path}: {exc.__class__.__name__}: {exc}") from None
+    missing = needed - set(fitted)
+    if missing:
+        raise ClipError(f"clip {path}: frame {min(missing)} could not be decoded")
+    if stats is not None:
+        stats["decoded"] = decoded
+    return torch.stack([fitted[i] for i in wanted])

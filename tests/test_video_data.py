@@ -1,0 +1,280 @@
+"""Video datasets and reference images: clips (video files and folders of frames) cut into frame-bucket items at a
+chosen fps, decoded lazily, cached as 5-D video latents in the content-keyed cache (an edited clip re-encoded
+alone), reference images cached beside their item's latent, and the trainer's batches of both. Unit tests with a
+stand-in VAE; one graph run trains Wan on clips and an image with ComfyUI's own Wan VAE."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ingraph_trainer.cache.buckets import BucketSettings
+from ingraph_trainer.cache.dataset import DatasetError, load_clip_item_tensor, scan_image_folder
+from ingraph_trainer.cache.encoding import encode_latents, encode_text
+from ingraph_trainer.cache.store import CacheStore, write_manifest
+from ingraph_trainer.cache.video import clip_spans, parse_frame_buckets, probe_clip
+
+SIDE = 64
+
+
+def write_video(path: Path, frames: int, fps: int = 8, codec: str = "libx264"):
+    """A clip whose frame k is a flat grey of level 5 * k (so a decoded frame says which frame it is)."""
+    import av
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width = stream.height = SIDE
+        stream.pix_fmt = "yuv420p"
+        if codec == "libx264":
+            stream.options = {"crf": "0", "preset": "ultrafast"}
+        for k in range(frames):
+            image = np.full((SIDE, SIDE, 3), 5 * k, dtype=np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")))
+        container.mux(stream.encode())
+    return path
+
+
+def write_frames(folder: Path, frames: int, level=lambda k: 10 * k):
+    from PIL import Image
+    folder.mkdir(parents=True, exist_ok=True)
+    for k in range(frames):
+        Image.new("RGB", (SIDE, SIDE), (level(k),) * 3).save(folder / f"{k:04d}.png")
+    return folder
+
+
+def write_image(path: Path, level: int = 128, size=(SIDE, SIDE)):
+    from PIL import Image
+    Image.new("RGB", size, (level, 40, 200)).save(path)
+    return path
+
+
+def scan(folder, **kw):
+    kw.setdefault("buckets", BucketSettings(resolution=SIDE, enabled=False))
+    return scan_image_folder(folder, missing_caption="use default caption", default_caption="a clip", **kw)
+
+
+class VideoVAE:
+    """Stands in for a ComfyUI video VAE (latent_dim 3, 4x in time, 8x in space); counts what it encodes."""
+    latent_dim = 3
+
+    def __init__(self):
+        self.encoded = []  # frame count of each encode call
+
+    def get_sd(self):
+        return {"w": torch.ones(3)}
+
+    def encode(self, pixels):  # [T, H, W, 3] -> [1, 4, 1 + (T - 1) // 4, H / 8, W / 8], the mean of each block
+        self.encoded.append(pixels.shape[0])
+        t = 1 + (pixels.shape[0] - 1) // 4
+        video = pixels.movedim(-1, 0)[:, :1 + 4 * (t - 1):4]  # the frame each latent frame starts with
+        pooled = torch.nn.functional.avg_pool2d(video.reshape(-1, *video.shape[2:]), 8)
+        return pooled.reshape(3, t, *pooled.shape[-2:])[:1].repeat(4, 1, 1, 1).unsqueeze(0)
+
+
+class ImageVAE(VideoVAE):
+    latent_dim = 2
+
+    def encode(self, pixels):
+        self.encoded.append(pixels.shape[0])
+        return torch.nn.functional.avg_pool2d(pixels.movedim(-1, 1), 8)[:, :1].repeat(1, 4, 1, 1)
+
+
+# --- frame buckets ------------------------------------------------------------------------------------------
+
+def test_frame_buckets_cut_a_clip_as_diffusion_pipe_does():
+    assert parse_frame_buckets("33, 1,17, 17") == (1, 17, 33)
+    with pytest.raises(ValueError, match="frame_buckets"):
+        parse_frame_buckets("1, many")
+    buckets = (1, 17, 33)
+    assert clip_spans(40, buckets) == [(0, 33)]  # the longest bucket that fits, from the start
+    assert clip_spans(40, buckets, "single_middle") == [(3, 33)]
+    assert clip_spans(20, buckets) == [(0, 17)]
+    assert clip_spans(5, buckets) == [(0, 1)]
+    assert clip_spans(5, (17, 33)) == []  # too short for every bucket
+    # windows covering the whole clip, evenly spaced, overlapping where they must
+    assert clip_spans(70, buckets, "multiple_overlapping") == [(0, 33), (18, 33), (37, 33)]
+    assert clip_spans(33, buckets, "multiple_overlapping") == [(0, 33)]
+
+
+def test_a_clip_at_a_chosen_fps_becomes_the_right_items(tmp_path):
+    """A 2 s video at 8 fps is 16 frames at 8 fps and 8 at 4 fps; a folder of 6 frames is 6 frames whatever
+    the fps. Each becomes items of the longest bucket that fits; images stay 1-frame items beside them."""
+    write_video(tmp_path / "walk.mp4", 16, fps=8)
+    write_frames(tmp_path / "wave", 6)
+    write_image(tmp_path / "still.png")
+    info = probe_clip(tmp_path / "walk.mp4")
+    assert (info.width, info.height, len(info.times)) == (SIDE, SIDE, 16)
+    assert info.frame_count(8) == 16 and info.frame_count(4) == 8 and info.frame_count(16) == 32
+
+    def spans(dataset):
+        return sorted((Path(i.path).name, i.start, i.frames) for i in dataset.items)
+    assert spans(scan(tmp_path, frame_buckets="1, 5, 9", fps=8)) == [
+        ("still.png", 0, 0), ("walk.mp4", 0, 9), ("wave", 0, 5)]
+    assert spans(scan(tmp_path, frame_buckets="1, 5, 9", fps=4)) == [
+        ("still.png", 0, 0), ("walk.mp4", 0, 5), ("wave", 0, 5)]
+    assert spans(scan(tmp_path, frame_buckets="1, 5", fps=8, clip_mode="multiple_overlapping")) == [
+        ("still.png", 0, 0), ("walk.mp4", 0, 5), ("walk.mp4", 4, 5), ("walk.mp4", 7, 5), ("walk.mp4", 11, 5),
+        ("wave", 0, 5), ("wave", 1, 5)]
+    dataset = scan(tmp_path, frame_buckets="9", fps=8)  # the 6-frame folder is too short: skipped, said so
+    assert "wave" in dataset.skipped_files and {Path(i.path).name for i in dataset.items} == {"still.png", "walk.mp4"}
+    with pytest.raises(DatasetError, match="loss masks for clips"):
+        write_image(tmp_path / "walk.mask.png")
+        scan(tmp_path, frame_buckets="1, 5", fps=8)
+
+
+# --- lazy decoding ------------------------------------------------------------------------------------------
+
+def test_clip_items_decode_lazily_and_resample_to_fps(tmp_path):
+    """An item's frames are the right source frames at the dataset's fps, and decoding stops after the last one
+    it needs: the first 5 frames of a 48-frame video decode 5 frames, not 48."""
+    write_video(tmp_path / "long.mp4", 48, fps=8)
+    (item,) = scan(tmp_path, frame_buckets="5", fps=8).items
+    stats = {}
+    frames = load_clip_item_tensor(item, 8.0, stats=stats)
+    assert frames.shape == (5, SIDE, SIDE, 3) and stats["decoded"] == 5
+    levels = (frames.mean(dim=(1, 2, 3)) * 255).round()
+    assert torch.allclose(levels, torch.tensor([0., 5, 10, 15, 20]), atol=2)
+    # at 4 fps every other source frame: 24 frames, whose middle window starts at frame 9 (source frame 18)
+    dataset = scan(tmp_path, frame_buckets="5", fps=4, clip_mode="single_middle")
+    (item,) = dataset.items
+    assert (item.start, item.frames) == (9, 5)
+    frames = load_clip_item_tensor(item, 4.0, stats=stats)
+    levels = (frames.mean(dim=(1, 2, 3)) * 255).round()
+    assert torch.allclose(levels, torch.tensor([90., 100, 110, 120, 130]), atol=3)  # source frames 18..26
+    assert stats["decoded"] <= 27
+
+
+# --- the cache ----------------------------------------------------------------------------------------------
+
+def cached(folder, store, vae=None, **kw):
+    dataset = scan(folder, **kw)
+    dataset, encoded, reused = encode_latents(dataset, vae or VideoVAE(), store)
+    return dataset, encoded, reused
+
+
+def test_clips_cache_5d_latents_and_an_edited_clip_is_reencoded_alone(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_video(folder / "a.mp4", 12, fps=8)
+    write_frames(folder / "b", 10)
+    write_image(folder / "still.png")
+    store = CacheStore(tmp_path / "cache")
+    kw = dict(frame_buckets="1, 5, 9", fps=8, clip_mode="multiple_overlapping")
+    vae = VideoVAE()
+    dataset, encoded, reused = cached(folder, store, vae, **kw)
+    assert (encoded, reused) == (5, 0) and sorted(vae.encoded) == [1, 9, 9, 9, 9]
+    shapes = {(Path(i.path).name, i.start): tuple(load_file(str(store.lookup(i.latent).path))["latent"].shape)
+              for i in dataset.items}
+    assert shapes[("a.mp4", 0)] == (4, 3, SIDE // 8, SIDE // 8)  # 9 frames: 3 latent frames
+    assert shapes[("still.png", 0)] == (4, 1, SIDE // 8, SIDE // 8)
+
+    # editing one frame of the frame folder re-encodes that clip's items only (2 windows), nothing else
+    write_image(folder / "b" / "0003.png", level=255)
+    vae = VideoVAE()
+    dataset2, encoded, reused = cached(folder, store, vae, **kw)
+    assert (encoded, reused) == (2, 3) and vae.encoded == [9, 9]
+    changed = {Path(a.path).name for a, b in zip(dataset.items, dataset2.items) if a.latent != b.latent}
+    assert changed == {"b"}
+    # another fps changes which frames a video's items hold: its items are re-encoded, the frame folder's not
+    vae = VideoVAE()
+    _, encoded, reused = cached(folder, store, vae, **{**kw, "fps": 4})
+    assert (encoded, reused) == (2, 3) and vae.encoded == [5, 5]
+    store.close()
+
+
+def test_clips_need_a_video_vae_unless_single_frames(tmp_path):
+    write_video(tmp_path / "a.mp4", 12, fps=8)
+    store = CacheStore(tmp_path / "cache")
+    with pytest.raises(DatasetError, match="a.mp4.*need a video VAE"):
+        cached(tmp_path, store, ImageVAE(), frame_buckets="1, 9", fps=8)
+    dataset, encoded, _ = cached(tmp_path, store, ImageVAE(), frame_buckets="1", fps=8)  # first frames as images
+    assert encoded == 1 and dataset.items[0].frames == 1
+    store.close()
+
+
+# --- reference images ---------------------------------------------------------------------------------------
+
+def test_reference_images_are_found_matched_and_counted(tmp_path):
+    data, refs = tmp_path / "data", tmp_path / "refs"
+    data.mkdir(), refs.mkdir()
+    write_image(data / "cat.png"), write_image(data / "cat.ref.png", 10), write_image(data / "cat.ref2.png", 20)
+    write_image(data / "dog.png"), write_image(data / "dog.ref.png", 30)
+    with pytest.raises(DatasetError, match="dog.png has 1 reference image.*other items have 2"):
+        scan(data)
+    write_image(data / "dog.ref2.png", 40)
+    items = {Path(i.path).name: i.references for i in scan(data).items}
+    assert items == {"cat.png": (str(data / "cat.ref.png"), str(data / "cat.ref2.png")),
+                     "dog.png": (str(data / "dog.ref.png"), str(data / "dog.ref2.png"))}
+    (data / "dog.ref.png").unlink()
+    with pytest.raises(DatasetError, match="dog.png: its reference images are numbered \\[2\\]"):
+        scan(data)
+    # a second folder matched by name
+    for name in ("cat.ref.png", "cat.ref2.png", "dog.ref2.png"):
+        (data / name).unlink()
+    write_image(refs / "cat.png", 50), write_image(refs / "dog.png", 60)
+    items = {Path(i.path).name: i.references for i in scan(data, reference_folder=refs).items}
+    assert items == {"cat.png": (str(refs / "cat.png"),), "dog.png": (str(refs / "dog.png"),)}
+
+
+def test_references_and_clips_reach_the_trainer_batch(tmp_path):
+    """Cached references come back as Batch.references ([B, C, T, h, w] per slot), clips as 5-D latents in a
+    bucket of their own frame count; a family that takes no references refuses them, naming the setting."""
+    from ingraph_trainer.trainer.batch_mix import check_reference_input, training_batch
+    from ingraph_trainer.trainer.data import StepSampler, load_cached_dataset
+    from ingraph_trainer.trainer.models.base import UnsupportedSetting
+
+    data = tmp_path / "data"
+    data.mkdir()
+    write_video(data / "a.mp4", 12, fps=8)
+    write_frames(data / "b", 10)
+    write_image(data / "still.png", size=(SIDE, SIDE))
+    for stem, level in (("a", 10), ("b", 100), ("still", 200)):
+        write_image(data / f"{stem}.ref.png", level)
+    store = CacheStore(tmp_path / "cache")
+    dataset, _, _ = cached(data, store, frame_buckets="1, 9", fps=8)
+    dataset, _, _ = encode_text(dataset, SyntheticClip(), store)
+    store.close()
+    manifest = write_manifest(tmp_path / "dataset.json", dataset, tmp_path / "cache")
+    assert json.loads(manifest.read_text())["fields"][-2:] == ["frames", "references"]
+
+    cached_set = load_cached_dataset(str(manifest))
+    assert sorted(set(cached_set.buckets)) == [(SIDE, SIDE), (SIDE, SIDE, 9)] and cached_set.reference_slots == 1
+    sampler = StepSampler(cached_set.buckets, 2, seed=0)
+    for step in range(sampler.batches_per_epoch):
+        indices = sampler.indices(step)
+        batch = training_batch(cached_set, indices)
+        frames = 3 if len(cached_set.buckets[indices[0]]) == 3 else 1
+        assert batch.latents.shape == (2, 4, frames, SIDE // 8, SIDE // 8)
+        (ref,) = batch.references
+        assert ref.shape == (2, 4, 1, SIDE // 8, SIDE // 8)
+    # each item's own reference, on its bucket: the stand-in VAE's latent is the image's red level
+    by_source = {Path(s).name: i for i, s in enumerate(cached_set.sources)}
+    (ref,) = training_batch(cached_set, [by_source["a.mp4"], by_source["b"]]).references
+    assert torch.allclose(ref.mean(dim=(1, 2, 3, 4)), torch.tensor([10 / 255, 100 / 255]), atol=1e-3)
+
+    class NoReferences:
+        display_name, reference_input = "SDXL", None
+
+    class Edit(NoReferences):
+        display_name, reference_input = "Flux Kontext", "reference_latents"
+    check_reference_input(cached_set, Edit())
+    with pytest.raises(UnsupportedSetting, match="data.manifest: its items carry 1 reference image.*SDXL.*"
+                                                 "reference_input"):
+        check_reference_input(cached_set, NoReferences())
+
+
+class SyntheticClip:
+    """Stands in for a ComfyUI CLIP: an embedding from the caption's length."""
+    layer_idx = None
+
+    def get_sd(self):
+        return {"w": torch.zeros(2)}
+
+    def tokenize(self, text):
+        return text
+
+    def encode_from_tokens(self, text, return_pooled=True, return_dict=True):
+        return {"cond": torch.full((1, 3, 8), float(len(text))), "pooled_output": None}
