@@ -4,15 +4,19 @@ from __future__ import annotations
 import logging
 
 from .base import Batch, ModelFamily, UnsupportedSetting
+from .chroma import ChromaFamily
 from .flux import FluxFamily
 from .generic import GenericFamily
+from .lumina2 import Lumina2Family
+from .qwen_image import QwenImageFamily
 from .sd3 import SD3Family
 from .sd_unet import SDUNetFamily
 from .sdxl import SDXLFamily
 from .wan import WanFamily
 
 # first match wins; the generic family takes any model no dedicated family claims
-FAMILIES: list[type[ModelFamily]] = [SDUNetFamily, SDXLFamily, SD3Family, FluxFamily, WanFamily, GenericFamily]
+FAMILIES: list[type[ModelFamily]] = [SDUNetFamily, SDXLFamily, SD3Family, FluxFamily, WanFamily,
+                                     QwenImageFamily, ChromaFamily, Lumina2Family, GenericFamily]
 SCRATCH_FAMILIES: dict[str, type[ModelFamily]] = {cls.name: cls for cls in FAMILIES if cls.scratch_sizes}
 
 

@@ -1,18 +1,23 @@
-"""Flux (dev and schnell): rectified flow on packed 2x2 patches, conditioned on T5 text, the pooled CLIP
+"""Flux (dev, schnell and Kontext): rectified flow on packed 2x2 patches, conditioned on T5 text, the pooled CLIP
 vector and, for guidance-distilled models (dev), a guidance value (`train.guidance`, 1 by default as
-Flux dev LoRAs are usually trained)."""
+Flux dev LoRAs are usually trained).
+
+Flux Kontext is a Flux dev model (ComfyUI detects and runs it as Flux; nothing in its weights tells it apart), whose
+edit source comes in as ReferenceLatent conditioning: items with reference images train it that way (references.py),
+items without train plain text-to-image."""
 from __future__ import annotations
 
 import torch
 
 from .base import (Batch, ModelFamily, StageInput, UnsupportedSetting, ends_here, init_weights,
                    residuals_out_of_place)
+from .references import ReferenceLatentsInput
 
 ATTENTION = (r"double_blocks\.\d+\.(img|txt)_attn\.(qkv|proj)$", r"single_blocks\.\d+\.linear[12]$")
 FEED_FORWARD = (r"double_blocks\.\d+\.(img|txt)_mlp\.[02]$",)
 
 
-class FluxFamily(ModelFamily):
+class FluxFamily(ReferenceLatentsInput, ModelFamily):
     name = "flux"
     display_name = "Flux"
     base_model_version = "flux1"

@@ -1,0 +1,99 @@
+"""Chroma: a Flux-shaped DiT without the pooled CLIP vector or per-block modulation layers (one shared "distilled
+guidance" network gives every block its modulation), conditioned on T5 text alone. ComfyUI runs it with guidance 0
+unless a conditioning sets one, and so does training."""
+from __future__ import annotations
+
+import torch
+
+from .base import Batch, ModelFamily, UnsupportedSetting, init_weights
+from .flux import ATTENTION, FEED_FORWARD
+
+
+class ChromaFamily(ModelFamily):
+    name = "chroma"
+    display_name = "Chroma"
+    base_model_version = "chroma"
+    target_patterns = {"attention": ATTENTION, "attention_ff": ATTENTION + FEED_FORWARD}
+
+    @classmethod
+    def matches(cls, base_model) -> bool:
+        import comfy.model_base
+        return type(base_model) is comfy.model_base.Chroma
+
+    def checkpoint_blocks(self):
+        return [*self.diffusion_model.double_blocks, *self.diffusion_model.single_blocks]
+
+    def prepare_for_training(self) -> None:
+        """ComfyUI's Chroma blocks add their residuals with `addcmul_` into tensors their norms saved for the
+        backward pass (and return the same tensor), which autograd refuses: the trainer's copy runs each block's
+        own computation with the residual added out of place (the same operation, the same values)."""
+        import types
+        super().prepare_for_training()
+        for block in self.diffusion_model.double_blocks:
+            block.forward = types.MethodType(_double_block_forward, block)
+        for block in self.diffusion_model.single_blocks:
+            block.forward = types.MethodType(_single_block_forward, block)
+
+    def check_settings(self, spec) -> None:
+        super().check_settings(spec)
+        if spec.train.guidance != 1.0:
+            raise UnsupportedSetting("train.guidance: Chroma runs with ComfyUI's default guidance (0) as its "
+                                     "samplers do; leave guidance at 1")
+
+    def extra_cond_inputs(self, batch: Batch, x_noisy: torch.Tensor) -> dict:
+        # ComfyUI's Flux extra_conds reads pooled_output unconditionally; Chroma's T5 encoder gives none
+        return {**super().extra_cond_inputs(batch, x_noisy), "pooled_output": None}
+
+    @classmethod
+    def scratch_state_dict(cls, seed: int = 0, depth: int = 1, depth_single_blocks: int = 0, **_):
+        """ComfyUI fixes Chroma's width (3072, 24 heads, 4096-wide text) and its 5-layer 5120-wide modulation
+        network (278M parameters); only the block depths are free, and detection needs one double block."""
+        import comfy.ops
+        from comfy.ldm.chroma.model import Chroma
+        model = Chroma(in_channels=64, out_channels=64, in_dim=64, out_dim=3072, hidden_dim=5120, n_layers=5,
+                       context_in_dim=4096, hidden_size=3072, mlp_ratio=4.0, num_heads=24, depth=depth,
+                       depth_single_blocks=depth_single_blocks, axes_dim=[16, 56, 56], theta=10000, patch_size=2,
+                       qkv_bias=True, operations=comfy.ops.disable_weight_init)
+        return {k: v.contiguous() for k, v in init_weights(model, seed).state_dict().items()}
+
+
+# comfy/ldm/chroma/layers.py (ComfyUI 0.3.64) DoubleStreamBlock.forward and SingleStreamBlock.forward, each
+# `a.addcmul_(g, b)` written as `a = torch.addcmul(a, g, b)`
+def _double_block_forward(self, img, txt, pe, vec, attn_mask=None, transformer_options={}):
+    from comfy.ldm.flux.math import attention
+    (img_mod1, img_mod2), (txt_mod1, txt_mod2) = vec
+    img_modulated = torch.addcmul(img_mod1.shift, 1 + img_mod1.scale, self.img_norm1(img))
+    img_qkv = self.img_attn.qkv(img_modulated)
+    img_q, img_k, img_v = img_qkv.view(img_qkv.shape[0], img_qkv.shape[1], 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+    img_q, img_k = self.img_attn.norm(img_q, img_k, img_v)
+    txt_modulated = torch.addcmul(txt_mod1.shift, 1 + txt_mod1.scale, self.txt_norm1(txt))
+    txt_qkv = self.txt_attn.qkv(txt_modulated)
+    txt_q, txt_k, txt_v = txt_qkv.view(txt_qkv.shape[0], txt_qkv.shape[1], 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+    txt_q, txt_k = self.txt_attn.norm(txt_q, txt_k, txt_v)
+    attn = attention(torch.cat((txt_q, img_q), dim=2), torch.cat((txt_k, img_k), dim=2),
+                     torch.cat((txt_v, img_v), dim=2), pe=pe, mask=attn_mask, transformer_options=transformer_options)
+    txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1]:]
+    img = torch.addcmul(img, img_mod1.gate, self.img_attn.proj(img_attn))
+    img = torch.addcmul(img, img_mod2.gate,
+                        self.img_mlp(torch.addcmul(img_mod2.shift, 1 + img_mod2.scale, self.img_norm2(img))))
+    txt = torch.addcmul(txt, txt_mod1.gate, self.txt_attn.proj(txt_attn))
+    txt = torch.addcmul(txt, txt_mod2.gate,
+                        self.txt_mlp(torch.addcmul(txt_mod2.shift, 1 + txt_mod2.scale, self.txt_norm2(txt))))
+    if txt.dtype == torch.float16:
+        txt = torch.nan_to_num(txt, nan=0.0, posinf=65504, neginf=-65504)
+    return img, txt
+
+
+def _single_block_forward(self, x, pe, vec, attn_mask=None, transformer_options={}):
+    from comfy.ldm.flux.math import attention
+    mod = vec
+    x_mod = torch.addcmul(mod.shift, 1 + mod.scale, self.pre_norm(x))
+    qkv, mlp = torch.split(self.linear1(x_mod), [3 * self.hidden_size, self.mlp_hidden_dim], dim=-1)
+    q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+    q, k = self.norm(q, k, v)
+    attn = attention(q, k, v, pe=pe, mask=attn_mask, transformer_options=transformer_options)
+    output = self.linear2(torch.cat((attn, self.mlp_act(mlp)), 2))
+    x = torch.addcmul(x, mod.gate, output)
+    if x.dtype == torch.float16:
+        x = torch.nan_to_num(x, nan=0.0, posinf=65504, neginf=-65504)
+    return x

@@ -1,0 +1,47 @@
+"""Lumina Image 2.0 (NextDiT): rectified flow on Flux-VAE latents, conditioned on Gemma-2 2B hidden states. ComfyUI
+fixes the width (2304, 24 heads, 8 key/value heads) and the two noise- and two context-refiner blocks; the depth
+and the text width are read from the weights."""
+from __future__ import annotations
+
+import torch
+
+from .base import Batch, ModelFamily, init_weights
+
+_BLOCKS = r"(layers|noise_refiner|context_refiner)\.\d+\."
+ATTENTION = (_BLOCKS + r"attention\.(qkv|out)$",)
+FEED_FORWARD = (_BLOCKS + r"feed_forward\.w[123]$",)
+
+
+class Lumina2Family(ModelFamily):
+    name = "lumina2"
+    display_name = "Lumina 2"
+    base_model_version = "lumina2"
+    target_patterns = {"attention": ATTENTION, "attention_ff": ATTENTION + FEED_FORWARD}
+
+    @classmethod
+    def matches(cls, base_model) -> bool:
+        import comfy.model_base
+        return type(base_model) is comfy.model_base.Lumina2
+
+    def checkpoint_blocks(self):
+        model = self.diffusion_model
+        return [*model.noise_refiner, *model.context_refiner, *model.layers]
+
+    def extra_cond_inputs(self, batch: Batch, x_noisy: torch.Tensor) -> dict:
+        # ComfyUI's Gemma encoder hands its attention mask to extra_conds, which makes the model's num_tokens from
+        # it (per conditioning, batch 1); the cached embeddings hold every token, so the mask is all ones
+        mask = torch.ones((1, batch.cond.shape[1]), dtype=torch.long, device=x_noisy.device)
+        return {**super().extra_cond_inputs(batch, x_noisy), "attention_mask": mask}
+
+    @classmethod
+    def scratch_size_for_text(cls, size: dict, text_width: int, pooled_width: int | None) -> dict:
+        return {**size, "cap_feat_dim": text_width}
+
+    @classmethod
+    def scratch_state_dict(cls, seed: int = 0, n_layers: int = 1, cap_feat_dim: int = 2304, **_):
+        import comfy.ops
+        from comfy.ldm.lumina.model import NextDiT
+        model = NextDiT(patch_size=2, in_channels=16, dim=2304, cap_feat_dim=cap_feat_dim, n_layers=n_layers,
+                        n_heads=24, n_kv_heads=8, qk_norm=True, axes_dims=[32, 32, 32], axes_lens=[300, 512, 512],
+                        operations=comfy.ops.disable_weight_init)
+        return {k: v.contiguous() for k, v in init_weights(model, seed).state_dict().items()}

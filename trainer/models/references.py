@@ -1,0 +1,36 @@
+"""Reference images handed to an edit model as ComfyUI's ReferenceLatent node hands them at inference.
+
+ReferenceLatent (and TextEncodeQwenImageEdit) append the encoded image to the conditioning's
+`reference_latents`; the model's extra_conds turns them into `ref_latents` (each through process_latent_in) and
+the diffusion model appends their patches to the image sequence. A family mixing this in gives its extra_conds the
+batch's reference latents the same way, so an adapter trained on edit pairs works in the stock edit workflow.
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import Batch
+
+
+class ReferenceLatentsInput:
+    """Mixin for families whose ComfyUI model takes `reference_latents` (Flux Kontext, Qwen-Image-Edit). Place it
+    before the ModelFamily base class. A batch without references trains the plain text-to-image model."""
+
+    reference_input = "reference_latents"
+
+    def extra_cond_inputs(self, batch: Batch, x_noisy: torch.Tensor) -> dict:
+        inputs = super().extra_cond_inputs(batch, x_noisy)
+        if batch.references:
+            # the raw cached latent in the model's layout (a Wan-VAE family's one-frame video), as VAEEncode gives it
+            inputs["reference_latents"] = [self.to_model_layout(ref.float()) for ref in batch.references]
+        return inputs
+
+    def model_kwargs(self, batch: Batch, x_noisy: torch.Tensor, dtype) -> dict:
+        # ComfyUI's _apply_model casts every floating-point tensor of a list condition (ref_latents) to the
+        # model's dtype and device, as it does single tensors
+        out = super().model_kwargs(batch, x_noisy, dtype)
+        for name, value in out.items():
+            if isinstance(value, list):
+                out[name] = [v.to(x_noisy.device, dtype if v.is_floating_point() else v.dtype)
+                             if isinstance(v, torch.Tensor) else v for v in value]
+        return out
