@@ -278,3 +278,79 @@ class SyntheticClip:
 
     def encode_from_tokens(self, text, return_pooled=True, return_dict=True):
         return {"cond": torch.full((1, 3, 8), float(len(text))), "pooled_output": None}
+
+
+# --- through the graph ----------------------------------------------------------------------------------------
+
+@pytest.mark.comfyui
+def test_dataset_node_appends_the_video_inputs_last_with_tooltips():
+    import importlib
+    import sys
+    from conftest import comfyui_path
+    sys.path.insert(0, str(comfyui_path()))
+    node = importlib.import_module("ingraph_trainer.nodes.dataset_node")
+    inputs = node.LoadTrainingImages.define_schema().inputs
+    assert [i.id for i in inputs][-4:] == ["frame_buckets", "fps", "clip_mode", "reference_folder"]
+    assert all(i.optional and len(i.tooltip) > 40 for i in inputs[-4:])
+
+
+VIDEO_FOLDER = "ingraph_video"
+
+
+@pytest.mark.comfyui
+def test_wan_trains_on_clips_and_an_image_through_the_graph(comfy, client):
+    """Two 5-frame clips and an image, frame buckets 1 and 5: Cache Latents encodes the clips with ComfyUI's own
+    Wan VAE into 2-latent-frame video latents, and Wan trains 2 steps, one per bucket, the events naming both."""
+    import subprocess
+    import sys
+    from conftest import REPO
+    from ingraph_trainer.trainer.data import load_cached_dataset
+
+    unets, vaes = comfy.dir("models", "diffusion_models"), comfy.dir("models", "vae")
+    if not (unets / "tiny_wan.safetensors").exists():
+        subprocess.run([sys.executable, str(REPO / "tools" / "tiny_models.py"), "--out-dir", str(unets),
+                        "--families", "wan"], check=True, capture_output=True, timeout=300)
+    subprocess.run([sys.executable, str(REPO / "tools" / "tiny_wan_vae.py"), str(vaes / "tiny_wan_vae.safetensors")],
+                   check=True, capture_output=True, timeout=300)
+    folder = comfy.dir("input", VIDEO_FOLDER)
+    write_video(folder / "walk.mp4", 5, fps=8)
+    write_video(folder / "turn.mp4", 6, fps=8)
+    write_image(folder / "still.png")
+    for stem in ("walk", "turn", "still"):
+        (folder / f"{stem}.txt").write_text(f"a {stem}, ingraph style")
+
+    graph = {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny_wan.safetensors", "weight_dtype": "default"}},
+        "2": {"class_type": "VAELoader", "inputs": {"vae_name": "tiny_wan_vae.safetensors"}},
+        "3": {"class_type": "InGraphTestSyntheticTextEncoder", "inputs": {"family": "wan"}},
+        "4": {"class_type": "InGraphLoadTrainingImages",
+              "inputs": {"folder": VIDEO_FOLDER, "resolution": SIDE, "bucketing": False, "min_side": 64,
+                         "max_side": 256, "max_upscale": 1.0, "crop": "center", "flip": False, "repeats": 1,
+                         "caption_prefix": "", "missing_caption": "error", "default_caption": "",
+                         "frame_buckets": "1, 5", "fps": 8.0}},
+        "5": {"class_type": "InGraphCacheLatents", "inputs": {"dataset": ["4", 0], "vae": ["2", 0]}},
+        "6": {"class_type": "InGraphCacheTextEmbeddings", "inputs": {"dataset": ["5", 0], "clip": ["3", 0]}},
+        "7": {"class_type": "InGraphLoRAAdapter",
+              "inputs": {"kind": "LoRA", "rank": 4, "alpha": 4.0, "dropout": 0.0, "targets": "attention"}},
+        "8": {"class_type": "InGraphTrainLoRA",
+              "inputs": {"model": ["1", 0], "dataset": ["6", 0], "adapter": ["7", 0], "steps": 2, "batch_size": 2,
+                         "gradient_accumulation": 1, "learning_rate": 1e-3, "optimizer": "AdamW",
+                         "lr_schedule": "constant", "warmup_steps": 0, "precision": "fp32",
+                         "gradient_checkpointing": False, "seed": 0, "save_every": 0, "output_name": "wan_video",
+                         "resume": "off"}},
+    }
+    outcome = client.run(graph, timeout=900)
+    assert outcome.ok, outcome.error
+    events = [m["data"]["event"] for m in outcome.messages if m.get("type") == "ingraph.event"]
+    started = next(e for e in events if e["type"] == "started")
+    steps = [e for e in events if e["type"] == "step"]
+    assert started["family"] == "wan" and len(steps) == 2
+    assert all(len(e["buckets"]) == 1 and np.isfinite(e["loss"]) for e in steps)
+    assert sorted(tuple(e["buckets"][0]) for e in steps) == [(SIDE, SIDE), (SIDE, SIDE, 5)]
+
+    manifest = Path(started["run_dir"]) / "dataset.json"
+    dataset = load_cached_dataset(str(manifest))
+    shapes = {Path(dataset.sources[i]).name: tuple(dataset.latent(i).shape) for i in range(len(dataset))}
+    assert shapes == {"walk.mp4": (16, 2, SIDE // 8, SIDE // 8), "turn.mp4": (16, 2, SIDE // 8, SIDE // 8),
+                      "still.png": (16, 1, SIDE // 8, SIDE // 8)}
+    assert (comfy.base_dir / "models" / "loras" / "wan_video.safetensors").exists()
