@@ -75,6 +75,8 @@ class ClipInfo:
     height: int
     times: tuple[float, ...]  # presentation time of each source frame, seconds from the first
     frame_s: float  # duration of the last frame (the typical interval between frames)
+    first_pts: int = 0  # a video's first presentation timestamp, in time_base units
+    time_base: float = 1.0
 
     def frame_count(self, fps: float) -> int:
         """Frames of the clip at `fps` (0: the source's own frames)."""
@@ -122,7 +124,7 @@ def probe_clip(path: str | Path, image_extensions=()) -> ClipInfo:
     rate = float(stream.average_rate or stream.guessed_rate or 0) or None
     gaps = [b - a for a, b in zip(times, times[1:]) if b > a]
     frame_s = (1.0 / rate) if rate else (sorted(gaps)[len(gaps) // 2] if gaps else 1.0)
-    return ClipInfo(width, height, times, frame_s)
+    return ClipInfo(width, height, times, frame_s, pts[0], base)
 
 
 def clip_digest(path: str | Path, file_digest, image_extensions) -> str:
@@ -164,13 +166,17 @@ def load_clip_tensor(path: str, start: int, frames: int, fps: float, fit, image_
             with av.open(str(path)) as container:
                 stream = container.streams.video[0]
                 stream.thread_type = "AUTO"
-                first = None
+                if min(needed) > 0:  # to the keyframe before the item's first frame, not through the clip
+                    try:
+                        container.seek(info.first_pts + round(info.times[min(needed)] / info.time_base),
+                                       stream=stream, backward=True)
+                    except av.error.FFmpegError:
+                        pass  # a format that cannot seek is decoded from its start
                 for frame in container.decode(stream):
                     if frame.pts is None:
                         continue
-                    first = frame.pts if first is None else first
                     decoded += 1
-                    index = bisect.bisect_left(info.times, (frame.pts - first) * float(stream.time_base) - 1e-9)
+                    index = bisect.bisect_left(info.times, (frame.pts - info.first_pts) * info.time_base - 1e-9)
                     if index in needed:
                         fitted[index] = fit(frame.to_image())
                     if index >= last:

@@ -21,7 +21,7 @@ from ingraph_trainer.cache.video import clip_spans, parse_frame_buckets, probe_c
 SIDE = 64
 
 
-def write_video(path: Path, frames: int, fps: int = 8, codec: str = "libx264"):
+def write_video(path: Path, frames: int, fps: int = 8, codec: str = "libx264", keyframe_every: int = 250):
     """A clip whose frame k is a flat grey of level 5 * k (so a decoded frame says which frame it is)."""
     import av
     with av.open(str(path), "w") as container:
@@ -29,7 +29,8 @@ def write_video(path: Path, frames: int, fps: int = 8, codec: str = "libx264"):
         stream.width = stream.height = SIDE
         stream.pix_fmt = "yuv420p"
         if codec == "libx264":
-            stream.options = {"crf": "0", "preset": "ultrafast"}
+            stream.options = {"crf": "0", "preset": "ultrafast", "g": str(keyframe_every),
+                              "keyint_min": str(keyframe_every)}
         for k in range(frames):
             image = np.full((SIDE, SIDE, 3), 5 * k, dtype=np.uint8)
             container.mux(stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")))
@@ -145,6 +146,17 @@ def test_clip_items_decode_lazily_and_resample_to_fps(tmp_path):
     levels = (frames.mean(dim=(1, 2, 3)) * 255).round()
     assert torch.allclose(levels, torch.tensor([90., 100, 110, 120, 130]), atol=3)  # source frames 18..26
     assert stats["decoded"] <= 27
+
+
+def test_an_item_deep_in_a_clip_seeks_to_the_keyframe_before_it(tmp_path):
+    """With a keyframe every 8 frames, the middle 5 frames (21..25) of 48 decode from frame 16, not from 0."""
+    write_video(tmp_path / "long.mp4", 48, fps=8, keyframe_every=8)
+    (item,) = scan(tmp_path, frame_buckets="5", fps=8, clip_mode="single_middle").items
+    stats = {}
+    frames = load_clip_item_tensor(item, 8.0, stats=stats)
+    levels = (frames.mean(dim=(1, 2, 3)) * 255).round()
+    assert item.start == 21 and torch.allclose(levels, torch.tensor([105., 110, 115, 120, 125]), atol=2)
+    assert stats["decoded"] <= 10
 
 
 # --- the cache ----------------------------------------------------------------------------------------------
