@@ -27,7 +27,7 @@ def write_video(path: Path, frames: int, fps: int = 8, codec: str = "libx264", k
     with av.open(str(path), "w") as container:
         stream = container.add_stream(codec, rate=fps)
         stream.width = stream.height = SIDE
-        stream.pix_fmt = "yuv420p"
+        stream.pix_fmt = "rgb8" if codec == "gif" else "yuv420p"
         if codec == "libx264":
             stream.options = {"crf": "0", "preset": "ultrafast", "g": str(keyframe_every),
                               "keyint_min": str(keyframe_every)}
@@ -124,6 +124,17 @@ def test_a_clip_at_a_chosen_fps_becomes_the_right_items(tmp_path):
     with pytest.raises(DatasetError, match="loss masks for clips"):
         write_image(tmp_path / "walk.mask.png")
         scan(tmp_path, frame_buckets="1, 5", fps=8)
+
+
+@pytest.mark.parametrize("name,codec", [("a.webm", "libvpx-vp9"), ("a.mov", "mpeg4"), ("a.gif", "gif")])
+def test_webm_mov_and_gif_are_clips_too(tmp_path, name, codec):
+    write_video(tmp_path / name, 10, fps=10, codec=codec)
+    (item,) = scan(tmp_path, frame_buckets="1, 9", fps=5).items  # 1 s at 5 fps: 5 frames, bucket 1
+    assert (Path(item.path).name, item.frames) == (name, 1)
+    (item,) = scan(tmp_path, frame_buckets="1, 9", fps=10).items
+    frames = load_clip_item_tensor(item, 10.0)
+    levels = (frames.mean(dim=(1, 2, 3)) * 255).round()
+    assert frames.shape == (9, SIDE, SIDE, 3) and torch.allclose(levels, 5 * torch.arange(9.0), atol=6), levels
 
 
 # --- lazy decoding ------------------------------------------------------------------------------------------
