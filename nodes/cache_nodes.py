@@ -35,11 +35,13 @@ class CacheLatents(io.ComfyNode):
             category=CATEGORY,
             is_output_node=True,  # a graph that only fills the cache runs without a Train node
             description="Encodes each image once with the graph's VAE into the on-disk cache the trainer reads "
-                        "(with its loss mask, if it has one, on the latent grid). Unchanged images are reused "
-                        "from the cache.",
+                        "(with its loss mask, if it has one, on the latent grid, and its reference images beside "
+                        "it). Clips are encoded with a video VAE (Wan, HunyuanVideo, LTX-Video) into one video "
+                        "latent per item. Unchanged images and clips are reused from the cache.",
             inputs=[
                 Dataset.Input("dataset", tooltip="Images from Load Training Images."),
-                io.Vae.Input("vae", tooltip="The VAE of the model you train (e.g. from Load Checkpoint)."),
+                io.Vae.Input("vae", tooltip="The VAE of the model you train (e.g. from Load Checkpoint); a video "
+                                            "model's VAE for clips of more than one frame."),
             ],
             outputs=[Dataset.Output(display_name="dataset", tooltip="The dataset with its latents cached."),
                      io.Int.Output(display_name="encoded", tooltip="Images encoded in this run."),
