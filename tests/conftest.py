@@ -96,20 +96,40 @@ def load_workflow(name: str = "train_lora_api.json") -> dict:
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory, assets):
     """A cache and materialised model shared by trainer-tier tests; `make_run(*flags, **overrides)` writes a spec
-    (flags: tools/prepare_run.py's own, such as --prior-images DIR)."""
+    (flags: tools/prepare_run.py's own, such as --prior-images DIR). One prepare worker (tests/prepare_worker.py)
+    runs tools/prepare_run.py's main for every call, so ComfyUI is imported once per session, not once per run."""
+    import select
     work = tmp_path_factory.mktemp("trainer")
     counter = {"n": 0}
+    log = work / "prepare_worker.log"
+    with open(log, "w") as log_file:
+        worker = subprocess.Popen([sys.executable, str(REPO / "tests" / "prepare_worker.py")], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=work)
 
     def make_run(*flags, **overrides) -> Path:
         counter["n"] += 1
         run_dir = work / f"run{counter['n']}"
-        args = [sys.executable, str(REPO / "tools" / "prepare_run.py"), "--checkpoint", str(assets["checkpoint"]),
-                "--images", str(assets["images"]), "--run-dir", str(run_dir), *flags]
+        args = ["--checkpoint", str(assets["checkpoint"]), "--images", str(assets["images"]),
+                "--run-dir", str(run_dir), *flags]
         for key, value in overrides.items():
             args += ["--set", f"{key.replace('__', '.')}={json.dumps(value)}"]
-        out = subprocess.run(args, check=True, capture_output=True, text=True, timeout=300)
-        return Path(out.stdout.strip().splitlines()[-1])
-    return make_run
+        worker.stdin.write(json.dumps(args) + "\n")
+        worker.stdin.flush()
+        ready, _, _ = select.select([worker.stdout], [], [], 300)
+        line = worker.stdout.readline() if ready else ""
+        if not line:
+            raise AssertionError(f"the prepare worker gave no answer for {args}; its log ends:\n"
+                                 + log.read_text()[-4000:])
+        answer = json.loads(line)
+        assert answer["ok"], f"prepare_run {args} failed:\n{answer['error']}\n{log.read_text()[-3000:]}"
+        return Path(answer["stdout"].strip().splitlines()[-1])
+    yield make_run
+    worker.stdin.close()
+    try:
+        worker.wait(30)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+        worker.wait()
 
 
 def run_trainer(spec_path: Path, *extra, timeout: float = 300) -> subprocess.CompletedProcess:
