@@ -7,7 +7,9 @@ from .base import Batch, ModelFamily, UnsupportedSetting
 from .chroma import ChromaFamily
 from .flux import FluxFamily
 from .generic import GenericFamily
+from .hunyuan_video import HunyuanVideoFamily
 from .lumina2 import Lumina2Family
+from .ltxv import LTXVFamily
 from .qwen_image import QwenImageFamily
 from .sd3 import SD3Family
 from .sd_unet import SDUNetFamily
@@ -16,6 +18,7 @@ from .wan import WanFamily
 
 # first match wins; the generic family takes any model no dedicated family claims
 FAMILIES: list[type[ModelFamily]] = [SDUNetFamily, SDXLFamily, SD3Family, FluxFamily, WanFamily,
+                                     HunyuanVideoFamily, LTXVFamily,
                                      QwenImageFamily, ChromaFamily, Lumina2Family, GenericFamily]
 SCRATCH_FAMILIES: dict[str, type[ModelFamily]] = {cls.name: cls for cls in FAMILIES if cls.scratch_sizes}
 

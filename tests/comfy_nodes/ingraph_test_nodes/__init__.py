@@ -15,7 +15,17 @@ FAMILY_TEXT = {
     "sd3": (16, 64, 32),  # the tiny SD3 (tools/tiny_models.py) embeds 64-wide text, 32-wide pooled
     "flux": (16, 4096, 64),  # the tiny Flux's vector input is 64 wide
     "wan": (16, 4096, None),
+    "qwen_image": (16, 3584, None),  # Qwen2.5-VL 7B's width, fixed by ComfyUI
+    "chroma": (16, 4096, None),  # T5-XXL alone
+    "lumina2": (16, 2304, None),  # Gemma-2 2B's width (the tiny Lumina 2 is built for it)
+    "hunyuan_video": (16, 4096, 768),  # LLaMA hidden states, CLIP-L pooled
+    "ltxv": (16, 4096, None),
 }
+# conditioning values a family's model requires beside the embedding (LTXVModel takes T5's attention mask)
+FAMILY_EXTRAS = {"ltxv": lambda tokens: {"attention_mask": torch.ones((1, tokens), dtype=torch.long)},
+                 # Gemma's mask gives Lumina 2 its token count; T5-only encoders hand a pooled_output of None
+                 "lumina2": lambda tokens: {"attention_mask": torch.ones((1, tokens), dtype=torch.long)},
+                 "chroma": lambda tokens: {"pooled_output": None}}
 
 
 class SyntheticClip:
@@ -47,6 +57,7 @@ class SyntheticClip:
     def encode_from_tokens_scheduled(self, tokens, unprojected=False, add_dict={}, show_pbar=True):
         out = self.encode_from_tokens(tokens, return_dict=True)
         extras = {"pooled_output": out["pooled_output"]} if out["pooled_output"] is not None else {}
+        extras.update(FAMILY_EXTRAS.get(self.family, lambda tokens: {})(self.tokens))
         return [[out["cond"], {**extras, **add_dict}]]
 
 

@@ -1,0 +1,245 @@
+"""Video families: Wan 2.1 / 2.2 text-to-video and image-to-video (with the 2.2 5B TI2V), HunyuanVideo and
+LTX-Video, each from a tiny random-weight model that ComfyUI's own loader (UNETLoader's comfy.sd code) detects as
+that family.
+
+Unit tests (no server) prove detection, that each family's loss is the loss of ComfyUI's own sampler call on the
+same noisy latent (calc_cond_batch → apply_model, conditioning through encode_model_conds), and that a start image
+reaches the model exactly as ComfyUI's WanImageToVideo and Wan22ImageToVideoLatent nodes hand it at inference.
+One graph prompt then trains every family 2 steps and loads each LoRA through the stock LoraLoaderModelOnly.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+from test_model_families import FAMILY_FOLDER, IMAGE_FOLDER, run_events, saved_latent, training_graph
+
+pytestmark = pytest.mark.comfyui
+
+
+def _comfy():
+    sys.path.insert(0, str(REPO))
+    from tools.prepare_run import _bootstrap
+    _bootstrap()
+
+
+WAN_TINY = dict(dim=128, ffn_dim=256, num_layers=1)
+# file stem → (family class name, scratch size, ComfyUI's supported_models class, family, variant, latent channels,
+#              synthetic text family, VAE latent channels)
+VIDEO_MODELS = {
+    "tiny_wan21_t2v": ("WanFamily", dict(WAN_TINY), "WAN21_T2V", "wan", "t2v", 16, "wan"),
+    "tiny_wan21_i2v": ("WanFamily", dict(WAN_TINY, variant="i2v_2.1"), "WAN21_I2V", "wan", "i2v_2.1", 16, "wan"),
+    "tiny_wan22_i2v": ("WanFamily", dict(WAN_TINY, variant="i2v_2.2"), "WAN21_T2V", "wan", "i2v_2.2", 16, "wan"),
+    "tiny_wan22_ti2v": ("WanFamily", dict(WAN_TINY, variant="ti2v_5b"), "WAN22_T2V", "wan", "ti2v_5b", 48, "wan"),
+    "tiny_hunyuan_video": ("HunyuanVideoFamily", {}, "HunyuanVideo", "hunyuan_video", None, 16, "hunyuan_video"),
+    "tiny_ltxv": ("LTXVFamily", {}, "LTXV", "ltxv", None, 128, "ltxv"),
+}
+TEXT = {"wan": (8, 4096, None), "hunyuan_video": (8, 4096, 768), "ltxv": (8, 4096, None)}
+
+
+def write_video_models(folder) -> dict:
+    """The tiny models as files, written with safetensors as a user's download would be."""
+    _comfy()
+    from safetensors.torch import save_file
+
+    from ingraph_trainer.trainer import models
+    paths = {}
+    for stem, (cls_name, size, *_) in VIDEO_MODELS.items():
+        cls = getattr(models, cls_name)
+        state = cls.scratch_state_dict(0, **{**cls.scratch_sizes.get("tiny", {}), **size})
+        paths[stem] = folder / f"{stem}.safetensors"
+        save_file(state, str(paths[stem]))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def video_model_files(tmp_path_factory):
+    return write_video_models(tmp_path_factory.mktemp("video_models"))
+
+
+def load_with_unet_loader(path):
+    """What UNETLoader does with the file (weight_dtype default), held in fp32 as an fp32 run holds it."""
+    import comfy.sd
+    return comfy.sd.load_diffusion_model(str(path), model_options={"dtype": torch.float32})
+
+
+def comfy_sampler_output(patcher, x, sigma, conditioning, noise, **encode_kwargs) -> torch.Tensor:
+    """The diffusion model's raw output for noisy latent x at sigma, computed as ComfyUI's sampler computes it:
+    the node's conditioning converted and encoded through the model's extra_conds (encode_model_conds, as
+    process_conds does), then calc_cond_batch → apply_model. Flow models: denoised = x - output * sigma."""
+    import comfy.sampler_helpers
+    import comfy.samplers
+    conds = [comfy.sampler_helpers.convert_cond(conditioning)]
+    conds = [comfy.samplers.encode_model_conds(patcher.model.extra_conds, c, noise, x.device, "positive",
+                                               **encode_kwargs) for c in conds]
+    patcher.pre_run()  # what the sampler's start does (the model's current patcher)
+    try:
+        denoised = comfy.samplers.calc_cond_batch(patcher.model, conds, x, sigma, {})[0]
+    finally:
+        patcher.cleanup()
+    return (x - denoised) / sigma.view(-1, *[1] * (x.dim() - 1))
+
+
+def random_batch(channels: int, text_family: str, frames: int = 3, h: int = 4, w: int = 8, batch: int = 2):
+    from ingraph_trainer.trainer.models import Batch
+    tokens, width, pooled = TEXT[text_family]
+    g = torch.Generator().manual_seed(1)
+    latents = torch.randn(batch, channels, frames, h, w, generator=g)
+    cond = torch.randn(1, tokens, width, generator=g).expand(batch, -1, -1)  # one prompt, as a sampler's batch
+    pooled = torch.randn(1, pooled, generator=g).expand(batch, -1) if pooled else None
+    return Batch(latents, cond, pooled, torch.randn(latents.shape, generator=g), torch.tensor([0.3, 0.8]))
+
+
+def noisy(family, batch):
+    """The noisy latent the family trains on (ComfyUI's noise scaling at the family's sigma)."""
+    x0, noise, sigma = family.noising(batch.latents, batch.noise, batch.timesteps)
+    return family.base_model.model_sampling.noise_scaling(sigma.view(-1, 1, 1, 1, 1), noise, x0), x0, noise, sigma
+
+
+def conditioning_of(batch, **extras) -> list:
+    values = {"pooled_output": batch.pooled[:1]} if batch.pooled is not None else {}
+    return [[batch.cond[:1], {**values, **extras}]]
+
+
+def test_comfyui_detects_each_tiny_video_model_and_the_family_loss_is_comfyuis(video_model_files):
+    """Each file loads through UNETLoader's code as its family (ComfyUI's own detection picks the supported_models
+    class), the trainer picks the family and variant, adapters target linear layers of the blocks it checkpoints,
+    and with no reference image the family's loss is the loss of ComfyUI's own sampler output on the same noisy
+    5-D latent (three latent frames), to 1e-6."""
+    from ingraph_trainer.trainer.models import family_for
+    for stem, (_, _, config_class, name, variant, channels, text) in VIDEO_MODELS.items():
+        patcher = load_with_unet_loader(video_model_files[stem])
+        assert type(patcher.model.model_config).__name__ == config_class, stem
+        family = family_for(patcher.model, patcher=patcher)
+        assert (family.name, getattr(family, "variant", None)) == (name, variant), stem
+        assert family.latent_ndim == 5 and family.prediction == "flow"
+        assert family.reference_input == (None if variant in (None, "t2v") else "start_image"), stem
+        targets = family.adapter_targets("attention")
+        modules = dict(family.diffusion_model.named_modules())
+        assert targets and all(isinstance(modules[t], torch.nn.Linear) for t in targets), stem
+        assert len(family.adapter_targets("attention_ff")) > len(targets), stem
+        in_blocks = {id(m) for block in family.checkpoint_blocks() for m in block.modules()}
+        assert all(id(modules[t]) in in_blocks for t in targets), stem
+        batch = random_batch(channels, text)
+        x, x0, noise, sigma = noisy(family, batch)
+        with torch.no_grad():
+            ours = family.loss(batch, reduce=False)
+            # HunyuanVideo trains at train.guidance (1 by default), as FluxGuidance sets it in a graph
+            # LTX-Video: T5's attention mask over every cached token (the family attends to all of them)
+            extras = {"hunyuan_video": {"guidance": family.guidance},
+                      "ltxv": {"attention_mask": torch.ones((1, batch.cond.shape[1]), dtype=torch.long)}}.get(name, {})
+            out = comfy_sampler_output(patcher, x, sigma, conditioning_of(batch, **extras), noise)
+        theirs = (out - family.target(x0, noise, sigma.view(-1, 1, 1, 1, 1))).pow(2).mean(dim=(1, 2, 3, 4))
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6, msg=stem)
+
+
+class FakeVideoVAE:
+    """A deterministic stand-in for a causal video VAE's encode (pixels [F, H, W, 3] → [1, C, (F-1)//4 + 1,
+    H/s, W/s]): the first frame alone, then groups of four, each latent frame also carrying the first frame (so
+    what follows a start image depends on it, as in Wan's VAE) and a per-frame offset (gray is not zero)."""
+
+    def __init__(self, channels: int, scale: int):
+        g = torch.Generator().manual_seed(7)
+        self.mix, self.carry = torch.randn(channels, 3, generator=g), torch.randn(channels, 3, generator=g)
+        self.offset, self.scale = torch.randn(channels, generator=g), scale
+
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.avg_pool2d(pixels[..., :3].movedim(-1, 1).float() * 2 - 1, self.scale)
+        groups = torch.cat([x[:1]] + [x[i:i + 4].mean(0, keepdim=True) for i in range(1, x.shape[0], 4)])
+        latent = torch.einsum("cd,tdhw->cthw", self.mix, groups) + torch.einsum("cd,dhw->chw", self.carry, x[0])[:, None]
+        frames = torch.arange(groups.shape[0], dtype=torch.float32)
+        return (latent + self.offset[:, None, None, None] * (frames[:, None, None] + 1)).unsqueeze(0)
+
+
+def start_image(height: int, width: int) -> torch.Tensor:
+    return torch.rand(1, height, width, 3, generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("stem", ["tiny_wan21_i2v", "tiny_wan22_i2v"])
+def test_wan_i2v_takes_the_start_image_as_wan_image_to_video_hands_it(video_model_files, stem):
+    """Wan 2.1 i2v and the Wan 2.2 14B i2v layout: a batch whose reference is the start image as WanImageToVideo
+    encodes it (the image, then gray frames to the clip's length) gives the model exactly the inputs ComfyUI's
+    sampler gives it with that node's conditioning (concat_latent_image + concat_mask through
+    model_base.WAN21.concat_cond): same output and loss to 1e-6. A reference of another length is refused."""
+    from comfy_extras.nodes_wan import WanImageToVideo
+
+    from ingraph_trainer.trainer.models import family_for
+    patcher = load_with_unet_loader(video_model_files[stem])
+    family = family_for(patcher.model, patcher=patcher)
+    vae, length, height, width = FakeVideoVAE(16, 8), 9, 32, 64
+    image = start_image(height, width)
+    batch = random_batch(16, "wan", frames=3, h=height // 8, w=width // 8)
+    positive = conditioning_of(batch)
+    positive, _, _ = WanImageToVideo.execute(positive, positive, vae, width, height, length, 1,
+                                             start_image=image).args
+    # what the data side caches for the item: the start image followed by gray, at the clip's length
+    video = torch.cat([image, torch.full((length - 1, height, width, 3), 0.5)])
+    batch.references = [vae.encode(video).expand(2, -1, -1, -1, -1)]
+    x, x0, noise, sigma = noisy(family, batch)
+    with torch.no_grad():
+        x_in, timestep, kwargs = family.model_inputs(batch)
+        ours = family.diffusion_model(x_in, timestep, transformer_options={}, **kwargs)
+        theirs = comfy_sampler_output(patcher, x, sigma, positive, noise)
+        loss = family.loss(batch, reduce=False)
+        without = family.loss(type(batch)(**{**batch.__dict__, "references": None}), reduce=False)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    expected = (theirs - family.target(x0, noise, sigma.view(-1, 1, 1, 1, 1))).pow(2).mean(dim=(1, 2, 3, 4))
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    assert (loss - without).abs().max() > 1e-4, "the start image did not reach the model"
+    batch.references = [batch.references[0][:, :, :1]]
+    with pytest.raises(ValueError, match=r"Batch\.references: .*WanImageToVideo.*3 latent frames"):
+        family.loss(batch)
+
+
+def test_wan22_ti2v_takes_the_start_image_as_the_latents_first_frame(video_model_files):
+    """The Wan 2.2 5B TI2V: a batch with a start image trains the model on exactly what ComfyUI's sampler gives it
+    for Wan22ImageToVideoLatent's latent and noise mask (the first frame the clean start image, put back over the
+    noise, its timestep 0 through WAN22.process_timestep): same output to 1e-6, and the loss is ComfyUI's output's
+    loss on the generated frames only (the sampler keeps the start image there whatever the model predicts)."""
+    import comfy.sampler_helpers
+    from comfy_extras.nodes_wan import Wan22ImageToVideoLatent
+
+    from ingraph_trainer.trainer.models import family_for
+    patcher = load_with_unet_loader(video_model_files["tiny_wan22_ti2v"])
+    family = family_for(patcher.model, patcher=patcher)
+    vae, length, height, width = FakeVideoVAE(48, 16), 9, 64, 128
+    image = start_image(height, width)
+    batch = random_batch(48, "wan", frames=3, h=height // 16, w=width // 16)
+    batch.references = [vae.encode(image).expand(2, -1, -1, -1, -1)]  # the start image alone, as the node encodes it
+    latent = Wan22ImageToVideoLatent.execute(vae, width, height, length, 2, start_image=image).args[0]
+    # the sampler's latent_image: the node's first frame, the clip's latents after it (what training noises)
+    node_mask = latent["noise_mask"]
+    latent_image = patcher.model.process_latent_in(latent["samples"] * (1 - node_mask) + batch.latents * node_mask)
+    _, noise, sigma = family.noising(batch.latents, batch.noise, batch.timesteps)
+    mask = comfy.sampler_helpers.prepare_mask(node_mask, noise.shape, "cpu")
+    x = patcher.model.model_sampling.noise_scaling(sigma.view(-1, 1, 1, 1, 1), noise, latent_image)
+    x = x * mask + latent_image * (1 - mask)  # KSamplerX0Inpaint with WAN22.scale_latent_inpaint
+    with torch.no_grad():
+        x_in, timestep, kwargs = family.model_inputs(batch)
+        ours = family.diffusion_model(x_in, timestep, transformer_options={}, **kwargs)
+        theirs = comfy_sampler_output(patcher, x, sigma, conditioning_of(batch), noise, latent_image=latent_image,
+                                      denoise_mask=mask)
+        loss = family.loss(batch, reduce=False)
+        plain = family.loss(type(batch)(**{**batch.__dict__, "references": None}), reduce=False)
+    torch.testing.assert_close(x_in, x)
+    assert timestep.shape == (2, 3) and (timestep[:, 0] == 0).all() and (timestep[:, 1:] > 0).all()
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    target = family.target(latent_image, noise, sigma.view(-1, 1, 1, 1, 1))
+    expected = (theirs - target)[:, :, 1:].pow(2).mean(dim=(1, 2, 3, 4))
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    assert (loss - plain).abs().max() > 1e-4, "the start image did not reach the model"
+
+
+def test_video_families_refuse_pipeline_stages_they_cannot_split(video_model_files):
+    """Families and variants without pipeline layers refuse them naming the setting (the base class's message),
+    where Wan text-to-video splits."""
+    from ingraph_trainer.trainer.models import UnsupportedSetting, family_for
+    for stem in ("tiny_wan21_i2v", "tiny_wan22_ti2v", "tiny_hunyuan_video", "tiny_ltxv"):
+        patcher = load_with_unet_loader(video_model_files[stem])
+        with pytest.raises(UnsupportedSetting, match="distributed.pipeline_stages"):
+            family_for(patcher.model, patcher=patcher).pipeline_layers()
+    patcher = load_with_unet_loader(video_model_files["tiny_wan21_t2v"])
+    assert family_for(patcher.model, patcher=patcher).pipeline_layers()
