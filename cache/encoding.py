@@ -19,6 +19,7 @@ from .video import clip_digest
 LATENT_FORMAT = 2
 TEXT_FORMAT = 1
 MASK_FORMAT = 1  # how a mask becomes latent-grid weights (mask_to_latent_grid); part of a masked latent's key
+REFERENCE_FORMAT = 1  # how reference images are encoded (as_start_image); part of the key of an item with them
 
 Progress = Callable[[int, int], None]
 
@@ -46,8 +47,8 @@ def latent_key(digest: str, item, dataset: TrainingDataset, encoder: str, mask_d
         extra["mask"] = {"source": mask_digest, "format": MASK_FORMAT}
     if item.is_clip:  # which frames, at which rate; a still image keeps the key it always had
         extra["clip"] = {"start": item.start, "frames": item.frames, "fps": clip_fps(item, dataset.fps)}
-    if reference_digests:
-        extra["references"] = list(reference_digests)
+    if reference_digests:  # a clip's reference is encoded as a start image of its length (as_start_image)
+        extra["references"] = {"sources": list(reference_digests), "format": REFERENCE_FORMAT}
     return content_key(kind="latent", format=LATENT_FORMAT, source=digest, bucket=list(item.bucket),
                        crop=dataset.buckets.crop, flip=item.flip, encoder=encoder, **extra)
 
@@ -66,6 +67,18 @@ def text_key(caption: str, encoder: str) -> str:
 def is_video_vae(vae) -> bool:
     """Whether a ComfyUI VAE encodes frames together into video latents (B, C, T, H, W)."""
     return getattr(vae, "latent_dim", 2) == 3
+
+
+def as_start_image(image, frames: int):
+    """A clip item's reference as ComfyUI's image-to-video nodes encode a start image (WanImageToVideo): the
+    image followed by mid-gray frames to the clip's length, so its latent has the clip latent's frames (a causal
+    video VAE's first latent frame is the image's alone, what Wan 2.2 TI2V takes). An image item's: the image."""
+    import torch
+    if frames <= 1:
+        return image
+    padded = torch.full((frames, *image.shape[1:]), 0.5, dtype=image.dtype)
+    padded[:1] = image
+    return padded
 
 
 def source_digest(item, store: CacheStore) -> str:
@@ -98,8 +111,8 @@ def encode_latents(dataset: TrainingDataset, vae, store: CacheStore, progress: P
             tensors = {"latent": latent[0].float()}
             for slot, (path, ref_digest) in enumerate(zip(item.references, reference_digests)):
                 ref = load_image_tensor(path, item.bucket, dataset.buckets.crop, item.flip, ref_digest,
-                                        dataset.background)
-                tensors[f"reference{slot}"] = vae.encode(ref[:, :, :, :3])[0].float()
+                                        dataset.background)[:, :, :, :3]
+                tensors[f"reference{slot}"] = vae.encode(as_start_image(ref, item.frames))[0].float()
             if item.mask_source:  # same crop, flip and random-crop seed as the pixels above
                 mask = load_mask_tensor(item.path, item.mask_source, item.bucket, dataset.buckets.crop, item.flip,
                                         digest)

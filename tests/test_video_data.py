@@ -272,11 +272,14 @@ def test_references_and_clips_reach_the_trainer_batch(tmp_path):
         frames = 3 if len(cached_set.buckets[indices[0]]) == 3 else 1
         assert batch.latents.shape == (2, 4, frames, SIDE // 8, SIDE // 8)
         (ref,) = batch.references
-        assert ref.shape == (2, 4, 1, SIDE // 8, SIDE // 8)
-    # each item's own reference, on its bucket: the stand-in VAE's latent is the image's red level
+        assert ref.shape == batch.latents.shape  # a clip's start image is followed by gray frames to its length
+    # each item's own reference, on its bucket: the stand-in VAE's latent is the image's red level, then gray
     by_source = {Path(s).name: i for i, s in enumerate(cached_set.sources)}
     (ref,) = training_batch(cached_set, [by_source["a.mp4"], by_source["b"]]).references
-    assert torch.allclose(ref.mean(dim=(1, 2, 3, 4)), torch.tensor([10 / 255, 100 / 255]), atol=1e-3)
+    assert torch.allclose(ref[:, :, 0].mean(dim=(1, 2, 3)), torch.tensor([10 / 255, 100 / 255]), atol=1e-3)
+    assert torch.allclose(ref[:, :, 1:], torch.tensor(0.5))
+    (ref,) = training_batch(cached_set, [by_source["still.png"]] * 2).references
+    assert ref.shape == (2, 4, 1, SIDE // 8, SIDE // 8) and torch.allclose(ref.mean(), torch.tensor(200 / 255), atol=1e-3)
 
     class NoReferences:
         display_name, reference_input = "SDXL", None
@@ -322,8 +325,10 @@ VIDEO_FOLDER = "ingraph_video"
 
 @pytest.mark.comfyui
 def test_wan_trains_on_clips_and_an_image_through_the_graph(comfy, client):
-    """Two 5-frame clips and an image, frame buckets 1 and 5: Cache Latents encodes the clips with ComfyUI's own
-    Wan VAE into 2-latent-frame video latents, and Wan trains 2 steps, one per bucket, the events naming both."""
+    """A 17-frame clip, a 6-frame clip and two images, frame buckets 1 and 17: Cache Latents encodes the long clip
+    with ComfyUI's own Wan VAE into a 5-latent-frame video latent (the short one becomes a 1-frame item beside the
+    images), Wan trains 2 steps, one per bucket, the events naming both, and the stock text-to-video graph
+    (EmptyHunyuanLatentVideo, KSampler) with the LoRA gives another video than without it."""
     import subprocess
     import sys
     from conftest import REPO
@@ -336,10 +341,11 @@ def test_wan_trains_on_clips_and_an_image_through_the_graph(comfy, client):
     subprocess.run([sys.executable, str(REPO / "tools" / "tiny_wan_vae.py"), str(vaes / "tiny_wan_vae.safetensors")],
                    check=True, capture_output=True, timeout=300)
     folder = comfy.dir("input", VIDEO_FOLDER)
-    write_video(folder / "walk.mp4", 5, fps=8)
+    write_video(folder / "walk.mp4", 17, fps=8)
     write_video(folder / "turn.mp4", 6, fps=8)
     write_image(folder / "still.png")
-    for stem in ("walk", "turn", "still"):
+    write_image(folder / "pose.png", level=30)
+    for stem in ("walk", "turn", "still", "pose"):
         (folder / f"{stem}.txt").write_text(f"a {stem}, ingraph style")
 
     graph = {
@@ -350,18 +356,19 @@ def test_wan_trains_on_clips_and_an_image_through_the_graph(comfy, client):
               "inputs": {"folder": VIDEO_FOLDER, "resolution": SIDE, "bucketing": False, "min_side": 64,
                          "max_side": 256, "max_upscale": 1.0, "crop": "center", "flip": False, "repeats": 1,
                          "caption_prefix": "", "missing_caption": "error", "default_caption": "",
-                         "frame_buckets": "1, 5", "fps": 8.0}},
+                         "frame_buckets": "1, 17", "fps": 8.0}},
         "5": {"class_type": "InGraphCacheLatents", "inputs": {"dataset": ["4", 0], "vae": ["2", 0]}},
         "6": {"class_type": "InGraphCacheTextEmbeddings", "inputs": {"dataset": ["5", 0], "clip": ["3", 0]}},
         "7": {"class_type": "InGraphLoRAAdapter",
               "inputs": {"kind": "LoRA", "rank": 4, "alpha": 4.0, "dropout": 0.0, "targets": "attention"}},
         "8": {"class_type": "InGraphTrainLoRA",
-              "inputs": {"model": ["1", 0], "dataset": ["6", 0], "adapter": ["7", 0], "steps": 2, "batch_size": 2,
+              "inputs": {"model": ["1", 0], "dataset": ["6", 0], "adapter": ["7", 0], "steps": 2, "batch_size": 3,
                          "gradient_accumulation": 1, "learning_rate": 1e-3, "optimizer": "AdamW",
                          "lr_schedule": "constant", "warmup_steps": 0, "precision": "fp32",
                          "gradient_checkpointing": False, "seed": 0, "save_every": 0, "output_name": "wan_video",
                          "resume": "off"}},
     }
+    # batch 3: one batch per bucket (the 17-frame bucket's one item repeated), so the 2 steps of the epoch see both
     outcome = client.run(graph, timeout=900)
     assert outcome.ok, outcome.error
     events = [m["data"]["event"] for m in outcome.messages if m.get("type") == "ingraph.event"]
@@ -369,11 +376,37 @@ def test_wan_trains_on_clips_and_an_image_through_the_graph(comfy, client):
     steps = [e for e in events if e["type"] == "step"]
     assert started["family"] == "wan" and len(steps) == 2
     assert all(len(e["buckets"]) == 1 and np.isfinite(e["loss"]) for e in steps)
-    assert sorted(tuple(e["buckets"][0]) for e in steps) == [(SIDE, SIDE), (SIDE, SIDE, 5)]
+    assert sorted(tuple(e["buckets"][0]) for e in steps) == [(SIDE, SIDE), (SIDE, SIDE, 17)]
 
     manifest = Path(started["run_dir"]) / "dataset.json"
     dataset = load_cached_dataset(str(manifest))
     shapes = {Path(dataset.sources[i]).name: tuple(dataset.latent(i).shape) for i in range(len(dataset))}
-    assert shapes == {"walk.mp4": (16, 2, SIDE // 8, SIDE // 8), "turn.mp4": (16, 2, SIDE // 8, SIDE // 8),
-                      "still.png": (16, 1, SIDE // 8, SIDE // 8)}
-    assert (comfy.base_dir / "models" / "loras" / "wan_video.safetensors").exists()
+    image = (16, 1, SIDE // 8, SIDE // 8)
+    assert shapes == {"walk.mp4": (16, 5, SIDE // 8, SIDE // 8), "turn.mp4": image, "still.png": image,
+                      "pose.png": image}
+
+    def sample(lora: str | None, prefix: str):
+        graph = {
+            "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny_wan.safetensors", "weight_dtype": "default"}},
+            "3": {"class_type": "InGraphTestSyntheticTextEncoder", "inputs": {"family": "wan"}},
+            "10": {"class_type": "CLIPTextEncode", "inputs": {"text": "a walk, ingraph style", "clip": ["3", 0]}},
+            "11": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["3", 0]}},
+            "12": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": SIDE, "height": SIDE, "length": 17,
+                                                                       "batch_size": 1}},
+            "13": {"class_type": "KSampler", "inputs": {"model": ["9", 0] if lora else ["1", 0], "positive": ["10", 0],
+                                                        "negative": ["11", 0], "latent_image": ["12", 0], "seed": 1,
+                                                        "steps": 2, "cfg": 2.0, "sampler_name": "euler",
+                                                        "scheduler": "simple", "denoise": 1.0}},
+            "14": {"class_type": "SaveLatent", "inputs": {"samples": ["13", 0], "filename_prefix": f"latents/{prefix}"}},
+        }
+        if lora:
+            graph["9"] = {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "lora_name": lora,
+                                                                          "strength_model": 1.0}}
+        log_before = len(comfy.log_text())
+        assert client.run(graph, timeout=300).ok
+        assert "lora key not loaded" not in comfy.log_text()[log_before:]
+        (saved,) = sorted((comfy.base_dir / "output" / "latents").glob(f"{prefix}_*.latent"))
+        return load_file(str(saved))["latent_tensor"]
+    base, trained = sample(None, "wan_video_base"), sample("wan_video.safetensors", "wan_video_lora")
+    assert base.shape == trained.shape == (1, 16, 5, SIDE // 8, SIDE // 8)
+    assert (base - trained).abs().max() > 1e-6, "the LoRA did not change the video"
