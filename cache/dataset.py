@@ -436,6 +436,11 @@ def _references_per_source(sources: list[Path], found: dict) -> dict[Path, tuple
         for n in slots:
             _check_image(found[stem, n])
         out[source] = tuple(str(found[stem, n]) for n in slots)
+    stems = {source.stem if source.is_file() else source.name for source in sources}
+    orphans = sorted({str(path) for (stem, _), path in found.items() if stem not in stems})
+    if orphans:
+        log.info("InGraph Trainer: ignored %d reference image(s) without an item: %s", len(orphans),
+                 ", ".join(shown(o) for o in orphans[:10]))
     counts = {len(refs) for refs in out.values()}
     if len(counts) > 1:
         most = max(len(r) for r in out.values())
