@@ -363,13 +363,13 @@ def scan_image_folder(folder: str | Path, *, resolution: int | None = None, buck
     too_short = []
     for clip in clips:
         stem = clip.stem if clip.is_file() else clip.name
-        if stem in mask_files and masks == "mask files":
-            raise DatasetError(f"mask {shown(mask_files[stem])}: loss masks for clips are not supported yet; "
-                               "remove it or set 'masks' to 'off'")
         try:
             info = probe_clip(clip, IMAGE_EXTENSIONS)
         except ClipError as exc:
             raise DatasetError(str(exc)) from None
+        # a clip's mask is one image for all its frames (name.mask.png, the frame size); videos have no alpha
+        mask = _mask_source(clip, (info.width, info.height), masks, mask_files.get(stem), "") \
+            if masks == "mask files" else ""
         spans = clip_spans(info.frame_count(0 if clip.is_dir() else fps), frame_counts, clip_mode)
         if not spans:
             too_short.append(clip.name)
@@ -378,7 +378,7 @@ def scan_image_folder(folder: str | Path, *, resolution: int | None = None, buck
         bucket = bucket_for(info.width, info.height, buckets)
         for flip in (False, True) if buckets.flip else (False,):
             items += [DatasetItem(str(clip), caption, bucket, flip=flip, frames=frames, start=start,
-                                  references=references[clip]) for start, frames in spans]
+                                  references=references[clip], mask_source=mask) for start, frames in spans]
     if too_short:
         log.info("InGraph Trainer: ignored %d clip(s) shorter than the shortest frame bucket (%d) in %s: %s",
                  len(too_short), frame_counts[0], folder, ", ".join(too_short[:10]))

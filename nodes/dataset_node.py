@@ -56,7 +56,8 @@ class LoadTrainingImages(io.ComfyNode):
                                        "ignored, grey in between). 'alpha channel': the image's transparency. "
                                        "Masks follow the image's crop and flip and are cached with its latent; "
                                        "images without a mask train everywhere. *.mask.* files are never "
-                                       "training images."),
+                                       "training images. A clip's mask file (name.mask.png beside name.mp4 or "
+                                       "a frame folder) weighs every frame alike."),
                 io.Float.Input("caption_dropout", default=0.0, min=0.0, max=0.99, step=0.01, optional=True,
                                tooltip="Share of training samples that see no caption (the text encoder's "
                                        "encoding of an empty prompt, cached once), so the model also learns the "

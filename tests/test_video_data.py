@@ -121,9 +121,31 @@ def test_a_clip_at_a_chosen_fps_becomes_the_right_items(tmp_path):
         ("wave", 0, 5), ("wave", 1, 5)]
     dataset = scan(tmp_path, frame_buckets="9", fps=8)  # the 6-frame folder is too short: skipped, said so
     assert "wave" in dataset.skipped_files and {Path(i.path).name for i in dataset.items} == {"still.png", "walk.mp4"}
-    with pytest.raises(DatasetError, match="loss masks for clips"):
-        write_image(tmp_path / "walk.mask.png")
+    write_image(tmp_path / "walk.mask.png", size=(SIDE // 2, SIDE))
+    with pytest.raises(DatasetError, match="walk.mask.png is 32x64 but its image walk.mp4 is 64x64"):
         scan(tmp_path, frame_buckets="1, 5", fps=8)
+
+
+def test_a_clip_mask_weighs_every_frame_alike(tmp_path):
+    """name.mask.png beside a clip: cached on the latent grid once, broadcast over the latent frames, and the
+    trainer's batch carries it ([B, 1, 1, h, w]) beside the 5-D latents."""
+    from PIL import Image
+    from ingraph_trainer.trainer.batch_mix import training_batch
+    from ingraph_trainer.trainer.data import load_cached_dataset
+    data = tmp_path / "data"
+    write_frames(data / "b", 9)
+    mask = Image.new("L", (SIDE, SIDE), 255)
+    mask.paste(0, (SIDE // 2, 0, SIDE, SIDE))  # the right half is ignored
+    mask.save(data / "b.mask.png")
+    store = CacheStore(tmp_path / "cache")
+    dataset, _, _ = cached(data, store, frame_buckets="9", fps=8)
+    dataset, _, _ = encode_text(dataset, SyntheticClip(), store)
+    store.close()
+    cached_set = load_cached_dataset(str(write_manifest(tmp_path / "dataset.json", dataset, tmp_path / "cache")))
+    batch = training_batch(cached_set, [0, 0])
+    assert batch.latents.shape == (2, 4, 3, SIDE // 8, SIDE // 8) and batch.mask.shape == (2, 1, 1, SIDE // 8, SIDE // 8)
+    half = SIDE // 16
+    assert torch.all(batch.mask[..., :half] == 1) and torch.all(batch.mask[..., half:] == 0)
 
 
 @pytest.mark.parametrize("name,codec", [("a.webm", "libvpx-vp9"), ("a.mov", "mpeg4"), ("a.gif", "gif")])
