@@ -6,6 +6,7 @@ at a time, each fitted to the bucket at once, so a clip is never held in memory 
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import math
 import os
@@ -127,6 +128,17 @@ def probe_clip(path: str | Path, image_extensions=()) -> ClipInfo:
     return ClipInfo(width, height, times, frame_s, pts[0], base)
 
 
+def _stamp(path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_mtime_ns, st.st_size
+
+
+@functools.lru_cache(maxsize=64)
+def _probe_unchanged(path: str, image_extensions: tuple, mtime_ns: int, size: int) -> ClipInfo:
+    """probe_clip, once per version of a file: the items of one clip (several windows, flipped copies) share it."""
+    return probe_clip(path, image_extensions)
+
+
 def clip_digest(path: str | Path, file_digest, image_extensions) -> str:
     """Content identity of a clip: the video file's digest, or of a frame folder the names and digests of its
     frames (editing one frame changes it)."""
@@ -144,7 +156,7 @@ def load_clip_tensor(path: str, start: int, frames: int, fps: float, fit, image_
     PIL RGB frame into the bucket's pixels (a [H, W, 3] float tensor). Decoding stops after the last frame it
     needs, and only the fitted frames it needs are kept. `stats`, a dict, gets "decoded": frames decoded."""
     import torch
-    info = probe_clip(path, image_extensions)
+    info = _probe_unchanged(str(path), tuple(image_extensions), *_stamp(path))
     wanted = [info.source_index(k, fps) for k in range(start, start + frames)]
     needed, last = set(wanted), max(wanted)
     fitted: dict[int, torch.Tensor] = {}

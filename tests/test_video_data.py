@@ -312,6 +312,15 @@ def test_references_and_clips_reach_the_trainer_batch(tmp_path):
     with pytest.raises(UnsupportedSetting, match="data.manifest: its items carry 1 reference image.*SDXL.*"
                                                  "reference_input"):
         check_reference_input(cached_set, NoReferences())
+    # what the trainer builds at start: refused there, before any step
+    from types import SimpleNamespace
+    from ingraph_trainer.trainer.batch_mix import build_training_data
+    spec = SimpleNamespace(manifest=str(manifest), prior_manifest=None, shuffle=True, caption_dropout=0.0)
+    assert build_training_data(spec, 2, 0, Edit())[0].reference_slots == 1
+    with pytest.raises(UnsupportedSetting, match="SDXL takes none"):
+        build_training_data(spec, 2, 0, NoReferences())
+    with pytest.raises(ValueError, match="pipeline stages"):
+        build_training_data(spec, 2, 0, Edit(), pipeline_stages=2)
 
 
 class SyntheticClip:
