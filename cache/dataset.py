@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .buckets import BucketSettings, bucket_for, crop_box
-from .video import CLIP_MODES, VIDEO_EXTENSIONS, ClipError, clip_spans, is_frame_folder, parse_frame_buckets, \
+from .video import CLIP_MODES, DEFAULT_FRAME_BUCKETS, VIDEO_EXTENSIONS, ClipError, clip_spans, is_frame_folder, parse_frame_buckets, \
     probe_clip
 
 log = logging.getLogger("ingraph_trainer")
@@ -271,7 +271,7 @@ def scan_image_folder(folder: str | Path, *, resolution: int | None = None, buck
                       repeats: int = 1, caption_prefix: str = "", missing_caption: str = "error",
                       default_caption: str = "", background=DEFAULT_BACKGROUND, masks: str = "mask files",
                       caption_variants: int = 0, keep_tags: int = 0,
-                      caption_dropout: float = 0.0, frame_buckets="1", fps: float = 16.0,
+                      caption_dropout: float = 0.0, frame_buckets=DEFAULT_FRAME_BUCKETS, fps: float = 16.0,
                       clip_mode: str = "single_beginning", reference_folder: str | Path | None = None
                       ) -> TrainingDataset:
     if buckets is None:  # one square size, as before bucketing existed
