@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .buckets import BucketSettings, bucket_for, crop_box
-from .video import CLIP_MODES, DEFAULT_FRAME_BUCKETS, VIDEO_EXTENSIONS, ClipError, clip_spans, is_frame_folder, parse_frame_buckets, \
-    probe_clip
+from .video import CLIP_MODES, DEFAULT_FRAME_BUCKETS, VIDEO_EXTENSIONS, ClipError, clip_spans, is_frame_folder, \
+    parse_frame_buckets, probe_clip
 
 log = logging.getLogger("ingraph_trainer")
 
@@ -89,7 +89,8 @@ class TrainingDataset:
     def identity(self) -> str:
         """The folder and the settings that shape its items (without encoders: see usage_identity)."""
         shaping = [self.folder, self.buckets.as_key(), self.buckets.crop, self.buckets.flip]
-        return hashlib.sha256(json.dumps(shaping + ([list(self.video)] if self.video else [])).encode()).hexdigest()[:24]
+        shaping += [list(self.video)] if self.video else []  # images-only datasets keep their identity
+        return hashlib.sha256(json.dumps(shaping).encode()).hexdigest()[:24]
 
     def usage_identity(self, role: str, encoder: str) -> str:
         """Names this dataset's latents ("latent") or captions ("text") for one encoder in the cache's

@@ -143,7 +143,8 @@ def test_a_clip_mask_weighs_every_frame_alike(tmp_path):
     store.close()
     cached_set = load_cached_dataset(str(write_manifest(tmp_path / "dataset.json", dataset, tmp_path / "cache")))
     batch = training_batch(cached_set, [0, 0])
-    assert batch.latents.shape == (2, 4, 3, SIDE // 8, SIDE // 8) and batch.mask.shape == (2, 1, 1, SIDE // 8, SIDE // 8)
+    assert batch.latents.shape == (2, 4, 3, SIDE // 8, SIDE // 8)
+    assert batch.mask.shape == (2, 1, 1, SIDE // 8, SIDE // 8)
     half = SIDE // 16
     assert torch.all(batch.mask[..., :half] == 1) and torch.all(batch.mask[..., half:] == 0)
 
@@ -301,7 +302,8 @@ def test_references_and_clips_reach_the_trainer_batch(tmp_path):
     assert torch.allclose(ref[:, :, 0].mean(dim=(1, 2, 3)), torch.tensor([10 / 255, 100 / 255]), atol=1e-3)
     assert torch.allclose(ref[:, :, 1:], torch.tensor(0.5))
     (ref,) = training_batch(cached_set, [by_source["still.png"]] * 2).references
-    assert ref.shape == (2, 4, 1, SIDE // 8, SIDE // 8) and torch.allclose(ref.mean(), torch.tensor(200 / 255), atol=1e-3)
+    assert ref.shape == (2, 4, 1, SIDE // 8, SIDE // 8)
+    assert torch.allclose(ref.mean(), torch.tensor(200 / 255), atol=1e-3)
 
     class NoReferences:
         display_name, reference_input = "SDXL", None
@@ -418,7 +420,8 @@ def test_wan_trains_on_clips_and_an_image_through_the_graph(comfy, client):
 
     def sample(lora: str | None, prefix: str):
         graph = {
-            "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny_wan.safetensors", "weight_dtype": "default"}},
+            "1": {"class_type": "UNETLoader",
+                  "inputs": {"unet_name": "tiny_wan.safetensors", "weight_dtype": "default"}},
             "3": {"class_type": "InGraphTestSyntheticTextEncoder", "inputs": {"family": "wan"}},
             "10": {"class_type": "CLIPTextEncode", "inputs": {"text": "a walk, ingraph style", "clip": ["3", 0]}},
             "11": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["3", 0]}},
@@ -428,7 +431,8 @@ def test_wan_trains_on_clips_and_an_image_through_the_graph(comfy, client):
                                                         "negative": ["11", 0], "latent_image": ["12", 0], "seed": 1,
                                                         "steps": 2, "cfg": 2.0, "sampler_name": "euler",
                                                         "scheduler": "simple", "denoise": 1.0}},
-            "14": {"class_type": "SaveLatent", "inputs": {"samples": ["13", 0], "filename_prefix": f"latents/{prefix}"}},
+            "14": {"class_type": "SaveLatent",
+                   "inputs": {"samples": ["13", 0], "filename_prefix": f"latents/{prefix}"}},
         }
         if lora:
             graph["9"] = {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "lora_name": lora,
