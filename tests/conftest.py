@@ -132,6 +132,28 @@ def prepared(tmp_path_factory, assets):
         worker.wait()
 
 
+# a 3-step LoRA whose file format is the point (tests/test_export_formats.py reads each back with diffusers,
+# tests/test_trainer_program.py starts a run from the kohya one)
+FORMAT_RUN = dict(train__steps=3, train__learning_rate=1e-2, train__precision="fp32", adapter__rank=4,
+                  adapter__alpha=8.0, adapter__targets="attention_ff", train__eval_quantiles=[0.5])
+
+
+@pytest.fixture(scope="session")
+def trained_in_format(prepared):
+    """`trained_in_format(file_format)`: the spec path of a finished FORMAT_RUN writing that format; trained once
+    per format per session, however many tests read it."""
+    runs: dict[str, Path] = {}
+
+    def get(file_format: str) -> Path:
+        if file_format not in runs:
+            spec = prepared(**FORMAT_RUN, output__format=file_format)
+            proc = run_trainer(spec)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            runs[file_format] = spec
+        return runs[file_format]
+    return get
+
+
 def run_trainer(spec_path: Path, *extra, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "trainer"), "--config", str(spec_path), *extra],
                           capture_output=True, text=True, timeout=timeout, cwd=spec_path.parent)

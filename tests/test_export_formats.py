@@ -14,18 +14,14 @@ import sys
 import pytest
 from safetensors import safe_open
 
-from conftest import REPO, read_events, run_trainer
+from conftest import REPO, read_events
 
 pytestmark = pytest.mark.comfyui
 
 
 @pytest.mark.parametrize("file_format,prefix", [("kohya", "lora_unet_"), ("diffusers", "unet.")])
-def test_format_loads_in_diffusers_and_reproduces_comfyui(prepared, file_format, prefix):
-    spec = prepared(train__steps=3, train__learning_rate=1e-2, train__precision="fp32", adapter__rank=4,
-                    adapter__alpha=8.0, adapter__targets="attention_ff", output__format=file_format,
-                    train__eval_quantiles=[0.5])
-    proc = run_trainer(spec)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_format_loads_in_diffusers_and_reproduces_comfyui(trained_in_format, file_format, prefix):
+    spec = trained_in_format(file_format)
     finished = next(e for e in read_events(spec.parent) if e["type"] == "finished")
     with safe_open(finished["adapter"], "pt") as f:
         keys = list(f.keys())

@@ -162,15 +162,15 @@ def test_8bit_adamw_with_optimizer_offload_under_zero1(prepared):
     assert load_file(spec.parent / "lora.safetensors")
 
 
-def test_continue_from_an_adapter_file_starts_where_it_ended(prepared):
+def test_continue_from_an_adapter_file_starts_where_it_ended(prepared, trained_in_format):
     """A run started from another run's kohya-format file evaluates, before its first step, exactly
     as that run did after its last (another alpha, so the scale is carried over)."""
-    first = prepared(train__steps=3, train__precision="fp32", train__learning_rate=1e-2, adapter__rank=4,
-                     adapter__alpha=8.0, output__format="kohya", train__eval_quantiles=[0.3, 0.7])
-    assert run_trainer(first).returncode == 0
+    from conftest import FORMAT_RUN
+    first = trained_in_format("kohya")  # alpha 8, rank 4, attention and feed-forward layers
     ended = next(e for e in read_events(first.parent) if e["type"] == "finished")
     second = prepared(train__steps=1, train__precision="fp32", adapter__rank=4, adapter__alpha=4.0,
-                      adapter__init_from=ended["adapter"], train__eval_quantiles=[0.3, 0.7])
+                      adapter__targets=FORMAT_RUN["adapter__targets"], adapter__init_from=ended["adapter"],
+                      train__eval_quantiles=FORMAT_RUN["train__eval_quantiles"])
     proc = run_trainer(second)
     assert proc.returncode == 0, proc.stderr[-3000:]
     began = next(e for e in read_events(second.parent) if e["type"] == "eval")
