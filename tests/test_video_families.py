@@ -10,6 +10,7 @@ One graph prompt then trains every family 2 steps and loads each LoRA through th
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -243,3 +244,117 @@ def test_video_families_refuse_pipeline_stages_they_cannot_split(video_model_fil
             family_for(patcher.model, patcher=patcher).pipeline_layers()
     patcher = load_with_unet_loader(video_model_files["tiny_wan21_t2v"])
     assert family_for(patcher.model, patcher=patcher).pipeline_layers()
+
+
+REFERENCE_FOLDER = "ingraph_family_start"  # the family images, each with a start image (name.ref.png) beside it
+VAE_CHANNELS = {16: "tiny_taesd16.safetensors", 48: "tiny_taesd48.safetensors", 128: "tiny_taesd128.safetensors"}
+
+
+@pytest.fixture(scope="module")
+def video_models_in_server(comfy, video_model_files):
+    """The tiny video models in the server's diffusion-models folder, a TAESD for each latent width in models/vae,
+    the two family images plain and with start images beside them."""
+    import shutil
+
+    from PIL import Image
+
+    from comfy.taesd.taesd import TAESD
+
+    from ingraph_trainer.trainer.models.base import init_weights
+    from tools.tiny_models import _save
+    unets, vaes = comfy.dir("models", "diffusion_models"), comfy.dir("models", "vae")
+    for path in video_model_files.values():
+        shutil.copy(path, unets / path.name)
+    for channels, name in VAE_CHANNELS.items():
+        taesd = init_weights(TAESD(latent_channels=channels), 2)
+        _save({k: v for k, v in taesd.state_dict().items() if k.startswith(("taesd_encoder.", "taesd_decoder."))},
+              vaes / name)
+    plain, with_start = comfy.dir("input", FAMILY_FOLDER), comfy.dir("input", REFERENCE_FOLDER)
+    for source in sorted(comfy.dir("input", IMAGE_FOLDER).iterdir())[:4]:  # two images and their captions
+        (plain / source.name).write_bytes(source.read_bytes())
+        (with_start / source.name).write_bytes(source.read_bytes())
+        if source.suffix == ".png":  # the start image: the same picture mirrored
+            Image.open(source).transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(with_start / f"{source.stem}.ref.png")
+    return comfy
+
+
+def merged(graphs: dict[str, dict]) -> dict:
+    """One prompt from several graphs: each graph's node ids prefixed with its name, links rewritten."""
+    prompt = {}
+    for prefix, graph in graphs.items():
+        for node_id, node in graph.items():
+            inputs = {k: [f"{prefix}.{v[0]}", v[1]] if isinstance(v, list) and len(v) == 2 and isinstance(v[0], str)
+                      else v for k, v in node["inputs"].items()}
+            prompt[f"{prefix}.{node_id}"] = {**node, "inputs": inputs}
+    return prompt
+
+
+def video_sampling_graph(stem: str, lora_name: str | None, prefix: str) -> dict:
+    """Stock nodes only: UNETLoader (+ LoraLoaderModelOnly) → KSampler on an empty 64x64 latent → SaveLatent."""
+    text = VIDEO_MODELS[stem][6]
+    graph = {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": f"{stem}.safetensors", "weight_dtype": "default"}},
+        "3": {"class_type": "InGraphTestSyntheticTextEncoder", "inputs": {"family": text}},
+        "10": {"class_type": "CLIPTextEncode", "inputs": {"text": "a red circle, ingraph style", "clip": ["3", 0]}},
+        "11": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["3", 0]}},
+        "12": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "13": {"class_type": "KSampler", "inputs": {"model": ["1", 0], "positive": ["10", 0], "negative": ["11", 0],
+                                                    "latent_image": ["12", 0], "seed": 1, "steps": 2, "cfg": 2.0,
+                                                    "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}},
+        "14": {"class_type": "SaveLatent", "inputs": {"samples": ["13", 0], "filename_prefix": f"latents/{prefix}"}},
+    }
+    if lora_name:
+        graph["9"] = {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "lora_name": lora_name,
+                                                                      "strength_model": 1.0}}
+        graph["13"]["inputs"]["model"] = ["9", 0]
+    return graph
+
+
+# Wan text-to-video trains through the graph in tests/test_model_families.py (and on clips in test_video_data.py)
+GRAPH_MODELS = [stem for stem in VIDEO_MODELS if stem != "tiny_wan21_t2v"]
+
+
+def test_every_video_family_trains_in_one_graph_and_loads_in_lora_loader(video_models_in_server, client):
+    """One prompt trains each tiny video model 2 steps (fp32) through the graph: the Wan image-to-video models on
+    images with a start image beside each (name.ref.png, handed to the model as WanImageToVideo does), the others
+    on the plain images. Each LoRA has ComfyUI keys, loads through the stock LoraLoaderModelOnly with no "lora key
+    not loaded", and changes what KSampler makes."""
+    from safetensors.torch import load_file
+
+    from ingraph_trainer.trainer.data import load_cached_dataset
+    comfy = video_models_in_server
+    graphs = {}
+    for stem in GRAPH_MODELS:
+        _, _, _, name, variant, channels, text = VIDEO_MODELS[stem]
+        model = {"class_type": "UNETLoader", "inputs": {"unet_name": f"{stem}.safetensors", "weight_dtype": "default"}}
+        graph = training_graph("wan", f"video_{stem}", model=model, text_family=text)
+        graph["2"]["inputs"]["vae_name"] = VAE_CHANNELS[channels]
+        if variant not in (None, "t2v"):
+            graph["4"]["inputs"]["folder"] = REFERENCE_FOLDER
+        graphs[stem] = graph
+    outcome = client.run(merged(graphs), timeout=1200)
+    assert outcome.ok, outcome.error
+    events = run_events(outcome)
+    started = [e for e in events if e["type"] == "started"]
+    assert sorted(e["family"] for e in started) == sorted(VIDEO_MODELS[stem][3] for stem in GRAPH_MODELS)
+    steps = [e for e in events if e["type"] == "step"]
+    assert len(steps) == 2 * len(GRAPH_MODELS) and all(torch.isfinite(torch.tensor(e["loss"])) for e in steps)
+    slots = {e["run_dir"].rsplit("-video_", 1)[1].rsplit("-", 1)[0]:
+             load_cached_dataset(str(Path(e["run_dir"]) / "dataset.json")).reference_slots for e in started}
+    assert slots == {stem: 0 if VIDEO_MODELS[stem][4] is None else 1 for stem in GRAPH_MODELS}, slots
+    for stem in GRAPH_MODELS:
+        adapter = load_file(str(comfy.base_dir / "models" / "loras" / f"video_{stem}.safetensors"))
+        assert adapter and all(k.startswith("diffusion_model.") for k in adapter), (stem, sorted(adapter)[:3])
+
+    log_before = len(comfy.log_text())
+    samples = {}
+    for stem in GRAPH_MODELS:
+        samples[f"{stem}.base"] = video_sampling_graph(stem, None, f"{stem}_base")
+        samples[f"{stem}.lora"] = video_sampling_graph(stem, f"video_{stem}.safetensors", f"{stem}_lora")
+    outcome = client.run(merged(samples), timeout=600)
+    assert outcome.ok, outcome.error
+    log = comfy.log_text()[log_before:]
+    assert "lora key not loaded" not in log and "ERROR" not in log, log[-3000:]
+    for stem in GRAPH_MODELS:
+        base, trained = saved_latent(comfy, f"{stem}_base"), saved_latent(comfy, f"{stem}_lora")
+        assert base.shape == trained.shape and (base - trained).abs().max() > 1e-6, f"{stem}: the LoRA changed nothing"

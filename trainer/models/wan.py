@@ -106,9 +106,11 @@ class WanFamily(ModelFamily):
         return inputs
 
     def start_frames(self, batch: Batch, frames: int) -> int:
-        """TI2V: how many leading latent frames the start image fills (0: none, trained as text-to-video)."""
+        """TI2V: how many leading latent frames the start image fills: its first latent frame (a causal video VAE
+        encodes a single image there, and the image alone or followed by gray frames alike), where the latent has
+        frames after it; else 0, trained as text-to-video (an image item's start image leaves nothing to generate)."""
         start = self.start_latents(batch, frames) if self.variant == "ti2v_5b" else None
-        return 0 if start is None else min(start.shape[2], frames)
+        return 1 if start is not None and frames > 1 else 0
 
     def denoise_mask(self, batch: Batch, like: torch.Tensor) -> torch.Tensor:
         """Wan22ImageToVideoLatent's noise mask: 0 on the start image's frames, 1 where the model generates."""
