@@ -314,6 +314,12 @@ def test_references_and_clips_reach_the_trainer_batch(tmp_path):
     with pytest.raises(UnsupportedSetting, match="data.manifest: its items carry 1 reference image.*SDXL.*"
                                                  "reference_input"):
         check_reference_input(cached_set, NoReferences())
+    # a run with prior images (here the same set again) serves references from both, evaluation included
+    from ingraph_trainer.trainer.batch_mix import MixedDataset
+    mixed = MixedDataset(cached_set, cached_set)
+    still = by_source["still.png"]
+    (ref,) = mixed.references([still, len(cached_set) + still])
+    assert mixed.reference_slots == 1 and torch.equal(ref[0], ref[1])
     # what the trainer builds at start: refused there, before any step
     from types import SimpleNamespace
     from ingraph_trainer.trainer.batch_mix import build_training_data

@@ -173,9 +173,17 @@ class MixedDataset:
     def locate(self, i: int):
         return (self.main, i) if i < self.offset else (self.prior, i - self.offset)
 
+    @property
+    def reference_slots(self) -> int:
+        return reference_slots(self)
+
     def batch(self, indices: list[int]):
         b = training_batch(self, indices, masked_loss=False)
         return b.latents, b.cond, b.pooled
+
+    def references(self, indices: list[int]):
+        """As CachedDataset.references, over both sets (evaluation on a run with prior images)."""
+        return training_batch(self, indices, masked_loss=False).references
 
 
 def locate(dataset, i: int):
