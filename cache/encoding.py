@@ -9,6 +9,7 @@ items are never encoded again; any change re-encodes exactly what depends on it.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Callable
 
 from .dataset import ALPHA_MASK, IMAGE_EXTENSIONS, DatasetError, TrainingDataset, caption_variants_of, \
@@ -47,8 +48,11 @@ def latent_key(digest: str, item, dataset: TrainingDataset, encoder: str, mask_d
         extra["mask"] = {"source": mask_digest, "format": MASK_FORMAT}
     if item.is_clip:  # which frames, at which rate; a still image keeps the key it always had
         extra["clip"] = {"start": item.start, "frames": item.frames, "fps": clip_fps(item, dataset.fps)}
+        if Path(item.path).is_dir():  # frames may be transparent PNGs, composited on the background colour
+            extra["clip"]["background"] = list(dataset.background)
     if reference_digests:  # a clip's reference is encoded as a start image of its length (as_start_image)
-        extra["references"] = {"sources": list(reference_digests), "format": REFERENCE_FORMAT}
+        extra["references"] = {"sources": list(reference_digests), "format": REFERENCE_FORMAT,
+                               "background": list(dataset.background)}
     return content_key(kind="latent", format=LATENT_FORMAT, source=digest, bucket=list(item.bucket),
                        crop=dataset.buckets.crop, flip=item.flip, encoder=encoder, **extra)
 
