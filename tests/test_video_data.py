@@ -160,6 +160,12 @@ def test_webm_mov_and_gif_are_clips_too(tmp_path, name, codec):
     assert frames.shape == (9, SIDE, SIDE, 3) and torch.allclose(levels, 5 * torch.arange(9.0), atol=6), levels
 
 
+def test_an_unreadable_video_is_named(tmp_path):
+    (tmp_path / "broken.mp4").write_bytes(b"not a video at all" * 10)
+    with pytest.raises(DatasetError, match="cannot read video .*broken.mp4"):
+        scan(tmp_path)
+
+
 # --- lazy decoding ------------------------------------------------------------------------------------------
 
 def test_clip_items_decode_lazily_and_resample_to_fps(tmp_path):
