@@ -358,3 +358,74 @@ def test_every_video_family_trains_in_one_graph_and_loads_in_lora_loader(video_m
     for stem in GRAPH_MODELS:
         base, trained = saved_latent(comfy, f"{stem}_base"), saved_latent(comfy, f"{stem}_lora")
         assert base.shape == trained.shape and (base - trained).abs().max() > 1e-6, f"{stem}: the LoRA changed nothing"
+
+
+def test_wan_i2v_trains_on_a_clip_with_its_start_image_and_works_in_the_stock_i2v_graph(video_models_in_server,
+                                                                                        client):
+    """A 17-frame clip with a start image beside it (walk.ref.png), cached with ComfyUI's own Wan VAE: the clip as a
+    5-latent-frame video latent, the start image as WanImageToVideo encodes it (5 latent frames too). The Wan 2.2
+    i2v model trains 2 steps on them, and the stock image-to-video graph (LoadImage → WanImageToVideo → KSampler)
+    with the LoRA through LoraLoaderModelOnly makes another video than without it."""
+    import shutil
+    import subprocess
+
+    from test_video_data import SIDE, write_image, write_video
+
+    from ingraph_trainer.trainer.data import load_cached_dataset
+    comfy, stem = video_models_in_server, "tiny_wan22_i2v"
+    vaes = comfy.dir("models", "vae")
+    if not (vaes / "tiny_wan_vae.safetensors").exists():  # test_video_data.py may have built it in this session
+        subprocess.run([sys.executable, str(REPO / "tools" / "tiny_wan_vae.py"), str(vaes / "tiny_wan_vae.safetensors")],
+                       check=True, capture_output=True, timeout=300)
+    folder = comfy.dir("input", "ingraph_video_start")
+    write_video(folder / "walk.mp4", 17, fps=8)
+    (folder / "walk.txt").write_text("a walk, ingraph style")
+    write_image(folder / "walk.ref.png", level=200)
+    shutil.copy(folder / "walk.ref.png", comfy.dir("input") / "ingraph_walk_start.png")  # where LoadImage lists it
+
+    model = {"class_type": "UNETLoader", "inputs": {"unet_name": f"{stem}.safetensors", "weight_dtype": "default"}}
+    graph = training_graph("wan", "video_clip_i2v", model=model, batch_size=1)
+    graph["2"]["inputs"]["vae_name"] = "tiny_wan_vae.safetensors"
+    graph["4"]["inputs"].update(folder="ingraph_video_start", resolution=SIDE, frame_buckets="17", fps=8.0)
+    outcome = client.run(graph, timeout=900)
+    assert outcome.ok, outcome.error
+    events = run_events(outcome)
+    started = next(e for e in events if e["type"] == "started")
+    steps = [e for e in events if e["type"] == "step"]
+    assert started["family"] == "wan" and len(steps) == 2
+    assert all(tuple(e["buckets"][0]) == (SIDE, SIDE, 17) and torch.isfinite(torch.tensor(e["loss"])) for e in steps)
+    dataset = load_cached_dataset(str(Path(started["run_dir"]) / "dataset.json"))
+    assert tuple(dataset.latent(0).shape) == (16, 5, SIDE // 8, SIDE // 8)
+    (start,) = dataset.references([0])
+    assert tuple(start.shape) == (1, 16, 5, SIDE // 8, SIDE // 8)
+
+    def i2v_graph(lora: str | None, prefix: str) -> dict:
+        graph = {
+            "1": model,
+            "2": {"class_type": "VAELoader", "inputs": {"vae_name": "tiny_wan_vae.safetensors"}},
+            "3": {"class_type": "InGraphTestSyntheticTextEncoder", "inputs": {"family": "wan"}},
+            "4": {"class_type": "LoadImage", "inputs": {"image": "ingraph_walk_start.png"}},
+            "10": {"class_type": "CLIPTextEncode", "inputs": {"text": "a walk, ingraph style", "clip": ["3", 0]}},
+            "11": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["3", 0]}},
+            "12": {"class_type": "WanImageToVideo", "inputs": {"positive": ["10", 0], "negative": ["11", 0],
+                                                               "vae": ["2", 0], "width": SIDE, "height": SIDE,
+                                                               "length": 17, "batch_size": 1, "start_image": ["4", 0]}},
+            "13": {"class_type": "KSampler", "inputs": {"model": ["9", 0] if lora else ["1", 0], "positive": ["12", 0],
+                                                        "negative": ["12", 1], "latent_image": ["12", 2], "seed": 1,
+                                                        "steps": 2, "cfg": 2.0, "sampler_name": "euler",
+                                                        "scheduler": "simple", "denoise": 1.0}},
+            "14": {"class_type": "SaveLatent", "inputs": {"samples": ["13", 0], "filename_prefix": f"latents/{prefix}"}},
+        }
+        if lora:
+            graph["9"] = {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "lora_name": lora,
+                                                                          "strength_model": 1.0}}
+        return graph
+
+    log_before = len(comfy.log_text())
+    outcome = client.run(merged({"base": i2v_graph(None, "clip_i2v_base"),
+                                 "lora": i2v_graph("video_clip_i2v.safetensors", "clip_i2v_lora")}), timeout=600)
+    assert outcome.ok, outcome.error
+    assert "lora key not loaded" not in comfy.log_text()[log_before:]
+    base, trained = saved_latent(comfy, "clip_i2v_base"), saved_latent(comfy, "clip_i2v_lora")
+    assert base.shape == trained.shape == (1, 16, 5, SIDE // 8, SIDE // 8)
+    assert (base - trained).abs().max() > 1e-6, "the LoRA did not change the i2v output"
