@@ -121,8 +121,10 @@ def encode_latents(dataset: TrainingDataset, vae, store: CacheStore, progress: P
                 mask = load_mask_tensor(item.path, item.mask_source, item.bucket, dataset.buckets.crop, item.flip,
                                         digest)
                 tensors["mask"] = mask_to_latent_grid(mask, tensors["latent"].shape)
-            entry = store.put("latent", key, tensors,
-                              {"source": item.path, "bucket": f"{item.bucket[0]}x{item.bucket[1]}"})
+            meta = {"source": item.path, "bucket": f"{item.bucket[0]}x{item.bucket[1]}"}
+            if item.is_clip:
+                meta.update(start=item.start, frames=item.frames)
+            entry = store.put("latent", key, tensors, meta)
             encoded += 1
         else:
             reused += 1
