@@ -135,6 +135,10 @@ def test_comfyui_detects_each_tiny_video_model_and_the_family_loss_is_comfyuis(v
             out = comfy_sampler_output(patcher, x, sigma, conditioning_of(batch, **extras), noise)
         theirs = (out - family.target(x0, noise, sigma.view(-1, 1, 1, 1, 1))).pow(2).mean(dim=(1, 2, 3, 4))
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6, msg=stem)
+        # and it trains: ComfyUI's blocks add residuals in place, which the family's preparation makes differentiable
+        family.prepare_for_training()
+        family.loss(batch).backward()
+        assert all(modules[t].weight.grad is not None and modules[t].weight.grad.abs().sum() > 0 for t in targets), stem
 
 
 class FakeVideoVAE:
