@@ -1,0 +1,235 @@
+"""Adapter files read right by each tool they are for: the kohya layout by LyCORIS (what kohya-based tools and
+Forge use), the ComfyUI layout by the installed ComfyUI; DoRA's dora_scale in each one's own convention.
+
+No trainer launch: the tiny SD1.5 model is loaded as the trainer loads it, adapters (LoRA, LoHa, LoKr, DoRA) are
+injected as the trainer injects them and given random non-zero weights, and the files are exported by the
+trainer's own export code. "The trainer's output" is that peft-adapted model's output.
+"""
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.comfyui
+
+KINDS = ("lora", "loha", "lokr", "dora")
+RANK, ALPHA = 4, 8.0
+TOLERANCE = 1e-6  # relative to the output's largest value
+
+
+@pytest.fixture(scope="module")
+def setup(assets):
+    """The base family, a diffusers UNet with its weights (what LyCORIS is applied to), inputs, and for each kind
+    the trained-like adapted model with its output."""
+    sys.path.insert(0, str(REPO))
+    from tools.prepare_run import _bootstrap
+    _bootstrap()
+    import torch
+    from ingraph_trainer.trainer.adapters import inject_adapter
+    from ingraph_trainer.trainer.config import ModelSpec
+    from ingraph_trainer.trainer.models import load_family
+    from tools.diffusers_roundtrip import diffusers_unet
+    family = load_family(ModelSpec(path=str(assets["checkpoint"]), format="checkpoint"), precision="fp32")
+    base = family.diffusion_model.eval()
+    g = torch.Generator().manual_seed(0)
+    context_dim = family.base_model.model_config.unet_config["context_dim"]
+    inputs = (torch.randn(1, 4, 8, 8, generator=g), torch.tensor([300.0]), torch.randn(1, 4, context_dim, generator=g))
+    linear = family.adapter_targets("all_linear")
+    # every kind of layer the presets train (time embedding, resnet embedding, attention, feed-forward, projections),
+    # a few of each: each adapted layer costs a forward pass time, and a few prove the file's layout as well as all
+    targets = linear[::max(1, len(linear) // 8)]
+    adapted = {}
+    for kind in KINDS:
+        model = copy.deepcopy(base)
+        params = inject_adapter(model, targets, kind, RANK, ALPHA, 0.0)
+        with torch.no_grad():  # as if trained: every adapter tensor non-zero (LoRA's up starts at zero)
+            for p in params:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+            model.eval()
+            exact = copy.deepcopy(model).double()
+            adapted[kind] = (model, model(*inputs[:2], context=inputs[2]),
+                             exact(*(v.double() for v in inputs[:2]), context=inputs[2].double()))
+    with torch.no_grad():
+        base_out = base(*inputs[:2], context=inputs[2])
+    return {"family": family, "inputs": inputs, "adapted": adapted, "base_out": base_out,
+            "diffusers_unet": diffusers_unet(family.base_model)}
+
+
+def _relative(a, b) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _export(setup, kind: str, file_format: str) -> dict:
+    from ingraph_trainer.trainer import export
+    from ingraph_trainer.trainer.adapters import comfy_adapter_state_dict
+    model = setup["adapted"][kind][0]
+    tensors = comfy_adapter_state_dict(model, kind, ALPHA, file_format)
+    return export.convert(tensors, file_format, export.diffusers_module_names(setup["family"].base_model)
+                          if file_format != "comfyui" else {})
+
+
+def _comfyui_outputs(setup, tensors: dict, caplog):
+    """The base model with the file applied by ComfyUI's own LoRA code (load_lora_for_models, what Load LoRA runs,
+    then its calculate_weight on each patched weight), in float64 and as ComfyUI runs it (float32)."""
+    import logging
+
+    import torch
+    import comfy.lora
+    import comfy.sd
+    from ingraph_trainer.trainer.export import split_key
+    family = setup["family"]
+    with caplog.at_level(logging.WARNING):
+        patched, _ = comfy.sd.load_lora_for_models(family.patcher, None, tensors, 1.0, 0.0)
+    assert "lora key not loaded" not in caplog.text
+    assert len(patched.patches) == len({split_key(k)[0] for k in tensors})  # every layer of the file applies
+    exact = copy.deepcopy(family.diffusion_model).double()
+    weights = exact.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for key, patches in patched.patches.items():
+            weight = weights[key[len("diffusion_model."):]]
+            weight.copy_(comfy.lora.calculate_weight(patches, weight.detach().clone(), key,
+                                                     intermediate_dtype=torch.float64))
+        x, t, context = (v.double() for v in setup["inputs"])
+        out64 = exact(x, t, context=context)
+    patched.patch_model()
+    try:
+        with torch.no_grad():
+            out32 = family.diffusion_model(*setup["inputs"][:2], context=setup["inputs"][2])
+    finally:
+        patched.unpatch_model()
+    return out64, out32
+
+
+def _trainer_output64(setup, kind: str):
+    return setup["adapted"][kind][2]
+
+
+def _compare_in_comfyui(setup, kind: str, tensors: dict, caplog, what: str) -> float:
+    out64, out32 = _comfyui_outputs(setup, tensors, caplog)
+    diff, diff32 = _relative(out64, _trainer_output64(setup, kind)), _relative(out32, setup["adapted"][kind][1])
+    print(f"\n{what}: ComfyUI vs trainer {diff:.2e} relative in float64, {diff32:.2e} in float32")
+    assert diff32 < 1e-5  # float32 rounding of two ways to compute the same weights, as ComfyUI runs it
+    return diff
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kohya_layout_loads_in_lycoris_with_every_key_and_gives_the_trainers_output(setup, kind, monkeypatch):
+    import torch
+    from lycoris.kohya import LycorisNetworkKohya, create_network_from_weights
+    # LyCORIS 4.1's default network (built first, then replaced by the file's layers) names the SD UNet's
+    # time_embedding.linear_1 twice (by name and through its TimestepEmbedding class) and asserts; the file's
+    # layers are matched by name over the whole UNet whatever this default is
+    monkeypatch.setattr(LycorisNetworkKohya, "UNET_TARGET_REPLACE_NAME", [])
+    tensors = {k: v.clone() for k, v in _export(setup, kind, "kohya").items()}
+    assert all(k.startswith("lora_unet_") for k in tensors)
+    unet = copy.deepcopy(setup["diffusers_unet"])
+    network, _ = create_network_from_weights(1.0, None, None, None, unet, weights_sd=tensors)
+    layers = {k.split(".")[0] for k in tensors}
+    assert len(network.unet_loras) == len(layers)  # every layer of the file found its module in the UNet
+    network.apply_to(None, unet, apply_text_encoder=False, apply_unet=True)
+    incompatible = network.load_state_dict(tensors, strict=False)
+    assert not incompatible.unexpected_keys  # every key of the file is one LyCORIS reads
+    assert not [k for k in incompatible.missing_keys if not k.endswith(".scalar")]
+    # in float64 (the file's float32 values exactly): two UNet implementations' float32 rounding alone differs by
+    # some 1e-6, which would hide nothing but also prove nothing at that tolerance
+    unet.double(), network.double()
+    x, t, context = (v.double() for v in setup["inputs"])
+    with torch.no_grad():
+        theirs = unet(x, t, encoder_hidden_states=context).sample
+    ours = _trainer_output64(setup, kind)
+    diff, effect = _relative(theirs, ours), _relative(setup["adapted"][kind][1], setup["base_out"])
+    print(f"\n{kind}: LyCORIS vs trainer {diff:.2e} relative (adapter effect {effect:.2e})")
+    assert effect > 1e-2  # the adapter does something, so agreement means something
+    assert diff < TOLERANCE
+
+
+def test_a_kohya_layout_dora_file_continues_training_from_the_model_it_holds(setup, tmp_path):
+    """adapter.init_from reads the kohya layout's dora_scale as the magnitude (the convention it is written in)."""
+    import torch
+    from safetensors.torch import save_file
+    from ingraph_trainer.trainer import export
+    from ingraph_trainer.trainer.adapters import inject_adapter, load_adapter_weights
+    model, ours = setup["adapted"]["dora"][:2]
+    names = export.diffusers_module_names(setup["family"].base_model)
+    save_file(_export(setup, "dora", "kohya"), str(tmp_path / "dora_kohya.safetensors"))
+    resumed = copy.deepcopy(setup["family"].diffusion_model)
+    targets = [n for n, m in model.named_modules() if hasattr(m, "lora_magnitude_vector")]
+    inject_adapter(resumed, targets, "dora", RANK, ALPHA / 2, 0.0)  # another alpha: the file's scale carries over
+    load_adapter_weights(resumed, "dora", str(tmp_path / "dora_kohya.safetensors"), names)
+    with torch.no_grad():
+        diff = _relative(resumed.eval()(*setup["inputs"][:2], context=setup["inputs"][2]), ours)
+    print(f"\ndora kohya file, continued: {diff:.2e} relative")
+    assert diff < TOLERANCE
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_comfyui_layout_gives_the_trainers_output_in_comfyui(setup, kind, caplog):
+    tensors = _export(setup, kind, "comfyui")
+    assert all(k.startswith("diffusion_model.") for k in tensors)
+    assert _compare_in_comfyui(setup, kind, tensors, caplog, kind) < TOLERANCE
+
+
+def _decompose_dividing_by(norm: str):
+    """A stand-in for ComfyUI's weight_decompose (same signature and output-axis behaviour) that divides
+    dora_scale by |W| ("base") or by |W + dW| ("updated")."""
+    import torch
+
+    def weight_decompose(dora_scale, weight, lora_diff, alpha, strength, intermediate_dtype, function):
+        dora_scale = dora_scale.to(weight.device, intermediate_dtype)
+        lora_diff *= alpha
+        weight_calc = weight + function(lora_diff).type(weight.dtype)
+        by = weight if norm == "base" else weight_calc
+        row_norm = by.reshape(by.shape[0], -1).norm(dim=1, keepdim=True).reshape(by.shape[0], *[1] * (by.dim() - 1))
+        weight_calc *= (dora_scale / (row_norm + torch.finfo(weight.dtype).eps)).type(weight.dtype)
+        if strength != 1.0:
+            weight_calc -= weight
+            weight += strength * weight_calc
+        else:
+            weight[:] = weight_calc
+        return weight
+    return weight_decompose
+
+
+def test_comfyui_layout_follows_what_comfyuis_own_decomposition_divides_by(setup, monkeypatch, caplog):
+    import torch
+    import comfy.weight_adapter.base
+    import comfy.weight_adapter.lora
+    from ingraph_trainer.trainer import adapters
+    installed = adapters.comfyui_dora_norm()
+    assert installed in (adapters.DORA_NORM_BASE, adapters.DORA_NORM_UPDATED)
+    written = _export(setup, "dora", "comfyui")
+    model = setup["adapted"]["dora"][0]
+    magnitudes = {f"diffusion_model.{name[:-len('.lora_magnitude_vector.default.weight')]}.dora_scale": p.detach()
+                  for name, p in model.named_parameters() if name.endswith("lora_magnitude_vector.default.weight")}
+    assert set(magnitudes) == {k for k in written if k.endswith(".dora_scale")}
+
+    def is_magnitude(tensors):
+        return all(torch.allclose(tensors[k].reshape(-1), m.reshape(-1), rtol=1e-6, atol=0)
+                   for k, m in magnitudes.items())
+    # the paper's magnitude itself only where ComfyUI divides by the updated weight's norm
+    assert is_magnitude(written) == (installed == adapters.DORA_NORM_UPDATED)
+
+    other = adapters.DORA_NORM_UPDATED if installed == adapters.DORA_NORM_BASE else adapters.DORA_NORM_BASE
+    # ComfyUI changes its convention: the probe sees it, the file follows, and ComfyUI (the changed one) still
+    # computes the trainer's model from it
+    for module in (comfy.weight_adapter.base, comfy.weight_adapter.lora):
+        monkeypatch.setattr(module, "weight_decompose", _decompose_dividing_by(other))
+    adapters.comfyui_dora_norm.cache_clear()
+    try:
+        assert adapters.comfyui_dora_norm() == other
+        rewritten = _export(setup, "dora", "comfyui")
+        assert is_magnitude(rewritten) == (other == adapters.DORA_NORM_UPDATED)
+        assert any(not torch.allclose(rewritten[k], written[k], rtol=1e-4) for k in magnitudes)
+        assert _compare_in_comfyui(setup, "dora", rewritten, caplog, f"dora, dividing by the {other} norm") < TOLERANCE
+
+        # neither convention: a clear error, no file
+        monkeypatch.setattr(comfy.weight_adapter.base, "weight_decompose", lambda scale, weight, *args: weight * 3)
+        adapters.comfyui_dora_norm.cache_clear()
+        with pytest.raises(RuntimeError, match=r"divides dora_scale by neither \|W\| nor \|W \+ dW\|"):
+            _export(setup, "dora", "comfyui")
+    finally:
+        adapters.comfyui_dora_norm.cache_clear()  # the next caller asks the real one again
