@@ -238,16 +238,34 @@ def test_wan22_ti2v_takes_the_start_image_as_the_latents_first_frame(video_model
     assert (loss - plain).abs().max() > 1e-4, "the start image did not reach the model"
 
 
-def test_video_families_refuse_pipeline_stages_they_cannot_split(video_model_files):
-    """Families and variants without pipeline layers refuse them naming the setting (the base class's message),
-    where Wan text-to-video splits."""
+def test_pipeline_layers_compute_what_the_model_computes_and_i2v_refuses_them(video_model_files):
+    """HunyuanVideo's and LTX-Video's pipeline layers (and Wan text-to-video's), run in sequence on a 3-frame
+    non-square latent, give the family's own loss bit for bit (HunyuanVideo also with no single blocks, the streams
+    joined by the last layer). Wan image-to-video variants refuse pipeline stages naming the setting: stage inputs
+    carry no start image."""
     from ingraph_trainer.trainer.models import UnsupportedSetting, family_for
-    for stem in ("tiny_wan21_i2v", "tiny_wan22_ti2v", "tiny_hunyuan_video", "tiny_ltxv"):
+    from ingraph_trainer.trainer.models.hunyuan_video import HunyuanVideoFamily
+    import comfy.sd
+    no_single = comfy.sd.load_diffusion_model_state_dict(
+        HunyuanVideoFamily.scratch_state_dict(0, depth=2, depth_single_blocks=0), {"dtype": torch.float32})
+    cases = [(load_with_unet_loader(video_model_files[stem]), VIDEO_MODELS[stem]) for stem in
+             ("tiny_wan21_t2v", "tiny_hunyuan_video", "tiny_ltxv")]
+    for patcher, (*_, channels, text) in cases + [(no_single, VIDEO_MODELS["tiny_hunyuan_video"])]:
+        family = family_for(patcher.model, patcher=patcher)
+        family.prepare_for_training()
+        batch = random_batch(channels, text, frames=3, h=6, w=10)
+        with torch.no_grad():
+            expected = family.loss(batch, reduce=False)
+            x = (batch.latents, batch.cond, batch.noise, batch.timesteps) + \
+                ((batch.pooled,) if batch.pooled is not None else ())
+            for layer in family.pipeline_layers():
+                x = layer(x)
+            got = family.loss_of_output(x, batch.latents, batch.noise, batch.timesteps, reduce=False)
+        assert torch.equal(expected, got), (family.name, expected, got)
+    for stem in ("tiny_wan21_i2v", "tiny_wan22_i2v", "tiny_wan22_ti2v"):
         patcher = load_with_unet_loader(video_model_files[stem])
-        with pytest.raises(UnsupportedSetting, match="distributed.pipeline_stages"):
+        with pytest.raises(UnsupportedSetting, match="distributed.pipeline_stages: Wan 2.* start image"):
             family_for(patcher.model, patcher=patcher).pipeline_layers()
-    patcher = load_with_unet_loader(video_model_files["tiny_wan21_t2v"])
-    assert family_for(patcher.model, patcher=patcher).pipeline_layers()
 
 
 REFERENCE_FOLDER = "ingraph_family_start"  # the family images, each with a start image (name.ref.png) beside it

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Batch, ModelFamily, UnsupportedSetting, init_weights, residuals_out_of_place
+from .base import (Batch, ModelFamily, StageInput, UnsupportedSetting, ends_here, init_weights,
+                   residuals_out_of_place)
 
 ATTENTION = (r"double_blocks\.\d+\.(img|txt)_attn\.(qkv|proj)$", r"single_blocks\.\d+\.linear[12]$")
 FEED_FORWARD = (r"double_blocks\.\d+\.(img|txt)_mlp\.[02]$",)
@@ -43,6 +44,12 @@ class HunyuanVideoFamily(ModelFamily):
     def checkpoint_blocks(self):
         return [*self.diffusion_model.double_blocks, *self.diffusion_model.single_blocks]
 
+    def pipeline_layers(self):
+        model = self.diffusion_model
+        return [HunyuanVideoBegin(self), *(HunyuanVideoDoubleBlock(b) for b in model.double_blocks),
+                *(HunyuanVideoSingleBlock(b, first=n == 0) for n, b in enumerate(model.single_blocks)),
+                HunyuanVideoEnd(self)]
+
     def extra_cond_inputs(self, batch: Batch, x_noisy: torch.Tensor) -> dict:
         if batch.pooled is None and self.diffusion_model.vector_in is not None:
             raise UnsupportedSetting("dataset: HunyuanVideo needs pooled text embeddings (its CLIP-L vector); "
@@ -62,3 +69,78 @@ class HunyuanVideoFamily(ModelFamily):
                              axes_dim=[16, 56, 56], theta=256, qkv_bias=True, guidance_embed=guidance_embed,
                              byt5=False, meanflow=False, operations=comfy.ops.disable_weight_init)
         return {k: v.contiguous() for k, v in init_weights(model, seed).state_dict().items()}
+
+
+class HunyuanVideoBegin(StageInput):
+    """Stage input: noise the batch, patchify, embed time, pooled vector, guidance and text (HunyuanVideo._forward /
+    forward_orig up to the blocks; no text mask, as the cache holds none). Tuple out: (img, txt, vec, pe, shape)
+    with shape = the latent's (C, T, H, W)."""
+
+    def __init__(self, family):
+        super().__init__(family)
+        model = family.diffusion_model
+        self.img_in, self.time_in, self.vector_in, self.txt_in = model.img_in, model.time_in, model.vector_in, model.txt_in
+        self.guidance_in = model.guidance_in if model.params.guidance_embed else None
+
+    def forward(self, inputs):
+        from comfy.ldm.flux.layers import timestep_embedding
+        model = self.family.diffusion_model
+        x_in, timestep, kwargs = self.model_inputs(inputs)
+        context, y, guidance = kwargs["context"], kwargs.get("y"), kwargs.get("guidance")
+        img_ids = model.img_ids(x_in)
+        txt_ids = torch.zeros((x_in.shape[0], context.shape[1], 3), device=x_in.device, dtype=x_in.dtype)
+        img = self.img_in(x_in)
+        vec = self.time_in(timestep_embedding(timestep, 256, time_factor=1.0).to(img.dtype))
+        if self.vector_in is not None:
+            vec = vec + self.vector_in(y[:, :model.params.vec_in_dim])
+        if self.guidance_in is not None and guidance is not None:
+            vec = vec + self.guidance_in(timestep_embedding(guidance, 256).to(img.dtype))
+        txt = self.txt_in(context, timestep, None, transformer_options={})
+        pe = model.pe_embedder(torch.cat((img_ids, txt_ids), dim=1))
+        return (*self.sendable(img, txt, vec, pe), torch.tensor(x_in.shape[1:], device=x_in.device))
+
+
+def _joined(inputs):
+    """Double-block tuples (img, txt, vec, pe, shape) become single-block ones (img+txt, vec, pe, shape)."""
+    img, txt, vec, pe, shape = inputs
+    return (torch.cat((img, txt), 1), vec, pe, shape)
+
+
+class HunyuanVideoDoubleBlock(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, inputs):
+        img, txt, vec, pe, shape = inputs
+        img, txt = self.block(img=img, txt=txt, vec=vec, pe=pe, attn_mask=None, modulation_dims_img=None,
+                              modulation_dims_txt=None, transformer_options={})
+        return (img, txt, vec, pe, shape)
+
+
+class HunyuanVideoSingleBlock(torch.nn.Module):
+    def __init__(self, block, first: bool):
+        super().__init__()
+        self.block, self.first = block, first
+
+    def forward(self, inputs):
+        img, vec, pe, shape = _joined(inputs) if self.first else inputs
+        img = self.block(img, vec=vec, pe=pe, attn_mask=None, modulation_dims=None, transformer_options={})
+        return (img, vec, pe, shape)
+
+
+class HunyuanVideoEnd(torch.nn.Module):
+    def __init__(self, family):
+        super().__init__()
+        model = family.diffusion_model
+        self.final_layer, self.patch_size, self.out_channels = model.final_layer, model.patch_size, model.out_channels
+        self.join = len(model.single_blocks) == 0  # else the first single block joined the streams
+
+    def forward(self, inputs):
+        img, vec, pe, shape = _joined(inputs) if self.join else inputs
+        channels, frames, height, width = shape.tolist()
+        grid = [frames // self.patch_size[0], height // self.patch_size[1], width // self.patch_size[2]]
+        img = self.final_layer(img[:, :grid[0] * grid[1] * grid[2]], vec, modulation_dims=None)
+        img = img.reshape([img.shape[0]] + grid + [self.out_channels] + list(self.patch_size))
+        img = img.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(img.shape[0], self.out_channels, frames, height, width)
+        return ends_here(img, pe)

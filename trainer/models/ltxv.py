@@ -2,7 +2,9 @@
 text. An image is a one-frame video."""
 from __future__ import annotations
 
-from .base import Batch, ModelFamily, init_weights, residuals_out_of_place
+import torch
+
+from .base import Batch, ModelFamily, StageInput, ends_here, init_weights, residuals_out_of_place
 
 ATTENTION = (r"transformer_blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_out\.0)$",)
 FEED_FORWARD = (r"transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)$",)
@@ -30,6 +32,9 @@ class LTXVFamily(ModelFamily):
     def checkpoint_blocks(self):
         return list(self.diffusion_model.transformer_blocks)
 
+    def pipeline_layers(self):
+        return [LTXVBegin(self), *(LTXVBlock(b) for b in self.diffusion_model.transformer_blocks), LTXVEnd(self)]
+
     def model_kwargs(self, batch: Batch, x_noisy, dtype) -> dict:
         # every text token counts: the cache holds the embedding without its padding mask (LTXVModel requires
         # the argument; None is what it does without a mask)
@@ -44,3 +49,68 @@ class LTXVFamily(ModelFamily):
                           num_attention_heads=32, caption_channels=4096, num_layers=num_layers,
                           operations=comfy.ops.disable_weight_init)
         return {k: v.contiguous() for k, v in init_weights(model, seed).state_dict().items()}
+
+
+class LTXVBegin(StageInput):
+    """Stage input: noise the batch, patchify, place, embed time and text (LTXVModel._forward up to the blocks).
+    Tuple out: (x, context, timestep, embedded_timestep, pe cos, pe sin, shape) with shape = the latent's
+    (C, T, H, W). Training attends to every text token (no attention mask), so none crosses the stages."""
+
+    def __init__(self, family):
+        super().__init__(family)
+        model = family.diffusion_model
+        self.patchify_proj, self.adaln_single = model.patchify_proj, model.adaln_single
+        self.caption_projection = model.caption_projection
+
+    def forward(self, inputs):
+        from comfy.ldm.lightricks.model import latent_to_pixel_coords, precompute_freqs_cis
+        model = self.family.diffusion_model
+        x_in, timestep, kwargs = self.model_inputs(inputs)
+        x, latent_coords = model.patchifier.patchify(x_in)
+        pixel_coords = latent_to_pixel_coords(latent_coords=latent_coords, scale_factors=model.vae_scale_factors,
+                                              causal_fix=model.causal_temporal_positioning)
+        fractional_coords = pixel_coords.to(torch.float32)
+        fractional_coords[:, 0] = fractional_coords[:, 0] * (1.0 / kwargs.get("frame_rate", 25))
+        x = self.patchify_proj(x)
+        cos, sin = precompute_freqs_cis(fractional_coords, dim=model.inner_dim, out_dtype=x.dtype)
+        batch_size = x.shape[0]
+        timestep, embedded_timestep = self.adaln_single((timestep * 1000.0).flatten(),
+                                                        {"resolution": None, "aspect_ratio": None},
+                                                        batch_size=batch_size, hidden_dtype=x.dtype)
+        timestep = timestep.view(batch_size, -1, timestep.shape[-1])
+        embedded_timestep = embedded_timestep.view(batch_size, -1, embedded_timestep.shape[-1])
+        context = self.caption_projection(kwargs["context"]).view(batch_size, -1, x.shape[-1])
+        return (*self.sendable(x, context, timestep, embedded_timestep, cos, sin),
+                torch.tensor(x_in.shape[1:], device=x.device))
+
+
+class LTXVBlock(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, inputs):
+        x, context, timestep, embedded_timestep, cos, sin, shape = inputs
+        x = self.block(x, context=context, attention_mask=None, timestep=timestep, pe=(cos, sin),
+                       transformer_options={})
+        return (x, context, timestep, embedded_timestep, cos, sin, shape)
+
+
+class LTXVEnd(torch.nn.Module):
+    def __init__(self, family):
+        super().__init__()
+        model = family.diffusion_model
+        self.scale_shift_table, self.norm_out, self.proj_out = model.scale_shift_table, model.norm_out, model.proj_out
+        self.patchifier = model.patchifier
+
+    def forward(self, inputs):
+        import math
+        x, context, timestep, embedded_timestep, cos, sin, shape = inputs
+        channels, frames, height, width = shape.tolist()
+        scale_shift = self.scale_shift_table[None, None].to(device=x.device, dtype=x.dtype) \
+            + embedded_timestep[:, :, None]
+        shift, scale = scale_shift[:, :, 0], scale_shift[:, :, 1]
+        x = self.proj_out(self.norm_out(x) * (1 + scale) + shift)
+        x = self.patchifier.unpatchify(latents=x, output_height=height, output_width=width, output_num_frames=frames,
+                                       out_channels=channels // math.prod(self.patchifier.patch_size))
+        return ends_here(x, context, timestep, cos, sin)
