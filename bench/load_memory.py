@@ -32,20 +32,25 @@ def measure(path: str, fmt: str, hold: str, how: str) -> dict:
     from tools.prepare_run import _bootstrap
     _bootstrap()
     import comfy.sd  # noqa: F401  (imports before the baseline)
-    import torch
     from ingraph_trainer.trainer.config import ModelSpec
-    from ingraph_trainer.trainer.models import base_storage_options, load_family
-
-    def status_bytes(field: str) -> int:
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) for line in status if line.startswith(field)) * 1024
+    from ingraph_trainer.trainer.memory import load_peak
+    from ingraph_trainer.trainer.models import load_family  # noqa: F401  (imports before the baseline)
 
     weight_dtype, precision = HOLDS[hold]
     spec = ModelSpec(path=path, format=fmt, weight_dtype=weight_dtype)
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")  # the peak (VmHWM) restarts here, after the imports
-    base = status_bytes("VmRSS")
+    with load_peak({}) as report:  # the peak restarts here, after the imports
+        model = _load(how, path, fmt, spec, precision)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *model.buffers()]}
+    held = sum(storages.values())
+    dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
+    return {"held": held, "rise": report["peak"] - report["rss_before"], "dtypes": dtypes}
+
+
+def _load(how: str, path: str, fmt: str, spec, precision: str):
+    import comfy.sd
+    from ingraph_trainer.trainer.models import base_storage_options, load_family
     if how == "comfyui":
         options = base_storage_options(spec, precision)
         if fmt == "checkpoint":
@@ -55,12 +60,7 @@ def measure(path: str, fmt: str, hold: str, how: str) -> dict:
             model = comfy.sd.load_diffusion_model(path, model_options=options).model.diffusion_model
     else:
         model = load_family(spec, precision=precision).diffusion_model
-    peak = status_bytes("VmHWM")
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in [*model.parameters(), *model.buffers()]}
-    held = sum(storages.values())
-    dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
-    return {"held": held, "rise": peak - base, "dtypes": dtypes}
+    return model
 
 
 def build_unet(dtype: str, out_dir: Path) -> Path:

@@ -544,6 +544,8 @@ def bench(opts, base: Path):
                   f"sampled RSS summed over them {fmt_bytes(monitor.phase_peaks.get((run.phase, 'trainer'), 0) * 1024)}")
             run.load_ratio = load_ratio_line(hwm_loading, held, precision, unet_params)
             print(f"  trainer while loading: {run.load_ratio[1]}")
+            run.load_rise = load_rise_line(started.get("load_memory"), held)
+            print(f"  the load itself: {run.load_rise[1]}")
             print(f"  started event: {json.dumps(started)[:600]}")
 
         base_bytes = {}
@@ -581,6 +583,8 @@ def bench(opts, base: Path):
     for n, run in results.items():
         ratios.append(f"run {n} trainer load peak/held {run.load_ratio[0]:.2f}" if run.load_ratio[0] else
                       f"run {n} trainer load peak/held n/a")
+        ratios.append(f"run {n} load rise/held {run.load_rise[0]:.2f}" if run.load_rise[0] else
+                      f"run {n} load rise/held n/a")
     if base_bytes.get("bf16") and base_bytes.get("fp8"):
         ratios.append(f"fp8/bf16 base bytes {base_bytes['fp8'][1] / base_bytes['bf16'][1]:.3f}")
     print("ratios: " + "; ".join(ratios))
@@ -592,6 +596,18 @@ def unet_parameters(checkpoint: Path) -> int:
     with open(checkpoint, "rb") as f:
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
     return sum(math.prod(v["shape"]) for k, v in header.items() if k.startswith("model.diffusion_model."))
+
+
+def load_rise_line(load_memory, held) -> tuple[float | None, str]:
+    """What loading the model needed above what the trainer held before it (its `started` event's load_memory:
+    VmHWM at the load's end, restarted at its start, minus VmRSS at its start) against the weights it holds.
+    Whole-process figures also count the imports (torch's libraries alone are about 0.5 GiB resident)."""
+    if not isinstance(load_memory, dict) or not held or not all(
+            isinstance(load_memory.get(k), int) for k in ("rss_before", "peak")):
+        return None, "n/a (the started event has no load_memory)"
+    rise = load_memory["peak"] - load_memory["rss_before"]
+    return rise / held[1], (f"peak {fmt_bytes(load_memory['peak'])} - before {fmt_bytes(load_memory['rss_before'])} "
+                            f"= {fmt_bytes(rise)} for {fmt_bytes(held[1])} held: {rise / held[1]:.2f}x")
 
 
 def load_ratio_line(hwm_loading: int | None, held, precision: str, unet_params: int) -> tuple[float | None, str]:

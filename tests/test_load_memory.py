@@ -104,17 +104,13 @@ from tools.prepare_run import _bootstrap
 _bootstrap()
 import comfy.sd
 from ingraph_trainer.trainer.config import ModelSpec
+from ingraph_trainer.trainer.memory import load_peak
 from ingraph_trainer.trainer.models import load_base_model
-def status(field):
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith(field)) * 1024
 gc.collect()
-with open("/proc/self/clear_refs", "w") as clear:
-    clear.write("5")  # the peak (VmHWM) restarts here: what the imports peaked at is not the load's
-base = status("VmRSS")
-model = load_base_model(ModelSpec(path={path!r}), "fp32").model.diffusion_model
-peak = status("VmHWM")
-print(json.dumps({{"rise": peak - base, "held": sum(p.untyped_storage().nbytes() for p in model.parameters())}}))
+with load_peak({{}}) as report:  # the trainer's own probe: what the imports peaked at is not the load's
+    model = load_base_model(ModelSpec(path={path!r}), "fp32").model.diffusion_model
+rise = report["peak"] - report["rss_before"]
+print(json.dumps({{"rise": rise, "held": sum(p.untyped_storage().nbytes() for p in model.parameters())}}))
 """
 
 

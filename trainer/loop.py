@@ -19,7 +19,7 @@ from .ema import build_average, exported_weights
 from .events import EVENTS_FILE, EventWriter, read_events
 from .export import diffusers_module_names
 from .layouts import choose_layout
-from .memory import enable_block_swap, memory_savers
+from .memory import enable_block_swap, load_peak, memory_savers
 from .metrics import HealthLog, param_norm, param_norm_due
 from .models import load_family
 from .optim import averaged_weights, build_optimizer, build_scheduler
@@ -59,7 +59,9 @@ class Trainer:
         """Every component, once, from the spec (the order keeps the random stream of the adapter's start)."""
         spec, t, a, d = self.spec, self.spec.train, self.spec.adapter, self.spec.distributed
         import_comfy()  # the launching server's ComfyUI, never the spec's
-        self.family = family = load_family(spec.model, precision=spec.train.precision)
+        self.load_memory: dict = {}
+        with load_peak(self.load_memory):
+            self.family = family = load_family(spec.model, precision=spec.train.precision)
         family.set_objective(t.loss, t.huber_delta, t.min_snr_gamma, t.flow_shift, t.guidance)
         family.check_settings(spec)
         self.global_batch = t.batch_size * t.grad_accum * data_parallel_size(spec)
@@ -159,6 +161,7 @@ class Trainer:
                          adapted_modules=len(self.targets), trainable_params=sum(p.numel() for p in self.params),
                          dataset_items=len(self.dataset.unique), samples=len(self.dataset),
                          eval_items=len(self.eval_dataset.unique), base_weight_bytes=family.base_weight_bytes(),
+                         load_memory=self.load_memory,
                          resumed_from=str(resumed_from) if resumed_from else None, **prior)
         if prior_warning:
             self.events.emit("log", level="warning", message=prior_warning)

@@ -1,7 +1,34 @@
-"""Trading compute for memory: gradient checkpointing and block swap, applied to the family's blocks."""
+"""Trading compute for memory: gradient checkpointing and block swap, applied to the family's blocks; and what
+loading the model costs in host memory."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith(field + ":")) * 1024
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def load_peak(report: dict):
+    """Measures the host memory a load needs above what the process held before it: fills `report` with
+    rss_before (VmRSS when the load starts) and peak (VmHWM when it ends, the kernel's high-water mark, restarted
+    at the start where Linux allows). With the restart refused, the peak is the whole process's so far, which can
+    only overstate the load's. Empty on systems without /proc."""
+    with contextlib.suppress(OSError):
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")  # the high-water mark restarts here, after the imports
+    before = _status_bytes("VmRSS")
+    yield report
+    peak = _status_bytes("VmHWM")
+    if before is not None and peak is not None:
+        report.update(rss_before=before, peak=peak)
 
 
 def enable_gradient_checkpointing(blocks):
