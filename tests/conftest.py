@@ -94,17 +94,41 @@ def load_workflow(name: str = "train_lora_api.json") -> dict:
 
 
 @pytest.fixture(scope="session")
-def prepared(tmp_path_factory, assets):
-    """A cache and materialised model shared by trainer-tier tests; `make_run(*flags, **overrides)` writes a spec
-    (flags: tools/prepare_run.py's own, such as --prior-images DIR). One prepare worker (tests/prepare_worker.py)
-    runs tools/prepare_run.py's main for every call, so ComfyUI is imported once per session, not once per run."""
+def tools(tmp_path_factory):
+    """`tools(name, argv)` runs tools/<name>.py's main (prepare_run, cache_dataset) in one worker process kept for
+    the session (tests/tool_worker.py), so ComfyUI is imported once, not once per run; returns what it printed."""
     import select
+    log = tmp_path_factory.mktemp("tool_worker") / "tool_worker.log"
+    with open(log, "w") as log_file:
+        worker = subprocess.Popen([sys.executable, str(REPO / "tests" / "tool_worker.py")], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=log.parent)
+
+    def run_tool(name: str, argv: list[str], timeout: float = 300) -> str:
+        worker.stdin.write(json.dumps({"tool": name, "argv": [str(a) for a in argv]}) + "\n")
+        worker.stdin.flush()
+        ready, _, _ = select.select([worker.stdout], [], [], timeout)
+        line = worker.stdout.readline() if ready else ""
+        if not line:
+            raise AssertionError(f"the tool worker gave no answer for {name} {argv}; its log ends:\n"
+                                 + log.read_text()[-4000:])
+        answer = json.loads(line)
+        assert answer["ok"], f"tools/{name}.py {argv} failed:\n{answer['error']}\n{log.read_text()[-3000:]}"
+        return answer["stdout"]
+    yield run_tool
+    worker.stdin.close()
+    try:
+        worker.wait(30)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+        worker.wait()
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory, assets, tools):
+    """A cache and materialised model shared by trainer-tier tests; `make_run(*flags, **overrides)` writes a spec
+    with tools/prepare_run.py (flags: its own, such as --prior-images DIR)."""
     work = tmp_path_factory.mktemp("trainer")
     counter = {"n": 0}
-    log = work / "prepare_worker.log"
-    with open(log, "w") as log_file:
-        worker = subprocess.Popen([sys.executable, str(REPO / "tests" / "prepare_worker.py")], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=work)
 
     def make_run(*flags, **overrides) -> Path:
         counter["n"] += 1
@@ -113,23 +137,8 @@ def prepared(tmp_path_factory, assets):
                 "--run-dir", str(run_dir), *flags]
         for key, value in overrides.items():
             args += ["--set", f"{key.replace('__', '.')}={json.dumps(value)}"]
-        worker.stdin.write(json.dumps(args) + "\n")
-        worker.stdin.flush()
-        ready, _, _ = select.select([worker.stdout], [], [], 300)
-        line = worker.stdout.readline() if ready else ""
-        if not line:
-            raise AssertionError(f"the prepare worker gave no answer for {args}; its log ends:\n"
-                                 + log.read_text()[-4000:])
-        answer = json.loads(line)
-        assert answer["ok"], f"prepare_run {args} failed:\n{answer['error']}\n{log.read_text()[-3000:]}"
-        return Path(answer["stdout"].strip().splitlines()[-1])
-    yield make_run
-    worker.stdin.close()
-    try:
-        worker.wait(30)
-    except subprocess.TimeoutExpired:
-        worker.kill()
-        worker.wait()
+        return Path(tools("prepare_run", args).strip().splitlines()[-1])
+    return make_run
 
 
 # a 3-step LoRA whose file format is the point (tests/test_export_formats.py reads each back with diffusers,

@@ -20,11 +20,15 @@ pytestmark = pytest.mark.comfyui
 CACHE_TOOL = [sys.executable, str(REPO / "tools" / "cache_dataset.py")]
 
 
-def cache(assets, images, root, *extra, timeout=300) -> dict:
-    out = subprocess.run([*CACHE_TOOL, "--checkpoint", str(assets["checkpoint"]), "--images", str(images),
-                          "--cache", str(root), *extra], capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+@pytest.fixture
+def cache(assets, tools):
+    """`cache(images, root, *extra)`: tools/cache_dataset.py's counts, run in the session's tool worker (a fresh
+    CacheStore each call, as a new process would open; only the ComfyUI import is shared)."""
+    def run(images, root, *extra) -> dict:
+        printed = tools("cache_dataset", ["--checkpoint", assets["checkpoint"], "--images", images, "--cache", root,
+                                          *extra])
+        return json.loads(printed.strip().splitlines()[-1])
+    return run
 
 
 def all_entries_valid(root: Path) -> int:
@@ -47,53 +51,53 @@ def images(assets, tmp_path):
     return folder
 
 
-def test_incremental_cache_encodes_only_what_changed(assets, images, tmp_path):
+def test_incremental_cache_encodes_only_what_changed(cache, images, tmp_path):
     from PIL import Image
     root = tmp_path / "cache"
-    first = cache(assets, images, root)
+    first = cache(images, root)
     assert first["latents"] == {"encoded": 8, "reused": 0} and first["text"]["encoded"] == 8
 
-    second = cache(assets, images, root)
+    second = cache(images, root)
     assert second["latents"] == {"encoded": 0, "reused": 8} and second["text"]["encoded"] == 0
 
     for f in images.iterdir():  # touch: new mtimes, same bytes
         os.utime(f, (time.time() + 5, time.time() + 5))
-    assert cache(assets, images, root)["latents"]["encoded"] == 0
+    assert cache(images, root)["latents"]["encoded"] == 0
 
     target = images / "item_003.png"
     img = Image.open(target).convert("RGB")
     img.putpixel((0, 0), (1, 2, 3))
     img.save(target)
-    changed = cache(assets, images, root)
+    changed = cache(images, root)
     assert changed["latents"] == {"encoded": 1, "reused": 7} and changed["text"]["encoded"] == 0
 
     (images / "item_007.png").unlink()
     (images / "item_007.txt").unlink()
-    removed = cache(assets, images, root)
+    removed = cache(images, root)
     assert removed["latents"] == {"encoded": 0, "reused": 7}
 
     other_vae = tmp_path / "other_vae.safetensors"
     subprocess.run([sys.executable, str(REPO / "tools" / "embedded_default.py"), "--vae", str(other_vae),
                     "--seed", "7"], check=True, capture_output=True, timeout=120)
-    swapped = cache(assets, images, root, "--vae", str(other_vae))
+    swapped = cache(images, root, "--vae", str(other_vae))
     assert swapped["latents"] == {"encoded": 7, "reused": 0}
     assert swapped["text"] == {"encoded": 0, "reused": 7}
     assert all_entries_valid(root) == 8 + 1 + 7 + 8  # old latents, the edited one, new-VAE latents, texts
 
 
-def test_damaged_shard_is_detected_and_re_encoded(assets, images, tmp_path):
+def test_damaged_shard_is_detected_and_re_encoded(cache, images, tmp_path):
     root = tmp_path / "cache"
-    cache(assets, images, root)
+    cache(images, root)
     shard = sorted((root / "shards" / "latent").rglob("*.safetensors"))[0]
     data = bytearray(shard.read_bytes())
     data[-5] ^= 0x01  # one flipped bit in the tensor data
     shard.write_bytes(bytes(data))
-    again = cache(assets, images, root)
+    again = cache(images, root)
     assert again["latents"] == {"encoded": 1, "reused": 7}
     all_entries_valid(root)
 
 
-def test_two_processes_filling_one_cache_leave_it_valid(assets, tmp_path):
+def test_two_processes_filling_one_cache_leave_it_valid(cache, assets, tmp_path):
     from tools.embedded_default import build_images
     images = tmp_path / "many"
     build_images(images, count=40, size=128, seed=3)
@@ -108,10 +112,10 @@ def test_two_processes_filling_one_cache_leave_it_valid(assets, tmp_path):
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert all(r["latents"]["encoded"] + r["latents"]["reused"] == 40 for r in results)
     assert all_entries_valid(root) == 40 + 8  # 40 latents, 8 distinct captions
-    assert cache(assets, images, root, "--resolution", "128")["latents"]["encoded"] == 0
+    assert cache(images, root, "--resolution", "128")["latents"]["encoded"] == 0
 
 
-def test_sigkill_mid_cache_then_rerun_encodes_only_what_was_missing(assets, tmp_path):
+def test_sigkill_mid_cache_then_rerun_encodes_only_what_was_missing(cache, assets, tmp_path):
     from tools.embedded_default import build_images
     images = tmp_path / "many"
     build_images(images, count=60, size=256, seed=5)
@@ -134,7 +138,7 @@ def test_sigkill_mid_cache_then_rerun_encodes_only_what_was_missing(assets, tmp_
     proc.wait(10)
     done_before = all_entries_valid(root)
     assert 0 < done_before < 60, "the kill should land mid-cache"
-    rerun = cache(assets, images, root, "--resolution", "256")
+    rerun = cache(images, root, "--resolution", "256")
     assert rerun["latents"]["encoded"] == 60 - done_before
     assert rerun["latents"]["reused"] == done_before
     assert all_entries_valid(root) == 60 + 8

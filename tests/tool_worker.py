@@ -1,0 +1,75 @@
+"""tools/prepare_run.py's and tools/cache_dataset.py's main, served to the test session: one JSON request a line in
+({"tool": "prepare_run", "argv": [...]}), one JSON answer a line out.
+
+Each of those tools spends ~8 s importing ComfyUI before its ~2 s of work, and the suite runs them a few dozen
+times, so conftest keeps one of these workers (the `tools` fixture): it imports once, then forks a child per
+request that runs the tool's own main, unchanged, and exits. Each run thus starts from the same fresh process
+image, as a newly started tool would (nothing a run loads or allocates reaches the next; a fresh image matters:
+the tiny checkpoint's CLIP has a weight ComfyUI leaves uninitialised, which the text cache's key samples).
+Tests whose point is separate processes (two caching at once, one killed mid-cache) still start the tool
+themselves.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+TOOLS = ("prepare_run", "cache_dataset")
+
+
+def run_in_child(request: dict, answer_fd: int) -> None:
+    printed = io.StringIO()
+    try:
+        if request["tool"] not in TOOLS:
+            raise ValueError(f"tests/tool_worker.py serves {TOOLS}, not {request['tool']!r}")
+        tool = importlib.import_module(f"tools.{request['tool']}")
+        with contextlib.redirect_stdout(printed):
+            tool.main(request["argv"])
+        answer = {"ok": True, "stdout": printed.getvalue()}
+    except BaseException as exc:  # argparse's SystemExit too: the test sees a failed run of the tool
+        answer = {"ok": False, "stdout": printed.getvalue(),
+                  "error": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))}
+    with os.fdopen(answer_fd, "w") as out:
+        out.write(json.dumps(answer))
+
+
+def serve() -> None:
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # ComfyUI's and torch's prints go to the log, never into the answers
+    sys.stdout = sys.stderr
+    from tools.bootstrap import bootstrap
+    bootstrap()
+    for name in TOOLS:  # what every run would import (ComfyUI, torch, the pack): once, before any fork
+        importlib.import_module(f"tools.{name}")
+    import comfy.sd  # noqa: F401
+    import comfy.utils  # noqa: F401
+    for line in sys.stdin:
+        request = json.loads(line)
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read_fd)
+            try:
+                run_in_child(request, write_fd)
+            finally:
+                sys.stderr.flush()
+                os._exit(0)
+        os.close(write_fd)
+        with os.fdopen(read_fd) as child_answer:
+            text = child_answer.read()
+        _, status = os.waitpid(pid, 0)
+        if not text:
+            text = json.dumps({"ok": False, "stdout": "", "error": f"the child died (wait status {status})"})
+        answers.write(text + "\n")
+
+
+if __name__ == "__main__":
+    serve()
