@@ -74,4 +74,25 @@ class SyntheticTextEncoder:
         return (SyntheticClip(family),)
 
 
-NODE_CLASS_MAPPINGS = {"InGraphTestSyntheticTextEncoder": SyntheticTextEncoder}
+class ModelForwards:
+    """Reports, in the ComfyUI process, which modules of a MODEL's diffusion model carry an instance-level `forward`
+    (a wrapper set on the object, not the class's own method), and the diffusion model's id: that training left
+    the graph's live model as it was (tests/test_flux_graph_unchanged.py)."""
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL", {"tooltip": "the MODEL whose modules are inspected"}),
+                             "label": ("STRING", {"default": "", "tooltip": "differs per prompt: never cached"})}}
+
+    RETURN_TYPES = ()
+    FUNCTION = "report"
+    OUTPUT_NODE = True
+    CATEGORY = "testing"
+
+    def report(self, model, label):
+        diffusion_model = model.model.diffusion_model
+        wrapped = [name for name, module in diffusion_model.named_modules() if "forward" in vars(module)]
+        return {"ui": {"model_id": [id(diffusion_model)], "wrapped": wrapped, "label": [label]}}
+
+
+NODE_CLASS_MAPPINGS = {"InGraphTestSyntheticTextEncoder": SyntheticTextEncoder,
+                       "InGraphTestModelForwards": ModelForwards}
