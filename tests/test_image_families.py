@@ -1,0 +1,265 @@
+"""Image families beyond SD/SDXL/SD3/Flux (issue 15): Qwen-Image and Qwen-Image-Edit, Flux Kontext, Chroma, Lumina 2.
+
+Each tiny model is the smallest ComfyUI's own loader still detects as its family (ComfyUI fixes their widths, so
+each is 380-520M parameters, stored in bf16). Unit tests (no server) prove detection, adapter targets and that the
+family's loss is the loss of ComfyUI's own sampler output (calc_cond_batch on CLIPTextEncode-style conditioning,
+ReferenceLatent's `reference_latents` for the edit models); one graph prompt trains every family 2 steps and each
+LoRA loads through the stock LoraLoaderModelOnly, unmatched keys none, and changes KSampler's output.
+
+Qwen-Image-Edit and Flux Kontext share Qwen-Image's and Flux's architecture (ComfyUI detects them as those), so they
+are the same families given reference images. HiDream is not here: ComfyUI fixes its depth (16 + 32 blocks) as well
+as its width, so the smallest model it detects is the full 17B one.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import IMAGE_FOLDER, REPO
+from test_model_families import FAMILY_FOLDER, sampling_graph, saved_latent, training_graph
+
+pytestmark = pytest.mark.comfyui
+
+# family → (latent of one item as cached: C, h, w; text tokens and width the tiny model takes)
+IMAGE_FAMILIES = {"qwen_image": ((16, 6, 10), (8, 3584)), "chroma": ((16, 6, 10), (8, 4096)),
+                  "lumina2": ((16, 6, 10), (8, 2304))}
+# what the family's stock text encoder adds to CLIPTextEncode's conditioning beside the embedding
+ENCODER_EXTRAS = {"chroma": {"pooled_output": None},  # T5 alone: no pooled vector
+                  "lumina2": {"attention_mask": torch.ones((1, 8), dtype=torch.long)}}  # Gemma's mask
+
+
+EDIT_FOLDER = "ingraph_edit"  # the family images, each with a name.ref.png (its mirror image) as edit source
+EDIT_REFERENCE = "ingraph_edit_reference.png"  # the source image the stock edit graph loads (LoadImage)
+# one image, batch 1: Chroma's fixed 278M-parameter modulation network runs on 344 tokens per sample in every forward
+# pass (evaluation before and after: 5 quantiles per item), ~10 s each on a loaded 2-core CPU
+SINGLE_FOLDER = "ingraph_single"
+# graph chain → (tiny model and synthetic encoder family, VAE, image folder); the edit chains train on reference
+# images: Qwen-Image-Edit with the Wan VAE Qwen-Image uses (5-D latents), Flux Kontext with the 16-channel TAESD
+CHAINS = {"chroma": ("chroma", "tiny_taesd16.safetensors", SINGLE_FOLDER),
+          "lumina2": ("lumina2", "tiny_taesd16.safetensors", FAMILY_FOLDER),
+          "qwen_image_edit": ("qwen_image", "tiny_wan_vae.safetensors", EDIT_FOLDER),
+          "flux_kontext": ("flux", "tiny_taesd16.safetensors", EDIT_FOLDER)}
+
+
+@pytest.fixture(scope="module")
+def image_family_models(comfy):
+    """Tiny Qwen-Image, Chroma and Lumina 2 models in the server's diffusion_models folder (bf16), and what the
+    graph test needs beside them where test_model_families or test_video_data did not leave it: the tiny Flux, the
+    16-channel TAESD, the tiny Wan VAE, the two family images, and the same images with reference images."""
+    from PIL import Image, ImageOps
+    unets, vaes = comfy.dir("models", "diffusion_models"), comfy.dir("models", "vae")
+    images, edit = comfy.dir("input", FAMILY_FOLDER), comfy.dir("input", EDIT_FOLDER)
+    for n, source in enumerate(sorted(comfy.dir("input", IMAGE_FOLDER).iterdir())[:4]):  # two images, their captions
+        for folder in (images, edit, *([comfy.dir("input", SINGLE_FOLDER)] if n < 2 else [])):
+            (folder / source.name).write_bytes(source.read_bytes())
+        if source.suffix != ".txt":
+            mirrored = ImageOps.mirror(Image.open(source).convert("RGB"))
+            mirrored.save(edit / f"{source.stem}.ref.png")
+            mirrored.save(comfy.dir("input") / EDIT_REFERENCE)
+    families = [*(f"{family}:bf16" for family in IMAGE_FAMILIES),
+                *(["flux:bf16"] if not (unets / "tiny_flux.safetensors").exists() else [])]
+    command = [sys.executable, str(REPO / "tools" / "tiny_models.py"), "--out-dir", str(unets), "--families", *families]
+    if not (vaes / "tiny_taesd16.safetensors").exists():
+        command += ["--vae16", str(vaes / "tiny_taesd16.safetensors")]
+    subprocess.run(command, check=True, capture_output=True, timeout=900)
+    if not (vaes / "tiny_wan_vae.safetensors").exists():
+        subprocess.run([sys.executable, str(REPO / "tools" / "tiny_wan_vae.py"),
+                        str(vaes / "tiny_wan_vae.safetensors")], check=True, capture_output=True, timeout=600)
+    return comfy
+
+
+def _comfy():
+    sys.path.insert(0, str(REPO))
+    from tools.prepare_run import _bootstrap
+    _bootstrap()
+
+
+def _load(server, family: str):
+    """ComfyUI's own loader (what UNETLoader runs) on the tiny file, in fp32, and the family the trainer picks."""
+    import comfy.sd
+    from ingraph_trainer.trainer.models import family_for
+    path = server.dir("models", "diffusion_models") / f"tiny_{family}.safetensors"
+    patcher = comfy.sd.load_diffusion_model(str(path), model_options={"dtype": torch.float32})
+    return family_for(patcher.model, patcher=patcher)
+
+
+def _batch(latent, text, pooled=None, references=()):
+    from ingraph_trainer.trainer.models import Batch
+    g = torch.Generator().manual_seed(0)
+    return Batch(torch.randn(2, *latent, generator=g), torch.randn(2, *text, generator=g),
+                 torch.randn(2, pooled, generator=g) if pooled else None, torch.randn(2, *latent, generator=g),
+                 torch.rand(2, generator=g) * 0.8 + 0.1,
+                 references=[torch.randn(2, *ref, generator=g) for ref in references] or None)
+
+
+def comfyui_losses(family, batch, extras, model_references=None) -> torch.Tensor:
+    """Per-sample loss of what ComfyUI's sampler computes for each item: its conditioning as CLIPTextEncode (+ the
+    encoder's extras, + ReferenceLatent's reference_latents) gives it, through the sampler's convert_cond,
+    encode_model_conds (the model's extra_conds) and calc_cond_batch (apply_model); the velocity recovered from the
+    denoised output against the flow target."""
+    import comfy.sampler_helpers
+    import comfy.samplers
+    base = family.base_model
+    base.current_patcher = family.patcher  # what ComfyUI's sampling sets while a sampler runs
+    with torch.no_grad():
+        x0, noise, sigma = family.noising(batch.latents, batch.noise, batch.timesteps)
+        shape = (-1,) + (1,) * (x0.dim() - 1)
+        x_noisy = base.model_sampling.noise_scaling(sigma.view(shape), noise, x0)
+        losses = []
+        for i in range(x0.shape[0]):
+            item = dict(extras)
+            if batch.pooled is not None:
+                item["pooled_output"] = batch.pooled[i:i + 1]
+            if batch.references:
+                refs = model_references or (lambda r: r)
+                item["reference_latents"] = [refs(ref[i:i + 1]) for ref in batch.references]
+            conds = comfy.sampler_helpers.convert_cond([[batch.cond[i:i + 1], item]])
+            conds = comfy.samplers.encode_model_conds(base.extra_conds, conds, x_noisy[i:i + 1], x0.device, "positive")
+            denoised = comfy.samplers.calc_cond_batch(base, [conds], x_noisy[i:i + 1], sigma[i:i + 1], {})[0]
+            velocity = (x_noisy[i:i + 1] - denoised) / sigma[i]
+            losses.append(((velocity - (noise[i:i + 1] - x0[i:i + 1])) ** 2).mean())
+    return torch.stack(losses)
+
+
+@pytest.mark.parametrize("name", list(IMAGE_FAMILIES))
+def test_family_detected_and_its_loss_is_comfyuis(image_family_models, name):
+    """ComfyUI's loader detects the tiny file as the family, the family picks it, every adapter preset finds
+    layers, and the family's loss is the loss of ComfyUI's own sampler output for the same conditioning (Chroma: its
+    out-of-place blocks, installed for training, compute ComfyUI's blocks' values and pass gradients)."""
+    _comfy()
+    family = _load(image_family_models, name)
+    assert family.name == name and family.prediction == "flow"
+    assert family.adapter_targets("attention") and \
+        len(family.adapter_targets("attention_ff")) > len(family.adapter_targets("attention"))
+    assert family.checkpoint_blocks()
+    latent, text = IMAGE_FAMILIES[name]
+    batch = _batch(latent, text)
+    expected = comfyui_losses(family, batch, ENCODER_EXTRAS.get(name, {}))  # before the trainer patches anything
+    family.prepare_for_training()
+    with torch.no_grad():
+        got = family.loss(batch, reduce=False)
+    assert torch.allclose(got, expected, rtol=1e-6, atol=0), (name, got, expected)
+    if name == "chroma":  # ComfyUI's own Chroma blocks add residuals in place: autograd refuses them
+        family.diffusion_model.requires_grad_(False)
+        weight = dict(family.diffusion_model.named_modules())[family.adapter_targets("attention")[0]].weight
+        weight.requires_grad_(True)
+        family.loss(batch).backward()
+        assert weight.grad is not None and weight.grad.abs().sum() > 0
+
+
+def test_qwen_image_edit_trains_on_reference_latents_as_comfyui_runs_them(image_family_models):
+    """Qwen-Image-Edit: the batch's reference images (raw cached latents, two slots of another size than the
+    target) reach the model as TextEncodeQwenImageEdit / ReferenceLatent hand them (Wan-VAE latents, 5-D), so the
+    loss is ComfyUI's, and differs from the loss without them."""
+    _comfy()
+    family = _load(image_family_models, "qwen_image")
+    assert family.reference_input == "reference_latents"
+    latent, text = IMAGE_FAMILIES["qwen_image"]
+    batch = _batch(latent, text, references=[(16, 4, 6), (16, 6, 10)])
+    expected = comfyui_losses(family, batch, {}, model_references=lambda ref: ref.unsqueeze(2))
+    with torch.no_grad():
+        got = family.loss(batch, reduce=False)
+        batch.references = None
+        without = family.loss(batch, reduce=False)
+    assert torch.allclose(got, expected, rtol=1e-6, atol=0), (got, expected)
+    assert (got - without).abs().min() > 1e-4
+
+
+def test_flux_kontext_trains_on_reference_latents_as_comfyui_runs_them():
+    """Flux Kontext (a Flux dev model to ComfyUI): reference latents reach the model as ReferenceLatent hands them,
+    with FluxGuidance's guidance, so the loss is ComfyUI's; without references it is plain Flux. The model is a
+    narrow Flux built by ComfyUI's own Flux model config (detection of Flux: test_model_families)."""
+    _comfy()
+    import comfy.model_patcher
+    import comfy.supported_models
+    from ingraph_trainer.trainer.models import family_for
+    from ingraph_trainer.trainer.models.base import init_weights
+    config = comfy.supported_models.Flux(dict(
+        image_model="flux", in_channels=16, out_channels=16, vec_in_dim=64, context_in_dim=4096, hidden_size=64,
+        mlp_ratio=4.0, num_heads=2, depth=1, depth_single_blocks=1, axes_dim=[8, 12, 12], theta=10000, patch_size=2,
+        qkv_bias=True, guidance_embed=True))
+    config.set_inference_dtype(torch.float32, None)
+    base = config.get_model({})
+    init_weights(base.diffusion_model, 0)
+    patcher = comfy.model_patcher.ModelPatcher(base, load_device=torch.device("cpu"),
+                                               offload_device=torch.device("cpu"))
+    family = family_for(base, patcher=patcher)
+    assert family.name == "flux" and family.reference_input == "reference_latents"
+    batch = _batch((16, 6, 10), (8, 4096), pooled=64, references=[(16, 4, 6)])
+    expected = comfyui_losses(family, batch, {"guidance": family.guidance})
+    family.prepare_for_training()
+    with torch.no_grad():
+        got = family.loss(batch, reduce=False)
+        batch.references = None
+        without = family.loss(batch, reduce=False)
+    assert torch.allclose(got, expected, rtol=1e-6, atol=0), (got, expected)
+    assert (got - without).abs().min() > 1e-4
+
+
+def edit_sampling_graph(family: str, vae: str, lora_name: str, prefix: str) -> dict:
+    """Stock nodes only, with and without the LoRA: UNETLoader (+ LoraLoaderModelOnly) → KSampler → SaveLatent,
+    where an edit model's prompt carries the source image as the stock edit workflow gives it (LoadImage →
+    VAEEncode → ReferenceLatent)."""
+    graph = sampling_graph(family, lora_name, f"{prefix}_lora")
+    graph["13"]["inputs"]["cfg"] = 1.0  # one model call a step (Chroma's modulation network is costly on a CPU)
+    graph["23"] = {**graph["13"], "inputs": {**graph["13"]["inputs"], "model": ["1", 0]}}  # the same, no LoRA
+    graph["24"] = {"class_type": "SaveLatent",
+                   "inputs": {"samples": ["23", 0], "filename_prefix": f"latents/{prefix}_base"}}
+    if vae:
+        graph.update({
+            "30": {"class_type": "LoadImage", "inputs": {"image": EDIT_REFERENCE}},
+            "31": {"class_type": "VAELoader", "inputs": {"vae_name": vae}},
+            "32": {"class_type": "VAEEncode", "inputs": {"pixels": ["30", 0], "vae": ["31", 0]}},
+            "33": {"class_type": "ReferenceLatent", "inputs": {"conditioning": ["10", 0], "latent": ["32", 0]}}})
+        for sampler in ("13", "23"):
+            graph[sampler]["inputs"]["positive"] = ["33", 0]
+    return graph
+
+
+def test_image_families_train_in_one_graph_and_load_in_lora_loader(image_family_models, client):
+    """One prompt trains Chroma, Lumina 2, Qwen-Image-Edit and Flux Kontext (the edit models on items with reference
+    images) 2 steps each (fp32, 64 px images, captions from a synthetic encoder of each family's width); each LoRA
+    loads through the stock LoraLoaderModelOnly with no unmatched key and changes KSampler's output (the edit
+    models': in the stock ReferenceLatent edit graph)."""
+    comfy = image_family_models
+    prompt = {}
+    for chain, (family, vae, folder) in CHAINS.items():
+        model = {"class_type": "UNETLoader", "inputs": {"unet_name": f"tiny_{family}.safetensors",
+                                                        "weight_dtype": "default"}}
+        graph = training_graph("flux", f"image_{chain}", model=model, text_family=family,
+                               **({"batch_size": 1} if folder == SINGLE_FOLDER else {}))
+        graph["2"]["inputs"]["vae_name"] = vae
+        graph["4"]["inputs"]["folder"] = folder
+        for node_id, node in graph.items():
+            inputs = {k: [f"{chain}_{v[0]}", v[1]] if isinstance(v, list) else v for k, v in node["inputs"].items()}
+            prompt[f"{chain}_{node_id}"] = {**node, "inputs": inputs}
+    outcome = client.run(prompt, timeout=1800)
+    assert outcome.ok, outcome.error
+    for chain, (family, vae, folder) in CHAINS.items():
+        events = [m["data"]["event"] for m in outcome.messages
+                  if m.get("type") == "ingraph.event" and m["data"]["node"] == f"{chain}_8"]
+        started = next(e for e in events if e["type"] == "started")
+        assert started["family"] == family and started["prediction"] == "flow", started
+        steps = [e for e in events if e["type"] == "step"]
+        assert len(steps) == 2 and all(torch.isfinite(torch.tensor(e["loss"])) for e in steps), steps
+        if folder == EDIT_FOLDER:  # each item brought its name.ref.png into the run (Batch.references)
+            manifest = json.loads((Path(started["run_dir"]) / "dataset.json").read_text())
+            assert [item[manifest["fields"].index("references")] for item in manifest["items"]] == [1, 1]
+        adapter = load_file(str(comfy.base_dir / "models" / "loras" / f"image_{chain}.safetensors"))
+        assert adapter and all(k.startswith("diffusion_model.") for k in adapter), sorted(adapter)[:3]
+
+        log_before = len(comfy.log_text())
+        graph = edit_sampling_graph(family, vae if folder == EDIT_FOLDER else None, f"image_{chain}.safetensors",
+                                    f"image_{chain}")
+        result = client.run(graph, timeout=600)
+        assert result.ok, result.error
+        log = comfy.log_text()[log_before:]
+        assert "lora key not loaded" not in log and "ERROR" not in log, log[-3000:]
+        base, trained = saved_latent(comfy, f"image_{chain}_base"), saved_latent(comfy, f"image_{chain}_lora")
+        assert base.shape == trained.shape and (base - trained).abs().max() > 1e-6, f"{chain}: the LoRA changed nothing"
