@@ -8,6 +8,7 @@ trainer's own export code. "The trainer's output" is that peft-adapted model's o
 from __future__ import annotations
 
 import copy
+import json
 import sys
 
 import pytest
@@ -148,22 +149,29 @@ def test_kohya_layout_loads_in_lycoris_with_every_key_and_gives_the_trainers_out
 
 
 def test_a_kohya_layout_dora_file_continues_training_from_the_model_it_holds(setup, tmp_path):
-    """adapter.init_from reads the kohya layout's dora_scale as the magnitude (the convention it is written in)."""
+    """adapter.init_from reads a DoRA file's dora_scale in the convention it was written in: the metadata's, else
+    the layout's (kohya: the magnitude)."""
     import torch
     from safetensors.torch import save_file
     from ingraph_trainer.trainer import export
     from ingraph_trainer.trainer.adapters import inject_adapter, load_adapter_weights
+    from ingraph_trainer.trainer.adapters import (DORA_NORM_METADATA_KEY, DORA_NORM_UPDATED, PACK_METADATA_KEY,
+                                                  comfy_adapter_state_dict)
     model, ours = setup["adapted"]["dora"][:2]
     names = export.diffusers_module_names(setup["family"].base_model)
     save_file(_export(setup, "dora", "kohya"), str(tmp_path / "dora_kohya.safetensors"))
-    resumed = copy.deepcopy(setup["family"].diffusion_model)
+    # ComfyUI keys in the paper's convention, as a later ComfyUI's export would write them: the metadata says so
+    save_file(comfy_adapter_state_dict(model, "dora", ALPHA, "kohya"), str(tmp_path / "dora_later_comfyui.safetensors"),
+              metadata={PACK_METADATA_KEY: json.dumps({DORA_NORM_METADATA_KEY: DORA_NORM_UPDATED})})
     targets = [n for n, m in model.named_modules() if hasattr(m, "lora_magnitude_vector")]
-    inject_adapter(resumed, targets, "dora", RANK, ALPHA / 2, 0.0)  # another alpha: the file's scale carries over
-    load_adapter_weights(resumed, "dora", str(tmp_path / "dora_kohya.safetensors"), names)
-    with torch.no_grad():
-        diff = _relative(resumed.eval()(*setup["inputs"][:2], context=setup["inputs"][2]), ours)
-    print(f"\ndora kohya file, continued: {diff:.2e} relative")
-    assert diff < TOLERANCE
+    for name in ("dora_kohya", "dora_later_comfyui"):
+        resumed = copy.deepcopy(setup["family"].diffusion_model)
+        inject_adapter(resumed, targets, "dora", RANK, ALPHA / 2, 0.0)  # another alpha: the file's scale carries over
+        load_adapter_weights(resumed, "dora", str(tmp_path / f"{name}.safetensors"), names)
+        with torch.no_grad():
+            diff = _relative(resumed.eval()(*setup["inputs"][:2], context=setup["inputs"][2]), ours)
+        print(f"\n{name} file, continued: {diff:.2e} relative")
+        assert diff < TOLERANCE
 
 
 @pytest.mark.parametrize("kind", KINDS)
