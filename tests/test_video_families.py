@@ -154,7 +154,8 @@ class FakeVideoVAE:
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
         x = torch.nn.functional.avg_pool2d(pixels[..., :3].movedim(-1, 1).float() * 2 - 1, self.scale)
         groups = torch.cat([x[:1]] + [x[i:i + 4].mean(0, keepdim=True) for i in range(1, x.shape[0], 4)])
-        latent = torch.einsum("cd,tdhw->cthw", self.mix, groups) + torch.einsum("cd,dhw->chw", self.carry, x[0])[:, None]
+        latent = torch.einsum("cd,tdhw->cthw", self.mix, groups) \
+            + torch.einsum("cd,dhw->chw", self.carry, x[0])[:, None]
         frames = torch.arange(groups.shape[0], dtype=torch.float32)
         return (latent + self.offset[:, None, None, None] * (frames[:, None, None] + 1)).unsqueeze(0)
 
@@ -182,7 +183,8 @@ def test_wan_i2v_takes_the_start_image_as_wan_image_to_video_hands_it(video_mode
                                              start_image=image).args
     # what the data side caches for the item: the start image followed by gray, at the clip's length
     video = torch.cat([image, torch.full((length - 1, height, width, 3), 0.5)])
-    batch.references = [vae.encode(video).expand(2, -1, -1, -1, -1)]
+    start = vae.encode(video).expand(2, -1, -1, -1, -1)
+    batch.references = [start]
     x, x0, noise, sigma = noisy(family, batch)
     with torch.no_grad():
         x_in, timestep, kwargs = family.model_inputs(batch)
@@ -196,6 +198,9 @@ def test_wan_i2v_takes_the_start_image_as_wan_image_to_video_hands_it(video_mode
     assert (loss - without).abs().max() > 1e-4, "the start image did not reach the model"
     batch.references = [batch.references[0][:, :, :1]]
     with pytest.raises(ValueError, match=r"Batch\.references: .*WanImageToVideo.*3 latent frames"):
+        family.loss(batch)
+    batch.references = [start, start]
+    with pytest.raises(ValueError, match=r"Batch\.references: .*one start image per item"):
         family.loss(batch)
 
 
@@ -397,8 +402,8 @@ def test_wan_i2v_trains_on_a_clip_with_its_start_image_and_works_in_the_stock_i2
     comfy, stem = video_models_in_server, "tiny_wan22_i2v"
     vaes = comfy.dir("models", "vae")
     if not (vaes / "tiny_wan_vae.safetensors").exists():  # test_video_data.py may have built it in this session
-        subprocess.run([sys.executable, str(REPO / "tools" / "tiny_wan_vae.py"), str(vaes / "tiny_wan_vae.safetensors")],
-                       check=True, capture_output=True, timeout=300)
+        subprocess.run([sys.executable, str(REPO / "tools" / "tiny_wan_vae.py"),
+                        str(vaes / "tiny_wan_vae.safetensors")], check=True, capture_output=True, timeout=300)
     folder = comfy.dir("input", "ingraph_video_start")
     write_video(folder / "walk.mp4", 17, fps=8)
     (folder / "walk.txt").write_text("a walk, ingraph style")
@@ -421,31 +426,30 @@ def test_wan_i2v_trains_on_a_clip_with_its_start_image_and_works_in_the_stock_i2
     (start,) = dataset.references([0])
     assert tuple(start.shape) == (1, 16, 5, SIDE // 8, SIDE // 8)
 
-    def i2v_graph(lora: str | None, prefix: str) -> dict:
-        graph = {
-            "1": model,
-            "2": {"class_type": "VAELoader", "inputs": {"vae_name": "tiny_wan_vae.safetensors"}},
-            "3": {"class_type": "InGraphTestSyntheticTextEncoder", "inputs": {"family": "wan"}},
-            "4": {"class_type": "LoadImage", "inputs": {"image": "ingraph_walk_start.png"}},
-            "10": {"class_type": "CLIPTextEncode", "inputs": {"text": "a walk, ingraph style", "clip": ["3", 0]}},
-            "11": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["3", 0]}},
-            "12": {"class_type": "WanImageToVideo", "inputs": {"positive": ["10", 0], "negative": ["11", 0],
-                                                               "vae": ["2", 0], "width": SIDE, "height": SIDE,
-                                                               "length": 17, "batch_size": 1, "start_image": ["4", 0]}},
-            "13": {"class_type": "KSampler", "inputs": {"model": ["9", 0] if lora else ["1", 0], "positive": ["12", 0],
-                                                        "negative": ["12", 1], "latent_image": ["12", 2], "seed": 1,
-                                                        "steps": 2, "cfg": 2.0, "sampler_name": "euler",
-                                                        "scheduler": "simple", "denoise": 1.0}},
-            "14": {"class_type": "SaveLatent", "inputs": {"samples": ["13", 0], "filename_prefix": f"latents/{prefix}"}},
-        }
-        if lora:
-            graph["9"] = {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "lora_name": lora,
-                                                                          "strength_model": 1.0}}
-        return graph
+    def sampled(model_input: list, name: str) -> dict:
+        return {f"{name}.13": {"class_type": "KSampler", "inputs": {
+                    "model": model_input, "positive": ["12", 0], "negative": ["12", 1], "latent_image": ["12", 2],
+                    "seed": 1, "steps": 2, "cfg": 2.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}},
+                f"{name}.14": {"class_type": "SaveLatent", "inputs": {"samples": [f"{name}.13", 0],
+                                                                      "filename_prefix": f"latents/{name}"}}}
 
+    # one stock i2v graph, its start image encoded once, sampled without and with the LoRA
+    i2v_graph = {
+        "1": model,
+        "2": {"class_type": "VAELoader", "inputs": {"vae_name": "tiny_wan_vae.safetensors"}},
+        "3": {"class_type": "InGraphTestSyntheticTextEncoder", "inputs": {"family": "wan"}},
+        "4": {"class_type": "LoadImage", "inputs": {"image": "ingraph_walk_start.png"}},
+        "9": {"class_type": "LoraLoaderModelOnly",
+              "inputs": {"model": ["1", 0], "lora_name": "video_clip_i2v.safetensors", "strength_model": 1.0}},
+        "10": {"class_type": "CLIPTextEncode", "inputs": {"text": "a walk, ingraph style", "clip": ["3", 0]}},
+        "11": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["3", 0]}},
+        "12": {"class_type": "WanImageToVideo",
+               "inputs": {"positive": ["10", 0], "negative": ["11", 0], "vae": ["2", 0], "width": SIDE, "height": SIDE,
+                          "length": 17, "batch_size": 1, "start_image": ["4", 0]}},
+        **sampled(["1", 0], "clip_i2v_base"), **sampled(["9", 0], "clip_i2v_lora"),
+    }
     log_before = len(comfy.log_text())
-    outcome = client.run(merged({"base": i2v_graph(None, "clip_i2v_base"),
-                                 "lora": i2v_graph("video_clip_i2v.safetensors", "clip_i2v_lora")}), timeout=600)
+    outcome = client.run(i2v_graph, timeout=600)
     assert outcome.ok, outcome.error
     assert "lora key not loaded" not in comfy.log_text()[log_before:]
     base, trained = saved_latent(comfy, "clip_i2v_base"), saved_latent(comfy, "clip_i2v_lora")

@@ -79,7 +79,8 @@ class HunyuanVideoBegin(StageInput):
     def __init__(self, family):
         super().__init__(family)
         model = family.diffusion_model
-        self.img_in, self.time_in, self.vector_in, self.txt_in = model.img_in, model.time_in, model.vector_in, model.txt_in
+        self.img_in, self.time_in, self.txt_in = model.img_in, model.time_in, model.txt_in
+        self.vector_in = model.vector_in
         self.guidance_in = model.guidance_in if model.params.guidance_embed else None
 
     def forward(self, inputs):

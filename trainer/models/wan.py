@@ -87,6 +87,9 @@ class WanFamily(ModelFamily):
         """The batch's start image (its first reference slot) as raw latents in the model's layout, or None."""
         if self.variant == "t2v" or not batch.references:
             return None
+        if len(batch.references) > 1:
+            raise ValueError(f"Batch.references: {self.display_name} takes one start image per item; these items "
+                             f"have {len(batch.references)} reference images (name.ref.png, name.ref2.png ...)")
         start = self.to_model_layout(batch.references[0])
         if self.variant != "ti2v_5b" and start.shape[2] != frames:
             raise ValueError(f"Batch.references: {self.display_name} takes the start image as WanImageToVideo "
