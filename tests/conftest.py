@@ -168,6 +168,19 @@ def run_trainer(spec_path: Path, *extra, timeout: float = 300) -> subprocess.Com
                           capture_output=True, text=True, timeout=timeout, cwd=spec_path.parent)
 
 
+def run_trainers_forked(*spec_paths: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The trainer program on each spec in turn, each run in a child forked after one shared import
+    (tests/train_forked.py): for tests comparing runs of the same program, one import instead of one per run.
+    `.statuses`: {spec path: exit status}."""
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "train_forked.py"), *map(str, spec_paths)],
+                          capture_output=True, text=True, timeout=timeout * len(spec_paths))
+    try:
+        proc.statuses = {Path(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+    except (IndexError, ValueError):
+        proc.statuses = {}
+    return proc
+
+
 def read_events(run_dir: Path) -> list[dict]:
     path = run_dir / "events.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []

@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from conftest import load_workflow, read_events, run_trainer
+from conftest import load_workflow, read_events, run_trainers_forked
 
 pytestmark = pytest.mark.comfyui
 
@@ -103,15 +103,13 @@ def test_previews_do_not_change_training(prepared):
                   train__eval_quantiles=[0.5])
     with_previews = prepared(**common, samples__every=3, samples__steps=2, samples__width=64, samples__height=64,
                              samples__prompts=["a red circle", "a blue square"])
-    proc = run_trainer(with_previews)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     from ingraph_trainer.trainer.config import dump_run_spec, load_run_spec
     spec = load_run_spec(with_previews)
     plain = with_previews.parent.with_name(with_previews.parent.name + "-plain")
     plain.mkdir()
     spec.run_dir, spec.output.lora_path, spec.samples.every = str(plain), str(plain / "lora.safetensors"), 0
     (plain / "run.toml").write_text(dump_run_spec(spec))
-    proc = run_trainer(plain / "run.toml")
+    proc = run_trainers_forked(with_previews, plain / "run.toml")  # each its own process, the imports shared
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = read_events(with_previews.parent), read_events(plain)
     assert [e["step"] for e in a if e["type"] == "sample"] == [3, 4]

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, read_events, run_trainer
+from conftest import REPO, read_events, run_trainers_forked
 
 pytestmark = pytest.mark.comfyui
 
@@ -56,13 +56,12 @@ def test_fp8_base_weights_are_half_of_bf16_and_stay_fp8(tiny_unet):
 def test_fp8_lora_trains_like_bf16_and_loads_onto_comfyuis_fp8_model(prepared, tiny_unet, tmp_path, caplog):
     """Both runs compute in fp32 (bf16 convolutions are slow on CPU): the bf16 file's weights as they are against
     the same weights held in fp8, so the difference is the base's precision alone."""
-    runs = {}
-    for name, weight_dtype in (("bf16", "default"), ("fp8", "fp8_e4m3fn")):
-        spec = prepared(train__steps=STEPS, train__batch_size=2, train__precision="fp32", adapter__rank=4,
-                        adapter__alpha=4.0, **_model_overrides(tiny_unet, weight_dtype))
-        proc = run_trainer(spec)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        runs[name] = read_events(spec.parent)
+    specs = {name: prepared(train__steps=STEPS, train__batch_size=2, train__precision="fp32", adapter__rank=4,
+                            adapter__alpha=4.0, **_model_overrides(tiny_unet, weight_dtype))
+             for name, weight_dtype in (("bf16", "default"), ("fp8", "fp8_e4m3fn"))}
+    proc = run_trainers_forked(*specs.values())  # each its own process, the imports shared
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = {name: read_events(spec.parent) for name, spec in specs.items()}
     losses = {name: [e["loss"] for e in events if e["type"] == "step"] for name, events in runs.items()}
     evals = {name: [e["loss"] for e in events if e["type"] == "eval"] for name, events in runs.items()}
     assert len(losses["fp8"]) == len(losses["bf16"]) == STEPS
