@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import IMAGE_FOLDER, REPO
-from test_model_families import FAMILY_FOLDER, sampling_graph, saved_latent, training_graph
+from test_model_families import sampling_graph, saved_latent, training_graph
 
 pytestmark = pytest.mark.comfyui
 
@@ -34,15 +34,15 @@ ENCODER_EXTRAS = {"chroma": {"pooled_output": None},  # T5 alone: no pooled vect
                   "lumina2": {"attention_mask": torch.ones((1, 8), dtype=torch.long)}}  # Gemma's mask
 
 
-EDIT_FOLDER = "ingraph_edit"  # the family images, each with a name.ref.png (its mirror image) as edit source
+EDIT_FOLDER = "ingraph_edit"  # one family image with a name.ref.png (its mirror image) as edit source
 EDIT_REFERENCE = "ingraph_edit_reference.png"  # the source image the stock edit graph loads (LoadImage)
-# one image, batch 1: Chroma's fixed 278M-parameter modulation network runs on 344 tokens per sample in every forward
-# pass (evaluation before and after: 5 quantiles per item), ~10 s each on a loaded 2-core CPU
+# one image, batch 1, in every chain (suite time): every forward pass costs (evaluation before and after: 5 quantiles
+# per item), Chroma's most (its fixed 278M-parameter modulation network runs on 344 tokens a sample: ~10 s on 2 cores)
 SINGLE_FOLDER = "ingraph_single"
 # graph chain → (tiny model and synthetic encoder family, VAE, image folder); the edit chains train on reference
 # images: Qwen-Image-Edit with the Wan VAE Qwen-Image uses (5-D latents), Flux Kontext with the 16-channel TAESD
 CHAINS = {"chroma": ("chroma", "tiny_taesd16.safetensors", SINGLE_FOLDER),
-          "lumina2": ("lumina2", "tiny_taesd16.safetensors", FAMILY_FOLDER),
+          "lumina2": ("lumina2", "tiny_taesd16.safetensors", SINGLE_FOLDER),
           "qwen_image_edit": ("qwen_image", "tiny_wan_vae.safetensors", EDIT_FOLDER),
           "flux_kontext": ("flux", "tiny_taesd16.safetensors", EDIT_FOLDER)}
 
@@ -51,12 +51,12 @@ CHAINS = {"chroma": ("chroma", "tiny_taesd16.safetensors", SINGLE_FOLDER),
 def image_family_models(comfy):
     """Tiny Qwen-Image, Chroma and Lumina 2 models in the server's diffusion_models folder (bf16), and what the
     graph test needs beside them where test_model_families or test_video_data did not leave it: the tiny Flux, the
-    16-channel TAESD, the tiny Wan VAE, the two family images, and the same images with reference images."""
+    16-channel TAESD, the tiny Wan VAE; one image alone, and with a reference image."""
     from PIL import Image, ImageOps
     unets, vaes = comfy.dir("models", "diffusion_models"), comfy.dir("models", "vae")
-    images, edit = comfy.dir("input", FAMILY_FOLDER), comfy.dir("input", EDIT_FOLDER)
-    for n, source in enumerate(sorted(comfy.dir("input", IMAGE_FOLDER).iterdir())[:4]):  # two images, their captions
-        for folder in (images, edit, *([comfy.dir("input", SINGLE_FOLDER)] if n < 2 else [])):
+    edit = comfy.dir("input", EDIT_FOLDER)
+    for source in sorted(comfy.dir("input", IMAGE_FOLDER).iterdir())[:2]:  # the first image and its caption
+        for folder in (edit, comfy.dir("input", SINGLE_FOLDER)):
             (folder / source.name).write_bytes(source.read_bytes())
         if source.suffix != ".txt":
             mirrored = ImageOps.mirror(Image.open(source).convert("RGB"))
@@ -232,8 +232,7 @@ def test_image_families_train_in_one_graph_and_load_in_lora_loader(image_family_
     for chain, (family, vae, folder) in CHAINS.items():
         model = {"class_type": "UNETLoader", "inputs": {"unet_name": f"tiny_{family}.safetensors",
                                                         "weight_dtype": "default"}}
-        graph = training_graph("flux", f"image_{chain}", model=model, text_family=family,
-                               **({"batch_size": 1} if folder == SINGLE_FOLDER else {}))
+        graph = training_graph("flux", f"image_{chain}", model=model, text_family=family, batch_size=1)
         graph["2"]["inputs"]["vae_name"] = vae
         graph["4"]["inputs"]["folder"] = folder
         for node_id, node in graph.items():
@@ -250,7 +249,7 @@ def test_image_families_train_in_one_graph_and_load_in_lora_loader(image_family_
         assert len(steps) == 2 and all(torch.isfinite(torch.tensor(e["loss"])) for e in steps), steps
         if folder == EDIT_FOLDER:  # each item brought its name.ref.png into the run (Batch.references)
             manifest = json.loads((Path(started["run_dir"]) / "dataset.json").read_text())
-            assert [item[manifest["fields"].index("references")] for item in manifest["items"]] == [1, 1]
+            assert [item[manifest["fields"].index("references")] for item in manifest["items"]] == [1]
         adapter = load_file(str(comfy.base_dir / "models" / "loras" / f"image_{chain}.safetensors"))
         assert adapter and all(k.startswith("diffusion_model.") for k in adapter), sorted(adapter)[:3]
 
