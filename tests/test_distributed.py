@@ -46,14 +46,34 @@ def adapters_agree(a: Path, b: Path):
     assert all(v.numel() > 0 for v in tb.values())
 
 
+FULL_FINE_TUNE = dict(train__steps=3, train__batch_size=2, train__precision="fp32", train__learning_rate=1e-4,
+                      train__eval_quantiles=[0.5], adapter__kind="full")
+
+
 @pytest.fixture(scope="module")
-def reference(prepared):
+def one_process_runs(prepared):
+    """The 1-process runs that layouts are compared with, trained in one batch (tests/train_forked.py: each run its
+    own process, the imports shared): "reference" (micro-batch 2, gradient accumulation 2: the layout every other
+    run must match), "block_swap" (the same, 3 blocks swapped, gradient checkpointing), "full" (a full fine-tune,
+    accumulation 2) and "evaluate" (the evaluate task)."""
+    from conftest import run_trainers_forked
+    specs = {"reference": prepared(**COMMON, train__grad_accum=2),
+             "block_swap": prepared(**COMMON, train__grad_accum=2, distributed__block_swap=3,
+                                    train__gradient_checkpointing=True),
+             "full": prepared(**FULL_FINE_TUNE, train__grad_accum=2),
+             "evaluate": prepared(task="evaluate", train__precision="fp32", train__batch_size=3)}
+    proc = run_trainers_forked(*specs.values())
+
+    def finished(name: str) -> Path:
+        assert proc.statuses.get(specs[name]) == 0, f"{name}: {proc.statuses}\n{proc.stderr[-3000:]}"
+        return specs[name]
+    return finished
+
+
+@pytest.fixture(scope="module")
+def reference(one_process_runs):
     """1 process, micro-batch 2, gradient accumulation 2: the layout every other run must match."""
-    spec = prepared(**COMMON, train__grad_accum=2)
-    from conftest import run_trainer
-    proc = run_trainer(spec)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return spec.parent
+    return one_process_runs("reference").parent
 
 
 @pytest.fixture(scope="module")
@@ -228,33 +248,25 @@ def test_killed_worker_fails_the_node_within_5s(comfy, client):
     print(f"\nworker SIGKILL to node error: {elapsed:.2f} s")
 
 
-def test_evaluation_is_identical_on_1_and_2_processes(prepared):
+def test_evaluation_is_identical_on_1_and_2_processes(one_process_runs):
     """The evaluate task of the same model and data: 1 process and 2 processes give the same numbers."""
     from ingraph_trainer.trainer.config import dump_run_spec, load_run_spec
-    one = prepared(task="evaluate", train__precision="fp32", train__batch_size=3)
+    one = one_process_runs("evaluate")
     spec = load_run_spec(one)
     two = one.parent.with_name(one.parent.name + "-2proc")
     two.mkdir()
     spec.run_dir = str(two)
     (two / "run.toml").write_text(dump_run_spec(spec))
-    from conftest import run_trainer
-    proc = run_trainer(one)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     launch(two / "run.toml", 2)
     results = [next(e for e in read_events(d) if e["type"] == "finished")["evaluation"] for d in (one.parent, two)]
     assert results[0] == results[1]
     assert results[0]["items"] == 8 and len(results[0]["quantiles"]) == 5
 
 
-def test_zero3_full_fine_tune_on_2_processes_matches_1_process(prepared):
+def test_zero3_full_fine_tune_on_2_processes_matches_1_process(prepared, one_process_runs):
     """Every weight sharded across 2 processes (ZeRO-3), gathered on rank 0 into one diffusion-model file."""
-    full = dict(train__steps=3, train__batch_size=2, train__precision="fp32", train__learning_rate=1e-4,
-                train__eval_quantiles=[0.5], adapter__kind="full")
-    one = prepared(**full, train__grad_accum=2)
-    from conftest import run_trainer
-    proc = run_trainer(one)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    two = prepared(**full, distributed__processes=2, distributed__zero_stage=3)
+    one = one_process_runs("full")
+    two = prepared(**FULL_FINE_TUNE, distributed__processes=2, distributed__zero_stage=3)
     launch(two, 2)
     ref, got = step_losses(one.parent), step_losses(two.parent)
     assert max(abs(a - b) for a, b in zip(ref, got)) < 1e-5, (ref, got)
@@ -288,13 +300,10 @@ def test_two_pipeline_stages_match_one_stage(prepared, reference):
     assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)
 
 
-def test_block_swap_and_gradient_checkpointing_match_plain_training(prepared, reference):
+def test_block_swap_and_gradient_checkpointing_match_plain_training(one_process_runs, reference):
     """Three blocks whose frozen weights live in CPU memory (recomputed in the backward pass), the other blocks
     gradient-checkpointed: the same losses as the plain run."""
-    spec = prepared(**COMMON, train__grad_accum=2, distributed__block_swap=3, train__gradient_checkpointing=True)
-    from conftest import run_trainer
-    proc = run_trainer(spec)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    spec = one_process_runs("block_swap")
     ref, got = step_losses(reference), step_losses(spec.parent)
     assert len(got) == 5 and max(abs(a - b) for a, b in zip(ref, got)) < 1e-6, (ref, got)
     assert read_events(spec.parent)[0]["block_swap"] == 3

@@ -26,6 +26,7 @@ def training_only(name: str, steps: int, **train_inputs) -> dict:
 
 
 def test_stop_saves_a_checkpoint_writes_the_lora_and_ends_cleanly(comfy, client):
+    """Stop, then resume from the node; while the resumed run trains, the server stays responsive."""
     prompt_id = client.queue(training_only("stopped_run", 5000))
     run_id = wait_first_step(client, prompt_id)["run_id"]
     reply = client.post(f"/ingraph/runs/{run_id}/stop")
@@ -48,6 +49,7 @@ def test_stop_saves_a_checkpoint_writes_the_lora_and_ends_cleanly(comfy, client)
     first = data["event"]["step"]
     assert data["run_id"] == run_id and first == finished["steps"] + 1
     assert abs(data["event"]["lr"] - 0.001) < 1e-12
+    assert_server_responsive(comfy)  # while this run trains (its own launch would cost ~20 s)
     # the honoured stop is gone: the resumed run trains on, is listed as running, and can be stopped again
     assert wait_first_step(client, prompt_id, at_least=first + 10)["run_id"] == run_id
     record = client.get(f"/ingraph/runs/{run_id}")
@@ -107,19 +109,14 @@ def test_a_users_own_lora_of_the_same_name_survives(comfy, client):
     assert (set(runs.iterdir()) if runs.is_dir() else set()) == runs_before  # refused before anything was written
 
 
-def test_server_stays_responsive_while_training(comfy, client):
-    prompt_id = client.queue(training_only("latency_run", 5000))
-    wait_first_step(client, prompt_id)
+def assert_server_responsive(comfy):
+    """ComfyUI answers /system_stats and /queue within 0.2 s (p95 of 50) while a trainer runs beside it."""
     timings = []
-    try:
-        for n in range(50):
-            path = "/system_stats" if n % 2 else "/queue"
-            t0 = time.perf_counter()
-            urllib.request.urlopen(f"http://{comfy.address}{path}", timeout=5).read()
-            timings.append(time.perf_counter() - t0)
-    finally:
-        client.interrupt()
-        client.follow(prompt_id, timeout=60)
+    for n in range(50):
+        path = "/system_stats" if n % 2 else "/queue"
+        t0 = time.perf_counter()
+        urllib.request.urlopen(f"http://{comfy.address}{path}", timeout=5).read()
+        timings.append(time.perf_counter() - t0)
     p95 = sorted(timings)[int(0.95 * len(timings)) - 1]
     print(f"\n/system_stats + /queue while training: p95 {p95 * 1000:.1f} ms, max {max(timings) * 1000:.1f} ms")
     assert p95 < 0.2
