@@ -372,7 +372,7 @@ class StepBatch:
 class StepBatches:
     """Loads step s's batch for this rank (data-parallel rank `data_rank` of `world` replicas) with load_step:
     the global batch, its texts, prior items, noise and timesteps are the same on any layout. Runs in the
-    prefetch thread, statistics included."""
+    loader (data.step_loader), statistics included."""
 
     def __init__(self, dataset, sampler, train, data_spec, world: int, data_rank: int):
         self.dataset, self.sampler, self.t, self.data = dataset, sampler, train, data_spec

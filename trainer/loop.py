@@ -13,7 +13,7 @@ from .checkpoint import Checkpointer
 from .comfy_env import import_comfy
 from .config import RunSpec
 from .batch_mix import StepBatches, build_training_data, prior_report
-from .data import Prefetcher, load_cached_dataset
+from .data import load_cached_dataset, step_loader
 from .distributed import data_parallel_size, deepspeed_config, init_distributed, rank, world_size
 from .ema import build_average, exported_weights
 from .events import EVENTS_FILE, EventWriter, read_events
@@ -106,7 +106,7 @@ class Trainer:
         start_step, resumed_from = self.checkpointer.resume(t.resume)
         self.announce(start_step, resumed_from)
         eval_before = self.evaluate(start_step) if start_step == 0 else None
-        prefetch = Prefetcher(self.batches)
+        prefetch = step_loader(self.batches, self.layout.device)
         stopped, self.step_times, self.data_wait, loss = False, [], 0.0, None
         for step in range(start_step + 1, t.steps + 1):  # `step`: the steps done once this one is
             t0 = time.perf_counter()
