@@ -37,11 +37,26 @@ def import_deepspeed():
     return deepspeed
 
 
+def set_cpu_threads(count: int) -> None:
+    """torch.set_num_threads, leaving MKL as a process that never called it has it. Besides the thread count,
+    torch's call turns MKL's dynamic threading off, after which every small matrix product runs on all threads:
+    on 2 cores the steps after one evaluation (which runs on 1 thread) became 1.1-1.5 times slower and their
+    speed varied from run to run (bench/overhead.py)."""
+    torch.set_num_threads(count)
+    if torch.backends.mkl.is_available():
+        import ctypes
+        try:
+            mkl = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+            mkl.MKL_Set_Dynamic(ctypes.c_int(1))  # MKL's default; its C interface takes the flag by value
+        except (OSError, AttributeError):  # a build with MKL elsewhere: only speed is at stake
+            pass
+
+
 def init_distributed():
     ensure_dist_env()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     if not torch.cuda.is_available() and local_world > 1:  # CPU processes share the cores, not oversubscribe them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        set_cpu_threads(max(1, (os.cpu_count() or 1) // local_world))
     deepspeed = import_deepspeed()
     backend = None if torch.cuda.is_available() else "gloo"
     deepspeed.init_distributed(dist_backend=backend, verbose=False)

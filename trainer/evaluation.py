@@ -11,7 +11,7 @@ import contextlib
 import torch
 
 from .data import CachedDataset, seeded_generator
-from .distributed import rank, world_size
+from .distributed import rank, set_cpu_threads, world_size
 from .models import Batch
 
 EVAL_NOISE_STREAM = 3  # generator stream of the evaluation noise (data.py uses 1, 2 and 4)
@@ -33,11 +33,11 @@ def layout_independent_threads(device):
         yield
         return
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    set_cpu_threads(1)
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        set_cpu_threads(threads)
 
 
 def eval_noise(shape, items: list[int], seed: int) -> torch.Tensor:
