@@ -310,10 +310,12 @@ def scan_image_folder(folder: str | Path, *, resolution: int | None = None, buck
     if fps < 0:
         raise DatasetError(f"fps must be 0 (the source's own frame rate) or more (got {fps})")
     images, clips, skipped, mask_files, reference_files = [], [], [], {}, {}
+    reference_dir = os.path.realpath(reference_folder) if reference_folder else None
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
         if entry.name.startswith("."):
             continue
-        if entry.is_dir() and is_frame_folder(entry.path, IMAGE_EXTENSIONS):
+        if entry.is_dir() and os.path.realpath(entry.path) != reference_dir \
+                and is_frame_folder(entry.path, IMAGE_EXTENSIONS):
             clips.append(Path(entry.path))  # a folder of frames
             continue
         if not _listed_file(entry):
@@ -341,6 +343,11 @@ def scan_image_folder(folder: str | Path, *, resolution: int | None = None, buck
     if skipped:
         log.info("InGraph Trainer: ignored %d non-image file(s) in %s: %s", len(skipped), folder,
                  ", ".join(skipped[:10]) + (" ..." if len(skipped) > 10 else ""))
+    frame_folders = [clip.name for clip in clips if clip.is_dir()]
+    if frame_folders:  # subfolders were not read before clips were: say which are now, and as what
+        log.info("InGraph Trainer: %d subfolder(s) of %s read as clips (folders of frames, in frame-number order): "
+                 "%s", len(frame_folders), folder,
+                 ", ".join(frame_folders[:10]) + (" ..." if len(frame_folders) > 10 else ""))
 
     stems = {image.stem for image in images} | {clip.stem if clip.is_file() else clip.name for clip in clips}
     unmatched = sorted(name for name in mask_files if name not in stems)

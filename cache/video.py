@@ -10,6 +10,7 @@ import functools
 import hashlib
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,9 +66,15 @@ def is_frame_folder(path: str | Path, image_extensions) -> bool:
         return False
 
 
+def frame_order(name: str) -> list:
+    """Frames in number order whatever the padding (2.png before 10.png), then by name."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name)]
+
+
 def frame_files(folder: str | Path, image_extensions) -> list[str]:
-    return sorted(e.path for e in os.scandir(folder)
-                  if not e.name.startswith(".") and Path(e.name).suffix.lower() in image_extensions and e.is_file())
+    files = [e for e in os.scandir(folder)
+             if not e.name.startswith(".") and Path(e.name).suffix.lower() in image_extensions and e.is_file()]
+    return [e.path for e in sorted(files, key=lambda e: frame_order(e.name))]
 
 
 @dataclass(frozen=True)

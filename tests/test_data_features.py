@@ -194,6 +194,9 @@ def test_conditionings_of_different_lengths_batch_the_way_comfyui_does():
     short, long = torch.arange(6.).reshape(2, 3), torch.arange(12.).reshape(4, 3) + 100
     stacked = mix.stack_conds([short, long])
     assert stacked.shape == (2, 4, 3) and torch.equal(stacked[0], torch.cat([short, short]))
+    # captions of an encoder that does not pad (23 and 31 tokens): ComfyUI would not batch them (over 4 repeats)
+    with pytest.raises(ValueError, match=r"train.batch_size: captions in one batch encode to \[23, 31\] tokens"):
+        mix.stack_conds([torch.zeros(23, 3), torch.zeros(31, 3)])
 
 
 # --- masked loss ---------------------------------------------------------------------------------------------

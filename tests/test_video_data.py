@@ -269,6 +269,21 @@ def test_reference_images_are_found_matched_and_counted(tmp_path):
     write_image(refs / "cat.png", 50), write_image(refs / "dog.png", 60)
     items = {Path(i.path).name: i.references for i in scan(data, reference_folder=refs).items}
     assert items == {"cat.png": (str(refs / "cat.png"),), "dog.png": (str(refs / "dog.png"),)}
+    # the reference folder kept inside the dataset folder is not read as a clip of frames
+    inner = data / "refs"
+    inner.mkdir()
+    write_image(inner / "cat.png", 50), write_image(inner / "dog.png", 60)
+    items = {Path(i.path).name: i.references for i in scan(data, reference_folder=inner).items}
+    assert items == {"cat.png": (str(inner / "cat.png"),), "dog.png": (str(inner / "dog.png"),)}
+
+
+def test_a_frame_folder_is_read_in_frame_number_order(tmp_path):
+    from ingraph_trainer.cache.video import frame_files
+    folder = tmp_path / "clip"
+    folder.mkdir()
+    for k in (1, 2, 10, 11):  # unpadded numbers: name order would put 10 and 11 before 2
+        write_image(folder / f"{k}.png", k)
+    assert [Path(f).name for f in frame_files(folder, (".png",))] == ["1.png", "2.png", "10.png", "11.png"]
 
 
 def test_references_and_clips_reach_the_trainer_batch(tmp_path):

@@ -200,11 +200,14 @@ def _file_dora_norm(path: str, tensors: dict[str, torch.Tensor]) -> str:
     with safe_open(path, "pt") as f:
         meta = f.metadata() or {}
     try:
-        norm = json.loads(meta.get(PACK_METADATA_KEY, "{}")).get(DORA_NORM_METADATA_KEY)
-    except (ValueError, AttributeError):
-        norm = None
+        pack = json.loads(meta.get(PACK_METADATA_KEY, "null"))
+    except ValueError:
+        pack = None
+    norm = pack.get(DORA_NORM_METADATA_KEY) if isinstance(pack, dict) else None
     if norm in (DORA_NORM_BASE, DORA_NORM_UPDATED):
         return norm
+    if isinstance(pack, dict):  # written by this pack before files said: every layout then suited ComfyUI 0.3.64
+        return DORA_NORM_BASE
     return dora_norm_for("kohya" if any(k.startswith("lora_unet_") for k in tensors) else "comfyui")
 
 

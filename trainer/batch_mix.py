@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from ..cache.store import load_checked
-from .data import StepSampler, seeded_generator, stack_references
+from .data import StepSampler, seeded_generator, stack_conds, stack_references
 
 # generator streams (data.py uses 1, 2 and 4, evaluation 3): one per kind of draw, so adding one changes no other
 TEXT_CHOICE_STREAM = 11
@@ -78,17 +78,6 @@ def _text_ref(part, j: int, empty: bool, pick: float | None, shuffle_tags: bool)
     if pick is not None and variants:
         return variants[min(int(pick * len(variants)), len(variants) - 1)]
     return part.text_keys[j], part.text_shas[j]
-
-
-def stack_conds(conds: list[torch.Tensor]) -> torch.Tensor:
-    """Text embeddings of one batch as one tensor. Lengths can differ (an empty caption against a caption past
-    the encoder's minimum length): then each is repeated to their least common multiple, ComfyUI's own rule
-    for batching cross-attention conditioning (comfy/conds.py CONDCrossAttn.concat)."""
-    lengths = {c.shape[0] for c in conds}
-    if len(lengths) > 1:
-        total = math.lcm(*lengths)
-        conds = [c.repeat(total // c.shape[0], *([1] * (c.dim() - 1))) for c in conds]
-    return torch.stack(conds)
 
 
 # --- masks and the batch -----------------------------------------------------------------------------------

@@ -67,9 +67,27 @@ class CachedDataset:
         """(latents, text embeddings, pooled text vectors or None where the text encoder has none)."""
         latents = torch.stack([self.latent(i) for i in indices])
         texts = [self.text(i) for i in indices]
-        cond = torch.stack([text["cond"] for text in texts])
+        cond = stack_conds([text["cond"] for text in texts])
         pooled = torch.stack([text["pooled"] for text in texts]) if all("pooled" in text for text in texts) else None
         return latents, cond, pooled
+
+
+def stack_conds(conds: list[torch.Tensor]) -> torch.Tensor:
+    """Text embeddings of one batch as one tensor. Lengths can differ (an empty caption against a caption past
+    the encoder's minimum length; text encoders that do not pad, such as Chroma's, Qwen-Image's or Lumina 2's):
+    then each is repeated to their least common multiple, ComfyUI's own rule for batching cross-attention
+    conditioning (comfy/conds.py CONDCrossAttn.concat), within its own limit: no embedding repeated more than 4
+    times, past which ComfyUI runs the prompts apart and a batch here would not be what inference sees."""
+    lengths = sorted({c.shape[0] for c in conds})
+    if len(lengths) > 1:
+        total = math.lcm(*lengths)
+        if total // lengths[0] > 4:
+            raise ValueError(f"train.batch_size: captions in one batch encode to {lengths} tokens, which ComfyUI "
+                             f"would not batch together (it repeats an embedding at most 4 times; these need "
+                             f"{total // lengths[0]}); this text encoder does not pad its captions: train with "
+                             "batch_size 1 and use gradient_accumulation for a larger batch")
+        conds = [c.repeat(total // c.shape[0], *([1] * (c.dim() - 1))) for c in conds]
+    return torch.stack(conds)
 
 
 def load_cached_dataset(manifest_path: str) -> CachedDataset:

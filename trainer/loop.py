@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .adapters import inject_adapter, load_adapter_weights
+from .adapters import dora_norm_for, inject_adapter, load_adapter_weights
 from .checkpoint import Checkpointer
 from .comfy_env import import_comfy
 from .config import RunSpec
@@ -74,6 +74,8 @@ class Trainer:
             refuse_fp8_full_fine_tune(family.diffusion_model, spec.model.path)
             self.targets, self.params = [], list(family.diffusion_model.requires_grad_(True).parameters())
         else:
+            if a.kind == "dora":  # a ComfyUI whose DoRA convention cannot be told fails now, not after the run
+                dora_norm_for(spec.output.format)
             self.targets = family.adapter_targets(a.targets)
             self.params = inject_adapter(family.diffusion_model, self.targets, a.kind, a.rank, a.alpha, a.dropout)
             if a.init_from:
