@@ -314,7 +314,7 @@ def scan_image_folder(folder: str | Path, *, resolution: int | None = None, buck
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
         if entry.name.startswith("."):
             continue
-        if entry.is_dir() and os.path.realpath(entry.path) != reference_dir \
+        if _is_dir(entry) and os.path.realpath(entry.path) != reference_dir \
                 and is_frame_folder(entry.path, IMAGE_EXTENSIONS):
             clips.append(Path(entry.path))  # a folder of frames
             continue
@@ -417,6 +417,14 @@ def _add_reference(found: dict, of: tuple[str, int], path: Path):
         raise DatasetError(f"{shown(stem)} has two reference images for slot {slot}, "
                            f"{shown(found[stem, slot])} and {shown(path)}; keep one")
     found[stem, slot] = path
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    """A folder (a frame folder's candidate); a symlink loop is not, and _listed_file names it."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
 
 
 def _scan_reference_folder(folder: Path, found: dict):
