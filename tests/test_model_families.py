@@ -67,12 +67,14 @@ def training_graph(family: str, output_name: str, model: dict | None = None, tex
     }
 
 
-def sampling_graph(family: str, lora_name: str | None, prefix: str) -> dict:
-    """Stock nodes only: UNETLoader (+ LoraLoaderModelOnly) → KSampler → SaveLatent."""
+def sampling_graph(family: str, lora_name: str | None, prefix: str, unet_name: str | None = None,
+                   text_family: str | None = None) -> dict:
+    """Stock nodes only: UNETLoader (+ LoraLoaderModelOnly) → KSampler on an empty 64x64 latent → SaveLatent.
+    The model file is tiny_<family>.safetensors and the synthetic text encoder the family's, unless named."""
     graph = {
-        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": f"tiny_{family}.safetensors",
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": unet_name or f"tiny_{family}.safetensors",
                                                      "weight_dtype": "default"}},
-        "3": {"class_type": "InGraphTestSyntheticTextEncoder", "inputs": {"family": family}},
+        "3": {"class_type": "InGraphTestSyntheticTextEncoder", "inputs": {"family": text_family or family}},
         "10": {"class_type": "CLIPTextEncode", "inputs": {"text": "a red circle, ingraph style", "clip": ["3", 0]}},
         "11": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["3", 0]}},
         "12": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from test_model_families import FAMILY_FOLDER, IMAGE_FOLDER, run_events, saved_latent, training_graph
+from test_model_families import FAMILY_FOLDER, IMAGE_FOLDER, run_events, sampling_graph, saved_latent, training_graph
 
 pytestmark = pytest.mark.comfyui
 
@@ -317,24 +317,7 @@ def merged(graphs: dict[str, dict]) -> dict:
 
 
 def video_sampling_graph(stem: str, lora_name: str | None, prefix: str) -> dict:
-    """Stock nodes only: UNETLoader (+ LoraLoaderModelOnly) → KSampler on an empty 64x64 latent → SaveLatent."""
-    text = VIDEO_MODELS[stem][6]
-    graph = {
-        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": f"{stem}.safetensors", "weight_dtype": "default"}},
-        "3": {"class_type": "InGraphTestSyntheticTextEncoder", "inputs": {"family": text}},
-        "10": {"class_type": "CLIPTextEncode", "inputs": {"text": "a red circle, ingraph style", "clip": ["3", 0]}},
-        "11": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["3", 0]}},
-        "12": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
-        "13": {"class_type": "KSampler", "inputs": {"model": ["1", 0], "positive": ["10", 0], "negative": ["11", 0],
-                                                    "latent_image": ["12", 0], "seed": 1, "steps": 2, "cfg": 2.0,
-                                                    "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}},
-        "14": {"class_type": "SaveLatent", "inputs": {"samples": ["13", 0], "filename_prefix": f"latents/{prefix}"}},
-    }
-    if lora_name:
-        graph["9"] = {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "lora_name": lora_name,
-                                                                      "strength_model": 1.0}}
-        graph["13"]["inputs"]["model"] = ["9", 0]
-    return graph
+    return sampling_graph(stem, lora_name, prefix, unet_name=f"{stem}.safetensors", text_family=VIDEO_MODELS[stem][6])
 
 
 # Wan text-to-video trains through the graph in tests/test_model_families.py (and on clips in test_video_data.py)
