@@ -349,7 +349,7 @@ def scan_image_folder(folder: str | Path, *, resolution: int | None = None, buck
                  "%s", len(frame_folders), folder,
                  ", ".join(frame_folders[:10]) + (" ..." if len(frame_folders) > 10 else ""))
 
-    stems = {image.stem for image in images} | {clip.stem if clip.is_file() else clip.name for clip in clips}
+    stems = {image.stem for image in images} | {source_stem(clip) for clip in clips}
     unmatched = sorted(name for name in mask_files if name not in stems)
     if unmatched:
         log.info("InGraph Trainer: ignored %d mask file(s) without an image in %s: %s", len(unmatched), folder,
@@ -370,7 +370,7 @@ def scan_image_folder(folder: str | Path, *, resolution: int | None = None, buck
                                      references=refs))
     too_short = []
     for clip in clips:
-        stem = clip.stem if clip.is_file() else clip.name
+        stem = source_stem(clip)
         try:
             info = probe_clip(clip, IMAGE_EXTENSIONS)
         except ClipError as exc:
@@ -378,7 +378,7 @@ def scan_image_folder(folder: str | Path, *, resolution: int | None = None, buck
         # a clip's mask is one image for all its frames (name.mask.png, the frame size); videos have no alpha
         mask = _mask_source(clip, (info.width, info.height), masks, mask_files.get(stem), "") \
             if masks == "mask files" else ""
-        spans = clip_spans(info.frame_count(0 if clip.is_dir() else fps), frame_counts, clip_mode)
+        spans = clip_spans(info.frame_count(clip_rate(clip, fps)), frame_counts, clip_mode)
         if not spans:
             too_short.append(clip.name)
             continue
@@ -444,7 +444,7 @@ def _references_per_source(sources: list[Path], found: dict) -> dict[Path, tuple
     (a batch stacks them slot by slot), numbered from 1 without gaps; the error names a file at fault."""
     out = {}
     for source in sources:
-        stem = source.stem if source.is_file() else source.name
+        stem = source_stem(source)
         slots = sorted(slot for s, slot in found if s == stem)
         if slots != list(range(1, len(slots) + 1)):
             raise DatasetError(f"{shown(source)}: its reference images are numbered {slots}; number them from 1 "
@@ -452,7 +452,7 @@ def _references_per_source(sources: list[Path], found: dict) -> dict[Path, tuple
         for n in slots:
             _check_image(found[stem, n])
         out[source] = tuple(str(found[stem, n]) for n in slots)
-    stems = {source.stem if source.is_file() else source.name for source in sources}
+    stems = {source_stem(source) for source in sources}
     orphans = sorted({str(path) for (stem, _), path in found.items() if stem not in stems})
     if orphans:
         log.info("InGraph Trainer: ignored %d reference image(s) without an item: %s", len(orphans),
@@ -512,10 +512,20 @@ def load_image_tensor(path: str, bucket: tuple[int, int] | int, crop: str = "cen
     return torch.from_numpy(array).unsqueeze(0)
 
 
+def source_stem(source: Path) -> str:
+    """The name an item's caption, mask and references are matched by: a file's stem, a frame folder's name."""
+    return source.stem if source.is_file() else source.name
+
+
+def clip_rate(clip: str | Path, fps: float) -> float:
+    """The rate a clip is resampled to: the dataset's fps, or 0 (frame by frame) for a folder of frames, whose
+    frames are taken as already at the dataset's rate."""
+    return 0.0 if Path(clip).is_dir() else float(fps)
+
+
 def clip_fps(item: DatasetItem, fps: float) -> float:
-    """The rate a clip item's video is resampled to: the dataset's fps, or 0 (frame by frame) for a folder of
-    frames, whose frames are taken as already at the dataset's rate."""
-    return 0.0 if Path(item.path).is_dir() else float(fps)
+    """The rate a clip item's frames are read at (clip_rate of its source)."""
+    return clip_rate(item.path, fps)
 
 
 def load_clip_item_tensor(item: DatasetItem, fps: float, crop: str = "center", digest: str = "",
