@@ -113,7 +113,7 @@ OUTPUT_WEIGHTS = choice_values(OUTPUT_WEIGHTS_CHOICES)
 PREDICTIONS = ("auto", "epsilon", "v_prediction", "flow")
 FAMILY_NAMES = ("auto", "sd_unet", "sdxl", "sd3", "flux", "wan", "generic")  # trainer/models (auto: detected)
 TIMESTEP_SAMPLING = choice_values(TIMESTEP_SAMPLING_CHOICES)
-TASKS = ("train", "evaluate")
+TASKS = ("train", "evaluate", "distill")  # distill: DMD2 few-step distillation (trainer/distill.py)
 MODEL_FORMATS = ("diffusion_model", "checkpoint")  # how ComfyUI loads model.path: UNETLoader / Load Checkpoint
 WEIGHT_DTYPES = ("default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2")  # UNETLoader's weight_dtype
 BASE_PRECISION_CHOICES = (  # the frozen base weights in the trainer
@@ -228,6 +228,49 @@ class OutputSpec:
 
 
 @dataclass
+class DistillSpec:
+    """DMD2 few-step distillation (task "distill"): the graph's MODEL is the frozen teacher (the real score); the
+    student (the generator) starts as a copy of it and trains as adapter.kind (a LoRA: a "turbo LoRA" for the
+    teacher; or full); the fake score, also a copy of the teacher, follows the student's output distribution.
+    train.steps counts generator updates; train.learning_rate is the generator's."""
+    student_steps: int = 4  # the student's sampling steps (1-4)
+    student_timesteps: list = field(default_factory=list)  # its noise levels as t in (0, 1], descending; [] = even
+    guidance_scale: float = 1.75  # the teacher's classifier-free guidance for the real score (empty caption)
+    fake_learning_rate: float = 1e-4  # the fake score's learning rate
+    fake_updates: int = 5  # fake-score updates per generator update (DMD2's two time-scale rule)
+    dmd_weight: float = 1.0  # the distribution-matching loss of the generator
+    denoising_weight: float = 1.0  # the fake score's denoising loss on the generator's outputs
+    gan_weight: float = 0.0  # the GAN term on the fake score's features (0 = off)
+    regression_steps: int = 0  # warm-up: the first generator updates regress on the dataset's latents instead
+    backward_simulation: bool = True  # multi-step students: each update's input comes from the student's own steps
+    min_t: float = 0.02  # the noise levels the DMD gradient and the fake score are trained at
+    max_t: float = 0.98
+
+    def problems(self, spec) -> list[str]:
+        """What is wrong with these settings (a run whose task is "distill")."""
+        ts = self.student_timesteps
+        rules = [
+            (1 <= self.student_steps <= 4, "student_steps", f"must be 1 to 4 (got {self.student_steps})"),
+            (not ts or (len(ts) == self.student_steps and all(isinstance(v, (int, float)) and 0 < v <= 1 for v in ts)
+                        and list(ts) == sorted(ts, reverse=True)), "student_timesteps",
+             f"must be [] or {self.student_steps} descending values in (0, 1] (got {ts})"),
+            (self.guidance_scale >= 1.0, "guidance_scale", f"must be 1 (no guidance) or more (got {self.guidance_scale})"),
+            (self.fake_learning_rate > 0, "fake_learning_rate", f"must be positive (got {self.fake_learning_rate})"),
+            (self.fake_updates >= 1, "fake_updates", f"must be at least 1 (got {self.fake_updates})"),
+            (self.dmd_weight >= 0 and self.denoising_weight > 0 and self.gan_weight >= 0, "dmd_weight",
+             "dmd_weight and gan_weight must be 0 or more and denoising_weight positive"),
+            (self.regression_steps >= 0, "regression_steps", f"must be 0 or more (got {self.regression_steps})"),
+            (0.0 <= self.min_t < self.max_t <= 1.0, "min_t", f"needs 0 <= min_t < max_t <= 1 (got {self.min_t}, "
+                                                             f"{self.max_t})"),
+            (spec.adapter.kind in ("lora", "full"), "adapter.kind",
+             f"the student trains as a LoRA or in full (got {spec.adapter.kind!r})"),
+            (spec.distributed.pipeline_stages <= 1, "distributed.pipeline_stages",
+             "distillation runs three models on whole-model layouts (ZeRO 0-3); use 1 stage"),
+        ]
+        return [f"{name if '.' in name else 'distill.' + name}: {message}" for ok, name, message in rules if not ok]
+
+
+@dataclass
 class DistributedSpec:
     processes: int = 1  # processes (GPUs) per machine
     zero_stage: int = 0
@@ -280,6 +323,7 @@ class RunSpec:
     output: OutputSpec = field(default_factory=OutputSpec)
     distributed: DistributedSpec = field(default_factory=DistributedSpec)
     samples: SampleSpec = field(default_factory=SampleSpec)
+    distill: DistillSpec = field(default_factory=DistillSpec)
 
     def validate(self, source: str = "run spec") -> "RunSpec":
         problems = []
@@ -364,7 +408,7 @@ class RunSpec:
         need(t.eval_every >= 0, "train.eval_every", f"must be 0 or more (got {t.eval_every})")
         need(bool(t.eval_quantiles) and all(isinstance(q, (int, float)) and 0.0 < q < 1.0 for q in t.eval_quantiles),
              "train.eval_quantiles", "must be a non-empty list of values in (0, 1)")
-        need(self.task != "train" or bool(self.output.lora_path), "output.lora_path", "is required")
+        need(self.task == "evaluate" or bool(self.output.lora_path), "output.lora_path", "is required")
         need(self.output.format in ADAPTER_FORMATS, "output.format",
              f"must be one of {ADAPTER_FORMATS} (got {self.output.format!r})")
         need(a.kind != "full" or self.output.format == "comfyui", "output.format",
@@ -419,6 +463,8 @@ class RunSpec:
              "process; they are not available with pipeline stages")
         need(not d.block_swap or a.kind != "full", "distributed.block_swap", "block swap keeps frozen weights in "
              "CPU memory; a full fine-tune has none (use ZeRO-3 with offload instead)")
+        if self.task == "distill":
+            problems += self.distill.problems(self)
         if problems:
             raise RunSpecError(f"{source}: " + "; ".join(problems))
         return self

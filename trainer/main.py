@@ -131,6 +131,9 @@ def main(argv=None) -> int:
         if spec.task == "evaluate":
             from .evaluation import run_evaluation
             run_evaluation(spec, events)
+        elif spec.task == "distill":
+            from .distill import Distiller
+            Distiller(spec, events).run()
         else:
             from .loop import Trainer
             Trainer(spec, events).run()
