@@ -15,7 +15,7 @@ from typing import Callable
 from .dataset import ALPHA_MASK, IMAGE_EXTENSIONS, DatasetError, TrainingDataset, caption_variants_of, \
     clip_fps, load_clip_item_tensor, load_image_tensor, load_mask_tensor, mask_to_latent_grid, shown
 from .store import CacheStore, content_key, fingerprint_state_dict
-from .video import clip_digest
+from .video import clip_digest, clip_rotation
 
 LATENT_FORMAT = 2
 TEXT_FORMAT = 1
@@ -50,6 +50,8 @@ def latent_key(digest: str, item, dataset: TrainingDataset, encoder: str, mask_d
         extra["clip"] = {"start": item.start, "frames": item.frames, "fps": clip_fps(item, dataset.fps)}
         if Path(item.path).is_dir():  # frames may be transparent PNGs, composited on the background colour
             extra["clip"]["background"] = list(dataset.background)
+        elif clip_rotation(item.path):  # turned upright when decoded (latents cached before that were sideways)
+            extra["clip"]["rotation"] = clip_rotation(item.path)
     if reference_digests:  # a clip's reference is encoded as a start image of its length (as_start_image)
         extra["references"] = {"sources": list(reference_digests), "format": REFERENCE_FORMAT,
                                "background": list(dataset.background)}

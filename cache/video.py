@@ -1,7 +1,8 @@
 """Video clips in a training dataset: video files (decoded with PyAV, which ComfyUI already requires) and folders
-of frames. A clip is probed once (frame times only, no pixels) and cut into items of a frame bucket's length at a
-chosen frame rate, as diffusion-pipe does; an item's frames are decoded only when its latent is cached, one frame
-at a time, each fitted to the bucket at once, so a clip is never held in memory whole.
+of frames. A clip is probed once (frame times, and the display rotation of its first decoded frame: a phone's
+portrait clip is turned upright) and cut into items of a frame bucket's length at a chosen frame rate, as
+diffusion-pipe does; an item's frames are decoded only when its latent is cached, one frame at a time, each fitted
+to the bucket at once, so a clip is never held in memory whole.
 """
 from __future__ import annotations
 
@@ -85,6 +86,9 @@ class ClipInfo:
     frame_s: float  # duration of the last frame (the typical interval between frames)
     first_pts: int = 0  # a video's first presentation timestamp, in time_base units
     time_base: float = 1.0
+    # counter-clockwise degrees (0, 90, 180, 270) that turn a decoded frame upright: a phone's portrait clip is
+    # stored landscape with a display matrix saying so; width and height above are the upright frame's
+    rotation: int = 0
 
     def frame_count(self, fps: float) -> int:
         """Frames of the clip at `fps` (0: the source's own frames)."""
@@ -121,18 +125,40 @@ def probe_clip(path: str | Path, image_extensions=()) -> ClipInfo:
             stream = container.streams.video[0]
             width, height = stream.codec_context.width, stream.codec_context.height
             base = float(stream.time_base)
-            pts = sorted(p.pts for p in container.demux(stream) if p.pts is not None and p.size)
+            pts, rotation = [], None
+            for packet in container.demux(stream):
+                if packet.pts is not None and packet.size:
+                    pts.append(packet.pts)
+                    if rotation is None:  # the display matrix reaches PyAV on decoded frames only: decode one
+                        rotation = next((upright_rotation(f.rotation) for f in packet.decode()), None)
+            pts.sort()
+            rotation = rotation or 0
     except ClipError:
         raise
     except Exception as exc:  # PyAV raises its own error types for bad files
         raise ClipError(f"cannot read video {path}: {exc.__class__.__name__}: {exc}") from None
     if not pts or not width or not height:
         raise ClipError(f"video {path} has no frames")
+    if rotation in (90, 270):
+        width, height = height, width
     times = tuple((p - pts[0]) * base for p in pts)
     rate = float(stream.average_rate or stream.guessed_rate or 0) or None
     gaps = [b - a for a, b in zip(times, times[1:]) if b > a]
     frame_s = (1.0 / rate) if rate else (sorted(gaps)[len(gaps) // 2] if gaps else 1.0)
-    return ClipInfo(width, height, times, frame_s, pts[0], base)
+    return ClipInfo(width, height, times, frame_s, pts[0], base, rotation)
+
+
+def upright_rotation(degrees) -> int:
+    """A display matrix's counter-clockwise rotation (PyAV's VideoFrame.rotation, -180..180) as 0, 90, 180 or 270,
+    as ffmpeg's players round it."""
+    return int(round((degrees or 0) / 90.0)) % 4 * 90
+
+
+def upright(img, rotation: int):
+    """A decoded PIL frame turned as its display matrix says (exact quarter turns, no resampling)."""
+    from PIL import Image
+    turn = {90: Image.Transpose.ROTATE_90, 180: Image.Transpose.ROTATE_180, 270: Image.Transpose.ROTATE_270}
+    return img.transpose(turn[rotation]) if rotation in turn else img
 
 
 def _stamp(path) -> tuple[int, int]:
@@ -144,6 +170,11 @@ def _stamp(path) -> tuple[int, int]:
 def _probe_unchanged(path: str, image_extensions: tuple, mtime_ns: int, size: int) -> ClipInfo:
     """probe_clip, once per version of a file: the items of one clip (several windows, flipped copies) share it."""
     return probe_clip(path, image_extensions)
+
+
+def clip_rotation(path: str | Path) -> int:
+    """The quarter turns a video file's frames get when decoded (ClipInfo.rotation); 0 for a frame folder."""
+    return 0 if Path(path).is_dir() else _probe_unchanged(str(path), (), *_stamp(path)).rotation
 
 
 def clip_digest(path: str | Path, file_digest, image_extensions) -> str:
@@ -197,7 +228,7 @@ def load_clip_tensor(path: str, start: int, frames: int, fps: float, fit, image_
                     decoded += 1
                     index = bisect.bisect_left(info.times, (frame.pts - info.first_pts) * info.time_base - 1e-9)
                     if index in needed:
-                        fitted[index] = fit(frame.to_image())
+                        fitted[index] = fit(upright(frame.to_image(), info.rotation))
                     if index >= last:
                         break
         except Exception as exc:
