@@ -492,24 +492,62 @@ def _fit_to_bucket(img, bucket: tuple[int, int], crop: str, flip: bool, crop_see
     return ImageOps.mirror(img) if flip else img
 
 
+def _decode_rgb(path: str, background=DEFAULT_BACKGROUND):
+    """An image file as upright 8-bit RGB (EXIF rotation applied, see to_rgb); the error names the file."""
+    from PIL import Image, ImageOps
+    try:
+        with Image.open(path) as img:
+            return to_rgb(ImageOps.exif_transpose(img), background)
+    except Exception as exc:
+        raise DatasetError(f"cannot decode image {shown(path)}: {exc.__class__.__name__}: {exc}") from None
+
+
+def _as_tensor(img):
+    import numpy as np
+    import torch
+    return torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0).unsqueeze(0)
+
+
 def load_image_tensor(path: str, bucket: tuple[int, int] | int, crop: str = "center", flip: bool = False,
                       digest: str = "", background=DEFAULT_BACKGROUND):
     """Decode (EXIF rotation applied, see to_rgb), resize to cover the bucket, crop to it (centre or a fixed
     random box), optionally mirror: [1, H, W, 3] in 0..1."""
-    import numpy as np
-    import torch
-    from PIL import Image, ImageOps
-
+    from PIL import Image
     if isinstance(bucket, int):
         bucket = (bucket, bucket)
+    img = _fit_to_bucket(_decode_rgb(path, background), bucket, crop, flip, digest or path, Image.Resampling.LANCZOS)
+    return _as_tensor(img)
+
+
+def source_size(item: DatasetItem) -> tuple[int, int]:
+    """(width, height) of an item's source as it is decoded (EXIF or display rotation applied)."""
+    if item.is_clip:
+        from .video import clip_info
+        info = clip_info(item.path, IMAGE_EXTENSIONS)
+        return info.width, info.height
+    from PIL import Image
     try:
-        with Image.open(path) as img:
-            img = to_rgb(ImageOps.exif_transpose(img), background)
+        with Image.open(item.path) as img:
+            size, orientation = img.size, img.getexif().get(0x0112, 1)
     except Exception as exc:
-        raise DatasetError(f"cannot decode image {shown(path)}: {exc.__class__.__name__}: {exc}") from None
-    img = _fit_to_bucket(img, bucket, crop, flip, digest or path, Image.Resampling.LANCZOS)
-    array = np.asarray(img, dtype=np.float32) / 255.0
-    return torch.from_numpy(array).unsqueeze(0)
+        raise DatasetError(f"cannot read image {shown(item.path)}: {exc.__class__.__name__}: {exc}") from None
+    return (size[1], size[0]) if orientation in (5, 6, 7, 8) else size
+
+
+def load_reference_tensor(path: str, item: DatasetItem, crop: str, target_digest: str,
+                          background=DEFAULT_BACKGROUND):
+    """A reference image with its target's geometry, so an edit pair (or a clip and its start image) stays aligned
+    pixel for pixel: fitted to the target's bucket with the target's crop box (a random crop seeded by the
+    target's digest, as the target's is) and flip: [1, H, W, 3] in 0..1. A reference of the target's aspect at
+    another size is first resized to the target's size (the same region, whatever the rounding); one of another
+    aspect keeps its proportions (covers the bucket, cropped at the same place), as ComfyUI never stretches one."""
+    from PIL import Image
+    img = _decode_rgb(path, background)
+    width, height = source_size(item)
+    if img.size != (width, height) and abs(img.height * width / img.width - height) <= 1:
+        img = img.resize((width, height), Image.Resampling.LANCZOS)
+    return _as_tensor(_fit_to_bucket(img, item.bucket, crop, item.flip, target_digest or item.path,
+                                     Image.Resampling.LANCZOS))
 
 
 def source_stem(source: Path) -> str:

@@ -13,14 +13,17 @@ from pathlib import Path
 from typing import Callable
 
 from .dataset import ALPHA_MASK, IMAGE_EXTENSIONS, DatasetError, TrainingDataset, caption_variants_of, \
-    clip_fps, load_clip_item_tensor, load_image_tensor, load_mask_tensor, mask_to_latent_grid, shown
+    clip_fps, load_clip_item_tensor, load_image_tensor, load_mask_tensor, load_reference_tensor, \
+    mask_to_latent_grid, shown
 from .store import CacheStore, content_key, fingerprint_state_dict
 from .video import clip_digest, clip_rotation
 
 LATENT_FORMAT = 2
 TEXT_FORMAT = 1
 MASK_FORMAT = 1  # how a mask becomes latent-grid weights (mask_to_latent_grid); part of a masked latent's key
-REFERENCE_FORMAT = 1  # how reference images are encoded (as_start_image); part of the key of an item with them
+# how reference images are encoded (with their target's crop and flip, as_start_image); part of the key of an item
+# with them
+REFERENCE_FORMAT = 2
 
 Progress = Callable[[int, int], None]
 
@@ -115,9 +118,8 @@ def encode_latents(dataset: TrainingDataset, vae, store: CacheStore, progress: P
                                            dataset.background)
             latent = vae.encode(pixels[:, :, :, :3])
             tensors = {"latent": latent[0].float()}
-            for slot, (path, ref_digest) in enumerate(zip(item.references, reference_digests)):
-                ref = load_image_tensor(path, item.bucket, dataset.buckets.crop, item.flip, ref_digest,
-                                        dataset.background)[:, :, :, :3]
+            for slot, path in enumerate(item.references):  # each with the target's crop and flip
+                ref = load_reference_tensor(path, item, dataset.buckets.crop, digest, dataset.background)
                 tensors[f"reference{slot}"] = vae.encode(as_start_image(ref, item.frames))[0].float()
             if item.mask_source:  # same crop, flip and random-crop seed as the pixels above
                 mask = load_mask_tensor(item.path, item.mask_source, item.bucket, dataset.buckets.crop, item.flip,

@@ -172,9 +172,14 @@ def _probe_unchanged(path: str, image_extensions: tuple, mtime_ns: int, size: in
     return probe_clip(path, image_extensions)
 
 
+def clip_info(path: str | Path, image_extensions=()) -> ClipInfo:
+    """probe_clip of the clip as it is now, probed once per version."""
+    return _probe_unchanged(str(path), tuple(image_extensions), *_stamp(path))
+
+
 def clip_rotation(path: str | Path) -> int:
     """The quarter turns a video file's frames get when decoded (ClipInfo.rotation); 0 for a frame folder."""
-    return 0 if Path(path).is_dir() else _probe_unchanged(str(path), (), *_stamp(path)).rotation
+    return 0 if Path(path).is_dir() else clip_info(path).rotation
 
 
 def clip_digest(path: str | Path, file_digest, image_extensions) -> str:
@@ -194,7 +199,7 @@ def load_clip_tensor(path: str, start: int, frames: int, fps: float, fit, image_
     PIL RGB frame into the bucket's pixels (a [H, W, 3] float tensor). Decoding stops after the last frame it
     needs, and only the fitted frames it needs are kept. `stats`, a dict, gets "decoded": frames decoded."""
     import torch
-    info = _probe_unchanged(str(path), tuple(image_extensions), *_stamp(path))
+    info = clip_info(path, image_extensions)
     wanted = [info.source_index(k, fps) for k in range(start, start + frames)]
     needed, last = set(wanted), max(wanted)
     fitted: dict[int, torch.Tensor] = {}

@@ -302,6 +302,40 @@ def test_reference_images_are_found_matched_and_counted(tmp_path):
     assert items == {"cat.png": (str(inner / "cat.png"),), "dog.png": (str(inner / "dog.png"),)}
 
 
+def test_a_reference_gets_its_targets_crop_and_flip(tmp_path):
+    """Random crop and flips: a reference holding its target's picture (other bytes: a PNG text chunk; or twice the
+    size) is cached with exactly its target's crop box and flip, so an edit pair stays aligned pixel for pixel.
+    For a clip, its start image is cropped as its frames are."""
+    from PIL import Image, PngImagePlugin
+    data = tmp_path / "data"
+    data.mkdir()
+    picture = Image.fromarray(np.random.RandomState(0).randint(0, 256, (SIDE, SIDE * 3 // 2, 3), dtype=np.uint8))
+    picture.save(data / "cat.png")
+    other_bytes = PngImagePlugin.PngInfo()
+    other_bytes.add_text("comment", "the same picture, another file")
+    picture.save(data / "cat.ref.png", pnginfo=other_bytes)
+    picture.save(data / "dog.png")
+    picture.resize((picture.width * 2, picture.height * 2), Image.Resampling.NEAREST).save(data / "dog.ref.png")
+    frames = data / "walk"  # a clip of 5 such frames with the first frame as its start image
+    frames.mkdir()
+    for k in range(5):
+        picture.save(frames / f"{k:04d}.png")
+    picture.save(data / "walk.ref.png", pnginfo=other_bytes)
+    store = CacheStore(tmp_path / "cache")
+    buckets = BucketSettings(resolution=SIDE, enabled=False, crop="random", flip=True)
+    dataset, _, _ = cached(data, store, frame_buckets="1, 5", fps=8, buckets=buckets)
+    assert len(dataset.items) == 6 and {i.flip for i in dataset.items} == {False, True}
+    for item in dataset.items:
+        shard = load_file(str(store.lookup(item.latent).path))
+        latent, reference = shard["latent"], shard["reference0"]
+        if item.is_clip:  # the start image's latent frame against the clip's first
+            latent, reference = latent[:, :1], reference[:, :1]
+        tolerance = 2e-2 if Path(item.path).name == "dog.png" else 1e-6  # resampled from twice the size
+        assert torch.allclose(latent, reference, atol=tolerance), (item.path, item.flip,
+                                                                   (latent - reference).abs().max())
+    store.close()
+
+
 def test_a_frame_folder_is_read_in_frame_number_order(tmp_path):
     from ingraph_trainer.cache.video import frame_files
     folder = tmp_path / "clip"
