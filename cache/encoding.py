@@ -90,6 +90,17 @@ def as_start_image(image, frames: int):
     return padded
 
 
+OWN_FIRST_FRAME = "window's first frame"  # stands for a reference digest in the key of such a start image
+
+
+def starts_from_own_frame(item) -> bool:
+    """Whether a clip item's first reference slot (its start image) is the item's own first frame: a window that
+    does not start the clip. `name.ref.png` beside a clip is the clip's start image, so it is the start image of
+    the window at the clip's start only; an image-to-video model learns to continue its start image, and a window
+    further in continues from the frame it starts with."""
+    return item.is_clip and item.start > 0 and bool(item.references)
+
+
 def source_digest(item, store: CacheStore) -> str:
     return clip_digest(item.path, store.source_digest, IMAGE_EXTENSIONS) if item.is_clip \
         else store.source_digest(item.path)
@@ -98,7 +109,7 @@ def source_digest(item, store: CacheStore) -> str:
 def encode_latents(dataset: TrainingDataset, vae, store: CacheStore, progress: Progress | None = None):
     """Returns (dataset with latent entries, encoded count, reused count). A clip item's frames become one video
     latent [C, T, h, w] (a video VAE's); its reference images are encoded beside it, one `reference<n>` tensor
-    per slot on the item's bucket."""
+    per slot on the item's bucket (a clip window's start image: starts_from_own_frame)."""
     encoder = vae_identity(vae)
     items, encoded, reused = [], 0, 0
     for n, item in enumerate(dataset.items):
@@ -107,7 +118,9 @@ def encode_latents(dataset: TrainingDataset, vae, store: CacheStore, progress: P
                                "HunyuanVideo, LTX-Video ...); this VAE encodes single images. Connect the video "
                                "model's VAE, or set frame_buckets to 1 to train on single frames")
         digest = source_digest(item, store)
-        reference_digests = [store.source_digest(r) for r in item.references]
+        own_first_frame = starts_from_own_frame(item)
+        reference_digests = [OWN_FIRST_FRAME if own_first_frame and slot == 0 else store.source_digest(r)
+                             for slot, r in enumerate(item.references)]
         key = latent_key(digest, item, dataset, encoder, mask_digest(item, store), reference_digests)
         entry = store.lookup(key)
         if entry is None:
@@ -119,7 +132,8 @@ def encode_latents(dataset: TrainingDataset, vae, store: CacheStore, progress: P
             latent = vae.encode(pixels[:, :, :, :3])
             tensors = {"latent": latent[0].float()}
             for slot, path in enumerate(item.references):  # each with the target's crop and flip
-                ref = load_reference_tensor(path, item, dataset.buckets.crop, digest, dataset.background)
+                ref = pixels[:1, :, :, :3] if own_first_frame and slot == 0 else \
+                    load_reference_tensor(path, item, dataset.buckets.crop, digest, dataset.background)
                 tensors[f"reference{slot}"] = vae.encode(as_start_image(ref, item.frames))[0].float()
             if item.mask_source:  # same crop, flip and random-crop seed as the pixels above
                 mask = load_mask_tensor(item.path, item.mask_source, item.bucket, dataset.buckets.crop, item.flip,

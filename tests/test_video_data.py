@@ -336,6 +336,28 @@ def test_a_reference_gets_its_targets_crop_and_flip(tmp_path):
     store.close()
 
 
+def test_each_window_of_a_clip_starts_from_its_own_first_frame(tmp_path):
+    """A 13-frame clip cut into 3 overlapping windows (frames 0, 4, 8 on) with a start image beside it: the window
+    at the clip's start takes walk.ref.png, each later window its own first frame (as an image-to-video model sees
+    it continued), cropped as its frames are."""
+    data = tmp_path / "data"
+    write_frames(data / "walk", 13)  # frame k at level 10 k
+    write_image(data / "walk.ref.png", level=200)
+    store = CacheStore(tmp_path / "cache")
+    dataset, _, _ = cached(data, store, frame_buckets="5", fps=8, clip_mode="multiple_overlapping")
+    assert [i.start for i in dataset.items] == [0, 4, 8]
+    for item in dataset.items:
+        shard = load_file(str(store.lookup(item.latent).path))
+        start = shard["reference0"][:, 0]
+        if item.start == 0:
+            assert torch.allclose(start, torch.tensor(200 / 255), atol=1e-3)
+        else:
+            assert torch.allclose(start.mean(), torch.tensor(10 * item.start / 255), atol=1e-3)
+            assert torch.equal(start, shard["latent"][:, 0])
+        assert torch.allclose(shard["reference0"][:, 1:], torch.tensor(0.5))  # gray frames after it
+    store.close()
+
+
 def test_a_frame_folder_is_read_in_frame_number_order(tmp_path):
     from ingraph_trainer.cache.video import frame_files
     folder = tmp_path / "clip"
