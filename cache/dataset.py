@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .buckets import BucketSettings, bucket_for, crop_box
-from .video import CLIP_MODES, DEFAULT_FRAME_BUCKETS, VIDEO_EXTENSIONS, ClipError, clip_spans, is_frame_folder, \
-    parse_frame_buckets, probe_clip
+from .video import CLIP_MODES, DEFAULT_FRAME_BUCKETS, NO_IMAGES, VIDEO_EXTENSIONS, ClipError, clip_spans, \
+    frame_sequence, parse_frame_buckets, probe_clip
 
 log = logging.getLogger("ingraph_trainer")
 
@@ -311,30 +311,46 @@ def scan_image_folder(folder: str | Path, *, resolution: int | None = None, buck
         raise DatasetError(f"fps must be 0 (the source's own frame rate) or more (got {fps})")
     images, clips, skipped, mask_files, reference_files = [], [], [], {}, {}
     reference_dir = os.path.realpath(reference_folder) if reference_folder else None
-    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
-        if entry.name.startswith("."):
-            continue
-        if _is_dir(entry) and os.path.realpath(entry.path) != reference_dir \
-                and is_frame_folder(entry.path, IMAGE_EXTENSIONS):
-            clips.append(Path(entry.path))  # a folder of frames
-            continue
-        if not _listed_file(entry):
-            continue
-        suffix = Path(entry.name).suffix.lower()
-        mask_of, reference_of = _mask_stem(entry.name), _reference_stem(entry.name)
-        if mask_of is not None:
-            if mask_of in mask_files:
-                raise DatasetError(f"image {shown(mask_of)} has two mask files, {shown(mask_files[mask_of].name)} "
-                                   f"and {shown(entry.name)}; keep one")
-            mask_files[mask_of] = Path(entry.path)
-        elif reference_of is not None:
-            _add_reference(reference_files, reference_of, Path(entry.path))
-        elif suffix in IMAGE_EXTENSIONS:
-            images.append(Path(entry.path))
-        elif suffix in VIDEO_EXTENSIONS:
-            clips.append(Path(entry.path))
-        elif suffix != ".txt":
-            skipped.append(entry.name)
+    visited = {os.path.realpath(folder)}  # a symlink back up the tree is read once
+    subfolders = {True: [], False: []}  # read as a clip / as images, with why (for the log)
+
+    def walk(current: Path):
+        for entry in sorted(os.scandir(current), key=lambda e: e.name):
+            if entry.name.startswith("."):
+                continue
+            if _is_dir(entry):
+                real = os.path.realpath(entry.path)
+                if real == reference_dir or real in visited:
+                    continue
+                visited.add(real)
+                is_clip, why = frame_sequence(entry.path, IMAGE_EXTENSIONS)
+                if why != NO_IMAGES:
+                    subfolders[is_clip].append(f"{Path(os.path.relpath(entry.path, folder)).as_posix()} ({why})")
+                if is_clip:
+                    clips.append(Path(entry.path))  # a folder of frames
+                else:  # a folder of images (and clips) kept apart: its items, matched by name inside it
+                    walk(Path(entry.path))
+                continue
+            if not _listed_file(entry):
+                continue
+            suffix = Path(entry.name).suffix.lower()
+            mask_of, reference_of = _mask_stem(entry.name), _reference_stem(entry.name)
+            if mask_of is not None:
+                mask_of = match_key(folder, Path(entry.path), mask_of)
+                if mask_of in mask_files:
+                    raise DatasetError(f"image {shown(mask_of)} has two mask files, "
+                                       f"{shown(mask_files[mask_of].name)} and {shown(entry.name)}; keep one")
+                mask_files[mask_of] = Path(entry.path)
+            elif reference_of is not None:
+                _add_reference(reference_files, (match_key(folder, Path(entry.path), reference_of[0]),
+                                                 reference_of[1]), Path(entry.path))
+            elif suffix in IMAGE_EXTENSIONS:
+                images.append(Path(entry.path))
+            elif suffix in VIDEO_EXTENSIONS:
+                clips.append(Path(entry.path))
+            elif suffix != ".txt":
+                skipped.append(Path(os.path.relpath(entry.path, folder)).as_posix())
+    walk(folder)
     if reference_folder:
         _scan_reference_folder(Path(reference_folder), reference_files)
     if not images and not clips:
@@ -343,26 +359,27 @@ def scan_image_folder(folder: str | Path, *, resolution: int | None = None, buck
     if skipped:
         log.info("InGraph Trainer: ignored %d non-image file(s) in %s: %s", len(skipped), folder,
                  ", ".join(skipped[:10]) + (" ..." if len(skipped) > 10 else ""))
-    frame_folders = [clip.name for clip in clips if clip.is_dir()]
-    if frame_folders:  # subfolders were not read before clips were: say which are now, and as what
-        log.info("InGraph Trainer: %d subfolder(s) of %s read as clips (folders of frames, in frame-number order): "
-                 "%s", len(frame_folders), folder,
-                 ", ".join(frame_folders[:10]) + (" ..." if len(frame_folders) > 10 else ""))
+    for is_clip, read in subfolders.items():  # what each subfolder was taken for, and why
+        if read:
+            log.info("InGraph Trainer: %d subfolder(s) of %s read as %s: %s", len(read), folder,
+                     "clips (folders of frames, in frame-number order)" if is_clip else
+                     "folders of images (not one numbered frame sequence)",
+                     "; ".join(read[:10]) + (" ..." if len(read) > 10 else ""))
 
-    stems = {image.stem for image in images} | {source_stem(clip) for clip in clips}
-    unmatched = sorted(name for name in mask_files if name not in stems)
+    keys = {source: match_key(folder, source, source_stem(source)) for source in images + clips}
+    unmatched = sorted(name for name in mask_files if name not in set(keys.values()))
     if unmatched:
         log.info("InGraph Trainer: ignored %d mask file(s) without an image in %s: %s", len(unmatched), folder,
                  ", ".join(mask_files[n].name for n in unmatched[:10]))
-    sources = sorted(images + clips, key=lambda p: p.name)
-    references = _references_per_source(sources, reference_files)
+    sources = sorted(images + clips, key=lambda p: keys[p])
+    references = _references_per_source(sources, keys, reference_files)
 
     items = []
     for image in images:
         (width, height), pixels = _check_image(image, background)
         caption = _read_caption(image, caption_prefix, missing_caption, default_caption)
         bucket = bucket_for(width, height, buckets)
-        mask = _mask_source(image, (width, height), masks, mask_files.get(image.stem), pixels)
+        mask = _mask_source(image, (width, height), masks, mask_files.get(keys[image]), pixels)
         refs = references[image]
         items.append(DatasetItem(str(image), caption, bucket, pixels=pixels, mask_source=mask, references=refs))
         if buckets.flip:
@@ -370,13 +387,12 @@ def scan_image_folder(folder: str | Path, *, resolution: int | None = None, buck
                                      references=refs))
     too_short = []
     for clip in clips:
-        stem = source_stem(clip)
         try:
             info = probe_clip(clip, IMAGE_EXTENSIONS)
         except ClipError as exc:
             raise DatasetError(str(exc)) from None
         # a clip's mask is one image for all its frames (name.mask.png, the frame size); videos have no alpha
-        mask = _mask_source(clip, (info.width, info.height), masks, mask_files.get(stem), "") \
+        mask = _mask_source(clip, (info.width, info.height), masks, mask_files.get(keys[clip]), "") \
             if masks == "mask files" else ""
         spans = clip_spans(info.frame_count(clip_rate(clip, fps)), frame_counts, clip_mode)
         if not spans:
@@ -427,24 +443,37 @@ def _is_dir(entry: os.DirEntry) -> bool:
         return False
 
 
-def _scan_reference_folder(folder: Path, found: dict):
+def _scan_reference_folder(folder: Path, found: dict, top: Path | None = None, visited: set | None = None):
+    """Reference images matched by name: `cat.png` (or `cat.ref2.png` for slot 2) is `cat.png`'s; in a subfolder,
+    the item's of the dataset's subfolder of that name."""
+    top = top or folder
+    visited = visited if visited is not None else {os.path.realpath(folder)}
     if not folder.is_dir():
         raise DatasetError(f"reference_folder: {shown(folder)} is not a folder")
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
-        if entry.name.startswith(".") or not _listed_file(entry):
+        if entry.name.startswith("."):
+            continue
+        if _is_dir(entry):
+            if os.path.realpath(entry.path) not in visited:  # a symlink back up the tree is read once
+                visited.add(os.path.realpath(entry.path))
+                _scan_reference_folder(Path(entry.path), found, top, visited)
+            continue
+        if not _listed_file(entry):
             continue
         path = Path(entry.name)
         if path.suffix.lower() not in IMAGE_EXTENSIONS:
             continue
-        _add_reference(found, _reference_stem(entry.name) or (path.stem, 1), Path(entry.path))
+        stem, slot = _reference_stem(entry.name) or (path.stem, 1)
+        _add_reference(found, (match_key(top, Path(entry.path), stem), slot), Path(entry.path))
 
 
-def _references_per_source(sources: list[Path], found: dict) -> dict[Path, tuple[str, ...]]:
-    """Each source's reference paths by slot. Every item of one dataset has the same number of reference slots
-    (a batch stacks them slot by slot), numbered from 1 without gaps; the error names a file at fault."""
+def _references_per_source(sources: list[Path], keys: dict[Path, str], found: dict) -> dict[Path, tuple[str, ...]]:
+    """Each source's reference paths by slot (`keys`: each source's match_key). Every item of one dataset has the
+    same number of reference slots (a batch stacks them slot by slot), numbered from 1 without gaps; the error
+    names a file at fault."""
     out = {}
     for source in sources:
-        stem = source_stem(source)
+        stem = keys[source]
         slots = sorted(slot for s, slot in found if s == stem)
         if slots != list(range(1, len(slots) + 1)):
             raise DatasetError(f"{shown(source)}: its reference images are numbered {slots}; number them from 1 "
@@ -452,7 +481,7 @@ def _references_per_source(sources: list[Path], found: dict) -> dict[Path, tuple
         for n in slots:
             _check_image(found[stem, n])
         out[source] = tuple(str(found[stem, n]) for n in slots)
-    stems = {source_stem(source) for source in sources}
+    stems = set(keys.values())
     orphans = sorted({str(path) for (stem, _), path in found.items() if stem not in stems})
     if orphans:
         log.info("InGraph Trainer: ignored %d reference image(s) without an item: %s", len(orphans),
@@ -462,7 +491,7 @@ def _references_per_source(sources: list[Path], found: dict) -> dict[Path, tuple
         most = max(len(r) for r in out.values())
         short = next(source for source, refs in out.items() if len(refs) < most)
         raise DatasetError(f"{shown(short)} has {len(out[short])} reference image(s) but other items have {most}; "
-                           f"every item of a dataset needs the same number (add {short.stem}.ref.png beside it, "
+                           f"every item of a dataset needs the same number (add {keys[short]}.ref.png beside it, "
                            "or move the items without references to another dataset)")
     return out
 
@@ -548,6 +577,13 @@ def load_reference_tensor(path: str, item: DatasetItem, crop: str, target_digest
         img = img.resize((width, height), Image.Resampling.LANCZOS)
     return _as_tensor(_fit_to_bucket(img, item.bucket, crop, item.flip, target_digest or item.path,
                                      Image.Resampling.LANCZOS))
+
+
+def match_key(top: Path, path: Path, stem: str) -> str:
+    """What a file is matched to its item by: its stem (an image's, a mask's or reference's item's) with the
+    subfolder it lies in, so `a/cat.mask.png` is `a/cat.png`'s and not `b/cat.png`'s."""
+    folder = Path(os.path.relpath(path.parent, top)).as_posix()
+    return stem if folder == "." else f"{folder}/{stem}"
 
 
 def source_stem(source: Path) -> str:

@@ -58,13 +58,40 @@ def clip_spans(n_frames: int, frame_buckets, mode: str = "single_beginning") -> 
     return [(round(i * last / (count - 1)), frames) for i in range(count)]
 
 
-def is_frame_folder(path: str | Path, image_extensions) -> bool:
-    """A folder holding image files (its frames, in name order) is a clip."""
+NO_IMAGES = "no images"
+_FRAME_NAME = re.compile(r"^(?P<prefix>.*?)(?P<number>\d+)$")
+
+
+def frame_sequence(path: str | Path, image_extensions) -> tuple[bool, str]:
+    """Whether a subfolder of a dataset is a clip (a folder of frames), and why, for the log. It is when its images
+    are one numbered sequence: at least 2, each named a common prefix and a number (0001.png, frame_12.png ...), of
+    one file type, the numbers evenly spaced without gaps, and none with a caption file of its own (a frame
+    folder's caption is beside the folder). Anything else, a folder of photos kept apart, is read as images."""
     try:
-        return any(Path(e.name).suffix.lower() in image_extensions and e.is_file() and not e.name.startswith(".")
-                   for e in os.scandir(path))
-    except OSError:
-        return False
+        entries = [e for e in os.scandir(path) if not e.name.startswith(".")]
+        images = sorted(e.name for e in entries if Path(e.name).suffix.lower() in image_extensions and e.is_file())
+    except OSError as exc:
+        return False, f"cannot be listed ({exc.strerror or exc})"
+    if len(images) < 2:
+        return False, NO_IMAGES if not images else "one image"
+    unnumbered = next((n for n in images if not _FRAME_NAME.match(Path(n).stem)), None)
+    if unnumbered:
+        return False, f"{unnumbered} is not a numbered frame"
+    names = [_FRAME_NAME.match(Path(n).stem) for n in images]
+    prefixes = sorted({m["prefix"] for m in names})
+    if len(prefixes) > 1:
+        return False, f"names differ beyond their numbers ({prefixes[0]!r}, {prefixes[1]!r} ...)"
+    if len({Path(n).suffix.lower() for n in images}) > 1:
+        return False, "images of more than one file type"
+    numbers = sorted(int(m["number"]) for m in names)
+    steps = {b - a for a, b in zip(numbers, numbers[1:])}
+    if len(steps) != 1 or 0 in steps:
+        return False, f"numbers {numbers[0]}..{numbers[-1]} are not evenly spaced (gaps or repeats)"
+    captions = {Path(e.name).stem for e in entries if e.name.lower().endswith(".txt")}
+    captioned = next((n for n in images if Path(n).stem in captions), None)
+    if captioned:
+        return False, f"{captioned} has a caption file of its own"
+    return True, f"{len(images)} frames numbered {numbers[0]}..{numbers[-1]}"
 
 
 def frame_order(name: str) -> list:

@@ -74,7 +74,10 @@ class LoadTrainingImages(io.ComfyNode):
                                         "clips: each becomes items of the longest of these frame counts that fits "
                                         "it (at fps), combined with the aspect buckets; every batch holds one "
                                         "frame count. Wan, HunyuanVideo and LTX-Video VAEs want 4k+1 frames "
-                                        "(1, 17, 33 ...). Images are 1-frame items."),
+                                        "(1, 17, 33 ...). Images are 1-frame items. A subfolder is a folder of "
+                                        "frames when its images are one numbered sequence (0001.png, 0002.png "
+                                        "... without gaps or captions of their own); any other subfolder is read "
+                                        "as images (the log says which was which)."),
                 io.Float.Input("fps", default=16.0, min=0.0, max=240.0, step=0.5, optional=True,
                                tooltip="Frame rate clips are resampled to before they are cut into items (frames "
                                        "repeat or drop); 0 = each video's own frames. A folder of frames is "

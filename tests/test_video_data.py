@@ -358,6 +358,40 @@ def test_each_window_of_a_clip_starts_from_its_own_first_frame(tmp_path):
     store.close()
 
 
+def test_only_a_numbered_frame_sequence_is_a_clip_other_subfolders_are_images(tmp_path, caplog):
+    """A subfolder is a clip only when its images are one numbered sequence (0000.png ... 0004.png); a subfolder
+    of photos (other names, numbers with gaps, or images with their own captions) is read as images, each matched
+    to its caption and mask inside that subfolder; the log says what each subfolder was read as, and why."""
+    import logging
+    from PIL import Image
+    data = tmp_path / "data"
+    write_frames(data / "wave", 5)
+    write_image(data / "dog.png", 10)
+    (data / "holiday").mkdir()
+    write_image(data / "holiday" / "dog.png", 20), write_image(data / "holiday" / "beach.png", 30)
+    (data / "holiday" / "beach.txt").write_text("a beach")
+    Image.new("L", (SIDE, SIDE), 255).save(data / "holiday" / "dog.mask.png")  # this dog's, not the top one's
+    (data / "burst").mkdir()  # a camera's numbering with a gap: photos
+    for n in (1, 2, 7):
+        write_image(data / "burst" / f"IMG_{n:04d}.png", n)
+    (data / "captioned").mkdir()  # one numbered sequence, but each image has a caption of its own: photos
+    for n in range(3):
+        write_image(data / "captioned" / f"{n}.png", n), (data / "captioned" / f"{n}.txt").write_text(f"photo {n}")
+    with caplog.at_level(logging.INFO, logger="ingraph_trainer"):
+        dataset = scan(data, frame_buckets="1, 5", fps=8)
+    items = {Path(i.path).relative_to(data).as_posix(): i for i in dataset.items}
+    assert sorted(items) == ["burst/IMG_0001.png", "burst/IMG_0002.png", "burst/IMG_0007.png", "captioned/0.png",
+                             "captioned/1.png", "captioned/2.png", "dog.png", "holiday/beach.png",
+                             "holiday/dog.png", "wave"]
+    assert items["wave"].frames == 5 and not any(i.is_clip for name, i in items.items() if name != "wave")
+    assert items["holiday/beach.png"].caption == "a beach" and items["captioned/2.png"].caption == "photo 2"
+    assert items["holiday/dog.png"].mask_source.endswith("holiday/dog.mask.png") and not items["dog.png"].mask_source
+    logged = caplog.text
+    assert "read as clips" in logged and "wave (5 frames numbered 0..4)" in logged
+    assert "burst (numbers 1..7 are not evenly spaced" in logged and "holiday (beach.png is not a numbered" in logged
+    assert "captioned (0.png has a caption file of its own)" in logged
+
+
 def test_a_frame_folder_is_read_in_frame_number_order(tmp_path):
     from ingraph_trainer.cache.video import frame_files
     folder = tmp_path / "clip"
