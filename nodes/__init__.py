@@ -4,6 +4,7 @@ from comfy_api.latest import ComfyExtension, io
 from .adapter_node import LoRAAdapter
 from .cache_nodes import CacheLatents, CacheTextEmbeddings
 from .dataset_node import LoadTrainingImages
+from .distill_node import Distill
 from .distributed_node import DeepSpeedSettings
 from .compare_node import Compare
 from .evaluate_node import Evaluate
@@ -12,7 +13,7 @@ from .preview_node import SamplePreviews
 from .train_node import TrainLoRA
 
 NODES: list[type[io.ComfyNode]] = [LoadTrainingImages, CacheLatents, CacheTextEmbeddings, LoRAAdapter, DeepSpeedSettings,
-                                   SamplePreviews, NewModel, TrainLoRA, Evaluate, Compare]
+                                   SamplePreviews, NewModel, TrainLoRA, Distill, Evaluate, Compare]
 
 
 class InGraphTrainerExtension(ComfyExtension):

@@ -20,6 +20,22 @@ def _send(event: dict, node_id: str, run_id: str):
                                   "event": event}, None)
 
 
+def progress_relay(node_id: str):
+    """The `on_run(run id, steps)` of runner.train_run for node `node_id`: each event moves ComfyUI's progress bar
+    (a step event) and goes to the browser as an ingraph.event (the panel in web/ follows it)."""
+    import comfy.utils
+
+    def on_run(run_id: str, total_steps: int):
+        bar = comfy.utils.ProgressBar(total_steps, node_id=node_id)
+
+        def on_event(event):
+            if event["type"] == "step":
+                bar.update_absolute(int(event["step"]), total_steps)
+            _send(event, node_id, run_id)
+        return on_event
+    return on_run
+
+
 def _resumable() -> list[str]:
     from ..runner import paths
     from ..runner.runs import resumable_checkpoints
@@ -177,7 +193,6 @@ class TrainLoRA(io.ComfyNode):
                 save_ema=False, prior_dataset=None, prior_weight=1.0, prior_fraction=0.5,
                 base_precision="as loaded") -> io.NodeOutput:
         import comfy.model_management
-        import comfy.utils
 
         from ..runner.loss_chart import chart_tensor, render_loss_chart
         from ..runner.train_run import train_lora
@@ -199,21 +214,11 @@ class TrainLoRA(io.ComfyNode):
                           keep_last=3 if keep_last is None else int(keep_last),
                           ema_decay=float(ema_decay or 0.0), ema_start_step=int(ema_start_step or 0))
         node_id = cls.hidden.unique_id
-
-        def on_run(run_id: str, total_steps: int):
-            bar = comfy.utils.ProgressBar(total_steps, node_id=node_id)
-
-            def on_event(event):
-                if event["type"] == "step":
-                    bar.update_absolute(int(event["step"]), total_steps)
-                _send(event, node_id, run_id)
-            return on_event
-
         outcome = train_lora(model, dataset, adapter=adapter, train=train, output_name=output_name,
                              resume=resume or "off", distributed=distributed, eval_dataset=eval_dataset,
                              previews=previews, file_format=choice_value(ADAPTER_FORMAT_CHOICES, file_format or "ComfyUI", "file_format"),
                              overwrite=bool(overwrite), output_weights="ema" if save_ema else "trained",
-                             prompt=cls.hidden.prompt, node_id=node_id, on_run=on_run,
+                             prompt=cls.hidden.prompt, node_id=node_id, on_run=progress_relay(node_id),
                              check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted,
                              prior_dataset=prior_dataset,
                              prior_weight=float(1.0 if prior_weight is None else prior_weight),

@@ -27,7 +27,7 @@ DEFAULT_MATERIALISED_CAP_GB = 40.0
 # comfy_extras/nodes_model_advanced.py: each clones the MODEL and adds an object patch of "model_sampling")
 OPTION_ONLY_NODES = {"ModelSamplingDiscrete", "ModelSamplingSD3", "ModelSamplingAuraFlow", "ModelSamplingFlux"}
 LORA_LOADERS = {"LoraLoader", "LoraLoaderModelOnly"}
-TRAIN_NODE = "InGraphTrainLoRA"
+TRAIN_NODES = {"InGraphTrainLoRA", "InGraphDistill"}  # their output MODEL is recorded (record_trained_output)
 # VAELoader names that are built in code, not read from a file in models/vae
 BUILT_IN_VAES = {"pixel_space", "taesd", "taesdxl", "taesd3", "taef1"}
 
@@ -166,7 +166,7 @@ def _walk(prompt: dict, link, resolve, depth: int = 0) -> tuple[ModelSource, obj
         return upstream.with_lora(_file(node_id, node, "lora_name", "loras", resolve), strength), "lora"
     if kind in OPTION_ONLY_NODES:
         return _walk(prompt, _link(node_id, node, "model"), resolve, depth + 1)
-    if kind == TRAIN_NODE:
+    if kind in TRAIN_NODES:
         record = _TRAINED.get(node_id)
         if record is None:
             raise Undescribable(node_id, kind, "its output was not recorded in this process")

@@ -54,12 +54,14 @@ def write_owner(run_dir: Path, node_id: str):
     (Path(run_dir) / OWNER_FILE).write_text(json.dumps({"node": str(node_id)}))
 
 
-def _spec_output_name(run_dir: Path) -> str | None:
+def _spec_fields(run_dir: Path) -> tuple[str | None, str | None]:
+    """(output name, task) of a run's spec; a spec without a task is a training run, as the trainer reads it."""
     import tomllib
     try:
-        return tomllib.loads((run_dir / SPEC_FILE).read_text(encoding="utf-8")).get("output", {}).get("name")
+        spec = tomllib.loads((run_dir / SPEC_FILE).read_text(encoding="utf-8"))
+        return spec.get("output", {}).get("name"), spec.get("task", "train")
     except (OSError, ValueError, RecursionError, AttributeError):
-        return None
+        return None, None
 
 
 def complete_checkpoints(run_dir: Path) -> list[str]:
@@ -89,14 +91,16 @@ def resumable_checkpoints(runs_root: str | Path, limit: int = 50) -> list[str]:
     return out[:limit]
 
 
-def find_latest_resumable(runs_root: str | Path, output_name: str) -> tuple[Path, str] | None:
-    """The newest trusted run of this output name that has a complete checkpoint: (run dir, checkpoint tag).
+def find_latest_resumable(runs_root: str | Path, output_name: str, task: str | None = None) -> tuple[Path, str] | None:
+    """The newest trusted run of this output name (and task, when given: a Distill node never resumes a training
+    run of the same name) that has a complete checkpoint: (run dir, checkpoint tag).
     Runs this installation did not write are skipped, with a log line."""
     root = Path(runs_root)
     if not root.is_dir():
         return None
     for run_dir in sorted((p for p in root.iterdir() if p.is_dir()), reverse=True):
-        if _spec_output_name(run_dir) != output_name:
+        name, run_task = _spec_fields(run_dir)
+        if name != output_name or (task is not None and run_task != task):
             continue
         if not trusted_run(run_dir):
             log.warning("InGraph Trainer: run %s is not signed by this installation; not resuming it", run_dir.name)
@@ -107,13 +111,15 @@ def find_latest_resumable(runs_root: str | Path, output_name: str) -> tuple[Path
     return None
 
 
-def resolve_resume_choice(runs_root: str | Path, choice: str, output_name: str) -> tuple[Path, str] | None:
+def resolve_resume_choice(runs_root: str | Path, choice: str, output_name: str,
+                          task: str | None = None) -> tuple[Path, str] | None:
     """Train node's resume input: 'off' → None; 'latest'; or '<run id>/<checkpoint>' (ValueError when that
-    checkpoint is missing or incomplete, or its run was not written by this installation)."""
+    checkpoint is missing or incomplete, or its run was not written by this installation, or, `task` given, the
+    run is another task's: a training run is not continued as a distillation, nor the other way round)."""
     if choice in ("", "off"):
         return None
     if choice == "latest":
-        return find_latest_resumable(runs_root, output_name)
+        return find_latest_resumable(runs_root, output_name, task)
     run_id, _, tag = choice.partition("/")
     run_dir = run_dir_for(runs_root, run_id)
     if run_dir is None or tag not in complete_checkpoints(run_dir):
@@ -122,4 +128,8 @@ def resolve_resume_choice(runs_root: str | Path, choice: str, output_name: str) 
     if not trusted_run(run_dir):
         raise ValueError(f"resume: run {run_id!r} was not written by this installation (its signature does not "
                          f"verify); refusing to resume it")
+    run_task = _spec_fields(run_dir)[1]
+    if task is not None and run_task != task:
+        raise ValueError(f"resume: run {run_id!r} is a {run_task} run, not a {task} run; pick one of this node's "
+                         f"own runs")
     return run_dir, tag

@@ -1,7 +1,7 @@
 """One trainer process kept started ahead of need, so a run does not wait for torch, ComfyUI, DeepSpeed and
 peft to import (about 10 s on 2 CPU cores; trainer/standby.py is its other half).
 
-When: the first standby starts when a prompt with a node that launches a trainer (Train LoRA, Evaluate) is
+When: the first standby starts when a prompt with a node that launches a trainer (Train LoRA, Distill, Evaluate) is
 queued, so its imports overlap the graph's own work before that node (loading the model, caching); after each
 single-process run is handed to it, a fresh one starts for the next run. A ComfyUI that never trains never
 starts one, and an unused standby exits after INGRAPH_STANDBY_IDLE_S seconds (default 900), giving its memory
@@ -34,7 +34,7 @@ ENABLE_ENV = "INGRAPH_STANDBY"
 IDLE_ENV = "INGRAPH_STANDBY_IDLE_S"
 DEFAULT_IDLE_S = 900.0
 # prompts holding one of these nodes start a standby when queued
-TRAINER_NODES = frozenset({"InGraphTrainLoRA", "InGraphEvaluate"})
+TRAINER_NODES = frozenset({"InGraphTrainLoRA", "InGraphDistill", "InGraphEvaluate"})
 
 
 def enabled() -> bool:

@@ -19,8 +19,10 @@ class TrainOutcome:
     result: object  # runner.session.RunResult
 
 
-def check_family_settings(model, prediction: str, train, adapter, file_format: str, distributed=None):
-    """Rejects, before anything is written, settings the MODEL's family cannot honour (the trainer checks again)."""
+def check_family_settings(model, prediction: str, train, adapter, file_format: str, distributed=None,
+                          title: str = "Train LoRA"):
+    """Rejects, before anything is written, settings the MODEL's family cannot honour (the trainer checks again).
+    `title`: the node the error names."""
     from ..trainer.config import DistributedSpec, OutputSpec, RunSpec
     from ..trainer.models import UnsupportedSetting, family_for
     family = family_for(model.model, prediction=prediction)
@@ -28,8 +30,8 @@ def check_family_settings(model, prediction: str, train, adapter, file_format: s
         family.check_settings(RunSpec(train=train, adapter=adapter, output=OutputSpec(format=file_format),
                                       distributed=distributed or DistributedSpec()))
     except UnsupportedSetting as exc:
-        raise ValueError(f"Train LoRA ({family.display_name} model): {exc}") from None
-    log.info("InGraph Trainer: training a %s model (%s)", family.display_name, prediction)
+        raise ValueError(f"{title} ({family.display_name} model): {exc}") from None
+    log.info("InGraph Trainer: %s on a %s model (%s)", title, family.display_name, prediction)
 
 
 def check_prior_dataset(dataset, prior_dataset):
@@ -44,13 +46,13 @@ def check_prior_dataset(dataset, prior_dataset):
         raise ValueError("Train LoRA: " + "; ".join(problems))
 
 
-def refuse_foreign_file(path, overwrite: bool):
+def refuse_foreign_file(path, overwrite: bool, title: str = "Train LoRA"):
     """A file the user put in models/ (no pack metadata) is replaced only when they say so."""
     from ..trainer.adapters import written_by_pack
     from .paths import lora_name_of
     path = Path(path)
     if path.exists() and not overwrite and not written_by_pack(path):
-        raise ValueError(f"Train LoRA: {lora_name_of(path)} already exists and was not written by InGraph Trainer; "
+        raise ValueError(f"{title}: {lora_name_of(path)} already exists and was not written by InGraph Trainer; "
                          "choose another output_name, or turn on overwrite to replace it")
 
 
@@ -86,6 +88,32 @@ def train_lora(model, dataset, *, adapter: AdapterSpec, train: TrainSpec, output
     hidden inputs) say where its MODEL and previews VAE come from, so they reach the trainer as files.
     `prior_dataset`: prior (regularisation) images, `prior_fraction` of every batch, loss weight `prior_weight`.
     `base_precision` (config.BASE_PRECISIONS): how the trainer holds the frozen base weights (fp8 halves bf16)."""
+    def check_new_run(prediction: str):
+        check_family_settings(model, prediction, train, adapter, file_format, distributed)
+        if prior_dataset is not None:
+            check_prior_dataset(dataset, prior_dataset)
+
+    return run_trainer_node(model, dataset, task="train", title="Train LoRA", adapter=adapter, train=train,
+                            output_name=output_name, resume=resume, distributed=distributed, previews=previews,
+                            overwrite=overwrite, prompt=prompt, node_id=node_id, on_run=on_run,
+                            check_interrupt=check_interrupt, base_precision=base_precision,
+                            check_new_run=check_new_run,
+                            prepare=dict(eval_dataset=eval_dataset, file_format=file_format,
+                                         prior_dataset=prior_dataset, prior_weight=prior_weight,
+                                         prior_fraction=prior_fraction),
+                            adjust=lambda spec: with_output_weights(spec, output_weights))
+
+
+def run_trainer_node(model, dataset, *, task: str, title: str, adapter: AdapterSpec, train: TrainSpec,
+                     output_name: str, resume: str, distributed: DistributedSpec | None, previews, overwrite: bool,
+                     prompt: dict | None, node_id: str, on_run: Callable[[str, int], Callable[[dict], None]],
+                     check_interrupt: Callable[[], None], base_precision: str,
+                     check_new_run: Callable[[str], None], prepare: dict,
+                     adjust: Callable | None = None) -> TrainOutcome:
+    """The run of a node that trains through the trainer program (Train LoRA: task "train"; Distill: "distill"):
+    resume or a new run (`check_new_run(prediction)` refuses settings first; `prepare` and `adjust` go to
+    session.prepare_run), the model's hand-off, launch, watch, and the input MODEL with the result applied.
+    Errors name the node by `title`; a resumed run must be of the same `task`."""
     from . import paths
     from .launcher import TrainerProcess
     from .model_source import (Undescribable, describe_model, hand_off_model, hand_off_vae, input_link,
@@ -97,11 +125,11 @@ def train_lora(model, dataset, *, adapter: AdapterSpec, train: TrainSpec, output
 
     lora_path, new_lora_name = paths.lora_output_path(output_name, paths.output_folder(adapter.kind))
     name = new_lora_name[: -len(".safetensors")]
-    resume_from = resolve_resume_choice(paths.runs_root(), resume or "off", name)
+    resume_from = resolve_resume_choice(paths.runs_root(), resume or "off", name, task)
     if resume_from is None:
-        refuse_foreign_file(lora_path, overwrite)
+        refuse_foreign_file(lora_path, overwrite, title)
     elif trainer_running(resume_from[0]):  # two trainers would write the same checkpoints
-        raise ValueError(f"Train LoRA: run {resume_from[0].name} is still training (queued elsewhere or "
+        raise ValueError(f"{title}: run {resume_from[0].name} is still training (queued elsewhere or "
                          "by another server); stop it before resuming it")
     if resume_from is not None:  # the run continues with the spec saved in its own directory
         run_dir, resume_tag = resume_from
@@ -116,10 +144,7 @@ def train_lora(model, dataset, *, adapter: AdapterSpec, train: TrainSpec, output
         if resume == "latest":
             log.info("InGraph Trainer: no checkpoint of %r to resume; starting a new run", name)
         resume_tag = None
-        prediction = prediction_of(model)
-        check_family_settings(model, prediction, train, adapter, file_format, distributed)
-        if prior_dataset is not None:
-            check_prior_dataset(dataset, prior_dataset)
+        check_new_run(prediction_of(model))
         # the GPU goes to the trainer; and a fallback reads weights unpatched, as a loaded model may hold them patched
         release_comfy_models(model)
         hand_off = hand_off_model(model, prompt, node_id, "model", paths.models_root())
@@ -128,14 +153,12 @@ def train_lora(model, dataset, *, adapter: AdapterSpec, train: TrainSpec, output
         model_spec = dataclasses.replace(hand_off.model_spec, base_precision=base_precision)
         run_dir, spec_path = prepare_run(runs_root=paths.runs_root(), name=name, model=model_spec,
                                          dataset=dataset, cache_root=paths.cache_root(), adapter=adapter,
-                                         train=train, distributed=distributed, lora_path=lora_path,
-                                         eval_dataset=eval_dataset, previews=previews, previews_vae=previews_vae,
-                                         file_format=file_format, overwrite=overwrite, prior_dataset=prior_dataset,
-                                         prior_weight=prior_weight, prior_fraction=prior_fraction,
-                                         adjust=lambda spec: with_output_weights(spec, output_weights))
+                                         train=train, distributed=distributed, lora_path=lora_path, task=task,
+                                         previews=previews, previews_vae=previews_vae, overwrite=overwrite,
+                                         adjust=adjust, **prepare)
     saved = load_run_spec(spec_path)  # what the trainer will run, for a new run and a resumed one alike
     if resume_from is not None:
-        refuse_foreign_file(saved.output.lora_path, overwrite or saved.output.overwrite)
+        refuse_foreign_file(saved.output.lora_path, overwrite or saved.output.overwrite, title)
     lora_name = paths.lora_name_of(saved.output.lora_path, paths.output_folder(saved.adapter.kind))
     write_owner(run_dir, node_id)
     on_event = on_run(run_dir.name, saved.train.steps)
@@ -143,7 +166,7 @@ def train_lora(model, dataset, *, adapter: AdapterSpec, train: TrainSpec, output
                              processes=saved.distributed.processes, hostfile=saved.distributed.hostfile).start()
     log.info("InGraph Trainer: run %s started (pid %d), log: %s", run_dir.name, process.pid, process.log_path)
     result = watch_run(process, on_event, check_interrupt)
-    log.info("InGraph Trainer: run %s finished; LoRA written to %s", run_dir.name, result.adapter_path)
+    log.info("InGraph Trainer: run %s finished; written to %s", run_dir.name, result.adapter_path)
 
     full = saved.adapter.kind == "full"
     trained = trained_model_of(model, result.adapter_path, saved.output.format, full=full)

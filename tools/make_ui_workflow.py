@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+PANEL_NODES = {"InGraphTrainLoRA", "InGraphDistill"}  # nodes with the live panel (web/ingraph_trainer.js)
 
 
 def is_widget(spec) -> bool:
@@ -72,7 +73,7 @@ def convert(api: dict, info: dict) -> dict:
         # rough height: title, one line per socket or widget, multi-line text boxes, the Train node's panel
         lines = max(len(inputs) + len(widgets), len(info[node["class_type"]]["output"]))
         height = 40 + 24 * lines + 60 * sum(isinstance(w, str) and "\n" in w for w in widgets) \
-            + (230 if node["class_type"] == "InGraphTrainLoRA" else 0)
+            + (230 if node["class_type"] in PANEL_NODES else 0)
         y = next_y.get(col, 60)
         next_y[col] = y + height + 50
         nodes.append({"id": ids[key], "type": node["class_type"], "pos": [40 + 380 * col, y],

@@ -114,6 +114,7 @@ PREDICTIONS = ("auto", "epsilon", "v_prediction", "flow")
 FAMILY_NAMES = ("auto", "sd_unet", "sdxl", "sd3", "flux", "wan", "generic")  # trainer/models (auto: detected)
 TIMESTEP_SAMPLING = choice_values(TIMESTEP_SAMPLING_CHOICES)
 TASKS = ("train", "evaluate", "distill")  # distill: DMD2 few-step distillation (trainer/distill.py)
+DISTILL_STUDENT_KINDS = ("lora", "full")  # adapter kinds a distilled student trains as
 MODEL_FORMATS = ("diffusion_model", "checkpoint")  # how ComfyUI loads model.path: UNETLoader / Load Checkpoint
 WEIGHT_DTYPES = ("default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2")  # UNETLoader's weight_dtype
 BASE_PRECISION_CHOICES = (  # the frozen base weights in the trainer
@@ -262,7 +263,7 @@ class DistillSpec:
             (self.regression_steps >= 0, "regression_steps", f"must be 0 or more (got {self.regression_steps})"),
             (0.0 <= self.min_t < self.max_t <= 1.0, "min_t", f"needs 0 <= min_t < max_t <= 1 (got {self.min_t}, "
                                                              f"{self.max_t})"),
-            (spec.adapter.kind in ("lora", "full"), "adapter.kind",
+            (spec.adapter.kind in DISTILL_STUDENT_KINDS, "adapter.kind",
              f"the student trains as a LoRA or in full (got {spec.adapter.kind!r})"),
             (spec.distributed.pipeline_stages <= 1, "distributed.pipeline_stages",
              "distillation runs three models on whole-model layouts (ZeRO 0-3); use 1 stage"),

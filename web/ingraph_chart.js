@@ -77,14 +77,15 @@ export class Smoother {
   }
 }
 
-// Draws the loss (raw and smoothed) and the evaluations on a 2D context of w x h CSS pixels; returns how many
-// points it drew.
-export function drawChart(ctx, w, h, { loss, smooth, evals, total }) {
+// Draws the loss (raw and smoothed), the evaluations and, for a distillation, the fake score's loss (`fake`, a
+// second series) on a 2D context of w x h CSS pixels; returns how many points it drew.
+export function drawChart(ctx, w, h, { loss, smooth, evals, total, fake }) {
   ctx.clearRect(0, 0, w, h);
-  let lo = Math.min(loss.lo, evals.lo), hi = Math.max(loss.hi, evals.hi);
+  let lo = Math.min(loss.lo, evals.lo, fake ? fake.lo : Infinity);
+  let hi = Math.max(loss.hi, evals.hi, fake ? fake.hi : -Infinity);
   if (!(hi >= lo)) return 0; // nothing finite yet
   if (hi - lo < 1e-12) { lo -= 0.5; hi += 0.5; }
-  const maxStep = Math.max(total || 1, loss.lastStep, evals.lastStep, 1);
+  const maxStep = Math.max(total || 1, loss.lastStep, evals.lastStep, fake ? fake.lastStep : 0, 1);
   const x = (s) => 4 + ((w - 8) * s) / maxStep, y = (v) => 4 + (h - 8) * (1 - (v - lo) / (hi - lo));
   let drawn = 0;
   const line = (series, color, width) => {
@@ -96,6 +97,7 @@ export function drawChart(ctx, w, h, { loss, smooth, evals, total }) {
   };
   line(loss, "#4a6fa8", 1);
   line(smooth, "#7cc8ff", 2);
+  if (fake && fake.count) line(fake, "#d98cff", 1);
   ctx.fillStyle = "#ffaa3c";
   for (const [s, v] of evals.points()) { ctx.beginPath(); ctx.arc(x(s), y(v), 3, 0, 2 * Math.PI); ctx.fill(); drawn++; }
   ctx.fillStyle = "#999"; ctx.font = "10px sans-serif";

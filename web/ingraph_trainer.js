@@ -1,9 +1,10 @@
-// InGraph Trainer: a live panel on the Train LoRA node (progress, loss chart, lr, speed, ETA, Stop).
+// InGraph Trainer: a live panel on the Train LoRA and Distill nodes (progress, loss chart, lr, speed, ETA, Stop;
+// a distillation's fake-score loss as a second series).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { Series, Smoother, drawChart } from "./ingraph_chart.js";
 
-const TRAIN_NODE = "InGraphTrainLoRA";
+const PANEL_NODES = new Set(["InGraphTrainLoRA", "InGraphDistill"]); // nodes that run the trainer
 const EVENTS_PAGE = 10000; // events per request when a reload rebuilds a run's history
 const SAMPLE_IMAGES = 16; // the newest preview images a panel keeps
 const panels = new Map(); // node id (string) -> Panel
@@ -37,20 +38,22 @@ export class Panel {
       <div data-role="stats" style="display:grid;grid-template-columns:repeat(4,auto);gap:2px 10px;white-space:nowrap">
         <span>loss <b data-role="loss">–</b></span><span>lr <b data-role="lr">–</b></span>
         <span><b data-role="speed">–</b> img/s</span><span>ETA <b data-role="eta">–</b></span>
+        <span data-role="fake-stat" style="display:none;color:#d98cff" title="the fake score's loss (distillation)">fake loss <b data-role="fake">–</b></span>
       </div>
-      <canvas data-role="chart" data-points="0" data-evals="0" data-drawn="0" style="width:100%;flex:1;min-height:90px;background:#151518;border-radius:4px"></canvas>
+      <canvas data-role="chart" data-points="0" data-evals="0" data-fake="0" data-drawn="0" style="width:100%;flex:1;min-height:90px;background:#151518;border-radius:4px"></canvas>
       <div data-role="state" style="color:#aaa;white-space:nowrap;overflow:hidden;text-overflow:ellipsis"></div>
       <div data-role="samples" style="display:flex;gap:4px;overflow-x:auto"></div>`;
     this.$ = (role) => el.querySelector(`[data-role="${role}"]`);
     this.$("stop").addEventListener("click", () => this.stop());
     this.loss = new Series(); this.smooth = new Series(); this.evals = new Series(); this.smoother = new Smoother();
+    this.fake = new Series(); // a distillation's fake-score loss
     this.reset();
   }
 
   // a new run shows nothing of the previous one; memory per run is bounded (series buckets, a few images)
   reset() {
     this.runId = null; this.state = "idle"; this.total = null; this.lastStep = null; this.lastEval = -1;
-    this.loss.clear(); this.smooth.clear(); this.evals.clear(); this.smoother.clear();
+    this.loss.clear(); this.smooth.clear(); this.evals.clear(); this.smoother.clear(); this.fake.clear();
     this.samples = []; // [{key, src, title}] newest last
     this.message = ""; this.stepText = "starting";
     this.latest = null; // the newest step event
@@ -84,6 +87,7 @@ export class Panel {
         if (typeof event.step !== "number" || (this.lastStep != null && event.step <= this.lastStep)) break; // replayed already
         this.state = "running"; this.total = event.total; this.lastStep = event.step; this.latest = event;
         this.loss.push(event.step, event.loss);
+        if ("fake_loss" in event) this.fake.push(event.step, event.fake_loss);
         const smoothed = this.smoother.push(event.loss);
         if (smoothed != null) this.smooth.push(event.step, smoothed);
         break;
@@ -139,11 +143,13 @@ export class Panel {
       this.$("lr").textContent = exponential(e.lr, 2);
       this.$("speed").textContent = fixed(e.samples_per_s, 1);
       this.$("eta").textContent = fmtTime(e.eta_s);
+      this.$("fake").textContent = fixed(e.fake_loss, 4);
     } else {
       this.$("bar").style.width = "0";
       this.$("step").textContent = this.stepText;
-      for (const role of ["loss", "lr", "speed", "eta"]) this.$(role).textContent = "–";
+      for (const role of ["loss", "lr", "speed", "eta", "fake"]) this.$(role).textContent = "–";
     }
+    this.$("fake-stat").style.display = this.latest && "fake_loss" in this.latest ? "" : "none";
     this.$("state").textContent = this.message;
     const stop = this.$("stop");
     stop.disabled = this.state !== "running";
@@ -177,6 +183,7 @@ export class Panel {
     ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
     canvas.dataset.points = String(this.loss.count);
     canvas.dataset.evals = String(this.evals.count);
+    canvas.dataset.fake = String(this.fake.count);
     canvas.dataset.drawn = String(drawChart(ctx, w, h, this));
   }
 
@@ -210,7 +217,7 @@ export class Panel {
 app.registerExtension({
   name: "ingraph.trainer.panel",
   async beforeRegisterNodeDef(nodeType, nodeData) {
-    if (nodeData.name !== TRAIN_NODE) return;
+    if (!PANEL_NODES.has(nodeData.name)) return;
     const onNodeCreated = nodeType.prototype.onNodeCreated;
     nodeType.prototype.onNodeCreated = function () {
       const result = onNodeCreated?.apply(this, arguments);

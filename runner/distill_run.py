@@ -1,0 +1,86 @@
+"""The Distill node's work: DMD2 few-step distillation of the graph's MODEL (the frozen teacher) into a student
+that trains as a LoRA (a "turbo LoRA" for the teacher) or in full, by the trainer program (task "distill",
+trainer/distill.py). Resume, the model's hand-off, launch, watch and the output MODEL are the Train node's
+(runner.train_run.run_trainer_node); only the settings and their checks are distillation's own."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable
+
+from ..trainer.config import (ADAPTER_KIND_CHOICES, DISTILL_STUDENT_KINDS, AdapterSpec, DistillSpec, DistributedSpec,
+                              RunSpec, TrainSpec)
+from .train_run import TrainOutcome, check_family_settings, run_trainer_node
+
+log = logging.getLogger("ingraph_trainer")
+
+TITLE = "Distill"
+TASK = "distill"
+
+
+def check_student_adapter(adapter: AdapterSpec):
+    """The adapter input: a LoRA or a full fine-tune (trainer.config.DISTILL_STUDENT_KINDS: the other kinds make no
+    turbo LoRA that ComfyUI users load, and the trainer refuses them)."""
+    if adapter.kind not in DISTILL_STUDENT_KINDS:
+        labels = {c.value: c.label for c in ADAPTER_KIND_CHOICES}
+        kinds = " or ".join(labels[k] for k in DISTILL_STUDENT_KINDS)
+        raise ValueError(f"{TITLE}: adapter: the student trains as {kinds}; the LoRA Adapter node's kind is "
+                         f"{labels.get(adapter.kind, adapter.kind)}")
+
+
+def parse_student_timesteps(text: str, student_steps: int) -> list[float]:
+    """The student_timesteps input: '' (evenly spaced), or `student_steps` noise levels t in (0, 1], highest
+    first, separated by commas or spaces ('1.0, 0.75, 0.5, 0.25'). The error names the input."""
+    parts = [p for p in (text or "").replace(",", " ").split() if p]
+    if not parts:
+        return []
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"{TITLE}: student_timesteps: {text!r} is not a list of numbers") from None
+    if len(values) != student_steps or not all(0.0 < v <= 1.0 for v in values) \
+            or values != sorted(values, reverse=True):
+        raise ValueError(f"{TITLE}: student_timesteps: give {student_steps} noise level(s) in (0, 1], highest first "
+                         f"(one per student step), or leave it empty for evenly spaced ones (got {text!r})")
+    return values
+
+
+def check_distill_settings(adapter: AdapterSpec, train: TrainSpec, distill: DistillSpec,
+                           distributed: DistributedSpec | None):
+    """Refuses, before anything is written, what the run spec would refuse (trainer.config.DistillSpec.problems):
+    the error names the node's inputs."""
+    check_student_adapter(adapter)
+    spec = RunSpec(task=TASK, adapter=adapter, train=train, distributed=distributed or DistributedSpec(),
+                   distill=distill)
+    problems = distill.problems(spec)
+    if problems:
+        # the node's inputs carry the spec's field names without the table ("distill.fake_updates" -> fake_updates)
+        raise ValueError(f"{TITLE}: " + "; ".join(p.removeprefix("distill.") for p in problems))
+
+
+def with_distill(spec: RunSpec, distill: DistillSpec) -> RunSpec:
+    """The spec's [distill] table (prepare_run's `adjust`)."""
+    spec.distill = dataclasses.replace(distill)
+    return spec
+
+
+def distill_model(model, dataset, *, adapter: AdapterSpec, train: TrainSpec, distill: DistillSpec,
+                  output_name: str, resume: str = "off", distributed: DistributedSpec | None = None, previews=None,
+                  overwrite: bool = False, prompt: dict | None = None, node_id: str = "",
+                  on_run: Callable[[str, int], Callable[[dict], None]], check_interrupt: Callable[[], None],
+                  base_precision: str = "as_loaded") -> TrainOutcome:
+    """One Distill node run: `model` is the teacher; `train.steps` counts generator updates and
+    `train.learning_rate` is the generator's; `distill` holds the DMD2 settings. A resumed run continues with the
+    settings saved in its run directory. Returns the teacher with the student applied and the student's name."""
+    check_student_adapter(adapter)
+
+    def check_new_run(prediction: str):
+        check_distill_settings(adapter, train, distill, distributed)
+        check_family_settings(model, prediction, train, adapter, "comfyui", distributed, title=TITLE)
+
+    return run_trainer_node(model, dataset, task=TASK, title=TITLE, adapter=adapter, train=train,
+                            output_name=output_name, resume=resume, distributed=distributed, previews=previews,
+                            overwrite=overwrite, prompt=prompt, node_id=node_id, on_run=on_run,
+                            check_interrupt=check_interrupt, base_precision=base_precision,
+                            check_new_run=check_new_run, prepare=dict(file_format="comfyui"),
+                            adjust=lambda spec: with_distill(spec, distill))

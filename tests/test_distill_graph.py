@@ -1,0 +1,312 @@
+"""Distillation in the graph (issue 16): the Distill node, its runner (runner/distill_run.py), the live panel's
+fake-score series, and the shipped workflow run through a real ComfyUI server, whose student loads in stock
+ComfyUI and samples in 1 step.
+
+Unit tests need no server and launch no trainer; the graph test is one distillation of 3 generator updates."""
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import subprocess
+import tomllib
+import types
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, load_workflow
+
+from ingraph_trainer.runner import distill_run, runs
+from ingraph_trainer.trainer import checkpoint as ckpt
+from ingraph_trainer.trainer import config, trust
+
+WORKFLOW = "distill_turbo_lora_api.json"
+DISTILL = "6"  # the Distill node of the shipped workflow
+SAMPLE = "12"  # its SaveImage of the student's sample
+
+
+def _node_class():
+    from tools.bootstrap import bootstrap
+    bootstrap()
+    from ingraph_trainer.nodes.distill_node import Distill
+    return Distill
+
+
+# --- the node and its checks (no server, no trainer) -----------------------------------------------------------
+
+@pytest.mark.comfyui
+def test_the_node_is_registered_with_a_tooltip_on_every_input_and_the_spec_defaults():
+    Distill = _node_class()
+    from ingraph_trainer.nodes import NODES
+    assert Distill in NODES
+    schema = Distill.define_schema()
+    inputs = {i.id: i for i in schema.inputs}
+    assert all(i.tooltip and len(i.tooltip) > 20 for i in schema.inputs), [i.id for i in schema.inputs if not i.tooltip]
+    defaults = config.DistillSpec()
+    for name in ("student_steps", "guidance_scale", "fake_learning_rate", "fake_updates", "dmd_weight",
+                 "denoising_weight", "gan_weight", "regression_steps", "backward_simulation", "min_t", "max_t"):
+        assert inputs[name].default == getattr(defaults, name), name
+    assert (inputs["student_steps"].min, inputs["student_steps"].max) == (1, 4)
+    assert inputs["precision"].options == config.choice_labels(config.PRECISION_CHOICES)
+    names = [i.id for i in schema.inputs]
+    first_optional = next(n for n, i in enumerate(schema.inputs) if i.optional)
+    assert all(i.optional for i in schema.inputs[first_optional:]) and names[first_optional] == "resume"
+    assert [o.display_name for o in schema.outputs] == ["model", "student_name"]
+    # the prompt is refused at queue time for a bad output name or timesteps that do not fit the step count
+    assert Distill.validate_inputs("turbo", 2, "1.0, 0.5") is True
+    assert "student_timesteps" in Distill.validate_inputs("turbo", 2, "1.0")
+    assert "output_name" in Distill.validate_inputs("bad:name", 1)
+
+
+def test_the_student_must_be_a_lora_or_a_full_fine_tune_naming_the_adapter_input():
+    for kind, label in (("loha", "LoHa"), ("lokr", "LoKr"), ("dora", "DoRA")):
+        with pytest.raises(ValueError, match=rf"^Distill: adapter: the student trains as LoRA or Full fine-tune; "
+                                             rf"the LoRA Adapter node's kind is {label}$"):
+            distill_run.check_student_adapter(config.AdapterSpec(kind=kind))
+    for kind in config.DISTILL_STUDENT_KINDS:
+        distill_run.check_student_adapter(config.AdapterSpec(kind=kind))
+
+
+def test_settings_the_spec_refuses_are_refused_naming_the_node_input():
+    def refused(distill=None, distributed=None):
+        with pytest.raises(ValueError) as info:
+            distill_run.check_distill_settings(config.AdapterSpec(), config.TrainSpec(),
+                                               distill or config.DistillSpec(), distributed)
+        return str(info.value)
+    assert refused(config.DistillSpec(fake_updates=0)).startswith("Distill: fake_updates: must be at least 1")
+    assert refused(config.DistillSpec(min_t=0.9, max_t=0.5)).startswith("Distill: min_t: needs 0 <= min_t < max_t")
+    assert "distributed.pipeline_stages" in refused(distributed=config.DistributedSpec(processes=2,
+                                                                                        pipeline_stages=2))
+    distill_run.check_distill_settings(config.AdapterSpec(kind="full"), config.TrainSpec(), config.DistillSpec(),
+                                       None)
+    parse = distill_run.parse_student_timesteps
+    assert parse("", 4) == [] and parse(" 1.0, 0.75 0.5,0.25 ", 4) == [1.0, 0.75, 0.5, 0.25]
+    for text, steps in (("1.0 0.5", 1), ("0.5 1.0", 2), ("1.5", 1), ("0", 1), ("fast", 1)):
+        with pytest.raises(ValueError, match=r"^Distill: student_timesteps: "):
+            parse(text, steps)
+
+
+def test_the_runner_writes_a_distill_spec_through_the_train_nodes_run(monkeypatch, tmp_path):
+    """distill_model hands prepare_run task "distill" and the [distill] table (the rest is the Train node's run);
+    a refused adapter stops it before anything is handed off."""
+    from ingraph_trainer.runner import model_source, session, train_run
+
+    class Handed(Exception):
+        pass
+
+    def prepare_run(**kwargs):
+        raise Handed(kwargs)
+    handed_off = []
+    monkeypatch.setattr(model_source, "hand_off_model", lambda *a, **k: handed_off.append(a) or types.SimpleNamespace(
+        model_spec=config.ModelSpec(path="teacher.safetensors"), source=None))
+    monkeypatch.setattr(model_source, "release_comfy_models", lambda model: None)
+    monkeypatch.setattr(model_source, "prediction_of", lambda model: "epsilon")
+    monkeypatch.setattr(distill_run, "check_family_settings", lambda *a, **k: None)
+    monkeypatch.setattr(session, "prepare_run", prepare_run)
+    monkeypatch.setattr(train_run, "refuse_foreign_file", lambda *a, **k: None)
+    distill = config.DistillSpec(student_steps=2, student_timesteps=[1.0, 0.5], fake_updates=3, gan_weight=0.01)
+    run = dict(train=config.TrainSpec(steps=7), distill=distill, output_name="distill_probe",
+               on_run=None, check_interrupt=lambda: None)
+    with pytest.raises(Handed) as info:
+        distill_run.distill_model(object(), None, adapter=config.AdapterSpec(kind="lora"), **run)
+    kwargs = info.value.args[0]
+    assert kwargs["task"] == "distill" and kwargs["file_format"] == "comfyui" and kwargs["train"].steps == 7
+    spec = kwargs["adjust"](config.RunSpec(task=kwargs["task"], run_dir=str(tmp_path), model=kwargs["model"],
+                                           adapter=kwargs["adapter"], train=kwargs["train"]))
+    spec.output.lora_path, spec.data.manifest = "student.safetensors", "dataset.json"
+    spec.validate()
+    written = config.spec_from_dict(tomllib.loads(config.dump_run_spec(spec)), "written")
+    assert written.task == "distill" and written.distill == distill and written.distill is not distill
+
+    handed_off.clear()
+    with pytest.raises(ValueError, match="Distill: adapter: .* kind is DoRA"):
+        distill_run.distill_model(object(), None, adapter=config.AdapterSpec(kind="dora"), **run)
+    assert not handed_off
+
+
+class _Engine:
+    def save_checkpoint(self, root, tag, client_state, save_latest, exclude_frozen_parameters):
+        (Path(root) / tag).mkdir(parents=True)
+        (Path(root) / tag / "state.json").write_text(json.dumps(client_state["trainer"]))
+
+
+def _signed_run(root: Path, run_id: str, task: str | None) -> Path:
+    run_dir = root / run_id
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.toml").write_text((f'task = "{task}"\n' if task else "") + '[output]\nname = "turbo"\n')
+    (run_dir / "dataset.json").write_text("{}")
+    ckpt.save_checkpoint(_Engine(), run_dir, 2, {"step": 2, "seed": 0}, True, keep_last=0)
+    trust.sign_run(run_dir, ["run.toml", "dataset.json"])
+    return run_dir
+
+
+def test_resume_continues_only_a_run_of_the_same_task(tmp_path, monkeypatch):
+    monkeypatch.setenv(trust.SECRET_ENV, str(tmp_path / "secret"))
+    root = tmp_path / "runs"
+    distilled = _signed_run(root, "20260101-000000-turbo-aaaa", "distill")
+    trained = _signed_run(root, "20260102-000000-turbo-bbbb", None)  # newer; a spec without a task trains
+    assert runs.resolve_resume_choice(root, "latest", "turbo", "distill") == (distilled, "step_000002")
+    assert runs.resolve_resume_choice(root, "latest", "turbo", "train") == (trained, "step_000002")
+    assert runs.resolve_resume_choice(root, "latest", "turbo") == (trained, "step_000002")  # no task: any run
+    with pytest.raises(ValueError, match=rf"run '{trained.name}' is a train run, not a distill run"):
+        runs.resolve_resume_choice(root, f"{trained.name}/step_000002", "turbo", "distill")
+    assert runs.resolve_resume_choice(root, f"{distilled.name}/step_000002", "turbo", "distill") \
+        == (distilled, "step_000002")
+
+
+# --- the live panel under node: a distillation's fake-score loss is a second series ----------------------------
+
+PANEL_DRIVER = r"""
+const calls = { lineTo: 0, strokeStyles: [] };
+const ctx = new Proxy({}, { get: (t, k) => (k === "lineTo" ? () => calls.lineTo++ : () => {}),
+                            set: (t, k, v) => { if (k === "strokeStyle") calls.strokeStyles.push(v); return true; } });
+function element() {
+  const el = { style: {}, dataset: {}, textContent: "", children: [], clientWidth: 400, clientHeight: 120, roles: {},
+    addEventListener() {}, querySelector: (sel) => (el.roles[sel] ??= element()), getContext: () => ctx,
+    prepend(c) { el.children.unshift(c); } };
+  return el;
+}
+globalThis.document = { createElement: element };
+globalThis.window = { devicePixelRatio: 1 };
+const { Panel } = await import("./ext/pack/ingraph_trainer.js");
+const { registered } = await import("./scripts/app.js");
+const panelFor = {};
+for (const name of ["InGraphTrainLoRA", "InGraphDistill", "InGraphEvaluate"]) {
+  const nodeType = { prototype: {} };
+  await registered[0].beforeRegisterNodeDef(nodeType, { name });
+  panelFor[name] = typeof nodeType.prototype.onNodeCreated === "function";
+}
+function run(events) {
+  const panel = new Panel({ id: 1 });
+  panel.replaying = true;
+  panel.apply("run", { type: "started", total: 3, start_step: 0 });
+  events.forEach((e) => panel.apply("run", e));
+  panel.replaying = false;
+  calls.strokeStyles = [];
+  panel.render();
+  return { fake: Number(panel.$("chart").dataset.fake), points: Number(panel.$("chart").dataset.points),
+           fakeText: panel.$("fake").textContent, fakeShown: panel.$("fake-stat").style.display !== "none",
+           colours: calls.strokeStyles.length };
+}
+const step = (s, extra) => ({ type: "step", step: s, total: 3, loss: 1 / s, lr: 1e-4, samples_per_s: 2, eta_s: 3 - s,
+                              ...extra });
+const distill = run([1, 2, 3].map((s) => step(s, { generator_loss: 1 / s, dmd_loss: 1 / s, fake_loss: 0.25 * s })));
+const train = run([1, 2, 3].map((s) => step(s)));
+console.log(JSON.stringify({ panelFor, distill, train }));
+"""
+
+
+def test_the_panel_follows_the_distill_node_and_draws_the_fake_score_loss(tmp_path):
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    (tmp_path / "ext" / "pack").mkdir(parents=True)
+    for script in (REPO / "web").glob("*.js"):
+        shutil.copy(script, tmp_path / "ext" / "pack" / script.name)
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "app.js").write_text(
+        "export const registered = []; export const app = { registerExtension(e) { registered.push(e); } };\n")
+    (tmp_path / "scripts" / "api.js").write_text(
+        "export const api = { apiURL: (p) => p, fetchApi: async () => ({ json: async () => ({}) }),"
+        " addEventListener() {} };\n")
+    (tmp_path / "package.json").write_text('{"type": "module"}')
+    (tmp_path / "drive.js").write_text(PANEL_DRIVER)
+    out = subprocess.run([node, "drive.js"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["panelFor"] == {"InGraphTrainLoRA": True, "InGraphDistill": True, "InGraphEvaluate": False}
+    distill, train = result["distill"], result["train"]
+    assert distill["fake"] == 3 and distill["points"] == 3 and distill["fakeShown"] and distill["fakeText"] == "0.7500"
+    assert distill["colours"] == train["colours"] + 1  # one more line: the fake score's
+    assert train["fake"] == 0 and not train["fakeShown"]
+
+
+# --- through a real ComfyUI server ------------------------------------------------------------------------------
+
+def stock_sampling_graph(lora_name: str | None, prefix: str, steps: int = 1) -> dict:
+    """Load Checkpoint (+ LoraLoaderModelOnly) -> KSampler as the shipped workflow samples the student -> Save."""
+    wf = load_workflow(WORKFLOW)
+    graph = {k: copy.deepcopy(wf[k]) for k in ("1", "7", "8", "9", "10", "11", "12")}
+    graph["10"]["inputs"].update(steps=steps, model=["1", 0])
+    graph["12"]["inputs"]["filename_prefix"] = prefix
+    if lora_name:
+        graph["20"] = {"class_type": "LoraLoaderModelOnly",
+                       "inputs": {"model": ["1", 0], "lora_name": lora_name, "strength_model": 1.0}}
+        graph["10"]["inputs"]["model"] = ["20", 0]
+    return graph
+
+
+def _saved_image(comfy, prefix: str):
+    import numpy as np
+    from PIL import Image
+    saved = sorted((comfy.base_dir / "output").glob(f"{prefix}_*.png"))
+    assert saved, f"no image saved with prefix {prefix}"
+    return np.asarray(Image.open(saved[-1]), dtype=np.int16)
+
+
+@pytest.mark.comfyui
+def test_the_shipped_ui_workflow_matches_object_info(client):
+    from test_comfyui_training import test_ui_workflow_matches_object_info as check
+    check(client, "distill_turbo_lora")
+
+
+@pytest.mark.comfyui
+def test_the_distill_workflow_runs_from_the_graph_and_its_student_samples_in_one_step_in_stock_comfyui(comfy,
+                                                                                                      client):
+    """The shipped workflow with 3 generator updates of a 1-step student: events from the Distill node carry the
+    generator and fake-score losses; the spec is a distillation's; the turbo LoRA (ComfyUI keys) loads in stock
+    LoraLoaderModelOnly with no "lora key not loaded", changes the 1-step image, and gives the image that the
+    Distill node's own MODEL output gave."""
+    wf = load_workflow(WORKFLOW)
+    updates = 3
+    # fp32: bf16 convolutions are slow on CPU and precision is not the point; one fake update keeps it cheap
+    wf[DISTILL]["inputs"].update(steps=updates, student_steps=1, fake_updates=1, precision="fp32", save_every=0,
+                                 output_name="test_turbo")
+    wf["10"]["inputs"]["steps"] = 1
+    wf[SAMPLE]["inputs"]["filename_prefix"] = "distill_output_model"
+    outcome = client.run(wf, timeout=600)
+    assert outcome.ok, (outcome.status, outcome.error, comfy.log_tail())
+
+    messages = [m["data"] for m in outcome.messages if m.get("type") == "ingraph.event"]
+    assert messages and {m["node"] for m in messages} == {DISTILL}
+    steps = [m["event"] for m in messages if m["event"]["type"] == "step"]
+    assert [e["step"] for e in steps] == list(range(1, updates + 1))
+    for event in steps:
+        for key in ("loss", "generator_loss", "dmd_loss", "fake_loss"):
+            assert isinstance(event.get(key), (int, float)), (key, event)
+    progress = [d for d in outcome.of_type("progress") if d.get("node") == DISTILL]
+    assert progress and all(d["max"] == updates for d in progress) and progress[-1]["value"] == updates
+    assert SAMPLE in {d["node"] for d in outcome.of_type("executed")}
+
+    run_dir = comfy.base_dir / "output" / "ingraph" / "runs" / messages[0]["run_id"]
+    spec = tomllib.loads((run_dir / "run.toml").read_text())
+    assert spec["task"] == "distill" and spec["adapter"]["kind"] == "lora" and spec["train"]["steps"] == updates
+    assert spec["distill"]["student_steps"] == 1 and spec["distill"]["fake_updates"] == 1
+
+    lora = comfy.base_dir / "models" / "loras" / "test_turbo.safetensors"
+    from safetensors.torch import load_file
+    keys = set(load_file(lora))
+    assert keys and all(k.startswith("diffusion_model.") and k.endswith((".lora_down.weight", ".lora_up.weight",
+                                                                         ".alpha")) for k in keys)
+
+    stock = {**stock_sampling_graph("test_turbo.safetensors", "distill_stock_lora"),
+             **_renamed(stock_sampling_graph(None, "distill_teacher"), "t")}
+    outcome = client.run(stock, timeout=300)
+    assert outcome.ok, (outcome.status, outcome.error)
+    assert "lora key not loaded" not in comfy.log_text()
+    student, teacher = _saved_image(comfy, "distill_stock_lora"), _saved_image(comfy, "distill_teacher")
+    assert abs(student - teacher).max() > 0  # the LoRA changes the 1-step image
+    assert abs(student - _saved_image(comfy, "distill_output_model")).max() <= 1  # the node's MODEL is the same
+
+
+def _renamed(graph: dict, prefix: str) -> dict:
+    """The graph with its node ids prefixed (links too), to put two graphs into one prompt."""
+    out = {}
+    for key, node in graph.items():
+        node = copy.deepcopy(node)
+        for name, value in node["inputs"].items():
+            if isinstance(value, list) and len(value) == 2 and isinstance(value[0], str):
+                node["inputs"][name] = [prefix + value[0], value[1]]
+        out[prefix + key] = node
+    return out
