@@ -467,6 +467,42 @@ def test_references_and_clips_reach_the_trainer_batch(tmp_path):
         build_training_data(spec, 2, 0, Edit(), pipeline_stages=2)
 
 
+def test_references_the_model_cannot_take_or_the_eval_set_lacks_are_refused_at_start(tmp_path):
+    """At start, before any step: a start-image family (Wan i2v) given items with a second reference image
+    (name.ref2.png), and an evaluation set whose items lack the reference images the training items carry, are
+    refused naming the setting (and the node input)."""
+    from types import SimpleNamespace
+    from ingraph_trainer.trainer.batch_mix import build_training_data
+    from ingraph_trainer.trainer.models.base import UnsupportedSetting
+
+    def manifest(name, references):
+        data = tmp_path / name
+        data.mkdir()
+        write_image(data / "cat.png")
+        for slot in ("ref", "ref2")[:references]:
+            write_image(data / f"cat.{slot}.png", 90)
+        store = CacheStore(tmp_path / "cache")
+        dataset, _, _ = cached(data, store, ImageVAE())
+        dataset, _, _ = encode_text(dataset, SyntheticClip(), store)
+        store.close()
+        return str(write_manifest(tmp_path / f"{name}.json", dataset, tmp_path / "cache"))
+
+    class StartImage:
+        display_name, reference_input = "Wan 2.2 image-to-video", "start_image"
+
+    def spec(train, eval_set=""):
+        return SimpleNamespace(manifest=train, prior_manifest=None, shuffle=True, caption_dropout=0.0,
+                               eval_manifest=eval_set)
+    one, two, none = manifest("one", 1), manifest("two", 2), manifest("none", 0)
+    assert build_training_data(spec(one, one), 1, 0, StartImage())[0].reference_slots == 1
+    with pytest.raises(UnsupportedSetting, match="data.manifest: its items carry 2 reference images.*Wan 2.2 "
+                                                 "image-to-video takes one start image"):
+        build_training_data(spec(two), 1, 0, StartImage())
+    with pytest.raises(ValueError, match="data.eval_manifest \\(the eval_dataset input\\): its items carry no "
+                                         "reference images, the training items 1"):
+        build_training_data(spec(one, none), 1, 0, StartImage())
+
+
 class SyntheticClip:
     """Stands in for a ComfyUI CLIP: an embedding from the caption's length."""
     layer_idx = None

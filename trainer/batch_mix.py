@@ -135,12 +135,33 @@ def check_reference_input(dataset, family, where: str = "data.manifest"):
         raise ValueError(f"data.prior_manifest: its items have {counts[1][1]} reference image(s), the training "
                          f"items {counts[0][1]}; a batch needs the same number")
     slots = counts[0][1]
-    if slots and getattr(family, "reference_input", None) is None:
+    reference_input = getattr(family, "reference_input", None)
+    if slots and reference_input is None:
         from .models.base import UnsupportedSetting
         raise UnsupportedSetting(f"{where}: its items carry {slots} reference image(s) (name.ref.png or a "
                                  f"reference folder), but {family.display_name} takes none (its reference_input is "
                                  "None); train an edit or image-to-video model, or load the dataset without "
                                  "reference images")
+    if slots > 1 and reference_input == "start_image":  # refused here, not at the first step's loss
+        from .models.base import UnsupportedSetting
+        raise UnsupportedSetting(f"{where}: its items carry {slots} reference images (name.ref.png, name.ref2.png "
+                                 f"...), but {family.display_name} takes one start image per item; keep "
+                                 "name.ref.png only")
+
+
+def check_eval_references(dataset, eval_dataset, family=None,
+                          where: str = "data.eval_manifest (the eval_dataset input)"):
+    """Fails at start-up where the evaluation set's items carry another number of reference images than the
+    training set's: a model trained on edit pairs or start images, evaluated without them (or the other way round),
+    would be measured at a task it is not trained for, and a batch cannot mix them."""
+    train_slots, eval_slots = reference_slots(dataset), reference_slots(eval_dataset)
+    if family is not None:
+        check_reference_input(eval_dataset, family, where)
+    if eval_slots != train_slots:
+        have = f"{eval_slots} reference image(s)" if eval_slots else "no reference images"
+        raise ValueError(f"{where}: its items carry {have}, the training items {train_slots}; evaluate on images "
+                         "with the same reference images as the training images (name.ref.png beside each, or a "
+                         "reference folder), or leave the evaluation set out to evaluate the training images")
 
 
 # --- prior (regularisation) images -------------------------------------------------------------------------
@@ -287,7 +308,8 @@ def build_training_data(data_spec, global_batch: int, seed: int, family=None, pi
     """(dataset, sampler) for training from the spec's data section: the training manifest, mixed with the
     prior manifest when there is one (a MixedDataset and a PriorMixSampler), else the CachedDataset and
     StepSampler as before. Fails here, before any step, where the manifests cannot serve caption dropout, or
-    carry reference images that `family` (or pipeline stages) cannot take."""
+    carry reference images that `family` (or pipeline stages) cannot take, or the evaluation set's reference
+    images differ in number from the training set's."""
     from .data import load_cached_dataset
     dataset = load_cached_dataset(data_spec.manifest)
     if data_spec.prior_manifest:
@@ -300,6 +322,8 @@ def build_training_data(data_spec, global_batch: int, seed: int, family=None, pi
     check_caption_features(dataset, data_spec.caption_dropout)
     if family is not None:
         check_reference_input(dataset, family)
+    if getattr(data_spec, "eval_manifest", ""):  # a held-out evaluation set: its references checked now, too
+        check_eval_references(dataset, load_cached_dataset(data_spec.eval_manifest), family)
     if pipeline_stages > 1 and reference_slots(dataset):
         raise ValueError(f"data.manifest: its items carry reference images, which pipeline stages "
                          "(distributed.pipeline_stages > 1) do not pass on; train with 1 stage")
