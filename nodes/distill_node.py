@@ -42,7 +42,8 @@ class Distill(io.ComfyNode):
                 io.Float.Input("guidance_scale", default=DEFAULTS.guidance_scale, min=1.0, max=30.0, step=0.05,
                                tooltip="Classifier-free guidance of the teacher (the real score) against the empty "
                                        "caption; the student learns the guided result, so it samples at cfg 1 "
-                                       "(1 = no guidance; DMD2 uses 1.75)."),
+                                       "(1 = no guidance; DMD2 uses 1.75). Above 1 it needs the empty caption in "
+                                       "the cache: caption_dropout above 0 on Load Training Images."),
                 io.Float.Input("fake_learning_rate", default=DEFAULTS.fake_learning_rate, min=1e-8, max=1.0,
                                step=1e-6, tooltip="Learning rate of the fake score, the copy of the teacher that "
                                                   "learns to denoise the student's outputs."),
@@ -90,9 +91,11 @@ class Distill(io.ComfyNode):
                                tooltip="Sample Previews settings: images rendered with the current student during "
                                        "the run, shown in this node (set its steps to student_steps and cfg to 1)."),
                 io.String.Input("student_timesteps", default="", optional=True,
-                                tooltip="The student's noise levels as t in (0, 1], one per student step, highest "
-                                        "first, e.g. '1.0, 0.75, 0.5, 0.25'. Empty: evenly spaced (what KSampler's "
-                                        "sgm_uniform scheduler gives at student_steps steps)."),
+                                tooltip="Empty (usual): the noise levels KSampler's sgm_uniform scheduler visits "
+                                        "at student_steps steps, so KSampler samples the student as trained. Or "
+                                        "the student's own levels as t in (0, 1] along the model's schedule, one "
+                                        "per student step, highest first, e.g. '1.0, 0.75, 0.5, 0.25' (then sample "
+                                        "with SamplerCustom, sampler lcm, cfg 1, and those sigmas)."),
                 io.Float.Input("min_t", default=DEFAULTS.min_t, min=0.0, max=1.0, step=0.01, optional=True,
                                tooltip="Lowest noise level (t in [0, 1]) at which the distribution-matching "
                                        "gradient and the fake score are trained."),

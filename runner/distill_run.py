@@ -58,6 +58,16 @@ def check_distill_settings(adapter: AdapterSpec, train: TrainSpec, distill: Dist
         raise ValueError(f"{TITLE}: " + "; ".join(p.removeprefix("distill.") for p in problems))
 
 
+def check_guidance_caption(distill: DistillSpec, dataset):
+    """The teacher's classifier-free guidance (guidance_scale above 1) takes the empty caption's embedding from
+    the dataset's cache, which Cache Text Embeddings writes for a dataset with caption dropout."""
+    if distill.guidance_scale > 1.0 and not getattr(dataset, "empty_text", None):
+        raise ValueError(f"{TITLE}: guidance_scale: the teacher's guidance needs the empty caption's embedding, "
+                         "which the dataset's cache lacks; set caption_dropout above 0 on Load Training Images "
+                         "(Cache Text Embeddings then caches the empty caption; distillation itself drops no "
+                         "caption), or set guidance_scale to 1")
+
+
 def with_distill(spec: RunSpec, distill: DistillSpec) -> RunSpec:
     """The spec's [distill] table (prepare_run's `adjust`)."""
     spec.distill = dataclasses.replace(distill)
@@ -76,6 +86,7 @@ def distill_model(model, dataset, *, adapter: AdapterSpec, train: TrainSpec, dis
 
     def check_new_run(prediction: str):
         check_distill_settings(adapter, train, distill, distributed)
+        check_guidance_caption(distill, dataset)
         check_family_settings(model, prediction, train, adapter, "comfyui", distributed, title=TITLE)
 
     return run_trainer_node(model, dataset, task=TASK, title=TITLE, adapter=adapter, train=train,

@@ -80,6 +80,11 @@ def test_settings_the_spec_refuses_are_refused_naming_the_node_input():
                                                                                         pipeline_stages=2))
     distill_run.check_distill_settings(config.AdapterSpec(kind="full"), config.TrainSpec(), config.DistillSpec(),
                                        None)
+    no_empty, with_empty = types.SimpleNamespace(empty_text=()), types.SimpleNamespace(empty_text=("key", "sha"))
+    with pytest.raises(ValueError, match=r"^Distill: guidance_scale: .* caption_dropout above 0 on Load Training"):
+        distill_run.check_guidance_caption(config.DistillSpec(guidance_scale=1.5), no_empty)
+    distill_run.check_guidance_caption(config.DistillSpec(guidance_scale=1.0), no_empty)
+    distill_run.check_guidance_caption(config.DistillSpec(guidance_scale=1.5), with_empty)
     parse = distill_run.parse_student_timesteps
     assert parse("", 4) == [] and parse(" 1.0, 0.75 0.5,0.25 ", 4) == [1.0, 0.75, 0.5, 0.25]
     for text, steps in (("1.0 0.5", 1), ("0.5 1.0", 2), ("1.5", 1), ("0", 1), ("fast", 1)):
@@ -87,9 +92,11 @@ def test_settings_the_spec_refuses_are_refused_naming_the_node_input():
             parse(text, steps)
 
 
+@pytest.mark.comfyui
 def test_the_runner_writes_a_distill_spec_through_the_train_nodes_run(monkeypatch, tmp_path):
     """distill_model hands prepare_run task "distill" and the [distill] table (the rest is the Train node's run);
     a refused adapter stops it before anything is handed off."""
+    _node_class()  # ComfyUI importable (the output path is ComfyUI's models/loras)
     from ingraph_trainer.runner import model_source, session, train_run
 
     class Handed(Exception):
@@ -108,8 +115,9 @@ def test_the_runner_writes_a_distill_spec_through_the_train_nodes_run(monkeypatc
     distill = config.DistillSpec(student_steps=2, student_timesteps=[1.0, 0.5], fake_updates=3, gan_weight=0.01)
     run = dict(train=config.TrainSpec(steps=7), distill=distill, output_name="distill_probe",
                on_run=None, check_interrupt=lambda: None)
+    dataset = types.SimpleNamespace(empty_text=("key", "sha"))  # the empty caption cached: guidance may be used
     with pytest.raises(Handed) as info:
-        distill_run.distill_model(object(), None, adapter=config.AdapterSpec(kind="lora"), **run)
+        distill_run.distill_model(object(), dataset, adapter=config.AdapterSpec(kind="lora"), **run)
     kwargs = info.value.args[0]
     assert kwargs["task"] == "distill" and kwargs["file_format"] == "comfyui" and kwargs["train"].steps == 7
     spec = kwargs["adjust"](config.RunSpec(task=kwargs["task"], run_dir=str(tmp_path), model=kwargs["model"],
@@ -121,7 +129,7 @@ def test_the_runner_writes_a_distill_spec_through_the_train_nodes_run(monkeypatc
 
     handed_off.clear()
     with pytest.raises(ValueError, match="Distill: adapter: .* kind is DoRA"):
-        distill_run.distill_model(object(), None, adapter=config.AdapterSpec(kind="dora"), **run)
+        distill_run.distill_model(object(), dataset, adapter=config.AdapterSpec(kind="dora"), **run)
     assert not handed_off
 
 
