@@ -315,7 +315,11 @@ def scan_image_folder(folder: str | Path, *, resolution: int | None = None, buck
     subfolders = {True: [], False: []}  # read as a clip / as images, with why (for the log)
 
     def walk(current: Path):
-        for entry in sorted(os.scandir(current), key=lambda e: e.name):
+        try:
+            entries = sorted(os.scandir(current), key=lambda e: e.name)
+        except OSError as exc:
+            raise DatasetError(f"cannot read folder {shown(current)}: {exc.strerror or exc}") from None
+        for entry in entries:
             if entry.name.startswith("."):
                 continue
             if _is_dir(entry):
