@@ -158,6 +158,8 @@ def probe_clip(path: str | Path, image_extensions=()) -> ClipInfo:
                     pts.append(packet.pts)
                     if rotation is None:  # the display matrix reaches PyAV on decoded frames only: decode one
                         rotation = next((upright_rotation(f.rotation) for f in packet.decode()), None)
+            if rotation is None and pts:  # a decoder holding its frames back until the end gives them now
+                rotation = next((upright_rotation(f.rotation) for f in stream.codec_context.decode(None)), None)
             pts.sort()
             rotation = rotation or 0
     except ClipError:
