@@ -54,7 +54,7 @@ def set_cpu_threads(count: int) -> None:
 
 def init_distributed():
     ensure_dist_env()
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    local_world = processes_per_machine()
     if not torch.cuda.is_available() and local_world > 1:  # CPU processes share the cores, not oversubscribe them
         set_cpu_threads(max(1, (os.cpu_count() or 1) // local_world))
     deepspeed = import_deepspeed()
@@ -84,7 +84,16 @@ def deepspeed_config(spec) -> dict:
     }
     if spec.distributed.offload_optimizer:
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    per_machine = processes_per_machine()
+    if spec.distributed.zero_stage == 3 and 1 < per_machine < world_size():
+        # ZeRO++ hpZ: a second copy of each weight partitioned within a machine, so the forward and backward
+        # gathers stay inside it and only gradients cross machines (the role of FSDP's hybrid sharding)
+        config["zero_optimization"]["zero_hpz_partition_size"] = per_machine
     return config
+
+
+def processes_per_machine() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
 
 
 def destroy():
