@@ -451,7 +451,8 @@ class Distiller:
         dd, slots = self.spec.distill, self.slots[m]
         sampling = self.generator_family.base_model.model_sampling
         n = len(self.sigmas)
-        k = (self.draw_uniform(STUDENT_STEP_STREAM, step, sub) * n).long().clamp(max=n - 1)[slots].to(self.device)
+        every_k = (self.draw_uniform(STUDENT_STEP_STREAM, step, sub) * n).long().clamp(max=n - 1)
+        k = every_k[slots].to(self.device)
         sigmas = torch.tensor(self.sigmas, dtype=torch.float32, device=self.device)
         sigma_k = sigmas[k]
         noise = self.draw_normal(shape, START_NOISE_STREAM, step, sub)[slots].to(self.device)
@@ -462,9 +463,10 @@ class Distiller:
         else:
             pure = sampling.noise_scaling(sigmas[0].view(1), noise, torch.zeros_like(noise), self.first_at_max)
             x = torch.where((k == 0).view(view), pure, noised_data)
-            deepest = int(k.max())
+            # as many student steps on every process (under ZeRO-3 each forward pass gathers weights collectively):
+            # the deepest step of the global batch
+            deepest = int(every_k.max())
             if dd.backward_simulation and deepest > 0:
-                x = torch.where((k == 0).view(view), pure, x)
                 with torch.no_grad():
                     current = pure
                     for j in range(deepest):
