@@ -2,7 +2,7 @@
 fake-score series, and the shipped workflow run through a real ComfyUI server, whose student loads in stock
 ComfyUI and samples in 1 step.
 
-Unit tests need no server and launch no trainer; the graph test is one distillation of 3 generator updates."""
+Unit tests need no server and launch no trainer; the graph test is one distillation of 2 generator updates."""
 from __future__ import annotations
 
 import copy
@@ -262,17 +262,23 @@ def test_the_shipped_ui_workflow_matches_object_info(client):
 @pytest.mark.comfyui
 def test_the_distill_workflow_runs_from_the_graph_and_its_student_samples_in_one_step_in_stock_comfyui(comfy,
                                                                                                       client):
-    """The shipped workflow with 3 generator updates of a 1-step student: events from the Distill node carry the
-    generator and fake-score losses; the spec is a distillation's; the turbo LoRA (ComfyUI keys) loads in stock
+    """The shipped workflow with 2 generator updates of a 1-step student (and a preview after the last): events
+    from the Distill node carry the generator and fake-score losses; the spec is a distillation's; the turbo LoRA (ComfyUI keys) loads in stock
     LoraLoaderModelOnly with no "lora key not loaded", changes the 1-step image, and gives the image that the
     Distill node's own MODEL output gave."""
     wf = load_workflow(WORKFLOW)
-    updates = 3
+    updates = 2
     # fp32: bf16 convolutions are slow on CPU and precision is not the point; one fake update keeps it cheap
-    wf[DISTILL]["inputs"].update(steps=updates, student_steps=1, fake_updates=1, precision="fp32", save_every=0,
-                                 output_name="test_turbo")
+    wf[DISTILL]["inputs"].update(steps=updates, batch_size=1, student_steps=1, fake_updates=1, precision="fp32",
+                                 save_every=0, output_name="test_turbo")
     wf["10"]["inputs"]["steps"] = 1
     wf[SAMPLE]["inputs"]["filename_prefix"] = "distill_output_model"
+    # a preview after the last update: the student rendered by the trainer in its own step count
+    wf["30"] = {"class_type": "InGraphSamplePreviews",
+                "inputs": {"clip": ["1", 1], "vae": ["1", 2], "prompts": "a red circle, ingraph style",
+                           "negative_prompt": "", "every": updates, "steps": 20, "cfg": 7.0, "sampler_name": "euler",
+                           "scheduler": "normal", "seed": 0, "width": 64, "height": 64}}
+    wf[DISTILL]["inputs"]["previews"] = ["30", 0]
     outcome = client.run(wf, timeout=600)
     assert outcome.ok, (outcome.status, outcome.error, comfy.log_tail())
 
@@ -288,6 +294,8 @@ def test_the_distill_workflow_runs_from_the_graph_and_its_student_samples_in_one
     assert SAMPLE in {d["node"] for d in outcome.of_type("executed")}
 
     run_dir = comfy.base_dir / "output" / "ingraph" / "runs" / messages[0]["run_id"]
+    samples = [m["event"] for m in messages if m["event"]["type"] == "sample"]
+    assert [e["step"] for e in samples] == [updates] and (run_dir / samples[0]["images"][0]).is_file()
     spec = tomllib.loads((run_dir / "run.toml").read_text())
     assert spec["task"] == "distill" and spec["adapter"]["kind"] == "lora" and spec["train"]["steps"] == updates
     assert spec["distill"]["student_steps"] == 1 and spec["distill"]["fake_updates"] == 1
