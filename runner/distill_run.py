@@ -5,14 +5,11 @@ trainer/distill.py). Resume, the model's hand-off, launch, watch and the output 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Callable
 
 from ..trainer.config import (ADAPTER_KIND_CHOICES, DISTILL_STUDENT_KINDS, AdapterSpec, DistillSpec, DistributedSpec,
                               RunSpec, TrainSpec)
 from .train_run import TrainOutcome, check_family_settings, run_trainer_node
-
-log = logging.getLogger("ingraph_trainer")
 
 TITLE = "Distill"
 TASK = "distill"
@@ -26,11 +23,14 @@ def check_student_adapter(adapter: AdapterSpec):
         kinds = " or ".join(labels[k] for k in DISTILL_STUDENT_KINDS)
         raise ValueError(f"{TITLE}: adapter: the student trains as {kinds}; the LoRA Adapter node's kind is "
                          f"{labels.get(adapter.kind, adapter.kind)}")
+    if adapter.init_from:  # the student starts as the teacher (trainer/distill.py reads no adapter file)
+        raise ValueError(f"{TITLE}: adapter: the student starts as a copy of the teacher, not from continue_from "
+                         "(set it to none; to continue a distillation, use the resume input)")
 
 
 def parse_student_timesteps(text: str, student_steps: int) -> list[float]:
-    """The student_timesteps input: '' (evenly spaced), or `student_steps` noise levels t in (0, 1], highest
-    first, separated by commas or spaces ('1.0, 0.75, 0.5, 0.25'). The error names the input."""
+    """The student_timesteps input: '' (the levels KSampler's sgm_uniform visits), or `student_steps` levels t in
+    (0, 1], highest first, separated by commas or spaces ('1.0, 0.75, 0.5, 0.25'). The error names the input."""
     parts = [p for p in (text or "").replace(",", " ").split() if p]
     if not parts:
         return []

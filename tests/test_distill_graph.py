@@ -66,6 +66,9 @@ def test_the_student_must_be_a_lora_or_a_full_fine_tune_naming_the_adapter_input
             distill_run.check_student_adapter(config.AdapterSpec(kind=kind))
     for kind in config.DISTILL_STUDENT_KINDS:
         distill_run.check_student_adapter(config.AdapterSpec(kind=kind))
+    with pytest.raises(ValueError, match=r"^Distill: adapter: the student starts as a copy of the teacher, not from "
+                                         r"continue_from"):
+        distill_run.check_student_adapter(config.AdapterSpec(kind="lora", init_from="/loras/turbo.safetensors"))
 
 
 def test_settings_the_spec_refuses_are_refused_naming_the_node_input():
@@ -263,9 +266,9 @@ def test_the_shipped_ui_workflow_matches_object_info(client):
 def test_the_distill_workflow_runs_from_the_graph_and_its_student_samples_in_one_step_in_stock_comfyui(comfy,
                                                                                                       client):
     """The shipped workflow with 2 generator updates of a 1-step student (and a preview after the last): events
-    from the Distill node carry the generator and fake-score losses; the spec is a distillation's; the turbo LoRA (ComfyUI keys) loads in stock
-    LoraLoaderModelOnly with no "lora key not loaded", changes the 1-step image, and gives the image that the
-    Distill node's own MODEL output gave."""
+    from the Distill node carry the generator and fake-score losses; the spec is a distillation's; the turbo LoRA
+    (ComfyUI keys) loads in stock LoraLoaderModelOnly with no "lora key not loaded", changes the 1-step image,
+    and gives the image that the Distill node's own MODEL output gave."""
     wf = load_workflow(WORKFLOW)
     updates = 2
     # fp32: bf16 convolutions are slow on CPU and precision is not the point; one fake update keeps it cheap
