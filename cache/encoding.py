@@ -32,8 +32,61 @@ def vae_identity(vae) -> str:
     return fingerprint_state_dict(vae.get_sd())
 
 
+def unread_text_weights(clip) -> set[str]:
+    """The state-dict keys of a ComfyUI text encoder that no cached output depends on: each CLIP text model's
+    (SDClipModel's) `logit_scale`, CLIP's image-text temperature, which no text encoding reads, and its
+    `transformer.text_projection.weight` where nothing the encoder returns depends on it. These are the two weights
+    ComfyUI lets a CLIP file lack (it warns of no others missing) and then leaves uninitialised, so a key that
+    sampled them changed each time the same file was loaded. A projection is unread where its model returns the
+    unprojected pooled vector (return_projected_pooled False: SD1.x's CLIP-L, SD3's, Flux's, HunyuanVideo's) or
+    where the encoder drops that model's pooled vector (SDXL's CLIP-L), which ComfyUI is asked (projection_is_read).
+    A projection that shapes the returned pooled vector (SDXL's CLIP-G, SD2's, HiDream's) stays in the key."""
+    model = getattr(clip, "cond_stage_model", None)
+    if model is None or not hasattr(model, "named_modules"):
+        return set()
+    unread = set()
+    for name, module in model.named_modules():
+        projection = getattr(getattr(module, "transformer", None), "text_projection", None)
+        if not hasattr(module, "return_projected_pooled") or projection is None:
+            continue  # not a CLIP text model (T5, LLaMA, ... have no such optional weights)
+        prefix = f"{name}." if name else ""
+        unread.add(f"{prefix}logit_scale")
+        if not module.return_projected_pooled or not projection_is_read(clip, name, projection):
+            unread.add(f"{prefix}transformer.text_projection.weight")
+    return unread
+
+
+_PROJECTION_READ: dict[tuple[type, str], bool] = {}  # (encoder class, CLIP model's name) -> projection_is_read
+
+
+def projection_is_read(clip, name: str, projection) -> bool:
+    """Whether what the text encoder returns depends on its CLIP model `name`'s text projection: ComfyUI encodes an
+    empty caption twice with the projection's output replaced by two different constants (its weights untouched) and
+    the outputs are compared. Whether an encoder class reads a model's pooled vector is in its code, not its
+    weights, so this is asked once per class and model."""
+    import torch
+    memo = (type(clip.cond_stage_model), name)
+    if memo not in _PROJECTION_READ:
+        outputs = []
+        for value in (0.5, -0.5):
+            handle = projection.register_forward_hook(lambda m, args, out, v=value: torch.full_like(out, v))
+            try:
+                out = clip.encode_from_tokens(clip.tokenize(""), return_pooled=True, return_dict=True)
+            finally:
+                handle.remove()
+            outputs.append({k: v for k, v in out.items() if isinstance(v, torch.Tensor)})
+        first, second = outputs
+        _PROJECTION_READ[memo] = first.keys() != second.keys() or any(
+            not torch.equal(first[k], second[k]) for k in first)
+    return _PROJECTION_READ[memo]
+
+
 def clip_identity(clip) -> str:
-    ident = {"weights": fingerprint_state_dict(clip.get_sd()), "layer_idx": getattr(clip, "layer_idx", None)}
+    """What determines a CLIP's text embeddings: the weights its encoding reads (unread_text_weights left out), its
+    layer setting (CLIPSetLastLayer) and any LoRA patched onto it."""
+    unread = unread_text_weights(clip)
+    weights = {k: v for k, v in clip.get_sd().items() if k not in unread}
+    ident = {"weights": fingerprint_state_dict(weights), "layer_idx": getattr(clip, "layer_idx", None)}
     patches = getattr(getattr(clip, "patcher", None), "patches", {}) or {}
     if patches:  # a LoRA applied to the text encoder changes every embedding
         ident["patches"] = fingerprint_state_dict(
