@@ -101,6 +101,11 @@ class TrainingDataset:
         return len(self.items)
 
     @property
+    def reference_slots(self) -> int:
+        """Reference images per item (0: none; every item has as many), as a cached dataset's manifest says it."""
+        return max((len(item.references) for item in self.items), default=0)
+
+    @property
     def has_latents(self) -> bool:
         return all(item.latent for item in self.items)
 

@@ -34,6 +34,7 @@ def evaluate_model(model, dataset, *, quantiles: list[float], seed: int, batch_s
     from .model_source import hand_off_model, release_comfy_models
     from .session import prepare_run, watch_run
 
+    check_evaluation_references(model, dataset)
     train = TrainSpec(steps=1, batch_size=batch_size, precision=precision, seed=seed, eval_quantiles=quantiles)
     release_comfy_models(model)  # the GPU goes to the trainer (and a fallback reads the weights unpatched)
     hand_off = hand_off_model(model, prompt, node_id, "model", paths.models_root())
@@ -45,6 +46,18 @@ def evaluate_model(model, dataset, *, quantiles: list[float], seed: int, batch_s
                              hostfile=d.hostfile).start()
     result = watch_run(process, on_event, check_interrupt)
     return result.finished["evaluation"]
+
+
+def check_evaluation_references(model, dataset):
+    """Refuses, before anything is handed off or launched, a dataset whose reference images the MODEL's family
+    cannot take: training's rule (trainer.batch_mix.check_reference_input), naming the Evaluate node's input."""
+    from ..trainer.batch_mix import check_reference_input
+    from ..trainer.models import UnsupportedSetting, family_for
+    family = family_for(model.model)
+    try:
+        check_reference_input(dataset, family, "dataset")
+    except UnsupportedSetting as exc:
+        raise ValueError(f"Evaluate ({family.display_name} model): {exc}") from None
 
 
 def quantile_table(results: dict[str, dict]) -> str:

@@ -503,6 +503,61 @@ def test_references_the_model_cannot_take_or_the_eval_set_lacks_are_refused_at_s
         build_training_data(spec(one, none), 1, 0, StartImage())
 
 
+def test_evaluate_refuses_references_the_model_cannot_take_before_anything_runs(tmp_path, monkeypatch):
+    """The Evaluate node runs training's reference check (batch_mix.check_reference_input): in the graph, on its
+    dataset input, before the MODEL is handed off; and in the trainer's evaluate task, before the model is built."""
+    from types import SimpleNamespace
+
+    import ingraph_trainer.runner.model_source as model_source
+    import ingraph_trainer.trainer.comfy_env as comfy_env
+    import ingraph_trainer.trainer.models as models
+    from ingraph_trainer.runner.evaluation_run import evaluate_model
+    from ingraph_trainer.trainer.evaluation import run_evaluation
+    from ingraph_trainer.trainer.models.base import UnsupportedSetting
+
+    class NoReferences:
+        display_name, reference_input = "SDXL", None
+
+        def set_objective(self, **_):
+            pass
+
+    class StartImage(NoReferences):
+        display_name, reference_input = "Wan 2.1 image-to-video", "start_image"
+
+    data = tmp_path / "edit"
+    data.mkdir()
+    write_image(data / "cat.png")
+    write_image(data / "cat.ref.png", 90)
+    write_image(data / "cat.ref2.png", 30)
+    store = CacheStore(tmp_path / "cache")
+    dataset, _, _ = cached(data, store, ImageVAE())
+    dataset, _, _ = encode_text(dataset, SyntheticClip(), store)
+    store.close()
+    assert dataset.reference_slots == 2
+
+    def handed_off(*_):
+        raise AssertionError("the MODEL was handed off before the dataset was checked")
+    monkeypatch.setattr(model_source, "release_comfy_models", handed_off)
+    for family, refused in ((NoReferences(), "SDXL takes none"), (StartImage(), "takes one start image per item")):
+        monkeypatch.setattr(models, "family_for", lambda *_, f=family, **__: f)
+        with pytest.raises(ValueError, match=f"Evaluate \\({family.display_name} model\\): dataset: its items carry "
+                                             f"2 reference image.*{refused}"):
+            evaluate_model(SimpleNamespace(model=None), dataset, quantiles=[0.5], seed=0, batch_size=1,
+                           precision="fp32", distributed=None, on_event=print, check_interrupt=lambda: None)
+
+    # the trainer's evaluate task checks again (a run spec written by hand), before any event or model
+    manifest = write_manifest(tmp_path / "edit.json", dataset, tmp_path / "cache")
+    events = SimpleNamespace(emitted=[], emit=lambda *a, **k: events.emitted.append(a))
+    monkeypatch.setattr(comfy_env, "import_comfy", lambda: None)
+    monkeypatch.setattr(models, "load_family", lambda *_, **__: NoReferences())
+    spec = SimpleNamespace(model=None, train=SimpleNamespace(precision="fp32", flow_shift=1.0, guidance=1.0),
+                           data=SimpleNamespace(manifest=str(manifest), eval_manifest=""))
+    with pytest.raises(UnsupportedSetting, match="data.manifest \\(the Evaluate node's dataset input\\): its items "
+                                                 "carry 2 reference image.*SDXL takes none"):
+        run_evaluation(spec, events)
+    assert events.emitted == []
+
+
 class SyntheticClip:
     """Stands in for a ComfyUI CLIP: an embedding from the caption's length."""
     layer_idx = None

@@ -129,7 +129,9 @@ def reference_slots(dataset) -> int:
 
 def check_reference_input(dataset, family, where: str = "data.manifest"):
     """Fails at start-up, naming the setting, where the dataset's items carry reference images the model family
-    cannot take (ModelFamily.reference_input is None), or a prior set's count differs from the training set's."""
+    cannot take (ModelFamily.reference_input is None) or more than it takes, or a prior set's count differs from
+    the training set's. The one rule for every task that runs a family on a dataset (training, distillation, the
+    Evaluate node); `dataset`: a cached dataset, or the graph's TrainingDataset (both say their reference_slots)."""
     counts = [(name, part.reference_slots) for part, name in _parts(dataset, where)]
     if len({n for _, n in counts}) > 1:
         raise ValueError(f"data.prior_manifest: its items have {counts[1][1]} reference image(s), the training "
@@ -140,7 +142,7 @@ def check_reference_input(dataset, family, where: str = "data.manifest"):
         from .models.base import UnsupportedSetting
         raise UnsupportedSetting(f"{where}: its items carry {slots} reference image(s) (name.ref.png or a "
                                  f"reference folder), but {family.display_name} takes none (its reference_input is "
-                                 "None); train an edit or image-to-video model, or load the dataset without "
+                                 "None); use an edit or image-to-video model, or load the dataset without "
                                  "reference images")
     if slots > 1 and reference_input == "start_image":  # refused here, not at the first step's loss
         from .models.base import UnsupportedSetting
