@@ -501,13 +501,15 @@ class Distiller:
         dmd = 0.5 * torch.nn.functional.mse_loss(x0.float(), (x0.float() - grad).detach())
         loss = dd.dmd_weight * dmd
         gan = zero
-        if dd.gan_weight > 0:  # through the fake score, whose weights this loss leaves alone
+        if dd.gan_weight > 0:
+            # through the fake score, whose weights this loss leaves alone (frozen meanwhile), and past its engine,
+            # which takes any backward pass through its outputs for its own
             for p in self.fake_params:
                 p.requires_grad_(False)
             try:
                 x_t_grad = sampling.noise_scaling(sigma_t.view(view), noise, x0)
-                gan = torch.nn.functional.softplus(-self.fake.engine("logit", x_t_grad, sigma_t, cond, pooled,
-                                                                     references)).mean()
+                gan = torch.nn.functional.softplus(-self.fake.engine.module("logit", x_t_grad, sigma_t, cond, pooled,
+                                                                            references)).mean()
             finally:
                 for p in self.fake_params:
                     p.requires_grad_(True)

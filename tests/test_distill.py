@@ -1,0 +1,111 @@
+"""DMD2 distillation (task "distill", trainer/distill.py) as the trainer program runs it, on the tiny SD1.5: 2 processes
+under ZeRO-3 match 1 process, a resumed distillation ends bit-identical to an uninterrupted one, and the student's
+LoRA loads onto the teacher with ComfyUI's own LoRA code, every key read.
+
+One 1-process run (4 generator updates, a checkpoint at 2) is the reference of all three. Every code path of an
+update runs in it: the regression warm-up (update 1), the DMD loss with the teacher's classifier-free guidance on
+the cached empty caption, backward simulation (a 2-step student), two fake-score updates and the GAN term."""
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, read_events, run_trainer
+
+pytestmark = pytest.mark.comfyui
+
+TRAINER = str(REPO / "trainer" / "__main__.py")
+EMPTY_CAPTION = ("--caption-dropout", "0.1")  # the cache then holds the empty caption's embedding
+DISTILL = dict(task="distill", train__batch_size=2, train__precision="fp32", train__learning_rate=1e-3,
+               train__seed=5, adapter__rank=4, adapter__alpha=4.0, distill__student_steps=2,
+               distill__fake_updates=2, distill__fake_learning_rate=1e-3, distill__gan_weight=0.1,
+               distill__regression_steps=1, distill__guidance_scale=1.75)
+LOSSES = ("loss", "generator_loss", "fake_loss", "dmd_loss", "regression_loss", "gan_loss")
+
+
+def runs(run_dir: Path) -> list[list[dict]]:
+    """The run folder's events, one list per launch (each begins with its started event)."""
+    out: list[list[dict]] = []
+    for event in read_events(run_dir):
+        if event["type"] == "started":
+            out.append([])
+        if out:
+            out[-1].append(event)
+    return out
+
+
+def steps_of(events: list[dict]) -> list[dict]:
+    return [e for e in events if e["type"] == "step"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(prepared):
+    """1 process, micro-batch 2, 4 generator updates, a checkpoint after update 2; its LoRA kept aside."""
+    spec = prepared(*EMPTY_CAPTION, **DISTILL, train__steps=4, train__save_every=2)
+    proc = run_trainer(spec)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    shutil.copy(spec.parent / "lora.safetensors", spec.parent / "uninterrupted.safetensors")
+    return spec
+
+
+def test_two_processes_under_zero3_match_one_process(prepared, uninterrupted):
+    from ingraph_trainer.runner.launcher import deepspeed_launch_command
+    spec = prepared(*EMPTY_CAPTION, **{**DISTILL, "train__batch_size": 1}, train__steps=3, distributed__processes=2,
+                    distributed__zero_stage=3)
+    proc = subprocess.run([*deepspeed_launch_command(sys.executable, 2), TRAINER, "--config", str(spec)],
+                          capture_output=True, text=True, timeout=600, cwd=spec.parent)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    [two] = runs(spec.parent)
+    assert two[0]["task"] == "distill" and two[0]["world_size"] == 2 and two[0]["start_step"] == 0
+    one = steps_of(runs(uninterrupted.parent)[0])[:3]
+    two = steps_of(two)
+    assert len(two) == 3 and len(one) == 3
+    assert "regression_loss" in one[0] and all("dmd_loss" in e and "gan_loss" in e for e in one[1:]), one
+    for a, b in zip(one, two):
+        for name in ("generator_loss", "fake_loss"):
+            assert abs(a[name] - b[name]) < 1e-5, (name, a["step"], a[name], b[name])
+        assert a["loss"] == a["generator_loss"]  # the panel's loss is the generator's
+
+
+def test_resumed_distillation_ends_bit_identical(uninterrupted):
+    """Resumed from the checkpoint of update 2 (both engines, the GAN head, the step), in a new process, to update
+    4: the same losses and the same LoRA, to the bit."""
+    run_dir = uninterrupted.parent
+    proc = run_trainer(uninterrupted, "--resume", "step_000002")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    first, resumed = runs(run_dir)[:2]
+    assert resumed[0]["start_step"] == 2
+    expected, got = steps_of(first)[2:], steps_of(resumed)
+    assert [e["step"] for e in got] == [e["step"] for e in expected] == [3, 4]
+    for a, b in zip(expected, got):
+        assert {k: a.get(k) for k in LOSSES} == {k: b.get(k) for k in LOSSES}, (a, b)
+    reference, result = load_file(run_dir / "uninterrupted.safetensors"), load_file(run_dir / "lora.safetensors")
+    assert reference.keys() == result.keys()
+    for key in reference:
+        assert torch.equal(reference[key], result[key]), key
+
+
+def test_student_lora_loads_onto_the_teacher_in_comfyui(uninterrupted, assets, caplog):
+    """What LoraLoaderModelOnly runs (comfy.sd.load_lora_for_models) on the teacher's checkpoint: no "lora key not
+    loaded", one patch for each adapted layer, and the update is not zero."""
+    sys.path.insert(0, str(REPO))
+    from tools.prepare_run import _bootstrap
+    _bootstrap()
+    import comfy.sd
+    tensors = load_file(uninterrupted.parent / "uninterrupted.safetensors")
+    layers = {k[:-len(".lora_down.weight")] for k in tensors if k.endswith(".lora_down.weight")}
+    assert layers and all(k.startswith("diffusion_model.") for k in tensors)
+    assert all(tensors[f"{layer}.lora_up.weight"].abs().max() > 0 for layer in layers)
+    teacher = comfy.sd.load_checkpoint_guess_config(str(assets["checkpoint"]), output_vae=False, output_clip=False,
+                                                    output_clipvision=False)[0]
+    with caplog.at_level(logging.WARNING):
+        patched, _ = comfy.sd.load_lora_for_models(teacher, None, tensors, 1.0, 0.0)
+    assert "lora key not loaded" not in caplog.text, caplog.text[-2000:]
+    assert set(patched.patches) == {f"{layer}.weight" for layer in layers}
