@@ -81,12 +81,23 @@ def projection_is_read(clip, name: str, projection) -> bool:
     return _PROJECTION_READ[memo]
 
 
+def returns_text_mask(clip) -> bool:
+    """Whether the text encoder returns its attention mask beside the embedding (ComfyUI's SDClipModel with
+    return_attention_masks: LTX-Video's and Mochi's T5, Lumina 2's Gemma, Qwen-Image's Qwen ...), which ComfyUI's
+    CLIPTextEncode puts into the conditioning for the model's extra_conds (LTXV masks the padding tokens with it)."""
+    model = getattr(clip, "cond_stage_model", None)
+    return model is not None and hasattr(model, "modules") and any(
+        getattr(m, "return_attention_masks", False) for m in model.modules())
+
+
 def clip_identity(clip) -> str:
     """What determines a CLIP's text embeddings: the weights its encoding reads (unread_text_weights left out), its
     layer setting (CLIPSetLastLayer) and any LoRA patched onto it."""
     unread = unread_text_weights(clip)
     weights = {k: v for k, v in clip.get_sd().items() if k not in unread}
     ident = {"weights": fingerprint_state_dict(weights), "layer_idx": getattr(clip, "layer_idx", None)}
+    if returns_text_mask(clip):  # its entries hold the mask too (entries cached before they did are not reused)
+        ident["text_mask"] = True
     patches = getattr(getattr(clip, "patcher", None), "patches", {}) or {}
     if patches:  # a LoRA applied to the text encoder changes every embedding
         ident["patches"] = fingerprint_state_dict(
@@ -222,6 +233,8 @@ def encode_text(dataset: TrainingDataset, clip, store: CacheStore, progress: Pro
                 tensors = {"cond": out["cond"][0].float()}
                 if out.get("pooled_output") is not None:
                     tensors["pooled"] = out["pooled_output"][0].float()
+                if hasattr(out.get("attention_mask"), "shape"):  # [1, tokens]: 1 on a token, 0 on padding
+                    tensors["attention_mask"] = out["attention_mask"][0].long()
                 entry = store.put("text", key, tensors, {"caption": caption})
                 counts[0] += 1
             else:

@@ -84,3 +84,75 @@ def test_a_projection_is_unread_only_where_the_encoder_drops_its_output():
     clip = _load("sdxl", _file_state("sdxl"))
     assert unread_text_weights(clip) == {"clip_l.logit_scale", "clip_g.logit_scale",
                                          "clip_l.transformer.text_projection.weight"}
+
+
+def test_ltxv_text_encoders_attention_mask_is_cached_beside_the_embedding_and_batched(tmp_path):
+    """ComfyUI's LTX-Video text encoder (T5, padded to 128 tokens) returns its attention mask beside the embedding;
+    the cache stores it in the text entry (its key says so) and the trainer's batches carry it (Batch.text_mask),
+    repeated as the embedding is where caption lengths differ."""
+    _comfy()
+    import comfy.sd
+    import comfy.supported_models_base
+    import comfy.text_encoders.lt
+    from PIL import Image
+
+    from ingraph_trainer.cache.buckets import BucketSettings
+    from ingraph_trainer.cache.dataset import scan_image_folder
+    from ingraph_trainer.cache.encoding import clip_identity, encode_latents, encode_text
+    from ingraph_trainer.cache.store import CacheStore, write_manifest
+    from ingraph_trainer.trainer.batch_mix import training_batch
+    from ingraph_trainer.trainer.data import load_cached_dataset
+
+    tiny_t5 = {"d_ff": 32, "d_kv": 8, "d_model": 16, "num_heads": 2, "num_layers": 1}
+    clip = comfy.sd.CLIP(comfy.supported_models_base.ClipTarget(comfy.text_encoders.lt.LTXVT5Tokenizer,
+                                                                 comfy.text_encoders.lt.ltxv_te()),
+                         model_options={"t5xxl_model_config": tiny_t5})
+    g = torch.Generator().manual_seed(0)
+    for p in clip.cond_stage_model.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g))
+    folder = tmp_path / "images"
+    folder.mkdir()
+    # 4 tokens padded to 128, and 256 tokens (T5 gives "cat" one token, then its end token): no padding
+    for name, caption in (("short", "a cat"), ("long", " ".join(["cat"] * 255))):
+        Image.new("RGB", (64, 64), (90, 40, 200)).save(folder / f"{name}.png")
+        (folder / f"{name}.txt").write_text(caption)
+
+    class VAE:
+        def get_sd(self):
+            return {"w": torch.ones(1)}
+
+        def encode(self, pixels):
+            return torch.zeros(1, 4, 8, 8)
+    store = CacheStore(tmp_path / "cache")
+    dataset = scan_image_folder(folder, buckets=BucketSettings(resolution=64, enabled=False))
+    dataset, _, _ = encode_latents(dataset, VAE(), store)
+    dataset, _, _ = encode_text(dataset, clip, store)
+    store.close()
+    manifest = str(write_manifest(tmp_path / "m.json", dataset, tmp_path / "cache"))
+    cached = load_cached_dataset(manifest)
+    by_name = {Path(s).stem: i for i, s in enumerate(cached.sources)}
+    expected = {name: clip.encode_from_tokens(clip.tokenize((folder / f"{name}.txt").read_text()),
+                                              return_dict=True)["attention_mask"][0] for name in by_name}
+    assert expected["short"].sum() < 128 == len(expected["short"]) and expected["long"].all()
+    for name, i in by_name.items():
+        assert torch.equal(cached.text(i)["attention_mask"], expected[name])
+    batch = training_batch(cached, [by_name["short"], by_name["long"]])
+    tokens = batch.cond.shape[1]
+    assert batch.text_mask.shape == (2, tokens) and tokens == 256
+    assert torch.equal(batch.text_mask[0], expected["short"].repeat(tokens // 128))
+    assert torch.equal(cached.text_masks([by_name["short"]])[0], expected["short"])
+    # the key of an encoder returning its mask differs from the one of entries cached without it
+    clip.cond_stage_model.t5xxl.return_attention_masks = False
+    without = clip_identity(clip)
+    clip.cond_stage_model.t5xxl.return_attention_masks = True
+    assert clip_identity(clip) != without
+    # pipeline stages do not carry the mask: LTX-Video, which reads it, is refused them at start
+    from types import SimpleNamespace
+
+    from ingraph_trainer.trainer.batch_mix import build_training_data
+    from ingraph_trainer.trainer.models.ltxv import LTXVFamily
+    spec = SimpleNamespace(manifest=manifest, prior_manifest=None, shuffle=True, caption_dropout=0.0)
+    ltxv = SimpleNamespace(display_name="LTX-Video", reference_input=None, reads_text_mask=LTXVFamily.reads_text_mask)
+    assert build_training_data(spec, 2, 0, ltxv)[0] is not None
+    with pytest.raises(ValueError, match="attention mask, which LTX-Video reads and pipeline stages"):
+        build_training_data(spec, 2, 0, ltxv, pipeline_stages=2)

@@ -125,13 +125,16 @@ def test_comfyui_detects_each_tiny_video_model_and_the_family_loss_is_comfyuis(v
         in_blocks = {id(m) for block in family.checkpoint_blocks() for m in block.modules()}
         assert all(id(modules[t]) in in_blocks for t in targets), stem
         batch = random_batch(channels, text)
+        if name == "ltxv":  # T5's attention mask, cached beside the embedding: 5 tokens, then padding
+            batch.text_mask = torch.tensor([[1] * 5 + [0] * (batch.cond.shape[1] - 5)]).expand(len(batch.cond), -1)
         x, x0, noise, sigma = noisy(family, batch)
         with torch.no_grad():
             ours = family.loss(batch, reduce=False)
             # HunyuanVideo trains at train.guidance (1 by default), as FluxGuidance sets it in a graph
-            # LTX-Video: T5's attention mask over every cached token (the family attends to all of them)
+            # LTX-Video: the mask as CLIPTextEncode puts T5's into the conditioning
             extras = {"hunyuan_video": {"guidance": family.guidance},
-                      "ltxv": {"attention_mask": torch.ones((1, batch.cond.shape[1]), dtype=torch.long)}}.get(name, {})
+                      "ltxv": {"attention_mask": batch.text_mask}}.get(name, {})
+            extras = {k: v[:1] if k == "attention_mask" else v for k, v in extras.items()}  # one prompt's
             out = comfy_sampler_output(patcher, x, sigma, conditioning_of(batch, **extras), noise)
         theirs = (out - family.target(x0, noise, sigma.view(-1, 1, 1, 1, 1))).pow(2).mean(dim=(1, 2, 3, 4))
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6, msg=stem)

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from ..cache.store import load_checked
-from .data import StepSampler, seeded_generator, stack_conds, stack_references
+from .data import StepSampler, seeded_generator, stack_conds, stack_references, stack_text_masks
 
 # generator streams (data.py uses 1, 2 and 4, evaluation 3): one per kind of draw, so adding one changes no other
 TEXT_CHOICE_STREAM = 11
@@ -88,6 +88,7 @@ class TrainingBatch(NamedTuple):
     pooled: torch.Tensor | None
     mask: torch.Tensor | None  # [B, 1, (1,) h, w] loss weights per latent pixel, or None when nothing is masked
     references: list[torch.Tensor] | None = None  # Batch.references: one [B, C, (T,) h, w] per slot, or None
+    text_mask: torch.Tensor | None = None  # Batch.text_mask: [B, tokens] (stack_text_masks), or None
 
 
 def training_batch(dataset, indices: list[int], draw: TextDraw | None = None, shuffle_tags: bool = True,
@@ -119,7 +120,7 @@ def training_batch(dataset, indices: list[int], draw: TextDraw | None = None, sh
         ones = torch.ones((1,) * (stacked.dim() - 3) + tuple(stacked.shape[-2:]))
         mask = torch.stack([m if m is not None else ones for m in masks])
     return TrainingBatch(stacked, cond, pooled, mask,
-                         stack_references(shards, reference_slots(dataset), sources))
+                         stack_references(shards, reference_slots(dataset), sources), stack_text_masks(texts))
 
 
 def reference_slots(dataset) -> int:
@@ -329,6 +330,11 @@ def build_training_data(data_spec, global_batch: int, seed: int, family=None, pi
     if pipeline_stages > 1 and reference_slots(dataset):
         raise ValueError(f"data.manifest: its items carry reference images, which pipeline stages "
                          "(distributed.pipeline_stages > 1) do not pass on; train with 1 stage")
+    if pipeline_stages > 1 and getattr(family, "reads_text_mask", False) and len(dataset) \
+            and "attention_mask" in _parts(dataset, "")[0][0].text(0):
+        raise ValueError(f"data.manifest: its captions carry the text encoder's attention mask, which "
+                         f"{family.display_name} reads and pipeline stages (distributed.pipeline_stages > 1) do not "
+                         "pass on; train with 1 stage")
     return dataset, sampler
 
 
@@ -343,12 +349,13 @@ class MicroBatch(NamedTuple):
     sample_weight: torch.Tensor | None = None  # loss weight per sample (objectives.batch_loss); None: no prior set
     is_prior: torch.Tensor | None = None  # bool per sample, for loss_parts; None without prior images
     references: list | None = None  # Batch.references (reference latents per slot), or None
+    text_mask: torch.Tensor | None = None  # Batch.text_mask (the text encoder's attention mask), or None
 
     def model_inputs(self) -> tuple[tuple, dict]:
         """(positional, keyword) arguments of TrainingModule.forward: the features go as keywords, and only
         where the step has them, so a plain run calls the model exactly as before."""
         features = {"mask": self.mask, "sample_weight": self.sample_weight, "is_prior": self.is_prior,
-                    "references": self.references}
+                    "references": self.references, "text_mask": self.text_mask}
         return tuple(self[:5]), {k: v for k, v in features.items() if v is not None}
 
 
@@ -369,7 +376,7 @@ def load_step(dataset, sampler, step: int, data_spec, seed: int, batch_size: int
     weights = sample_weights(is_prior, data_spec.prior_weight) if is_prior is not None else None
     micro = [MicroBatch(b.latents, b.cond, noise[s], timesteps[s], b.pooled, b.mask,
                         weights[s] if weights is not None else None, is_prior[s] if is_prior is not None else None,
-                        b.references)
+                        b.references, b.text_mask)
              for b, s in zip(batches, slots)]
     return indices, micro, timesteps
 

@@ -63,6 +63,10 @@ class CachedDataset:
         shards = [load_checked(self.root, "latent", self.latent_keys[i], self.latent_shas[i]) for i in indices]
         return stack_references(shards, self.reference_slots, [self.sources[i] for i in indices])
 
+    def text_masks(self, indices: list[int]) -> torch.Tensor | None:
+        """The items' text attention masks as batch() stacks their embeddings (stack_text_masks), or None."""
+        return stack_text_masks([self.text(i) for i in indices])
+
     def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(latents, text embeddings, pooled text vectors or None where the text encoder has none)."""
         latents = torch.stack([self.latent(i) for i in indices])
@@ -88,6 +92,18 @@ def stack_conds(conds: list[torch.Tensor]) -> torch.Tensor:
                              "batch_size 1 and use gradient_accumulation for a larger batch")
         conds = [c.repeat(total // c.shape[0], *([1] * (c.dim() - 1))) for c in conds]
     return torch.stack(conds)
+
+
+def stack_text_masks(texts: list[dict]) -> torch.Tensor | None:
+    """The text encoder's attention masks of one batch's text entries ([B, tokens], 1 on a token, 0 on padding),
+    each repeated as stack_conds repeats its embedding; a text cached without one (its encoder returns none, or all
+    its tokens count) has no padding. None where no text has a mask: the model attends to every token."""
+    if not any("attention_mask" in text for text in texts):
+        return None
+    masks = [text["attention_mask"].reshape(-1) if "attention_mask" in text
+             else torch.ones(text["cond"].shape[0], dtype=torch.long) for text in texts]
+    total = math.lcm(*(len(m) for m in masks))
+    return torch.stack([m.repeat(total // len(m)) for m in masks])
 
 
 def load_cached_dataset(manifest_path: str) -> CachedDataset:

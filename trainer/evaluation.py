@@ -67,12 +67,14 @@ def _evaluate(module, dataset, indices, quantiles, seed, batch_size, device) -> 
         chunk = chunks[slot] if slot < len(chunks) else chunks[-1]
         latents, cond, pooled = dataset.batch(chunk)
         references = dataset.references(chunk) if getattr(dataset, "reference_slots", 0) else None
+        text_mask = dataset.text_masks(chunk)
         noise = eval_noise(latents.shape[1:], chunk, seed)
         for qn, q in enumerate(quantiles):
             batch = Batch(latents=latents.to(device), cond=cond.to(device),
                           pooled=pooled.to(device) if pooled is not None else None, noise=noise.to(device),
                           timesteps=torch.full((len(chunk),), float(q), device=device),
-                          references=references.to(device) if references is not None else None)
+                          references=references.to(device) if references is not None else None,
+                          text_mask=text_mask.to(device) if text_mask is not None else None)
             losses = module.family.loss(batch, reduce=False, weighted=False).double().cpu()
             if slot < len(chunks):
                 for item, loss in zip(chunk, losses):

@@ -30,6 +30,9 @@ class Batch:
     # reference images of each item as raw VAE latents, one tensor per reference slot ([B, C, (T,) h, w] as
     # cached); a family whose `reference_input` is set hands them to its model as ComfyUI's conditioning nodes do
     references: list[torch.Tensor] | None = None
+    # the text encoder's attention mask, as cached beside the embedding ([B, tokens], 1 on a token, 0 on padding),
+    # or None (no padding); a family whose ComfyUI model reads it (LTX-Video) hands it to extra_conds
+    text_mask: torch.Tensor | None = None
 
 
 class UnsupportedSetting(ValueError):

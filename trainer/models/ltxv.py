@@ -19,6 +19,7 @@ class LTXVFamily(ModelFamily):
     # ComfyUI fixes 32 heads, 128 latent channels and 4096-wide text; it reads the head width and the cross-
     # attention width (the model width: the text is projected to it) from the weights
     scratch_sizes = {"tiny": dict(attention_head_dim=4, num_layers=1)}
+    reads_text_mask = True  # Batch.text_mask (batch_mix refuses pipeline stages, which do not carry it)
 
     @classmethod
     def matches(cls, base_model) -> bool:
@@ -35,9 +36,16 @@ class LTXVFamily(ModelFamily):
     def pipeline_layers(self):
         return [LTXVBegin(self), *(LTXVBlock(b) for b in self.diffusion_model.transformer_blocks), LTXVEnd(self)]
 
+    def extra_cond_inputs(self, batch: Batch, x_noisy: torch.Tensor) -> dict:
+        # T5's attention mask, as ComfyUI's LTX-Video text encoder returns it beside the embedding and
+        # CLIPTextEncode hands it to extra_conds: the model's cross-attention leaves the padding tokens out
+        inputs = super().extra_cond_inputs(batch, x_noisy)
+        if batch.text_mask is not None:
+            inputs["attention_mask"] = batch.text_mask
+        return inputs
+
     def model_kwargs(self, batch: Batch, x_noisy, dtype) -> dict:
-        # every text token counts: the cache holds the embedding without its padding mask (LTXVModel requires
-        # the argument; None is what it does without a mask)
+        # LTXVModel requires the argument; None (no mask cached: every token counts) is what it does without one
         return {"attention_mask": None, **super().model_kwargs(batch, x_noisy, dtype)}
 
     @classmethod
@@ -54,7 +62,7 @@ class LTXVFamily(ModelFamily):
 class LTXVBegin(StageInput):
     """Stage input: noise the batch, patchify, place, embed time and text (LTXVModel._forward up to the blocks).
     Tuple out: (x, context, timestep, embedded_timestep, pe cos, pe sin, shape) with shape = the latent's
-    (C, T, H, W). Training attends to every text token (no attention mask), so none crosses the stages."""
+    (C, T, H, W). No text attention mask crosses the stages (batch_mix refuses a dataset with one)."""
 
     def __init__(self, family):
         super().__init__(family)
