@@ -2,7 +2,7 @@
 fake-score series, and the shipped workflow run through a real ComfyUI server, whose student loads in stock
 ComfyUI and samples in 1 step.
 
-Unit tests need no server and launch no trainer; the graph test is one distillation of 2 generator updates."""
+Unit tests need no server and launch no trainer; the graph test is one distillation, stopped and resumed once."""
 from __future__ import annotations
 
 import copy
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, load_workflow
+from conftest import REPO, load_workflow, wait_first_step
 
 from ingraph_trainer.runner import distill_run, runs
 from ingraph_trainer.trainer import checkpoint as ckpt
@@ -262,46 +262,81 @@ def test_the_shipped_ui_workflow_matches_object_info(client):
     check(client, "distill_turbo_lora")
 
 
+def _distill_events(outcome) -> list[dict]:
+    return [m["data"] for m in outcome.messages if m.get("type") == "ingraph.event"]
+
+
+def _assert_losses(event: dict):
+    for key in ("loss", "generator_loss", "dmd_loss", "fake_loss"):
+        assert isinstance(event.get(key), (int, float)), (key, event)
+
+
+def _run_until_stopped(client, wf: dict) -> tuple[dict, list[dict], list[dict]]:
+    """Queues the workflow, stops its run after the first update it reports, follows the prompt to its end:
+    (the first step's ingraph.event data; the Distill node's events after it; the node's progress messages)."""
+    prompt_id = client.queue(wf)
+    first = wait_first_step(client, prompt_id)
+    assert client.post(f"/ingraph/runs/{first['run_id']}/stop")["stop_requested"] is True
+    outcome = client.follow(prompt_id, timeout=300)
+    assert outcome.ok, (outcome.status, outcome.error)
+    messages = _distill_events(outcome)
+    assert first["node"] == DISTILL and {m["node"] for m in messages} == {DISTILL}
+    assert {m["run_id"] for m in messages} == {first["run_id"]}
+    assert SAMPLE in {d["node"] for d in outcome.of_type("executed")}  # the KSampler on the node's MODEL ran
+    # ComfyUI's progress state of the node as later nodes start (its progress messages came before the first step)
+    states = [d["nodes"][DISTILL] for d in outcome.of_type("progress_state") if DISTILL in d.get("nodes", {})]
+    return first, [m["event"] for m in messages], states
+
+
 @pytest.mark.comfyui
 def test_the_distill_workflow_runs_from_the_graph_and_its_student_samples_in_one_step_in_stock_comfyui(comfy,
                                                                                                       client):
-    """The shipped workflow with 2 generator updates of a 1-step student (and a preview after the last): events
-    from the Distill node carry the generator and fake-score losses; the spec is a distillation's; the turbo LoRA
-    (ComfyUI keys) loads in stock LoraLoaderModelOnly with no "lora key not loaded", changes the 1-step image,
-    and gives the image that the Distill node's own MODEL output gave."""
+    """The shipped workflow distilling a 1-step student (with a preview after every update), stopped from the
+    panel's route after its first update and resumed from the node (resume = latest), then stopped again: events
+    from the Distill node carry the generator and fake-score losses; the spec is a distillation's; the resumed run
+    continues the same run from the stop's checkpoint; the turbo LoRA (ComfyUI keys) loads in stock
+    LoraLoaderModelOnly with no "lora key not loaded", changes the 1-step image, and gives the image that the
+    Distill node's own MODEL output gave."""
     wf = load_workflow(WORKFLOW)
-    updates = 2
+    total = 1000  # ended by Stop, twice
     # fp32: bf16 convolutions are slow on CPU and precision is not the point; one fake update keeps it cheap
-    wf[DISTILL]["inputs"].update(steps=updates, batch_size=1, student_steps=1, fake_updates=1, precision="fp32",
+    wf[DISTILL]["inputs"].update(steps=total, batch_size=1, student_steps=1, fake_updates=1, precision="fp32",
                                  save_every=0, output_name="test_turbo")
     wf["10"]["inputs"]["steps"] = 1
     wf[SAMPLE]["inputs"]["filename_prefix"] = "distill_output_model"
-    # a preview after the last update: the student rendered by the trainer in its own step count
+    # previews: the student rendered by the trainer in its own step count (1 step at 64 px: cheap)
     wf["30"] = {"class_type": "InGraphSamplePreviews",
                 "inputs": {"clip": ["1", 1], "vae": ["1", 2], "prompts": "a red circle, ingraph style",
-                           "negative_prompt": "", "every": updates, "steps": 20, "cfg": 7.0, "sampler_name": "euler",
+                           "negative_prompt": "", "every": 1, "steps": 20, "cfg": 7.0, "sampler_name": "euler",
                            "scheduler": "normal", "seed": 0, "width": 64, "height": 64}}
     wf[DISTILL]["inputs"]["previews"] = ["30", 0]
-    outcome = client.run(wf, timeout=600)
-    assert outcome.ok, (outcome.status, outcome.error, comfy.log_tail())
 
-    messages = [m["data"] for m in outcome.messages if m.get("type") == "ingraph.event"]
-    assert messages and {m["node"] for m in messages} == {DISTILL}
-    steps = [m["event"] for m in messages if m["event"]["type"] == "step"]
-    assert [e["step"] for e in steps] == list(range(1, updates + 1))
+    first, events, progress = _run_until_stopped(client, wf)
+    run_id = first["run_id"]
+    assert first["event"]["step"] == 1
+    _assert_losses(first["event"])
+    finished = [e for e in events if e["type"] == "finished"][-1]
+    stopped_at = finished["steps"]
+    assert finished["stopped"] is True and 1 <= stopped_at < total
+    steps = [e for e in events if e["type"] == "step"]
+    assert [e["step"] for e in steps] == list(range(2, stopped_at + 1))
     for event in steps:
-        for key in ("loss", "generator_loss", "dmd_loss", "fake_loss"):
-            assert isinstance(event.get(key), (int, float)), (key, event)
-    progress = [d for d in outcome.of_type("progress") if d.get("node") == DISTILL]
-    assert progress and all(d["max"] == updates for d in progress) and progress[-1]["value"] == updates
-    assert SAMPLE in {d["node"] for d in outcome.of_type("executed")}
-
-    run_dir = comfy.base_dir / "output" / "ingraph" / "runs" / messages[0]["run_id"]
-    samples = [m["event"] for m in messages if m["event"]["type"] == "sample"]
-    assert [e["step"] for e in samples] == [updates] and (run_dir / samples[0]["images"][0]).is_file()
+        _assert_losses(event)
+    assert [e for e in events if e["type"] == "checkpoint"][-1]["step"] == stopped_at
+    assert progress and all(p["max"] == total for p in progress), progress[-1:]  # the bar counts generator updates
+    run_dir = comfy.base_dir / "output" / "ingraph" / "runs" / run_id
+    samples = [e for e in events if e["type"] == "sample"]
+    assert samples[-1]["step"] == stopped_at and (run_dir / samples[-1]["images"][0]).is_file()
     spec = tomllib.loads((run_dir / "run.toml").read_text())
-    assert spec["task"] == "distill" and spec["adapter"]["kind"] == "lora" and spec["train"]["steps"] == updates
+    assert spec["task"] == "distill" and spec["adapter"]["kind"] == "lora" and spec["train"]["steps"] == total
     assert spec["distill"]["student_steps"] == 1 and spec["distill"]["fake_updates"] == 1
+
+    # resume = latest continues this run (a distillation of this output name) from the stop's checkpoint
+    wf[DISTILL]["inputs"]["resume"] = "latest"
+    again, events, _ = _run_until_stopped(client, wf)
+    assert again["run_id"] == run_id and again["event"]["step"] == stopped_at + 1
+    finished = [e for e in events if e["type"] == "finished"][-1]
+    assert finished["stopped"] is True and stopped_at < finished["steps"] < total
 
     lora = comfy.base_dir / "models" / "loras" / "test_turbo.safetensors"
     from safetensors.torch import load_file
@@ -316,7 +351,8 @@ def test_the_distill_workflow_runs_from_the_graph_and_its_student_samples_in_one
     assert "lora key not loaded" not in comfy.log_text()
     student, teacher = _saved_image(comfy, "distill_stock_lora"), _saved_image(comfy, "distill_teacher")
     assert abs(student - teacher).max() > 0  # the LoRA changes the 1-step image
-    assert abs(student - _saved_image(comfy, "distill_output_model")).max() <= 1  # the node's MODEL is the same
+    # the resumed run's output MODEL (its SaveImage wrote the newest file of that prefix) is teacher + this LoRA
+    assert abs(student - _saved_image(comfy, "distill_output_model")).max() <= 1
 
 
 def _renamed(graph: dict, prefix: str) -> dict:
