@@ -78,7 +78,7 @@ class Distill(io.ComfyNode):
                                 tooltip="File name in models/loras (a full fine-tune: models/diffusion_models); "
                                         "sub-folders allowed. A file of that name this pack wrote is replaced when "
                                         "the run finishes."),
-                io.Combo.Input("resume", options=["off", "latest", *_resumable()], default="off", optional=True,
+                io.Combo.Input("resume", options=["off", "latest", *_resumable("distill")], default="off", optional=True,
                                tooltip="off: a new run. latest: continue the newest distillation with this "
                                        "output_name from its last complete checkpoint (a new run if there is "
                                        "none). Or pick a checkpoint of a distillation. A resumed run uses the "

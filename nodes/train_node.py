@@ -36,11 +36,12 @@ def progress_relay(node_id: str):
     return on_run
 
 
-def _resumable() -> list[str]:
+def _resumable(task: str = "train") -> list[str]:
+    """The checkpoints a node running `task` (the run spec's task) may resume."""
     from ..runner import paths
     from ..runner.runs import resumable_checkpoints
     try:
-        return resumable_checkpoints(paths.runs_root())
+        return resumable_checkpoints(paths.runs_root(), task=task)
     except Exception:  # never break the node list over a damaged runs folder
         return []
 

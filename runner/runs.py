@@ -76,13 +76,16 @@ def trusted_run(run_dir: Path) -> bool:
     return run_is_trusted(run_dir, SPEC_FILE)
 
 
-def resumable_checkpoints(runs_root: str | Path, limit: int = 50) -> list[str]:
-    """'<run id>/<checkpoint>' for every complete checkpoint of a trusted run, newest run first."""
+def resumable_checkpoints(runs_root: str | Path, limit: int = 50, task: str | None = None) -> list[str]:
+    """'<run id>/<checkpoint>' for every complete checkpoint of a trusted run (of `task`, when given), newest run
+    first."""
     root = Path(runs_root)
     if not root.is_dir():
         return []
     out = []
     for run_dir in sorted((p for p in root.iterdir() if p.is_dir()), reverse=True):
+        if task is not None and _spec_fields(run_dir)[1] != task:
+            continue
         tags = complete_checkpoints(run_dir)
         if tags and trusted_run(run_dir):
             out += [f"{run_dir.name}/{tag}" for tag in reversed(tags)]

@@ -164,6 +164,10 @@ def test_resume_continues_only_a_run_of_the_same_task(tmp_path, monkeypatch):
         runs.resolve_resume_choice(root, f"{trained.name}/step_000002", "turbo", "distill")
     assert runs.resolve_resume_choice(root, f"{distilled.name}/step_000002", "turbo", "distill") \
         == (distilled, "step_000002")
+    # what each node offers: its own task's checkpoints
+    assert runs.resumable_checkpoints(root, task="distill") == [f"{distilled.name}/step_000002"]
+    assert runs.resumable_checkpoints(root, task="train") == [f"{trained.name}/step_000002"]
+    assert len(runs.resumable_checkpoints(root)) == 2
 
 
 # --- the live panel under node: a distillation's fake-score loss is a second series ----------------------------
