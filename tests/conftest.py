@@ -29,6 +29,7 @@ CHECKPOINT_NAME = "ingraph_tiny_sd15.safetensors"
 # in the test server's environment: nothing a client can read may ever carry it (tests/test_run_control.py)
 ENV_CANARY = "ingraph-canary-" + os.urandom(8).hex()
 IMAGE_FOLDER = "ingraph_example"
+ONE_IMAGE_FOLDER = "ingraph_one"  # the first example image and its caption: evaluation where it is not the point
 
 
 def pytest_report_header(config):
@@ -74,6 +75,9 @@ def comfy(tmp_path_factory, assets):
     images = server.dir("input", IMAGE_FOLDER)
     for f in assets["images"].iterdir():
         (images / f.name).write_bytes(f.read_bytes())
+    one = server.dir("input", ONE_IMAGE_FOLDER)
+    for f in sorted(assets["images"].iterdir())[:2]:  # item_000.png, item_000.txt
+        (one / f.name).write_bytes(f.read_bytes())
     server.start().wait_ready(180)
     yield server
     server.stop()
@@ -97,6 +101,26 @@ def load_workflow(name: str = "train_lora_api.json") -> dict:
     return json.loads((REPO / "workflows" / name).read_text())
 
 
+def evaluate_on_one_image(wf: dict, train: str = "6", dataset: str = "2", folder: str = ONE_IMAGE_FOLDER) -> list:
+    """The Train node's evaluations (before the first step and after the last: 5 quantiles an item) on one image,
+    not the 8 it trains on, for tests whose point is not the evaluation: a copy of the dataset chain from node
+    `dataset` (Load Training Images → Cache Latents → Cache Text Embeddings) on `folder` (an image and its caption) as
+    its eval_dataset. Returns that cached dataset's link (for an Evaluate node that must measure the same)."""
+    import copy
+    chain = [dataset]
+    while len(chain) < 3:
+        chain.append(next(k for k, v in wf.items() if v["inputs"].get("dataset") == [chain[-1], 0]))
+    for node in chain:
+        clone = copy.deepcopy(wf[node])
+        if node == dataset:
+            clone["inputs"]["folder"] = folder
+        else:
+            clone["inputs"]["dataset"][0] = "eval_" + clone["inputs"]["dataset"][0]
+        wf["eval_" + node] = clone
+    wf[train]["inputs"]["eval_dataset"] = ["eval_" + chain[-1], 0]
+    return ["eval_" + chain[-1], 0]
+
+
 @pytest.fixture(scope="session")
 def tools(tmp_path_factory):
     """`tools(name, argv)` runs tools/<name>.py's main (prepare_run, cache_dataset) in one worker process kept for
@@ -107,17 +131,20 @@ def tools(tmp_path_factory):
         worker = subprocess.Popen([sys.executable, str(REPO / "tests" / "tool_worker.py")], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=log.parent)
 
-    def run_tool(name: str, argv: list[str], timeout: float = 300) -> str:
-        worker.stdin.write(json.dumps({"tool": name, "argv": [str(a) for a in argv]}) + "\n")
+    def run_tool(name: str, argv: list[str], timeout: float = 300, copies: int | None = None) -> str | list[str]:
+        """`copies`: that many children run the tool at once (separate processes); the list of what each printed."""
+        request = {"tool": name, "argv": [str(a) for a in argv], **({"copies": copies} if copies else {})}
+        worker.stdin.write(json.dumps(request) + "\n")
         worker.stdin.flush()
         ready, _, _ = select.select([worker.stdout], [], [], timeout)
         line = worker.stdout.readline() if ready else ""
         if not line:
             raise AssertionError(f"the tool worker gave no answer for {name} {argv}; its log ends:\n"
                                  + log.read_text()[-4000:])
-        answer = json.loads(line)
-        assert answer["ok"], f"tools/{name}.py {argv} failed:\n{answer['error']}\n{log.read_text()[-3000:]}"
-        return answer["stdout"]
+        answers = json.loads(line) if copies else [json.loads(line)]
+        for answer in answers:
+            assert answer["ok"], f"tools/{name}.py {argv} failed:\n{answer['error']}\n{log.read_text()[-3000:]}"
+        return [answer["stdout"] for answer in answers] if copies else answers[0]["stdout"]
     yield run_tool
     worker.stdin.close()
     try:
@@ -167,21 +194,69 @@ def trained_in_format(prepared):
     return get
 
 
-def run_trainer(spec_path: Path, *extra, timeout: float = 300) -> subprocess.CompletedProcess:
+class _TrainerWorker:
+    """tests/train_forked.py --serve, started on first use and kept for the session: the trainer program's main in a
+    child forked after one import, for each run (~7 s of imports saved a run)."""
+    proc: subprocess.Popen | None = None
+    log: Path | None = None
+
+    @classmethod
+    def run(cls, argv: list[str], cwd: Path, timeout: float, processes: int = 1) -> subprocess.CompletedProcess:
+        import select
+        import tempfile
+        if cls.proc is None or cls.proc.poll() is not None:
+            cls.log = Path(tempfile.mkstemp(prefix="ingraph-trainer-worker-", suffix=".log")[1])
+            with open(cls.log, "w") as log_file:
+                cls.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "train_forked.py"), "--serve"],
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file, text=True)
+        cls.proc.stdin.write(json.dumps({"argv": argv, "cwd": str(cwd), "timeout": timeout,
+                                         "processes": processes}) + "\n")
+        cls.proc.stdin.flush()
+        ready, _, _ = select.select([cls.proc.stdout], [], [], timeout + 120)  # + the worker's own imports
+        line = cls.proc.stdout.readline() if ready else ""
+        if not line:
+            raise AssertionError(f"the trainer worker gave no answer for {argv}; its log ends:\n"
+                                 + cls.log.read_text()[-4000:])
+        answer = json.loads(line)
+        return subprocess.CompletedProcess(["trainer", *argv], answer["returncode"], answer["stdout"], answer["stderr"])
+
+    @classmethod
+    def stop(cls):
+        if cls.proc is not None:
+            cls.proc.stdin.close()
+            try:
+                cls.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                cls.proc.kill()
+                cls.proc.wait()
+            cls.proc = None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _TrainerWorker.stop()
+
+
+def run_trainer(spec_path: Path, *extra, timeout: float = 300, processes: int = 1) -> subprocess.CompletedProcess:
+    """The trainer program's main on `--config spec_path *extra`, started in the spec's folder, in a child forked
+    from the session's trainer worker (the imports paid once; `processes` > 1: that many ranks, given what the
+    DeepSpeed launcher gives its ranks); stdout, stderr and exit status are the run's own. run_trainer_program
+    starts the program itself, where its start is the point."""
+    return _TrainerWorker.run(["--config", str(spec_path), *map(str, extra)], spec_path.parent, timeout, processes)
+
+
+def run_trainer_program(spec_path: Path, *extra, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "trainer"), "--config", str(spec_path), *extra],
                           capture_output=True, text=True, timeout=timeout, cwd=spec_path.parent)
 
 
 def run_trainers_forked(*spec_paths: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """The trainer program on each spec in turn, each run in a child forked after one shared import
-    (tests/train_forked.py): for tests comparing runs of the same program, one import instead of one per run.
-    `.statuses`: {spec path: exit status}."""
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "train_forked.py"), *map(str, spec_paths)],
-                          capture_output=True, text=True, timeout=timeout * len(spec_paths))
-    try:
-        proc.statuses = {Path(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
-    except (IndexError, ValueError):
-        proc.statuses = {}
+    """The trainer program on each spec in turn (run_trainer: each run its own process, the imports shared), for
+    tests comparing runs of the same program. `.statuses`: {spec path: exit status}; stdout and stderr joined."""
+    runs = {Path(spec): run_trainer(Path(spec), timeout=timeout) for spec in spec_paths}
+    proc = subprocess.CompletedProcess([str(s) for s in spec_paths], 0 if all(r.returncode == 0 for r in runs.values())
+                                       else 1, "".join(r.stdout for r in runs.values()),
+                                       "".join(r.stderr for r in runs.values()))
+    proc.statuses = {spec: run.returncode for spec, run in runs.items()}
     return proc
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, read_events
+from conftest import REPO, evaluate_on_one_image, read_events, run_trainer
 
 pytestmark = pytest.mark.comfyui
 
@@ -24,9 +24,11 @@ COMMON = dict(train__steps=5, train__batch_size=2, train__precision="fp32", trai
 
 
 def launch(spec: Path, processes: int, *extra, timeout=300) -> subprocess.CompletedProcess:
-    from ingraph_trainer.runner.launcher import deepspeed_launch_command
-    cmd = [*deepspeed_launch_command(sys.executable, processes), TRAINER, "--config", str(spec), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=spec.parent)
+    """The ranks forked from conftest's trainer worker with the DeepSpeed launcher's variables (its imports paid once,
+    not once a rank and twice more by the launcher's own processes: ~15 s a run on 2 cores). The launcher itself
+    starts the first run of test_two_process_stop_then_resume_matches_uninterrupted and the runs from ComfyUI;
+    torchrun, those of test_two_machines_over_loopback_match_one_machine."""
+    proc = run_trainer(spec, *extra, timeout=timeout, processes=processes)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     return proc
 
@@ -172,6 +174,7 @@ def _two_process_workflow(name: str, steps: int) -> dict:
     wf["6"]["inputs"].update(steps=steps, output_name=name, precision="fp32", distributed=["30", 0])
     wf["30"] = {"class_type": "InGraphDeepSpeedSettings",
                 "inputs": {"processes": 2, "zero_stage": "1", "offload_optimizer": False, "hostfile": ""}}
+    evaluate_on_one_image(wf)  # evaluation (test_evaluation_is_identical_on_1_and_2_processes): not the point here
     return wf
 
 

@@ -15,22 +15,27 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import REPO, read_events, run_trainer
+from conftest import REPO, read_events, run_trainer, run_trainer_program
 
 pytestmark = pytest.mark.comfyui
+
+# the fixed-noise evaluation (before the first step, after the last) at one timestep quantile, not five: where the
+# evaluation's numbers are not the point, it costs 8 forward passes instead of 40
+ONE_QUANTILE = dict(train__eval_quantiles=[0.5])
 
 
 @pytest.fixture(scope="module")
 def two_step_run(prepared):
     """One 2-step run that several tests read (each trainer launch costs ~12 s of imports): events and adapter,
     stdout noise, an incomplete checkpoint that `--resume latest` must ignore, TensorBoard metrics. It uses the
-    non-default objective (Huber, min-SNR), so that path runs too (its formulas: tests/test_unit.py)."""
+    non-default objective (Huber, min-SNR), so that path runs too (its formulas: tests/test_unit.py). The program
+    started as `python trainer` (the other runs here: conftest's forked trainer worker)."""
     spec = prepared(train__steps=2, train__batch_size=2, train__precision="fp32", adapter__alpha=4.0,
-                    adapter__rank=4, train__loss="huber", train__min_snr_gamma=5.0)
+                    adapter__rank=4, train__loss="huber", train__min_snr_gamma=5.0, **ONE_QUANTILE)
     half = spec.parent / "checkpoints" / "step_000001"
     half.mkdir(parents=True)
     (half / "trainer_state.json").write_text('{"step": 1}')  # no COMPLETE mark
-    return spec, run_trainer(spec, "--resume", "latest")
+    return spec, run_trainer_program(spec, "--resume", "latest")
 
 
 def test_two_steps_write_events_and_a_comfy_format_adapter(two_step_run):
@@ -68,7 +73,7 @@ def test_bad_spec_exits_2_naming_the_field(two_step_run, tmp_path):
     spec, _ = two_step_run
     bad = tmp_path / "bad.toml"
     bad.write_text(re.sub(r"(?m)^steps = 2$", "steps = 0", spec.read_text()))  # [train] steps only
-    proc = run_trainer(bad)
+    proc = run_trainer_program(bad)
     assert proc.returncode == 2
     assert "bad.toml" in proc.stderr and "train.steps: must be at least 1" in proc.stderr
     errors = [e for e in read_events(tmp_path) if e["type"] == "error"]  # what the node relays
@@ -97,7 +102,7 @@ def _wait_for(predicate, timeout: float, what: str):
 def test_resume_after_kill_matches_uninterrupted_run_bit_for_bit(prepared):
     """fp32 on CPU: killed after the step-3 checkpoint and resumed == never interrupted."""
     common = dict(train__steps=6, train__batch_size=2, train__precision="fp32", train__save_every=3,
-                  adapter__dropout=0.1, train__lr_schedule="cosine", train__warmup_steps=2)
+                  adapter__dropout=0.1, train__lr_schedule="cosine", train__warmup_steps=2, **ONE_QUANTILE)
     straight = prepared(**common)
     assert run_trainer(straight).returncode == 0
 
@@ -153,7 +158,8 @@ def test_tensorboard_has_the_health_metrics(two_step_run):
 
 def test_8bit_adamw_with_optimizer_offload_under_zero1(prepared):
     spec = prepared(train__steps=4, train__precision="fp32", train__optimizer="adamw8bit",
-                    distributed__zero_stage=1, distributed__offload_optimizer=True, train__learning_rate=1e-3)
+                    distributed__zero_stage=1, distributed__offload_optimizer=True, train__learning_rate=1e-3,
+                    **ONE_QUANTILE)
     proc = run_trainer(spec)
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = read_events(spec.parent)
@@ -179,7 +185,7 @@ def test_continue_from_an_adapter_file_starts_where_it_ended(prepared, trained_i
 
 
 def test_nan_at_step_3_ends_the_run_and_step_2_resumes(prepared):
-    spec = prepared(train__steps=4, train__save_every=1, train__precision="fp32", adapter__rank=4)
+    spec = prepared(train__steps=4, train__save_every=1, train__precision="fp32", adapter__rank=4, **ONE_QUANTILE)
     run_dir = spec.parent
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "inject_nan.py"), "--config", str(spec)],
                           capture_output=True, text=True, timeout=300, cwd=run_dir,

@@ -1,17 +1,24 @@
-"""Runs the trainer program's main on several run specs in turn, each in a child forked from one process that did
-the program's imports once (~10 s of ComfyUI, DeepSpeed and peft on 2 cores): each run starts from the same fresh
-process image, as `python trainer --config SPEC` would, without paying the imports again. For tests that compare
-runs of the same program (tests/test_evaluation.py, tests/test_fp8.py).
+"""Runs the trainer program's main in children forked from one process that did the program's imports once (~7 s of
+ComfyUI, torch, DeepSpeed and peft on 2 cores): each run starts from the same fresh process image, as
+`python trainer --config SPEC` would, without paying the imports again.
 
-    python tests/train_forked.py SPEC [SPEC ...]
+    python tests/train_forked.py SPEC [SPEC ...]     each spec in turn; the last line printed is {spec: exit status}
+    python tests/train_forked.py --serve             one JSON request a line in, one JSON answer a line out
 
-Every run's output is this process's; the last line printed is {spec: exit status}; exits 0 when all were 0.
+--serve is conftest's session trainer worker (run_trainer, run_trainers_forked): a request
+{"argv": [...], "cwd": DIR, "timeout": S, "processes": N} runs the program's main on that argv in a forked child
+(N > 1: N ranks, as the DeepSpeed launcher starts them on one machine) whose stdout and stderr are its own files,
+killed by SIGALRM after S seconds; the answer is {"returncode", "stdout", "stderr"}.
+The program's own start (its imports, `python trainer` as a path) is still what the standby, trainer-program
+start-up and launcher tests (tests/test_standby.py, tests/test_trainer_program.py's two-step run,
+tests/test_distributed.py) run.
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,24 +33,86 @@ import ingraph_trainer.trainer.evaluation  # noqa: E402,F401
 import ingraph_trainer.trainer.loop  # noqa: E402,F401
 
 
-def run_forked(spec: str) -> int:
+def run_forked(argv: list[str], cwd: str, timeout: float = 0, output: tuple[int, int] | None = None,
+               processes: int = 1) -> int:
+    """The program's main on argv in forked children started in cwd; the exit status (negative: killed by that
+    signal). `output`: file descriptors the children's stdout and stderr go to. `processes` > 1: that many ranks
+    of one machine, each given the variables and `--local_rank` the DeepSpeed launcher gives its ranks; when one
+    fails the others are killed, as that launcher does."""
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        rc = 1
-        try:
-            os.chdir(Path(spec).parent)  # where run_trainer starts the program
-            rc = trainer_main.main(["--config", spec])
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(rc)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    rank_env = {}
+    if processes > 1:
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        rank_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(processes),
+                    "CROSS_RANK": "0", "CROSS_SIZE": "1", "LOCAL_SIZE": str(processes)}
+    pids = []
+    for rank in range(processes):
+        pid = os.fork()
+        if pid == 0:
+            rc = 1
+            try:
+                if output:
+                    os.dup2(output[0], 1)
+                    os.dup2(output[1], 2)
+                    sys.stdout = sys.__stdout__  # the serving parent pointed it at stderr
+                if timeout:
+                    import signal
+                    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                    signal.alarm(max(1, int(timeout)))
+                os.chdir(cwd)  # where run_trainer starts the program
+                if rank_env:
+                    os.environ.update(rank_env, RANK=str(rank), LOCAL_RANK=str(rank))
+                rc = trainer_main.main([*argv, f"--local_rank={rank}"] if rank_env else argv)
+            except SystemExit as exc:  # argparse's errors, as the program would exit with them
+                rc = exc.code if isinstance(exc.code, int) else 1
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(rc)
+        pids.append(pid)
+    status = 0
+    while pids:
+        pid, wait_status = os.wait()
+        if pid not in pids:
+            continue
+        pids.remove(pid)
+        code = os.waitstatus_to_exitcode(wait_status)
+        if code != 0 and status == 0:
+            status = code
+            for other in pids:
+                try:
+                    os.kill(other, 9)
+                except ProcessLookupError:
+                    pass
+    return status
+
+
+def serve() -> None:
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # what the imports print goes to the log, never into the answers
+    sys.stdout = sys.stderr
+    for line in sys.stdin:
+        request = json.loads(line)
+        with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as out, \
+                tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as err:
+            rc = run_forked(request["argv"], request["cwd"], request.get("timeout", 0), (out.fileno(), err.fileno()),
+                            request.get("processes", 1))
+            texts = []
+            for f in (out, err):
+                f.seek(0)
+                texts.append(f.read())
+        answers.write(json.dumps({"returncode": rc, "stdout": texts[0], "stderr": texts[1]}) + "\n")
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+        sys.exit(0)
     # every run is tried (one failing does not hide the others' results); the last line maps spec to exit status
-    statuses = {spec_path: run_forked(spec_path) for spec_path in sys.argv[1:]}
+    statuses = {spec: run_forked(["--config", spec], str(Path(spec).parent)) for spec in sys.argv[1:]}
     print(json.dumps(statuses))
     sys.exit(0 if all(status == 0 for status in statuses.values()) else 1)
