@@ -44,6 +44,7 @@ processes, and a resumed run, compute the same numbers.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -94,6 +95,18 @@ def starts_at_max_noise(model_sampling, sigma: float) -> bool:
     """KSampler's max_denoise: its first sigma at the schedule's top scales the noise by sqrt(1 + sigma^2)."""
     max_sigma = float(model_sampling.sigma_max)
     return math.isclose(max_sigma, sigma, rel_tol=1e-05) or sigma > max_sigma
+
+
+@contextlib.contextmanager
+def frozen(params: list):
+    """Within: these weights take no gradient."""
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
 
 
 class GanHead(torch.nn.Module):
@@ -203,6 +216,18 @@ def fake_score_spec(spec):
     t, n = spec.train, spec.distill.fake_updates
     return dataclasses.replace(spec, train=dataclasses.replace(t, learning_rate=spec.distill.fake_learning_rate,
                                                                steps=t.steps * n, warmup_steps=t.warmup_steps * n))
+
+
+def peak_rss_per_rank() -> list:
+    """Each process's peak resident memory in bytes (VmHWM, since the first network's load began; None where
+    unknown), gathered on every rank: what ZeRO-3 saves per process."""
+    from .memory import _status_bytes
+    peak = _status_bytes("VmHWM")
+    if world_size() == 1:
+        return [peak]
+    gathered: list = [None] * world_size()
+    torch.distributed.all_gather_object(gathered, peak)
+    return gathered
 
 
 def check_distill_settings(spec, dataset):
@@ -351,7 +376,7 @@ class Distiller:
         self.events.emit("finished", adapter=adapter, steps=step, stopped=stopped, final_loss=losses.get("loss"),
                          eval_before=None, eval_after=None, best_eval_step=None, best_eval_loss=None,
                          mean_step_s=sum(steady) / len(steady) if steady else None, data_wait_s=0.0,
-                         wall_s=time.time() - self.started_at)
+                         peak_rss_per_rank=peak_rss_per_rank(), wall_s=time.time() - self.started_at)
         return adapter
 
     def announce(self, start_step: int, resumed_from):
@@ -410,8 +435,11 @@ class Distiller:
                            micro.references.to(self.device) if micro.references is not None else None))
         outputs, own_norm, engine = [], None, self.generator.engine
         for m, latents, cond, pooled, references in inputs:
-            x0, parts = self.generator_loss(step, m, model_shape, latents, cond, pooled, references, regression)
-            engine.backward(parts["generator"])
+            # the GAN term passes through the fake score, whose weights it leaves alone: frozen until its backward
+            # pass is done (a checkpointed block recomputes with the requires_grad it finds then)
+            with frozen(self.fake_params if dd.gan_weight > 0 and not regression else []):
+                x0, parts = self.generator_loss(step, m, model_shape, latents, cond, pooled, references, regression)
+                engine.backward(parts["generator"])
             if engine.is_gradient_accumulation_boundary():  # ZeRO and bf16 report theirs; else the Trainer's own
                 own_norm = grad_norm(self.params)
             engine.step()
@@ -501,18 +529,11 @@ class Distiller:
         dmd = 0.5 * torch.nn.functional.mse_loss(x0.float(), (x0.float() - grad).detach())
         loss = dd.dmd_weight * dmd
         gan = zero
-        if dd.gan_weight > 0:
-            # through the fake score, whose weights this loss leaves alone (frozen meanwhile), and past its engine,
-            # which takes any backward pass through its outputs for its own
-            for p in self.fake_params:
-                p.requires_grad_(False)
-            try:
-                x_t_grad = sampling.noise_scaling(sigma_t.view(view), noise, x0)
-                gan = torch.nn.functional.softplus(-self.fake.engine.module("logit", x_t_grad, sigma_t, cond, pooled,
-                                                                            references)).mean()
-            finally:
-                for p in self.fake_params:
-                    p.requires_grad_(True)
+        if dd.gan_weight > 0:  # through the fake score's module (frozen by the caller), not its engine, which
+            # takes any backward pass through its outputs for its own
+            x_t_grad = sampling.noise_scaling(sigma_t.view(view), noise, x0)
+            gan = torch.nn.functional.softplus(-self.fake.engine.module("logit", x_t_grad, sigma_t, cond, pooled,
+                                                                        references)).mean()
             loss = loss + dd.gan_weight * gan
         return x0, {"generator": loss, "dmd": dmd, "gan": gan}
 
