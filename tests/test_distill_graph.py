@@ -136,6 +136,30 @@ def test_the_runner_writes_a_distill_spec_through_the_train_nodes_run(monkeypatc
     assert not handed_off
 
 
+def test_a_node_after_distill_gets_the_teacher_and_the_turbo_lora_as_files(tmp_path):
+    """The Distill node's output MODEL is recorded as its source plus the student (as the Train node's is), so an
+    Evaluate or Train node after it hands the trainer files instead of materialising the weights."""
+    from ingraph_trainer.runner import model_source as ms
+    teacher, student = tmp_path / "teacher.safetensors", tmp_path / "turbo.safetensors"
+    teacher.write_bytes(b"t" * 16)
+    student.write_bytes(b"s" * 16)
+    prompt = {"1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "teacher.safetensors"}},
+              "6": {"class_type": "InGraphDistill", "inputs": {"model": ["1", 0]}},
+              "7": {"class_type": "InGraphEvaluate", "inputs": {"model": ["6", 0]}}}
+
+    def resolve(folder, name):
+        return str(teacher) if (folder, name) == ("checkpoints", teacher.name) else None
+    base = ms.describe_model(prompt, ["1", 0], None, resolve)
+    distilled = types.SimpleNamespace(patches={"k": [1]}, patches_uuid="student-patches")
+    ms.record_trained_output("6", distilled, ms.trained_output_source(str(student), base, full=False,
+                                                                      file_format="comfyui"))
+    try:
+        source = ms.describe_model(prompt, ms.input_link(prompt, "7", "model"), distilled, resolve)
+        assert (source.path, source.format, source.loras) == (str(teacher), "checkpoint", ((str(student), 1.0),))
+    finally:
+        ms.record_trained_output("6", distilled, None)
+
+
 class _Engine:
     def save_checkpoint(self, root, tag, client_state, save_latest, exclude_frozen_parameters):
         (Path(root) / tag).mkdir(parents=True)
