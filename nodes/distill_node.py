@@ -109,6 +109,12 @@ class Distill(io.ComfyNode):
                 io.Int.Input("keep_last", default=3, min=0, max=10_000, optional=True,
                              tooltip="Resumable checkpoints kept on disk: older ones are deleted as new ones are "
                                      "saved (0 = keep all)."),
+                io.Int.Input("gradient_accumulation", default=1, min=1, max=1024, optional=True,
+                             tooltip="Batches whose gradients are summed before each update (of the student and "
+                                     "of the fake score): a larger batch in the same memory."),
+                io.Boolean.Input("gradient_checkpointing", default=False, optional=True,
+                                 tooltip="Recompute activations in the backward pass (student and fake score): less "
+                                         "memory, slower updates."),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The teacher with the student applied: a KSampler "
@@ -138,7 +144,7 @@ class Distill(io.ComfyNode):
                 fake_learning_rate, fake_updates, dmd_weight, denoising_weight, gan_weight, regression_steps,
                 backward_simulation, precision, seed, save_every, output_name, resume="off", distributed=None,
                 previews=None, student_timesteps="", min_t=DEFAULTS.min_t, max_t=DEFAULTS.max_t, overwrite=False,
-                keep_last=3) -> io.NodeOutput:
+                keep_last=3, gradient_accumulation=1, gradient_checkpointing=False) -> io.NodeOutput:
         import comfy.model_management
 
         from ..runner.distill_run import check_student_adapter, distill_model, parse_student_timesteps
@@ -147,7 +153,9 @@ class Distill(io.ComfyNode):
         dataset.require_cached("dataset")
         train = TrainSpec(steps=steps, batch_size=batch_size, learning_rate=learning_rate, seed=seed,
                           precision=choice_value(PRECISION_CHOICES, precision, "precision"), save_every=save_every,
-                          keep_last=3 if keep_last is None else int(keep_last))
+                          keep_last=3 if keep_last is None else int(keep_last),
+                          grad_accum=int(gradient_accumulation or 1),
+                          gradient_checkpointing=bool(gradient_checkpointing))
         distill = DistillSpec(student_steps=student_steps,
                               student_timesteps=parse_student_timesteps(student_timesteps, student_steps),
                               guidance_scale=float(guidance_scale), fake_learning_rate=float(fake_learning_rate),
