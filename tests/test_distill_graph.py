@@ -2,13 +2,15 @@
 fake-score series, and the shipped workflow run through a real ComfyUI server, whose student loads in stock
 ComfyUI and samples in 1 step.
 
-Unit tests need no server and launch no trainer; the graph test is one distillation, stopped and resumed once."""
+Unit tests need no server and launch no trainer; the graph test is one distillation, stopped, resumed and cancelled."""
 from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 import subprocess
+import time
 import tomllib
 import types
 from pathlib import Path
@@ -299,6 +301,14 @@ def _assert_losses(event: dict):
         assert isinstance(event.get(key), (int, float)), (key, event)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
 def _run_until_stopped(client, wf: dict) -> tuple[dict, list[dict], list[dict]]:
     """Queues the workflow, stops its run after the first update it reports, follows the prompt to its end:
     (the first step's ingraph.event data; the Distill node's events after it; the node's progress messages)."""
@@ -320,13 +330,13 @@ def _run_until_stopped(client, wf: dict) -> tuple[dict, list[dict], list[dict]]:
 def test_the_distill_workflow_runs_from_the_graph_and_its_student_samples_in_one_step_in_stock_comfyui(comfy,
                                                                                                       client):
     """The shipped workflow distilling a 1-step student (with a preview after every update), stopped from the
-    panel's route after its first update and resumed from the node (resume = latest), then stopped again: events
-    from the Distill node carry the generator and fake-score losses; the spec is a distillation's; the resumed run
-    continues the same run from the stop's checkpoint; the turbo LoRA (ComfyUI keys) loads in stock
-    LoraLoaderModelOnly with no "lora key not loaded", changes the 1-step image, and gives the image that the
-    Distill node's own MODEL output gave."""
+    panel's route after its first update, resumed from the node (resume = latest), then cancelled: events from the
+    Distill node carry the generator and fake-score losses; the spec is a distillation's; the resumed run
+    continues the same run from the stop's checkpoint; Cancel ends its trainer within 10 s; the turbo LoRA
+    (ComfyUI keys) loads in stock LoraLoaderModelOnly with no "lora key not loaded", changes the 1-step image, and
+    gives the image that the Distill node's own MODEL output gave."""
     wf = load_workflow(WORKFLOW)
-    total = 1000  # ended by Stop, twice
+    total = 1000  # ended by Stop, then by Cancel
     # fp32: bf16 convolutions are slow on CPU and precision is not the point; one fake update keeps it cheap
     wf[DISTILL]["inputs"].update(steps=total, batch_size=1, student_steps=1, fake_updates=1, precision="fp32",
                                  save_every=0, output_name="test_turbo")
@@ -359,14 +369,24 @@ def test_the_distill_workflow_runs_from_the_graph_and_its_student_samples_in_one
     assert spec["task"] == "distill" and spec["adapter"]["kind"] == "lora" and spec["train"]["steps"] == total
     assert spec["distill"]["student_steps"] == 1 and spec["distill"]["fake_updates"] == 1
 
-    # resume = latest continues this run (a distillation of this output name) from the stop's checkpoint
-    wf[DISTILL]["inputs"]["resume"] = "latest"
-    again, events, _ = _run_until_stopped(client, wf)
-    assert again["run_id"] == run_id and again["event"]["step"] == stopped_at + 1
-    finished = [e for e in events if e["type"] == "finished"][-1]
-    assert finished["stopped"] is True and stopped_at < finished["steps"] < total
-
     lora = comfy.base_dir / "models" / "loras" / "test_turbo.safetensors"
+    written = lora.read_bytes()  # the student as the stop left it
+
+    # resume = latest continues this run (a distillation of this output name) from the stop's checkpoint; Cancel
+    # (ComfyUI's interrupt) ends it and its trainer at once, writing nothing
+    wf[DISTILL]["inputs"]["resume"] = "latest"
+    prompt_id = client.queue(wf)
+    again = wait_first_step(client, prompt_id)
+    assert again["node"] == DISTILL and again["run_id"] == run_id and again["event"]["step"] == stopped_at + 1
+    pid = int((run_dir / "trainer.pid").read_text())
+    client.interrupt()
+    assert client.follow(prompt_id, timeout=60).status == "execution_interrupted"
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), "the cancelled run's trainer is still running"
+    assert lora.read_bytes() == written
+
     from safetensors.torch import load_file
     keys = set(load_file(lora))
     assert keys and all(k.startswith("diffusion_model.") and k.endswith((".lora_down.weight", ".lora_up.weight",
@@ -379,7 +399,7 @@ def test_the_distill_workflow_runs_from_the_graph_and_its_student_samples_in_one
     assert "lora key not loaded" not in comfy.log_text()
     student, teacher = _saved_image(comfy, "distill_stock_lora"), _saved_image(comfy, "distill_teacher")
     assert abs(student - teacher).max() > 0  # the LoRA changes the 1-step image
-    # the resumed run's output MODEL (its SaveImage wrote the newest file of that prefix) is teacher + this LoRA
+    # the stopped run's output MODEL (the cancelled one saved no image) is the teacher with this LoRA
     assert abs(student - _saved_image(comfy, "distill_output_model")).max() <= 1
 
 
