@@ -265,15 +265,17 @@ def test_the_panel_follows_the_distill_node_and_draws_the_fake_score_loss(tmp_pa
 
 # --- through a real ComfyUI server ------------------------------------------------------------------------------
 
-def stock_sampling_graph(lora_name: str | None, prefix: str, steps: int = 1) -> dict:
-    """Load Checkpoint (+ LoraLoaderModelOnly) -> KSampler as the shipped workflow samples the student -> Save."""
+def stock_sampling_graph(lora_name: str | None, prefix: str, steps: int = 1, loader: str = "LoraLoaderModelOnly"):
+    """Load Checkpoint (+ the stock LoRA loader) -> KSampler as the shipped workflow samples the student -> Save."""
     wf = load_workflow(WORKFLOW)
     graph = {k: copy.deepcopy(wf[k]) for k in ("1", "7", "8", "9", "10", "11", "12")}
     graph["10"]["inputs"].update(steps=steps, model=["1", 0])
     graph["12"]["inputs"]["filename_prefix"] = prefix
     if lora_name:
-        graph["20"] = {"class_type": "LoraLoaderModelOnly",
-                       "inputs": {"model": ["1", 0], "lora_name": lora_name, "strength_model": 1.0}}
+        inputs = {"model": ["1", 0], "lora_name": lora_name, "strength_model": 1.0}
+        if loader == "LoraLoader":  # the text encoder as loaded: the file holds diffusion-model keys only
+            inputs.update(clip=["1", 1], strength_clip=1.0)
+        graph["20"] = {"class_type": loader, "inputs": inputs}
         graph["10"]["inputs"]["model"] = ["20", 0]
     return graph
 
@@ -333,8 +335,8 @@ def test_the_distill_workflow_runs_from_the_graph_and_its_student_samples_in_one
     panel's route after its first update, resumed from the node (resume = latest), then cancelled: events from the
     Distill node carry the generator and fake-score losses; the spec is a distillation's; the resumed run
     continues the same run from the stop's checkpoint; Cancel ends its trainer within 10 s; the turbo LoRA
-    (ComfyUI keys) loads in stock LoraLoaderModelOnly with no "lora key not loaded", changes the 1-step image, and
-    gives the image that the Distill node's own MODEL output gave."""
+    (ComfyUI keys) loads in stock LoraLoaderModelOnly and Load LoRA with no "lora key not loaded", changes the
+    1-step image, and gives the image that the Distill node's own MODEL output gave."""
     wf = load_workflow(WORKFLOW)
     total = 1000  # ended by Stop, then by Cancel
     # fp32: bf16 convolutions are slow on CPU and precision is not the point; one fake update keeps it cheap
@@ -393,12 +395,15 @@ def test_the_distill_workflow_runs_from_the_graph_and_its_student_samples_in_one
                                                                          ".alpha")) for k in keys)
 
     stock = {**stock_sampling_graph("test_turbo.safetensors", "distill_stock_lora"),
+             **_renamed(stock_sampling_graph("test_turbo.safetensors", "distill_lora_loader", loader="LoraLoader"),
+                        "l"),
              **_renamed(stock_sampling_graph(None, "distill_teacher"), "t")}
     outcome = client.run(stock, timeout=300)
     assert outcome.ok, (outcome.status, outcome.error)
     assert "lora key not loaded" not in comfy.log_text()
     student, teacher = _saved_image(comfy, "distill_stock_lora"), _saved_image(comfy, "distill_teacher")
     assert abs(student - teacher).max() > 0  # the LoRA changes the 1-step image
+    assert abs(student - _saved_image(comfy, "distill_lora_loader")).max() <= 1  # Load LoRA applies it alike
     # the stopped run's output MODEL (the cancelled one saved no image) is the teacher with this LoRA
     assert abs(student - _saved_image(comfy, "distill_output_model")).max() <= 1
 
