@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from conftest import REPO, read_events, run_trainer
 
 pytestmark = pytest.mark.comfyui
 
-TRAINER = str(REPO / "trainer" / "__main__.py")
+RUN_TIMEOUT = 900  # an update is about 15 forward passes of the three models: minutes on a busy 2-core machine
 EMPTY_CAPTION = ("--caption-dropout", "0.1")  # the cache then holds the empty caption's embedding
 DISTILL = dict(task="distill", train__batch_size=2, train__precision="fp32", train__learning_rate=1e-3,
                train__seed=5, adapter__rank=4, adapter__alpha=4.0, distill__student_steps=2,
@@ -49,18 +48,16 @@ def steps_of(events: list[dict]) -> list[dict]:
 def uninterrupted(prepared):
     """1 process, micro-batch 2, 4 generator updates, a checkpoint after update 2; its LoRA kept aside."""
     spec = prepared(*EMPTY_CAPTION, **DISTILL, train__steps=4, train__save_every=2)
-    proc = run_trainer(spec)
+    proc = run_trainer(spec, timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     shutil.copy(spec.parent / "lora.safetensors", spec.parent / "uninterrupted.safetensors")
     return spec
 
 
 def test_two_processes_under_zero3_match_one_process(prepared, uninterrupted):
-    from ingraph_trainer.runner.launcher import deepspeed_launch_command
     spec = prepared(*EMPTY_CAPTION, **{**DISTILL, "train__batch_size": 1}, train__steps=3, distributed__processes=2,
                     distributed__zero_stage=3)
-    proc = subprocess.run([*deepspeed_launch_command(sys.executable, 2), TRAINER, "--config", str(spec)],
-                          capture_output=True, text=True, timeout=600, cwd=spec.parent)
+    proc = run_trainer(spec, timeout=RUN_TIMEOUT, processes=2)  # 2 ranks, as the DeepSpeed launcher starts them
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     [two] = runs(spec.parent)
     assert two[0]["task"] == "distill" and two[0]["world_size"] == 2 and two[0]["start_step"] == 0
@@ -78,7 +75,7 @@ def test_resumed_distillation_ends_bit_identical(uninterrupted):
     """Resumed from the checkpoint of update 2 (both engines, the GAN head, the step), in a new process, to update
     4: the same losses and the same LoRA, to the bit."""
     run_dir = uninterrupted.parent
-    proc = run_trainer(uninterrupted, "--resume", "step_000002")
+    proc = run_trainer(uninterrupted, "--resume", "step_000002", timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     first, resumed = runs(run_dir)[:2]
     assert resumed[0]["start_step"] == 2
