@@ -1,0 +1,38 @@
+"""Distillation quality (issue 16): a tiny teacher the pack trains from scratch, distilled by the trainer program
+into a 4-step student, whose 1-step and 4-step samples are at most half as far from the teacher's 25-step samples
+as the teacher's own 1-step and 4-step samples are.
+
+How (tools/distill_quality.py, one process, the trainer runs forked from it): four captions, each a pattern at
+one of several places (64x64 images, a random 16-channel TAESD, a synthetic text encoder); the New Model builder's
+SD3 trained from scratch (adapter kind full), then distilled (task distill, the student full); samples from
+ComfyUI's KSampler path (teacher: euler / normal at its CFG; student: lcm / sgm_uniform, CFG 1). The Fréchet
+distance is on latents: each 16x8x8 sample latent flattened and mapped by a fixed Gaussian random projection to
+64 dimensions, 256 samples per set (64 per caption).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ARTIFACTS, REPO
+
+pytestmark = pytest.mark.comfyui
+
+
+def test_distilled_student_is_twice_as_close_to_the_teacher_as_its_own_few_step_samples(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "distill_quality.py"), "--work", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    (ARTIFACTS / "distill_quality.json").write_text(json.dumps(figures, indent=1))
+    # the teacher learned the images: its 25-step samples are far from noise, and its one step is far from them
+    assert figures["fd_noise"] > 10 * figures["fd_teacher1"], figures
+    assert figures["fd_teacher1"] > 2 * figures["fd_teacher25_floor"], figures
+    for steps in (1, 4):
+        assert figures[f"fd_student{steps}"] <= 0.5 * figures[f"fd_teacher{steps}"], (steps, figures)

@@ -1,0 +1,347 @@
+"""The distillation quality check (issue 16): a tiny teacher trained from scratch, distilled into a few-step student,
+and the Fréchet distance of each few-step sample set to the teacher's 25-step samples.
+
+    python tools/distill_quality.py --work DIR [--samples 256 --teacher-steps 400 --distill-steps 300 ...]
+
+Everything is the pack's own: the dataset is a folder of captioned 64x64 images with visible structure (four
+captions, each a pattern of its own, jittered per image), cached through the cache code with a 16-channel TAESD
+(tools/tiny_models.py) and a synthetic text encoder (tests/comfy_nodes: a fixed pseudo-random embedding per
+caption, the tiny SD3's widths). The teacher is the New Model builder's tiny SD3 (trainer/models SCRATCH_FAMILIES)
+trained from scratch by the trainer program (adapter kind "full"), then distilled by the trainer program (task
+"distill"). Samples come from ComfyUI's own KSampler path (comfy.sample.sample): the teacher with euler / normal
+and its CFG (the empty caption's embedding as the negative), the student with lcm / sgm_uniform at CFG 1.
+
+The distance is on latents: each 16x8x8 sample latent (flattened, 1024 values) is mapped by one fixed Gaussian
+random projection (seed 0) to FEATURE_DIM = 64 dimensions, a size 256 samples estimate a covariance of; the
+Fréchet distance of the two Gaussians fitted to the features is computed in float64 with the matrix square root
+taken by eigen-decomposition. The last line printed is a JSON object with every figure.
+
+Trainer runs are children forked from this process after one import of the trainer program (as
+tests/train_forked.py does), so the check pays ComfyUI's and the trainer's imports once.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tools.bootstrap import bootstrap  # noqa: E402
+
+FEATURE_DIM = 64
+RESOLUTION = 64  # 64x64 images: 16x8x8 latents
+# caption -> pattern; each image of a caption is its pattern jittered (position, brightness)
+CAPTIONS = ("a red square", "blue stripes", "a green cross", "a yellow gradient")
+TEACHER_CFG = 2.0
+REFERENCE_STEPS = 25
+# the distillation: a full-weight 4-step student (sampled at 1 and 4 steps), the teacher's guidance as the
+# reference's; tests/test_distill_quality.py runs these
+DISTILL_SETTINGS = {"adapter.kind": "full", "train.steps": 200, "train.learning_rate": 2e-4, "train.lr_schedule": "constant",
+                    "train.weight_decay": 0.0, "distill.student_steps": 4, "distill.guidance_scale": TEACHER_CFG,
+                    "distill.fake_learning_rate": 2e-4, "distill.fake_updates": 2}
+
+
+def _pattern(caption_index: int, rng) -> "np.ndarray":
+    """An image of a caption: its pattern in one of four variants, neighbours 8 pixels (one latent pixel) apart:
+    modes that noise hides until late in sampling, so that few-step sampling averages them into a blur."""
+    import numpy as np
+    img = np.zeros((RESOLUTION, RESOLUTION, 3), dtype=np.float32)
+    a, b = (int(v) for v in rng.integers(0, 2, size=2))
+    if caption_index == 0:  # a square at one of 2 x 2 places
+        img[16 + 8 * a:40 + 8 * a, 16 + 8 * b:40 + 8 * b, 0] = 1.0
+    elif caption_index == 1:  # vertical or horizontal stripes at one of 2 phases
+        for x in range(8 * a, RESOLUTION, 16):
+            if b:
+                img[:, x:x + 8, 2] = 1.0
+            else:
+                img[x:x + 8, :, 2] = 1.0
+    elif caption_index == 2:  # a cross centred at one of 2 x 2 places
+        cx, cy = 24 + 8 * a, 24 + 8 * b
+        img[cy - 4:cy + 4, cx - 16:cx + 16, 1] = 1.0
+        img[cy - 16:cy + 16, cx - 4:cx + 4, 1] = 1.0
+    else:  # a yellow ramp in one of 4 directions
+        ramp = np.linspace(0.0, 1.0, RESOLUTION, dtype=np.float32)
+        ramp = ramp if a else ramp[::-1]
+        img[:, :, 0] = ramp[None, :] if b else ramp[:, None]
+        img[:, :, 1] = img[:, :, 0]
+    return img
+
+
+def write_images(folder: Path, per_caption: int, seed: int = 0) -> Path:
+    """A folder of `per_caption` captioned PNGs for each caption."""
+    import numpy as np
+    from PIL import Image
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for c, caption in enumerate(CAPTIONS):
+        for n in range(per_caption):
+            stem = folder / f"c{c}_{n:03d}"
+            Image.fromarray((_pattern(c, rng) * 255).round().astype(np.uint8)).save(stem.with_suffix(".png"))
+            stem.with_suffix(".txt").write_text(caption)
+    return folder
+
+
+def synthetic_sd3_clip():
+    """The test suite's synthetic text encoder at the tiny SD3's widths (64-wide text, 32-wide pooled)."""
+    import importlib.util
+    path = REPO / "tests" / "comfy_nodes" / "ingraph_test_nodes" / "__init__.py"
+    spec = importlib.util.spec_from_file_location("ingraph_test_nodes", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.SyntheticClip("sd3")
+
+
+def build_vae(path: Path) -> Path:
+    """tools/tiny_models.py's random 16-channel TAESD with TAESD's own latent scale set (vae_scale 0.25): its
+    latents of these images have a standard deviation near 0.6, about 1 once SD3's latent format scales them, as
+    a real VAE's have (at its raw 0.15 the noise swamps the images and a tiny model learns them far more slowly)."""
+    import comfy.utils
+    import torch
+    from tools.tiny_models import _save, build_vae16
+    state = comfy.utils.load_torch_file(str(build_vae16(path)))
+    _save({**state, "vae_scale": torch.tensor(0.25), "vae_shift": torch.tensor(0.0)}, path)
+    return path
+
+
+def build_dataset(work: Path, per_caption: int, caption_dropout: float):
+    """The synthetic images, cached (a TrainingDataset with its cache entries)."""
+    import comfy.sd
+    import comfy.utils
+    from tools.cache_dataset import encode_folder
+    vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(build_vae(work / "tiny_taesd16.safetensors"))))
+    clip = synthetic_sd3_clip()
+    images = write_images(work / "images", per_caption)
+    dataset, _ = encode_folder(images, work / "cache", clip, vae, RESOLUTION, caption_dropout=caption_dropout,
+                               masks="off")
+    return dataset
+
+
+# the New Model builder's SD3 below its "tiny" size (depth 2): one joint block, 64 wide, which ComfyUI still detects
+# as SD3; a quarter of tiny's compute a step, so teacher and student train in seconds on a CPU
+TEACHER_SIZE = dict(depth=1, context_dim=64, pooled_dim=32, pos_embed_max_size=8)
+
+
+def new_model(path: Path, seed: int = 0, depth: int = TEACHER_SIZE["depth"]) -> Path:
+    """A freshly initialised SD3 from the New Model node's builder (SCRATCH_FAMILIES), as a diffusion-model file."""
+    from ingraph_trainer.trainer.models import SCRATCH_FAMILIES
+    from tools.tiny_models import _save
+    _save(SCRATCH_FAMILIES["sd3"].scratch_state_dict(seed, **{**TEACHER_SIZE, "depth": depth}), path)
+    return path
+
+
+def write_run(work: Path, name: str, model_path: Path, dataset, overrides: dict, task: str = "train") -> Path:
+    """A run spec written by the Train node's own runner.session.prepare_run; `overrides`: {"table.key": value}."""
+    import dataclasses
+    from ingraph_trainer.runner.session import prepare_run
+    from ingraph_trainer.trainer.config import ModelSpec, TrainSpec, spec_from_dict
+
+    def adjust(spec):
+        data = dataclasses.asdict(spec)
+        for dotted, value in overrides.items():
+            table, _, key = dotted.rpartition(".")
+            (data[table] if table else data)[key] = value
+        return spec_from_dict(data, "overrides")
+    out_file = work / name / f"{name}.safetensors"
+    _, spec_path = prepare_run(runs_root=work, run_dir=work / name, name=name, task=task,
+                               model=ModelSpec(path=str(model_path)), dataset=dataset, cache_root=work / "cache",
+                               train=TrainSpec(), lora_path=out_file, adjust=adjust)
+    return spec_path
+
+
+def in_child(fn, *args, log: Path | None = None):
+    """fn(*args) in a child forked from this process; returns what it returns (pickled through a pipe). Every step
+    that computes with torch runs in a child until sampling: a process whose OpenMP threads have run cannot fork
+    a child that computes (libgomp's pool hangs in it), so the parent only imports until it samples."""
+    import pickle
+    import traceback
+    sys.stdout.flush()
+    sys.stderr.flush()
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_fd)
+        try:
+            if log is not None:
+                out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(out, 1)
+                os.dup2(out, 2)
+            try:
+                answer = (True, fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - the parent raises it with the child's traceback
+                answer = (False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            with os.fdopen(write_fd, "wb") as pipe:
+                pickle.dump(answer, pipe)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as pipe:
+        data = pipe.read()
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if not data:
+        raise RuntimeError(f"{fn.__name__} died in its child (exit status {status})")
+    ok, value = pickle.loads(data)
+    if not ok:
+        raise RuntimeError(f"{fn.__name__} failed in its child: {value}")
+    return value
+
+
+def _trainer_program(spec_path: Path) -> int:
+    from ingraph_trainer.trainer import main as trainer_main
+    os.chdir(spec_path.parent)  # where the Train node starts the program
+    return trainer_main.main(["--config", str(spec_path)])
+
+
+def run_trainer(spec_path: Path) -> float:
+    """The trainer program on a spec, in a forked child (its output in the run's trainer.log); its wall seconds."""
+    t0 = time.perf_counter()
+    rc = in_child(_trainer_program, spec_path, log=spec_path.parent / "trainer.log")
+    if rc != 0:
+        log = (spec_path.parent / "trainer.log").read_text(errors="replace")
+        raise RuntimeError(f"trainer run {spec_path} exited {rc}; its log ends:\n{log[-4000:]}")
+    return time.perf_counter() - t0
+
+
+def import_trainer():
+    """The trainer program's imports, once, before any fork (tests/train_forked.py's)."""
+    from ingraph_trainer.trainer import main as trainer_main
+    trainer_main.hide_optional_modules()
+    import ingraph_trainer.trainer.loop  # noqa: F401
+
+
+def run_events(spec_path: Path) -> list[dict]:
+    path = spec_path.parent / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def encode_condition(clip, caption: str):
+    out = clip.encode_from_tokens(clip.tokenize(caption), return_pooled=True, return_dict=True)
+    return [[out["cond"], {"pooled_output": out["pooled_output"]}]]
+
+
+def sample_latents(model_path: Path, clip, count: int, steps: int, cfg: float, sampler: str, scheduler: str,
+                   seed: int, lora_path: Path | None = None):
+    """`count` latents from ComfyUI's KSampler path, the captions in turn (count / 4 each), from seeded noise."""
+    import comfy.sample
+    import comfy.sd
+    import comfy.utils
+    import torch
+    model = comfy.sd.load_diffusion_model(str(model_path))
+    if lora_path is not None:
+        model, _ = comfy.sd.load_lora_for_models(model, None, comfy.utils.load_torch_file(str(lora_path)), 1.0, 0.0)
+    negative = encode_condition(clip, "")
+    per_caption = count // len(CAPTIONS)
+    out = []
+    for c, caption in enumerate(CAPTIONS):
+        latent = torch.zeros((per_caption, 16, RESOLUTION // 8, RESOLUTION // 8))
+        noise = comfy.sample.prepare_noise(latent, seed + c)
+        out.append(comfy.sample.sample(model, noise, steps, cfg, sampler, scheduler, encode_condition(clip, caption),
+                                       negative, latent, seed=seed + c, disable_pbar=True))
+    return torch.cat(out).float()
+
+
+def features(latents):
+    """The fixed random projection of flattened latents to FEATURE_DIM dimensions (float64 numpy)."""
+    import numpy as np
+    flat = latents.reshape(latents.shape[0], -1).double().numpy()
+    projection = np.random.default_rng(0).standard_normal((flat.shape[1], FEATURE_DIM)) / math.sqrt(flat.shape[1])
+    return flat @ projection
+
+
+def frechet_distance(a, b) -> float:
+    """Fréchet distance of the Gaussians fitted to two feature sets (rows are samples):
+    |mu_a - mu_b|^2 + tr(S_a) + tr(S_b) - 2 tr((S_a^1/2 S_b S_a^1/2)^1/2), square roots by eigen-decomposition."""
+    import numpy as np
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    mu_a, mu_b = a.mean(0), b.mean(0)
+    s_a, s_b = np.cov(a, rowvar=False), np.cov(b, rowvar=False)
+    w, v = np.linalg.eigh(s_a)
+    root_a = (v * np.sqrt(np.clip(w, 0, None))) @ v.T
+    cross = np.linalg.eigvalsh(root_a @ s_b @ root_a)
+    return float(((mu_a - mu_b) ** 2).sum() + np.trace(s_a) + np.trace(s_b) - 2 * np.sqrt(np.clip(cross, 0, None)).sum())
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--per-caption", type=int, default=16, help="training images per caption")
+    parser.add_argument("--teacher-steps", type=int, default=400)
+    parser.add_argument("--teacher-lr", type=float, default=1e-3)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--depth", type=int, default=TEACHER_SIZE["depth"], help="the SD3's joint blocks (64 wide each)")
+    parser.add_argument("--reuse-teacher", action="store_true", help="keep a teacher trained before in --work")
+    parser.add_argument("--no-distill", action="store_true", help="the teacher's figures only")
+    parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=JSON",
+                        help="a distillation spec field (e.g. distill.fake_updates=5, train.steps=300)")
+    opts = parser.parse_args(argv)
+    t_start = time.perf_counter()
+    # one thread: this model's tensors are too small to share, and two threads' synchronisation per operation
+    # costs more than the operation (many times more on a machine that is busy with other work)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    bootstrap()
+    import torch
+    torch.set_num_threads(1)
+    import_trainer()
+    import numpy as np
+    work = opts.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    figures: dict = {}
+    dataset = in_child(build_dataset, work, opts.per_caption, 0.2)
+    base = in_child(new_model, work / "new_sd3.safetensors", 0, opts.depth)
+    common = {"train.precision": "fp32", "train.eval_quantiles": [0.5], "train.batch_size": opts.batch,
+              "train.seed": 0}
+    teacher_spec = work / "teacher" / "run.toml"
+    reuse = opts.reuse_teacher and (work / "teacher" / "teacher.safetensors").exists()
+    teacher_spec = teacher_spec if reuse else write_run(work, "teacher", base, dataset, {
+        **common, "adapter.kind": "full", "train.steps": opts.teacher_steps,
+        "train.learning_rate": opts.teacher_lr, "train.lr_schedule": "cosine", "train.warmup_steps": 20,
+        "train.weight_decay": 0.0, "train.flow_shift": 3.0})
+    figures["teacher_train_s"] = 0.0 if reuse else run_trainer(teacher_spec)
+    evals = [e["loss"] for e in run_events(teacher_spec) if e["type"] == "eval"]
+    figures["teacher_eval_loss"] = [evals[0], evals[-1]]
+    teacher = teacher_spec.parent / "teacher.safetensors"
+
+    t0 = time.perf_counter()
+    clip = synthetic_sd3_clip()
+    n = opts.samples
+    reference = features(sample_latents(teacher, clip, n, REFERENCE_STEPS, TEACHER_CFG, "euler", "normal", seed=1000))
+    second = features(sample_latents(teacher, clip, n, REFERENCE_STEPS, TEACHER_CFG, "euler", "normal", seed=5000))
+    figures["fd_teacher25_floor"] = frechet_distance(second, reference)  # two independent 25-step sets
+    import torch
+    noise = torch.randn((n, 16, RESOLUTION // 8, RESOLUTION // 8), generator=torch.Generator().manual_seed(7))
+    figures["fd_noise"] = frechet_distance(features(noise), reference)
+    for steps in (1, 4):
+        got = features(sample_latents(teacher, clip, n, steps, TEACHER_CFG, "euler", "normal", seed=2000))
+        figures[f"fd_teacher{steps}"] = frechet_distance(got, reference)
+    if not opts.no_distill:
+        settings = {**DISTILL_SETTINGS, **{k: json.loads(v) for k, v in (item.split("=", 1) for item in opts.set)}}
+        import shutil
+        shutil.rmtree(work / "student", ignore_errors=True)
+        distill_spec = write_run(work, "student", teacher, dataset, {**common, **settings}, task="distill")
+        figures["distill_s"] = run_trainer(distill_spec)
+        steps = [e for e in run_events(distill_spec) if e["type"] == "step"]
+        figures["distill_settings"] = settings
+        figures["distill_losses"] = {k: [steps[0].get(k), steps[-1].get(k)] for k in ("dmd_loss", "fake_loss")}
+        student = distill_spec.parent / "student.safetensors"
+        for steps in (1, 4):
+            got = features(sample_latents(student, clip, n, steps, 1.0, "lcm", "sgm_uniform", seed=2000))
+            figures[f"fd_student{steps}"] = frechet_distance(got, reference)
+    figures["sampling_s"] = time.perf_counter() - t0 - figures.get("distill_s", 0.0)
+    figures["feature_dim"], figures["samples"] = FEATURE_DIM, n
+    figures["total_s"] = time.perf_counter() - t_start
+    import resource
+    figures["cpu_s"] = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF,
+                           resource.RUSAGE_CHILDREN) for f in ("ru_utime", "ru_stime"))
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
