@@ -252,7 +252,8 @@ def run_trainer_program(spec_path: Path, *extra, timeout: float = 300) -> subpro
 def run_trainers_forked(*spec_paths: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     """The trainer program on each spec in turn (run_trainer: each run its own process, the imports shared), for
     tests comparing runs of the same program. `.statuses`: {spec path: exit status}; stdout and stderr joined."""
-    runs = {Path(spec): run_trainer(Path(spec), timeout=timeout) for spec in spec_paths}
+    budget = timeout * len(spec_paths)  # as one program running them all had: each run may take the whole budget
+    runs = {Path(spec): run_trainer(Path(spec), timeout=budget) for spec in spec_paths}
     proc = subprocess.CompletedProcess([str(s) for s in spec_paths], 0 if all(r.returncode == 0 for r in runs.values())
                                        else 1, "".join(r.stdout for r in runs.values()),
                                        "".join(r.stderr for r in runs.values()))

@@ -2,14 +2,14 @@
 
 The file is checked by what it does: the Evaluate node's loss of the MODEL that ComfyUI builds from
 the file (Train LoRA's model output is ComfyUI's load_lora_for_models, what Load LoRA runs) equals
-the trainer's own final evaluation with the peft adapter in place.
+the trainer's own final evaluation with the peft adapter in place (both on one image: conftest.evaluate_on_one_image).
 """
 from __future__ import annotations
 
 import pytest
 from safetensors import safe_open
 
-from conftest import load_workflow
+from conftest import evaluate_on_one_image, load_workflow
 
 pytestmark = pytest.mark.comfyui
 
@@ -26,8 +26,8 @@ def test_adapter_kind_loads_in_comfyui_and_reproduces_the_trainer(kind, comfy, c
     wf["6"]["inputs"].update(steps=3, learning_rate=1e-2, precision="fp32", output_name=f"kinds/{kind.lower()}",
                              batch_size=2)
     wf["9"] = {"class_type": "InGraphEvaluate",
-               "inputs": {"model": ["6", 0], "dataset": ["4", 0], "quantiles": "0.1, 0.3, 0.5, 0.7, 0.9", "seed": 0,
-                          "batch_size": 2, "precision": "fp32"}}
+               "inputs": {"model": ["6", 0], "dataset": evaluate_on_one_image(wf),
+                          "quantiles": "0.1, 0.3, 0.5, 0.7, 0.9", "seed": 0, "batch_size": 2, "precision": "fp32"}}
     log_before = len(comfy.log_text())
     outcome = client.run(wf, timeout=600)
     assert outcome.ok, (outcome.status, outcome.error, comfy.log_tail())
@@ -51,8 +51,8 @@ def test_full_fine_tune_loads_through_unet_loader_and_reproduces_the_trained_wei
     wf = {k: v for k, v in load_workflow().items() if k in {"1", "2", "3", "4", "5", "6"}}
     wf["5"]["inputs"]["kind"] = "Full fine-tune"
     wf["6"]["inputs"].update(steps=3, learning_rate=1e-4, precision="fp32", output_name="full/ft_test", batch_size=2)
-    evaluate = {"dataset": ["4", 0], "quantiles": "0.1, 0.3, 0.5, 0.7, 0.9", "seed": 0, "batch_size": 2,
-                "precision": "fp32"}
+    evaluate = {"dataset": evaluate_on_one_image(wf), "quantiles": "0.1, 0.3, 0.5, 0.7, 0.9", "seed": 0,
+                "batch_size": 2, "precision": "fp32"}
     wf["9"] = {"class_type": "InGraphEvaluate", "inputs": {"model": ["6", 0], **evaluate}}
     outcome = client.run(wf, timeout=600)
     assert outcome.ok, (outcome.status, outcome.error, comfy.log_tail())
@@ -66,7 +66,7 @@ def test_full_fine_tune_loads_through_unet_loader_and_reproduces_the_trained_wei
     listed = client.get("/object_info/UNETLoader")["UNETLoader"]["input"]["required"]["unet_name"][0]
     assert "full/ft_test.safetensors" in listed
     # a new graph: the stock Load Diffusion Model node reads the file; same weights, bit for bit the same loss
-    loaded = {k: wf[k] for k in ("1", "2", "3", "4")}
+    loaded = {k: wf[k] for k in ("1", "eval_2", "eval_3", "eval_4")}
     loaded["20"] = {"class_type": "UNETLoader", "inputs": {"unet_name": "full/ft_test.safetensors",
                                                            "weight_dtype": "default"}}
     loaded["21"] = {"class_type": "InGraphEvaluate", "inputs": {"model": ["20", 0], **evaluate}}
