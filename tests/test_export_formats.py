@@ -8,19 +8,17 @@ which in turn matches the trainer's own (tests/test_adapter_kinds.py).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 from safetensors import safe_open
 
-from conftest import REPO, read_events
+from conftest import read_events
 
 pytestmark = pytest.mark.comfyui
 
 
 @pytest.mark.parametrize("file_format,prefix", [("kohya", "lora_unet_"), ("diffusers", "unet.")])
-def test_format_loads_in_diffusers_and_reproduces_comfyui(trained_in_format, file_format, prefix):
+def test_format_loads_in_diffusers_and_reproduces_comfyui(trained_in_format, tools, file_format, prefix):
     spec = trained_in_format(file_format)
     finished = next(e for e in read_events(spec.parent) if e["type"] == "finished")
     with safe_open(finished["adapter"], "pt") as f:
@@ -31,10 +29,8 @@ def test_format_loads_in_diffusers_and_reproduces_comfyui(trained_in_format, fil
         assert not any(k.endswith(".alpha") for k in keys)
     from ingraph_trainer.trainer.config import load_run_spec
     model = load_run_spec(spec).model.path
-    out = subprocess.run([sys.executable, str(REPO / "tools" / "diffusers_roundtrip.py"), "--model", model,
-                          "--adapter", finished["adapter"]], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    out = tools("diffusers_roundtrip", ["--model", model, "--adapter", finished["adapter"]])  # the tool's own main
+    result = json.loads(out.strip().splitlines()[-1])
     print(f"\n{file_format}: {result}")
     assert result["comfyui_keys_not_loaded"] == 0
     assert result["adapter_effect"] > 1e-2  # the adapter does something, so agreement means something

@@ -1,13 +1,14 @@
-"""tools/prepare_run.py's and tools/cache_dataset.py's main, served to the test session: one JSON request a line in
-({"tool": "prepare_run", "argv": [...]}), one JSON answer a line out.
+"""tools/prepare_run.py's, tools/cache_dataset.py's and tools/diffusers_roundtrip.py's main, served to the test
+session: one JSON request a line in ({"tool": "prepare_run", "argv": [...]}; with "copies": N, N children run it at
+once and the answer is the list of their answers), one JSON answer a line out.
 
 Each of those tools spends ~8 s importing ComfyUI before its ~2 s of work, and the suite runs them a few dozen
 times, so conftest keeps one of these workers (the `tools` fixture): it imports once, then forks a child per
 request that runs the tool's own main, unchanged, and exits. Each run thus starts from the same fresh process
 image, as a newly started tool would (nothing a run loads or allocates reaches the next; a fresh image matters:
 the tiny checkpoint's CLIP has a weight ComfyUI leaves uninitialised, which the text cache's key samples).
-Tests whose point is separate processes (two caching at once, one killed mid-cache) still start the tool
-themselves.
+Two caching at once are two such children at once (copies); the test of a tool killed mid-cache still starts the
+tool itself.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-TOOLS = ("prepare_run", "cache_dataset")
+TOOLS = ("prepare_run", "cache_dataset", "diffusers_roundtrip")  # the last imports diffusers in its child
 
 
 def run_in_child(request: dict, answer_fd: int) -> None:
@@ -53,23 +54,27 @@ def serve() -> None:
     import comfy.utils  # noqa: F401
     for line in sys.stdin:
         request = json.loads(line)
-        read_fd, write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(read_fd)
-            try:
-                run_in_child(request, write_fd)
-            finally:
-                sys.stderr.flush()
-                os._exit(0)
-        os.close(write_fd)
-        with os.fdopen(read_fd) as child_answer:
-            text = child_answer.read()
-        _, status = os.waitpid(pid, 0)
-        if not text:
-            text = json.dumps({"ok": False, "stdout": "", "error": f"the child died (wait status {status})"})
-        answers.write(text + "\n")
-
+        children = []
+        for _ in range(request.get("copies", 1)):  # copies run at once, each its own process
+            read_fd, write_fd = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.close(read_fd)
+                try:
+                    run_in_child(request, write_fd)
+                finally:
+                    sys.stderr.flush()
+                    os._exit(0)
+            os.close(write_fd)
+            children.append((pid, read_fd))
+        texts = []
+        for pid, read_fd in children:
+            with os.fdopen(read_fd) as child_answer:
+                text = child_answer.read()
+            _, status = os.waitpid(pid, 0)
+            texts.append(text or json.dumps({"ok": False, "stdout": "",
+                                             "error": f"the child died (wait status {status})"}))
+        answers.write((texts[0] if "copies" not in request else "[" + ",".join(texts) + "]") + "\n")
 
 if __name__ == "__main__":
     serve()
