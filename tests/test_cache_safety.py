@@ -125,7 +125,7 @@ def test_prune_in_a_loop_beside_a_caching_pass_loses_nothing(tmp_path):
     missing = [k for k in result["keys"] if k not in rows]
     assert not missing, f"{len(missing)} of {len(result['keys'])} keys the dataset uses lost their row or shard"
     assert pruner.prune()["removed"] == 0  # everything left is in use
-    assert len(intact_rows(root)) == 200 + 8
+    assert len(intact_rows(root)) == 200 + 8 + 1  # latents, captions, the empty caption
     pruner.close()
     print(f"prune ran {prunes} times beside the writer; {len(rows)} rows checked intact")
     assert prunes >= 2
@@ -159,11 +159,11 @@ def test_a_run_manifest_pins_its_entries_while_it_exists(tmp_path, monkeypatch):
     dataset, _, _ = encoding.encode_text(dataset, fakes.FakeCLIP(1), store)  # never recorded as a dataset
     (tmp_path / "run").mkdir()
     manifest = store_mod.write_manifest(tmp_path / "run" / "dataset.json", dataset, root)
-    assert store.prune()["removed"] == 0 and len(intact_rows(root)) == 8
+    assert store.prune()["removed"] == 0 and len(intact_rows(root)) == 4 + 4 + 1  # and the empty caption
     manifest.unlink()  # the run folder was deleted
     assert store.prune()["removed"] == 0, "a fresh pin may precede its manifest file"
     monkeypatch.setattr(store_mod, "ORPHAN_GRACE_S", 0.0)
-    assert store.prune()["removed"] == 8 and intact_rows(root) == {}
+    assert store.prune()["removed"] == 4 + 4 + 1 and intact_rows(root) == {}
     store.close()
 
 
@@ -280,7 +280,7 @@ def test_two_models_caching_one_folder_keep_separate_datasets(tmp_path):
 
     sdxl, flux = cache_for(1), cache_for(2)
     assert len(store.stats()["datasets"]) == 4  # (latents, captions) x (SDXL-like, Flux-like)
-    assert store.prune()["removed"] == 0 and len(intact_rows(root)) == 2 * (4 + 4)
+    assert store.prune()["removed"] == 0 and len(intact_rows(root)) == 2 * (4 + 4 + 1)  # with each encoder's empty caption
 
     victim = sorted(images.glob("*.png"))[0]
     Image.open(victim).convert("RGB").rotate(90).save(victim)
@@ -416,7 +416,7 @@ def test_real_caching_pass_beside_prune_then_training_finishes(assets, tmp_path)
     prepare = subprocess.Popen(
         [sys.executable, str(REPO / "tools" / "prepare_run.py"), "--checkpoint", str(assets["checkpoint"]),
          "--images", str(images), "--run-dir", str(run_dir), "--set", "train.steps=2", "--set",
-         "train.precision=\"fp32\""],
+         "train.precision=\"fp32\"", "--set", "train.eval_quantiles=[0.5]"],  # every item still read, 1 pass each
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pruner = CacheStore(root)
     prunes, removed = 0, 0
@@ -426,7 +426,7 @@ def test_real_caching_pass_beside_prune_then_training_finishes(assets, tmp_path)
     out, err = prepare.communicate(timeout=60)
     assert prepare.returncode == 0, err[-3000:]
     rows = intact_rows(root)
-    assert len(rows) == REAL_PASS_IMAGES + 8 and removed == 0
+    assert len(rows) == REAL_PASS_IMAGES + 8 + 1 and removed == 0  # the 8 captions and the empty one
     manifest = store_mod.read_manifest(run_dir / "dataset.json")
     assert all(item[2] in rows and item[4] in rows for item in manifest["items"])
     print(f"prune ran {prunes} times beside the real caching pass; {len(rows)} rows checked intact")
