@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file
 
 from client.api import PromptRejected
-from conftest import REPO, load_workflow, wait_first_step
+from conftest import REPO, evaluate_on_one_image, load_workflow, wait_first_step
 
 pytestmark = pytest.mark.comfyui
 
@@ -143,7 +143,7 @@ def test_bad_inputs_fail_the_node_naming_the_culprit_and_write_no_lora(comfy, cl
     fails_with({"folder": "bad_sets/uncaptioned"}, r"lonely\.png has no caption file", "bad4")
 
     # the same folder trains when a default caption is allowed; the non-image file is ignored and logged
-    wf = only_training(training_workflow("default_caption", steps=1))
+    wf = only_training(training_workflow("default_caption", steps=1, precision="fp32"))  # bf16: the killed-trainer test
     wf["2"]["inputs"].update(folder="bad_sets/uncaptioned", missing_caption="use default caption",
                              default_caption="a lonely square")
     outcome = client.run(wf, timeout=300)
@@ -176,6 +176,9 @@ def test_killed_trainer_fails_the_node_then_a_requeue_trains_and_interrupt_stops
     same graph trains again (no cached failure), and that run is the one POST /interrupt stops: no process of its
     group survives 3 s later (one trainer launch serves both, since each costs ~20 s)."""
     wf = only_training(training_workflow("killed", steps=5000))
+    # the shipped bf16 setting trains here; the evaluation before step 1 (bf16 convolutions are several times slower
+    # on CPU) runs on one image, not all 8: what is waited for is a training step
+    evaluate_on_one_image(wf)
     prompt_id = client.queue(wf)
     first = wait_first_step(client, prompt_id)
     run_dir = comfy.base_dir / "output" / "ingraph" / "runs" / first["run_id"]
