@@ -218,13 +218,13 @@ def encode_latents(dataset: TrainingDataset, vae, store: CacheStore, progress: P
 
 def encode_text(dataset: TrainingDataset, clip, store: CacheStore, progress: Progress | None = None):
     """Returns (dataset with text entries, encoded count, reused count). Besides each caption: its
-    dataset.caption_variants tag-shuffled variants, and (with caption dropout) the empty caption, which is
+    dataset.caption_variants tag-shuffled variants, and the empty caption, which is
     what "no text" means to a ComfyUI text encoder: the graph's CLIP encoding "" (its padding and special
     tokens included, as CLIPTextEncode with an empty prompt gives). Counts are of distinct texts."""
     encoder = clip_identity(clip)
     counts, done = [0, 0], {}
 
-    def cached(caption: str) -> tuple[str, str]:
+    def cached(caption: str, counted: bool = True) -> tuple[str, str]:
         key = text_key(caption, encoder)
         if key not in done:
             entry = store.lookup(key)
@@ -236,9 +236,9 @@ def encode_text(dataset: TrainingDataset, clip, store: CacheStore, progress: Pro
                 if hasattr(out.get("attention_mask"), "shape"):  # [1, tokens]: 1 on a token, 0 on padding
                     tensors["attention_mask"] = out["attention_mask"][0].long()
                 entry = store.put("text", key, tensors, {"caption": caption})
-                counts[0] += 1
+                counts[0] += counted
             else:
-                counts[1] += 1
+                counts[1] += counted
             done[key] = (entry.key, entry.checksum)
         return done[key]
 
@@ -250,7 +250,9 @@ def encode_text(dataset: TrainingDataset, clip, store: CacheStore, progress: Pro
         items.append(dataclasses.replace(item, text=text, text_sha=text_sha, text_variants=variants))
         if progress:
             progress(n + 1, len(dataset.items))
-    empty = cached("") if dataset.needs_empty_text else ()
+    # the empty caption, always: what caption dropout draws and what a teacher's classifier-free guidance needs
+    # (Distill); one encoding per text encoder, counted only where the dataset's dropout asks for it
+    empty = cached("", counted=dataset.needs_empty_text)
     return dataclasses.replace(dataset, items=tuple(items), text_encoder=encoder, empty_text=empty), *counts
 
 

@@ -5,6 +5,7 @@ losses are the functions the training loop calls (no server, no trainer launch).
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import types
 
@@ -183,7 +184,14 @@ def test_variants_and_the_empty_caption_are_cached_once_and_drawn_by_the_trainer
 def test_caption_dropout_without_a_cached_empty_caption_fails_at_start(tmp_path):
     (tmp_path / "images").mkdir()
     write_pair(tmp_path / "images", "a", "a cat")
-    _, cached, _, _ = cached_run(tmp_path)
+    clip = TextCLIP()
+    ds, cached, root, (encoded, _) = cached_run(tmp_path, clip=clip)
+    # the empty caption is cached without dropout too (Distill's guidance needs it), not counted as a caption
+    assert clip.encoded.count("") == 1 and cached.empty_text and encoded == 1
+    mix.check_caption_features(cached, 0.1)
+    # a cache written before it always was: dropout is refused at start
+    old = store_mod.write_manifest(tmp_path / "run" / "old.json", dataclasses.replace(ds, empty_text=()), root)
+    cached = data.load_cached_dataset(str(old))
     assert cached.empty_text is None
     mix.check_caption_features(cached, 0.0)
     with pytest.raises(ValueError, match="data.caption_dropout: data.manifest has no empty-caption embedding"):
