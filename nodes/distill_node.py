@@ -42,8 +42,8 @@ class Distill(io.ComfyNode):
                 io.Float.Input("guidance_scale", default=DEFAULTS.guidance_scale, min=1.0, max=30.0, step=0.05,
                                tooltip="Classifier-free guidance of the teacher (the real score) against the empty "
                                        "caption; the student learns the guided result, so it samples at cfg 1 "
-                                       "(1 = no guidance; DMD2 uses 1.75). Above 1 it needs the empty caption in "
-                                       "the cache: caption_dropout above 0 on Load Training Images."),
+                                       "(1 = no guidance; DMD2 uses 1.75). Above 1 it takes the empty caption's "
+                                       "embedding from the cache (Cache Text Embeddings writes it)."),
                 io.Float.Input("fake_learning_rate", default=DEFAULTS.fake_learning_rate, min=1e-8, max=1.0,
                                step=1e-6, tooltip="Learning rate of the fake score, the copy of the teacher that "
                                                   "learns to denoise the student's outputs."),

@@ -60,12 +60,11 @@ def check_distill_settings(adapter: AdapterSpec, train: TrainSpec, distill: Dist
 
 def check_guidance_caption(distill: DistillSpec, dataset):
     """The teacher's classifier-free guidance (guidance_scale above 1) takes the empty caption's embedding from
-    the dataset's cache, which Cache Text Embeddings writes for a dataset with caption dropout."""
+    the dataset's cache, which Cache Text Embeddings writes (caches made before it always did lack it)."""
     if distill.guidance_scale > 1.0 and not getattr(dataset, "empty_text", None):
         raise ValueError(f"{TITLE}: guidance_scale: the teacher's guidance needs the empty caption's embedding, "
-                         "which the dataset's cache lacks; set caption_dropout above 0 on Load Training Images "
-                         "(Cache Text Embeddings then caches the empty caption; distillation itself drops no "
-                         "caption), or set guidance_scale to 1")
+                         "which the dataset's cache lacks (a cache written before Cache Text Embeddings "
+                         "always stored it); queue Cache Text Embeddings again, or set guidance_scale to 1")
 
 
 def with_distill(spec: RunSpec, distill: DistillSpec) -> RunSpec:

@@ -86,7 +86,7 @@ def test_settings_the_spec_refuses_are_refused_naming_the_node_input():
     distill_run.check_distill_settings(config.AdapterSpec(kind="full"), config.TrainSpec(), config.DistillSpec(),
                                        None)
     no_empty, with_empty = types.SimpleNamespace(empty_text=()), types.SimpleNamespace(empty_text=("key", "sha"))
-    with pytest.raises(ValueError, match=r"^Distill: guidance_scale: .* caption_dropout above 0 on Load Training"):
+    with pytest.raises(ValueError, match=r"^Distill: guidance_scale: .* queue Cache Text Embeddings again"):
         distill_run.check_guidance_caption(config.DistillSpec(guidance_scale=1.5), no_empty)
     distill_run.check_guidance_caption(config.DistillSpec(guidance_scale=1.0), no_empty)
     distill_run.check_guidance_caption(config.DistillSpec(guidance_scale=1.5), with_empty)
