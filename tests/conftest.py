@@ -127,18 +127,25 @@ def tools(tmp_path_factory):
     the session (tests/tool_worker.py), so ComfyUI is imported once, not once per run; returns what it printed."""
     import select
     log = tmp_path_factory.mktemp("tool_worker") / "tool_worker.log"
-    with open(log, "w") as log_file:
-        worker = subprocess.Popen([sys.executable, str(REPO / "tests" / "tool_worker.py")], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=log.parent)
+    workers: list[subprocess.Popen] = []
+
+    def worker() -> subprocess.Popen:
+        if not workers or workers[0].poll() is not None:
+            with open(log, "a") as log_file:
+                workers[:] = [subprocess.Popen([sys.executable, str(REPO / "tests" / "tool_worker.py")],
+                                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
+                                               text=True, cwd=log.parent, start_new_session=True)]
+        return workers[0]
 
     def run_tool(name: str, argv: list[str], timeout: float = 300, copies: int | None = None) -> str | list[str]:
         """`copies`: that many children run the tool at once (separate processes); the list of what each printed."""
         request = {"tool": name, "argv": [str(a) for a in argv], **({"copies": copies} if copies else {})}
-        worker.stdin.write(json.dumps(request) + "\n")
-        worker.stdin.flush()
-        ready, _, _ = select.select([worker.stdout], [], [], timeout)
-        line = worker.stdout.readline() if ready else ""
-        if not line:
+        worker().stdin.write(json.dumps(request) + "\n")
+        workers[0].stdin.flush()
+        ready, _, _ = select.select([workers[0].stdout], [], [], timeout)
+        line = workers[0].stdout.readline() if ready else ""
+        if not line:  # its late answer would be read as the next request's: the next request starts a new worker
+            _kill_group(workers[0])
             raise AssertionError(f"the tool worker gave no answer for {name} {argv}; its log ends:\n"
                                  + log.read_text()[-4000:])
         answers = json.loads(line) if copies else [json.loads(line)]
@@ -146,12 +153,22 @@ def tools(tmp_path_factory):
             assert answer["ok"], f"tools/{name}.py {argv} failed:\n{answer['error']}\n{log.read_text()[-3000:]}"
         return [answer["stdout"] for answer in answers] if copies else answers[0]["stdout"]
     yield run_tool
-    worker.stdin.close()
+    if workers and workers[0].poll() is None:
+        workers[0].stdin.close()
+        try:
+            workers[0].wait(30)
+        except subprocess.TimeoutExpired:
+            _kill_group(workers[0])
+
+
+def _kill_group(proc: subprocess.Popen):
+    """A worker started in its own session, and the children it forked."""
+    import signal
     try:
-        worker.wait(30)
-    except subprocess.TimeoutExpired:
-        worker.kill()
-        worker.wait()
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 @pytest.fixture(scope="session")
@@ -208,13 +225,16 @@ class _TrainerWorker:
             cls.log = Path(tempfile.mkstemp(prefix="ingraph-trainer-worker-", suffix=".log")[1])
             with open(cls.log, "w") as log_file:
                 cls.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "train_forked.py"), "--serve"],
-                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file, text=True)
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file, text=True,
+                                            start_new_session=True)
         cls.proc.stdin.write(json.dumps({"argv": argv, "cwd": str(cwd), "timeout": timeout,
                                          "processes": processes}) + "\n")
         cls.proc.stdin.flush()
         ready, _, _ = select.select([cls.proc.stdout], [], [], timeout + 120)  # + the worker's own imports
         line = cls.proc.stdout.readline() if ready else ""
-        if not line:
+        if not line:  # its late answer would be read as the next run's: the next run starts a new worker
+            _kill_group(cls.proc)
+            cls.proc = None
             raise AssertionError(f"the trainer worker gave no answer for {argv}; its log ends:\n"
                                  + cls.log.read_text()[-4000:])
         answer = json.loads(line)
@@ -227,8 +247,7 @@ class _TrainerWorker:
             try:
                 cls.proc.wait(30)
             except subprocess.TimeoutExpired:
-                cls.proc.kill()
-                cls.proc.wait()
+                _kill_group(cls.proc)
             cls.proc = None
 
 
