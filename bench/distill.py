@@ -9,7 +9,7 @@ adapter are the same kind (default full), at the same batch size, precision and 
 of the steady steps' step_time_s (the first `--warmup` left out) from the trainer program's own events. Memory is the
 `finished` event's peak_rss_per_rank (each process's VmHWM), on CPU over gloo.
 
-    python bench/distill.py [--size small --kind full --steps 8 --warmup 2 --batch 4 --fake-updates 5]
+    python bench/distill.py [--size small --kind full --steps 8 --warmup 2 --batch 4 --fake-updates 5 --threads 0]
 """
 from __future__ import annotations
 
@@ -25,12 +25,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def run_program(spec: Path, processes: int) -> list[dict]:
+def run_program(spec: Path, processes: int, threads: int = 0) -> list[dict]:
     from ingraph_trainer.runner.launcher import deepspeed_launch_command
     trainer = str(REPO / "trainer" / "__main__.py")
     cmd = ([*deepspeed_launch_command(sys.executable, processes), trainer] if processes > 1
            else [sys.executable, trainer]) + ["--config", str(spec)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=spec.parent, timeout=3600)
+    import os
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=spec.parent, timeout=3600, env=env)
     events = [json.loads(line) for line in (spec.parent / "events.jsonl").read_text().splitlines() if line.strip()]
     if not any(e["type"] == "finished" for e in events):
         sys.exit(f"{spec} ({processes} process(es)) did not finish (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -56,6 +58,9 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--fake-updates", type=int, default=5)
     parser.add_argument("--student-steps", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=0,
+                        help="OMP_NUM_THREADS of the 1-process runs (0: torch's default, every core; 2 processes "
+                             "take cores / 2 each, as the trainer sets them)")
     opts = parser.parse_args(argv)
     from tools.bootstrap import bootstrap
     bootstrap()
@@ -76,8 +81,9 @@ def main(argv=None):
                   "adapter.targets": "attention_ff"}
         distill = {**common, "distill.fake_updates": opts.fake_updates, "distill.student_steps": opts.student_steps,
                    "distill.guidance_scale": dq.TEACHER_CFG}
-        train_events = run_program(dq.write_run(work, "train", model, dataset, common), 1)
-        one = run_program(dq.write_run(work, "distill1", model, dataset, distill, task="distill"), 1)
+        train_events = run_program(dq.write_run(work, "train", model, dataset, common), 1, opts.threads)
+        one = run_program(dq.write_run(work, "distill1", model, dataset, distill, task="distill"), 1,
+                          opts.threads)
         layouts = {}
         for stage in (0, 3):
             spec = dq.write_run(work, f"distill_zero{stage}", model, dataset,

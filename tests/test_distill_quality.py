@@ -31,8 +31,9 @@ def test_distilled_student_is_twice_as_close_to_the_teacher_as_its_own_few_step_
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     (ARTIFACTS / "distill_quality.json").write_text(json.dumps(figures, indent=1))
-    # the teacher learned the images: its 25-step samples are far from noise, and its one step is far from them
-    assert figures["fd_noise"] > 10 * figures["fd_teacher1"], figures
+    # the check can tell: the teacher's 25-step samples are far from noise, and its one step far from them, against
+    # the distance between two independent 25-step sets (what sampling alone leaves)
+    assert figures["fd_noise"] > 10 * figures["fd_teacher25_floor"], figures
     assert figures["fd_teacher1"] > 2 * figures["fd_teacher25_floor"], figures
     for steps in (1, 4):
         assert figures[f"fd_student{steps}"] <= 0.5 * figures[f"fd_teacher{steps}"], (steps, figures)
