@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import load_workflow
+from conftest import evaluate_on_one_image, load_workflow
 
 from ingraph_trainer.runner import model_source as ms
 
@@ -200,6 +200,7 @@ def test_loader_chain_hands_off_files_and_an_undescribable_node_is_materialised(
     wf = load_workflow()
     wf = {k: v for k, v in wf.items() if k in {"1", "2", "3", "4", "5", "6"}}
     wf["6"]["inputs"].update(steps=1, batch_size=1, precision="fp32", output_name="handoff_files")
+    evaluate_on_one_image(wf)  # the Train node's own evaluations: not this test's point
     wf["20"] = {"class_type": "LoraLoader", "inputs": {"model": ["1", 0], "clip": ["1", 1], "strength_model": 0.7,
                                                        "lora_name": "h1_upstream.safetensors", "strength_clip": 0.0}}
     wf["6"]["inputs"]["model"] = ["20", 0]

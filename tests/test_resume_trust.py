@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, load_workflow
+from conftest import REPO, evaluate_on_one_image, load_workflow
 from ingraph_trainer.runner import runs
 from ingraph_trainer.trainer import checkpoint as ckpt
 from ingraph_trainer.trainer import trust
@@ -256,6 +256,7 @@ def test_a_run_planted_through_the_upload_route_is_not_resumed(comfy, client, tm
 
     wf = {k: v for k, v in load_workflow().items() if k in {"1", "2", "3", "4", "5", "6", "7"}}
     wf["6"]["inputs"].update(steps=1, output_name=name, resume="latest", precision="fp32")  # fp32: faster on CPU
+    evaluate_on_one_image(wf)  # evaluation: not this test's point
     outcome = client.run(wf, timeout=300)
     assert outcome.ok, outcome.error
     events = [m["data"] for m in outcome.messages if m.get("type") == "ingraph.event"]

@@ -12,7 +12,8 @@ import urllib.request
 
 import pytest
 
-from conftest import CHECKPOINT_NAME, IMAGE_FOLDER, REPO, load_workflow, wait_first_step
+from conftest import (CHECKPOINT_NAME, IMAGE_FOLDER, ONE_IMAGE_FOLDER, REPO, evaluate_on_one_image, load_workflow,
+                      wait_first_step)
 from tools.comfy_server import ComfyServer
 
 pytestmark = pytest.mark.comfyui
@@ -22,6 +23,7 @@ def training_only(name: str, steps: int, **train_inputs) -> dict:
     wf = {k: v for k, v in load_workflow().items() if k in {"1", "2", "3", "4", "5", "6", "7"}}
     # fp32: bf16 convolutions on a CPU are several times slower (each test's time is mostly evaluation)
     wf["6"]["inputs"].update(steps=steps, output_name=name, **{"precision": "fp32", **train_inputs})
+    evaluate_on_one_image(wf)  # evaluation is not these tests' point
     return wf
 
 
@@ -188,9 +190,11 @@ class socket_closed_port:
 def test_trainer_exits_within_10s_when_comfyui_dies(assets, tmp_path):
     server = ComfyServer(tmp_path / "dying", pack_name="ingraph_trainer")
     (server.dir("models", "checkpoints") / CHECKPOINT_NAME).symlink_to(assets["checkpoint"])
-    images = server.dir("input", IMAGE_FOLDER)
+    images, one = server.dir("input", IMAGE_FOLDER), server.dir("input", ONE_IMAGE_FOLDER)
     for f in assets["images"].iterdir():
         (images / f.name).write_bytes(f.read_bytes())
+    for f in sorted(assets["images"].iterdir())[:2]:
+        (one / f.name).write_bytes(f.read_bytes())
     server.start().wait_ready(180)
     from client.api import ComfyClient
     client = ComfyClient(server.address)
