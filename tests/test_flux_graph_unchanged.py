@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from conftest import IMAGE_FOLDER, REPO
+from conftest import IMAGE_FOLDER, REPO, evaluate_on_one_image
 from test_model_families import FAMILIES, FAMILY_FOLDER, run_events, sampling_graph, saved_latent, training_graph
 
 pytestmark = pytest.mark.comfyui
@@ -51,7 +51,9 @@ def test_flux_training_leaves_the_graphs_model_unchanged(flux_model, client):
     before = sample_and_inspect(client, "before")
     assert before["wrapped"] == []
 
-    outcome = client.run(training_graph("flux", "flux_unchanged", precision="fp32"), timeout=900)
+    graph = training_graph("flux", "flux_unchanged", precision="fp32")
+    evaluate_on_one_image(graph, train="8", dataset="4")  # the run's evaluations: not this test's point
+    outcome = client.run(graph, timeout=900)
     assert outcome.ok, outcome.error
     senders = {m["data"]["node"] for m in outcome.messages if m.get("type") == "ingraph.event"}
     assert senders == {"8"}  # the Train LoRA node's run reported them

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import IMAGE_FOLDER, REPO
+from conftest import IMAGE_FOLDER, REPO, evaluate_on_one_image
 
 FAMILY_FOLDER = "ingraph_family"  # two of the example images: evaluation before and after costs 10 forward passes
 
@@ -109,8 +109,10 @@ KEY_PREFIX = {"sd3": "lora_unet_joint_blocks_"}
 
 def trains_and_loads(comfy, client, family: str, name: str, **settings) -> list[dict]:
     """Trains 2 steps through the graph; the LoRA loads through the stock loader and changes KSampler's output.
-    Returns the run's events."""
-    outcome = client.run(training_graph(family, name, **settings), timeout=900)
+    Returns the run's events. Evaluated on one image (conftest.evaluate_on_one_image), not the two it trains on."""
+    graph = training_graph(family, name, **settings)
+    evaluate_on_one_image(graph, train="8", dataset="4")
+    outcome = client.run(graph, timeout=900)
     assert outcome.ok, outcome.error
     events = run_events(outcome)
     started = next(e for e in events if e["type"] == "started")
@@ -189,6 +191,7 @@ def test_wan_on_two_pipeline_stages_matches_one_stage(family_models, client):
     one = trains_and_loads(family_models, client, "wan", "family_wan")
     graph = training_graph("wan", "wan_stages2", distributed=["30", 0])
     graph["30"] = _distributed(2, 2)
+    evaluate_on_one_image(graph, train="8", dataset="4")  # as trains_and_loads does
     outcome = client.run(graph, timeout=600)
     assert outcome.ok, outcome.error
     two = run_events(outcome)
