@@ -230,6 +230,16 @@ def peak_rss_per_rank() -> list:
     return gathered
 
 
+def held_weight_bytes(*modules) -> int:
+    """Bytes of the modules' weights this process holds: under ZeRO-3 its partitions, else whole tensors."""
+    held = 0
+    for module in modules:
+        for p in module.parameters():
+            part = getattr(p, "ds_tensor", None)
+            held += (part.numel() * part.element_size()) if part is not None else p.numel() * p.element_size()
+    return held
+
+
 def check_distill_settings(spec, dataset):
     """What the distillation cannot do yet or cannot do with this cache, named by the field at fault."""
     t, d = spec.train, spec.distributed
@@ -389,6 +399,9 @@ class Distiller:
                          fake_trainable_params=sum(p.numel() for p in self.fake_params),
                          dataset_items=len(self.dataset.unique), samples=len(self.dataset), eval_items=0,
                          base_weight_bytes=family.base_weight_bytes(), load_memory=self.load_memory,
+                         # the three networks' weights on this process (rank 0): under ZeRO-3 its partitions
+                         held_weight_bytes=held_weight_bytes(self.generator.module, self.fake.module,
+                                                             getattr(self.teacher, "module", self.teacher)),
                          student_steps=dd.student_steps, student_sigmas=self.sigmas,
                          student_sampler=STUDENT_SAMPLER, student_scheduler=STUDENT_SCHEDULER,
                          resumed_from=str(resumed_from) if resumed_from else None)
