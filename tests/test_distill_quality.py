@@ -7,7 +7,7 @@ one of several places (64x64 images, a random 16-channel TAESD, a synthetic text
 SD3 trained from scratch (adapter kind full), then distilled (task distill, the student full); samples from
 ComfyUI's KSampler path (teacher: euler / normal at its CFG; student: lcm / sgm_uniform, CFG 1). The Fréchet
 distance is on latents: each 16x8x8 sample latent flattened and mapped by a fixed Gaussian random projection to
-64 dimensions, 256 samples per set (64 per caption).
+64 dimensions, 512 samples per set (128 per caption).
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ samples on the empty caption so that it has an unconditional score for CFG), the
 and its CFG (the empty caption's embedding as the negative), the student with lcm / sgm_uniform at CFG 1.
 
 The distance is on latents: each 16x8x8 sample latent (flattened, 1024 values) is mapped by one fixed Gaussian
-random projection (seed 0) to FEATURE_DIM = 64 dimensions, a size 256 samples estimate a covariance of; the
+random projection (seed 0) to FEATURE_DIM = 64 dimensions, a size 512 samples estimate a covariance of; the
 Fréchet distance of the two Gaussians fitted to the features is computed in float64 with the matrix square root
 taken by eigen-decomposition. The last line printed is a JSON object with every figure.
 
@@ -275,7 +275,7 @@ def frechet_distance(a, b) -> float:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, required=True)
-    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--samples", type=int, default=512, help="samples per set (the 25-step floor halves from 256)")
     parser.add_argument("--per-caption", type=int, default=16, help="training images per caption")
     parser.add_argument("--teacher-steps", type=int, default=800)
     parser.add_argument("--teacher-lr", type=float, default=3e-3)
