@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, load_workflow
+from conftest import REPO, evaluate_on_one_image, load_workflow
 
 pytestmark = pytest.mark.comfyui
 
@@ -82,7 +82,7 @@ def test_incremental_cache_encodes_only_what_changed(cache, images, tmp_path):
     swapped = cache(images, root, "--vae", str(other_vae))
     assert swapped["latents"] == {"encoded": 7, "reused": 0}
     assert swapped["text"] == {"encoded": 0, "reused": 7}
-    assert all_entries_valid(root) == 8 + 1 + 7 + 8  # old latents, the edited one, new-VAE latents, texts
+    assert all_entries_valid(root) == 8 + 1 + 7 + 8 + 1  # old latents, the edited one, new-VAE latents, texts, ""
 
 
 def test_damaged_shard_is_detected_and_re_encoded(cache, images, tmp_path):
@@ -97,30 +97,26 @@ def test_damaged_shard_is_detected_and_re_encoded(cache, images, tmp_path):
     all_entries_valid(root)
 
 
-def test_two_processes_filling_one_cache_leave_it_valid(cache, assets, tmp_path):
+def test_two_processes_filling_one_cache_leave_it_valid(cache, assets, tools, tmp_path):
+    """Two processes caching the same folder at once (two children of the tool worker, each its own process with
+    its own CacheStore, started together)."""
     from tools.embedded_default import build_images
     images = tmp_path / "many"
     build_images(images, count=40, size=128, seed=3)
     root = tmp_path / "cache"
     args = ["--checkpoint", str(assets["checkpoint"]), "--images", str(images), "--cache", str(root), "--resolution", "128"]
-    procs = [subprocess.Popen([*CACHE_TOOL, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err[-3000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    results = [json.loads(out.strip().splitlines()[-1]) for out in tools("cache_dataset", args, copies=2)]
     assert all(r["latents"]["encoded"] + r["latents"]["reused"] == 40 for r in results)
-    assert all_entries_valid(root) == 40 + 8  # 40 latents, 8 distinct captions
+    assert all_entries_valid(root) == 40 + 8 + 1  # 40 latents, 8 distinct captions, the empty caption
     assert cache(images, root, "--resolution", "128")["latents"]["encoded"] == 0
 
 
 def test_sigkill_mid_cache_then_rerun_encodes_only_what_was_missing(cache, assets, tmp_path):
     from tools.embedded_default import build_images
     images = tmp_path / "many"
-    build_images(images, count=60, size=256, seed=5)
+    build_images(images, count=60, size=128, seed=5)  # 60 encodes: the kill lands after 5, long before the last
     root = tmp_path / "cache"
-    args = ["--checkpoint", str(assets["checkpoint"]), "--images", str(images), "--cache", str(root), "--resolution", "256"]
+    args = ["--checkpoint", str(assets["checkpoint"]), "--images", str(images), "--cache", str(root), "--resolution", "128"]
     proc = subprocess.Popen([*CACHE_TOOL, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def latent_rows():
@@ -138,10 +134,10 @@ def test_sigkill_mid_cache_then_rerun_encodes_only_what_was_missing(cache, asset
     proc.wait(10)
     done_before = all_entries_valid(root)
     assert 0 < done_before < 60, "the kill should land mid-cache"
-    rerun = cache(images, root, "--resolution", "256")
+    rerun = cache(images, root, "--resolution", "128")
     assert rerun["latents"]["encoded"] == 60 - done_before
     assert rerun["latents"]["reused"] == done_before
-    assert all_entries_valid(root) == 60 + 8
+    assert all_entries_valid(root) == 60 + 8 + 1  # latents, captions, the empty caption
 
 
 def cache_only_workflow(folder: str, repeats: int = 1) -> dict:
@@ -198,6 +194,10 @@ def test_three_aspect_ratios_train_in_one_bucket_per_batch(comfy, client):
     wf["2"]["inputs"].update(folder="aspects", resolution=128, bucketing=True, min_side=64, max_side=256)
     # fp32: bf16 convolutions on this CPU are several times slower, and precision is not what this test is about
     wf["6"]["inputs"].update(steps=8, batch_size=2, output_name="aspects_lora", precision="fp32")
+    one = comfy.dir("input", "aspects_eval")
+    for f in sorted(folder.glob("square_*"))[:2]:  # an image and its caption
+        shutil.copy(f, one / f.name)
+    evaluate_on_one_image(wf, folder="aspects_eval")  # evaluation (12 images up to 256 px, twice): not the point
     outcome = client.run(wf, timeout=600)
     assert outcome.ok, outcome.error
     steps = [m["data"]["event"] for m in outcome.messages
