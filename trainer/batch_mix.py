@@ -198,6 +198,10 @@ class MixedDataset:
         """As CachedDataset.references, over both sets (evaluation on a run with prior images)."""
         return training_batch(self, indices, masked_loss=False).references
 
+    def text_masks(self, indices: list[int]):
+        """As CachedDataset.text_masks, over both sets (evaluation on a run with prior images)."""
+        return training_batch(self, indices, masked_loss=False).text_mask
+
 
 def locate(dataset, i: int):
     """(CachedDataset, index in it) of index i of a CachedDataset or a MixedDataset."""
