@@ -251,9 +251,8 @@ def check_distill_settings(spec, dataset):
     empty = getattr(dataset, "main", dataset).empty_text
     if spec.distill.guidance_scale > 1.0 and empty is None:
         raise ValueError(f"distill.guidance_scale: the teacher's classifier-free guidance needs the empty caption's "
-                         f"embedding, which {spec.data.manifest} lacks; cache the captions with caption dropout above "
-                         "0 (Load Training Images' caption_dropout, then Cache Text Embeddings), or set "
-                         "guidance_scale to 1")
+                         f"embedding, which {spec.data.manifest} lacks (a cache written before Cache Text Embeddings "
+                         "always stored it); queue Cache Text Embeddings again, or set guidance_scale to 1")
 
 
 class Distiller:
