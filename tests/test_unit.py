@@ -387,11 +387,14 @@ def test_zero3_across_machines_partitions_weights_again_within_each_machine(monk
     from trainer.config import DistributedSpec, RunSpec
     from trainer.distributed import deepspeed_config
 
-    def zero(stage, world, per_machine):
+    def zero(stage, world, per_machine, variable="LOCAL_WORLD_SIZE"):
+        for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+            monkeypatch.delenv(name, raising=False)
         monkeypatch.setenv("WORLD_SIZE", str(world))
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_machine))
+        monkeypatch.setenv(variable, str(per_machine))
         return deepspeed_config(RunSpec(distributed=DistributedSpec(zero_stage=stage)))["zero_optimization"]
-    assert zero(3, 4, 2).get("zero_hpz_partition_size") == 2
+    assert zero(3, 4, 2).get("zero_hpz_partition_size") == 2  # torchrun's variable
+    assert zero(3, 4, 2, "LOCAL_SIZE").get("zero_hpz_partition_size") == 2  # DeepSpeed's launcher's (hostfile runs)
     assert "zero_hpz_partition_size" not in zero(3, 2, 2)  # one machine: nothing to keep inside it
     assert "zero_hpz_partition_size" not in zero(3, 2, 1)  # one process per machine: no second partition
     assert "zero_hpz_partition_size" not in zero(2, 4, 2)  # ZeRO-2 keeps whole weights on every process

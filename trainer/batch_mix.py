@@ -58,9 +58,8 @@ def check_caption_features(dataset, caption_dropout: float, where: str = "data.m
     """Fails at start-up, not at some step, when the manifest cannot serve caption dropout."""
     for part, name in _parts(dataset, where):
         if caption_dropout > 0 and part.empty_text is None:
-            raise ValueError(f"data.caption_dropout: {name} has no empty-caption embedding; cache its captions "
-                             "with caption dropout above 0 (Load Training Images' caption_dropout, then Cache Text "
-                             "Embeddings)")
+            raise ValueError(f"data.caption_dropout: {name} has no empty-caption embedding (a cache written "
+                             "before Cache Text Embeddings always stored it); queue Cache Text Embeddings again")
 
 
 def _parts(dataset, where: str):
@@ -334,12 +333,17 @@ def build_training_data(data_spec, global_batch: int, seed: int, family=None, pi
     if pipeline_stages > 1 and reference_slots(dataset):
         raise ValueError(f"data.manifest: its items carry reference images, which pipeline stages "
                          "(distributed.pipeline_stages > 1) do not pass on; train with 1 stage")
-    if pipeline_stages > 1 and getattr(family, "reads_text_mask", False) and len(dataset) \
-            and "attention_mask" in _parts(dataset, "")[0][0].text(0):
+    if pipeline_stages > 1 and reads_text_masks(family, dataset):
         raise ValueError(f"data.manifest: its captions carry the text encoder's attention mask, which "
                          f"{family.display_name} reads and pipeline stages (distributed.pipeline_stages > 1) do not "
                          "pass on; train with 1 stage")
     return dataset, sampler
+
+
+def reads_text_masks(family, dataset) -> bool:
+    """The family reads the text encoder's attention mask (Batch.text_mask) and the dataset's captions carry one."""
+    return getattr(family, "reads_text_mask", False) and len(dataset) > 0 \
+        and "attention_mask" in _parts(dataset, "")[0][0].text(0)
 
 
 class MicroBatch(NamedTuple):

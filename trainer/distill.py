@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from .adapters import inject_adapter
-from .batch_mix import StepBatches, build_training_data, micro_batch_slots
+from .batch_mix import StepBatches, build_training_data, micro_batch_slots, reads_text_masks
 from .checkpoint import Checkpointer, load_checkpoint, save_checkpoint
 from .comfy_env import import_comfy
 from .data import seeded_generator, stack_conds, step_loader
@@ -290,6 +290,9 @@ class Distiller:
         self.global_batch = t.batch_size * t.grad_accum * data_parallel_size(spec)
         self.dataset, self.sampler = build_training_data(spec.data, self.global_batch, t.seed, generator)
         check_distill_settings(spec, self.dataset)
+        if reads_text_masks(generator, self.dataset):  # the three networks are called without Batch.text_mask
+            raise ValueError(f"data.manifest: its captions carry the text encoder's attention mask, which "
+                             f"{generator.display_name} reads; distilling it with the mask is not yet supported")
         if getattr(generator, "variant", None) == "ti2v_5b" and getattr(self.dataset, "reference_slots", 0):
             raise ValueError("data.manifest: distilling Wan 2.2 TI2V with start images is not yet supported; "
                              "distil it on items without a start image")

@@ -93,7 +93,11 @@ def deepspeed_config(spec) -> dict:
 
 
 def processes_per_machine() -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    """torchrun says LOCAL_WORLD_SIZE; DeepSpeed's launcher (the Train node's, with a hostfile) says LOCAL_SIZE."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "WORLD_SIZE"):
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return 1
 
 
 def destroy():
