@@ -89,7 +89,8 @@ class Distill(io.ComfyNode):
                                           "connected. Pipeline stages are refused."),
                 Previews.Input("previews", optional=True,
                                tooltip="Sample Previews settings: images rendered with the current student during "
-                                       "the run, shown in this node (set its steps to student_steps and cfg to 1)."),
+                                       "the run, shown in this node (its prompts, size and seed; the student is always rendered at "
+                                       "student_steps with lcm, sgm_uniform and cfg 1, whatever its steps and cfg)."),
                 io.String.Input("student_timesteps", default="", optional=True,
                                 tooltip="Empty (usual): the noise levels KSampler's sgm_uniform scheduler visits "
                                         "at student_steps steps, so KSampler samples the student as trained. Or "

@@ -133,6 +133,6 @@ def resolve_resume_choice(runs_root: str | Path, choice: str, output_name: str,
                          f"verify); refusing to resume it")
     run_task = _spec_fields(run_dir)[1]
     if task is not None and run_task != task:
-        raise ValueError(f"resume: run {run_id!r} is a {run_task} run, not a {task} run; pick one of this node's "
-                         f"own runs")
+        what = f"a {run_task} run" if run_task else "a run whose spec cannot be read"
+        raise ValueError(f"resume: run {run_id!r} is {what}, not a {task} run; pick one of this node's own runs")
     return run_dir, tag
