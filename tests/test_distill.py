@@ -61,6 +61,8 @@ def test_two_processes_under_zero3_match_one_process(prepared, uninterrupted):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     [two] = runs(spec.parent)
     assert two[0]["task"] == "distill" and two[0]["world_size"] == 2 and two[0]["start_step"] == 0
+    # every network partitioned, the frozen teacher too: half the weights on rank 0 (a whole teacher: about 2/3)
+    assert two[0]["held_weight_bytes"] < 0.55 * runs(uninterrupted.parent)[0][0]["held_weight_bytes"], two[0]
     one = steps_of(runs(uninterrupted.parent)[0])[:3]
     two = steps_of(two)
     assert len(two) == 3 and len(one) == 3
