@@ -57,8 +57,7 @@ from .batch_mix import StepBatches, build_training_data, micro_batch_slots, read
 from .checkpoint import Checkpointer, load_checkpoint, save_checkpoint
 from .comfy_env import import_comfy
 from .data import seeded_generator, stack_conds, step_loader
-from .distributed import data_parallel_size, deepspeed_config, init_distributed, rank, world_size
-from .events import EventWriter
+from .distributed import data_parallel_size, deepspeed_config, init_distributed, world_size
 from .layouts import ParallelLayout, WholeModel, global_sum, grad_norm
 from .loop import check_finite, refuse_fp8_full_fine_tune
 from .memory import enable_gradient_checkpointing, load_peak
@@ -66,8 +65,8 @@ from .metrics import HealthLog
 from .models import Batch, load_family
 from .optim import averaged_weights, build_optimizer, build_scheduler
 from .result import write_result
-from .sampling import PreviewSampler, sample_due
-from .stop_requests import StopRequests
+from .run_control import RunControl, TrainingTask
+from .sampling import PreviewSampler
 
 # generator streams (data.py uses 1-4, batch_mix 11-13): one per kind of draw
 STUDENT_STEP_STREAM = 21  # which student step each slot trains
@@ -255,12 +254,7 @@ def check_distill_settings(spec, dataset):
                          "always stored it); queue Cache Text Embeddings again, or set guidance_scale to 1")
 
 
-class Distiller:
-    def __init__(self, spec, events: EventWriter):
-        self.spec, self.events = spec, events
-        self.run_dir = Path(spec.run_dir)
-        self.is_rank0 = rank() == 0
-
+class Distiller(TrainingTask):
     # --- building ------------------------------------------------------------------------------------------
     def load(self, precision: str):
         family = load_family(self.spec.model, precision=precision)
@@ -339,23 +333,17 @@ class Distiller:
         self.data_rank = self.generator.data_rank
         self.batches = StepBatches(self.dataset, self.sampler, t, data, data_parallel_size(spec), self.data_rank)
         self.slots = micro_batch_slots(t.batch_size, t.grad_accum, data_parallel_size(spec), self.data_rank)
-        self.checkpointer = Checkpointer(Networks(self.generator, self.fake), self.run_dir, t.save_every,
-                                         t.keep_last, self.is_rank0)
-        self.stops = StopRequests(self.run_dir, self.is_rank0)
+        checkpointer = Checkpointer(Networks(self.generator, self.fake), self.run_dir, t.save_every, t.keep_last,
+                                    self.is_rank0)
+        self.control = RunControl(spec, self.events, self.generator, self.optimizer, checkpointer, self.is_rank0)
 
     # --- the run -------------------------------------------------------------------------------------------
-    def run(self):
-        self.started_at = time.time()
-        self.build()
-        return self.train()
-
     def train(self):
         t = self.spec.train
-        self.stops.drop_stale(self.started_at)
-        start_step, resumed_from = self.checkpointer.resume(t.resume)
+        start_step, resumed_from = self.control.resume(self.started_at)
         self.announce(start_step, resumed_from)
         loader = step_loader(self.batches, self.device)
-        stopped, self.step_times, losses = False, [], {}
+        stopped, losses = False, {}
         for step in range(start_step + 1, t.steps + 1):
             t0 = time.perf_counter()
             batch = loader.get(step - 1, step if step < t.steps else None)
@@ -364,19 +352,9 @@ class Distiller:
             check_finite(step, losses["loss"], norm)
             check_finite(step, losses["fake_loss"], None)
             self.report_step(step, lr, norm, losses, time.perf_counter() - t0)
-            if self.previews is not None and sample_due(self.spec.samples, step, t.steps):
-                with averaged_weights(self.optimizer):
-                    images = self.previews.render(self.generator.module, step)
-                self.events.emit("sample", step=step, images=images, prompts=self.spec.samples.prompts)
-            stop_requested = self.stops.requested(self.device)
-            if self.checkpointer.due(step, t.steps, stop_requested):
-                path = self.checkpointer.save(step, {"step": step, "seed": t.seed})
-                self.events.emit("checkpoint", step=step, path=str(path))
-            if stop_requested:
-                self.stops.consume()
-                if step < t.steps:
-                    stopped = True
-                    break
+            if self.control.after_step(step):  # previews, stop, checkpoint
+                stopped = True
+                break
         else:
             step = t.steps
         loader.close()
@@ -384,10 +362,9 @@ class Distiller:
         with averaged_weights(self.optimizer):
             adapter = write_result(self.spec, self.generator_family, self.params, self.generator, self.is_rank0,
                                    len(self.dataset.unique), step, self.started_at)
-        steady = self.step_times[1:] or self.step_times
         self.events.emit("finished", adapter=adapter, steps=step, stopped=stopped, final_loss=losses.get("loss"),
                          eval_before=None, eval_after=None, best_eval_step=None, best_eval_loss=None,
-                         mean_step_s=sum(steady) / len(steady) if steady else None, data_wait_s=0.0,
+                         mean_step_s=self.control.mean_step_s(), data_wait_s=0.0,
                          peak_rss_per_rank=peak_rss_per_rank(), wall_s=time.time() - self.started_at)
         return adapter
 
@@ -408,20 +385,16 @@ class Distiller:
                          student_sampler=STUDENT_SAMPLER, student_scheduler=STUDENT_SCHEDULER,
                          resumed_from=str(resumed_from) if resumed_from else None)
         self.health = HealthLog(self.run_dir, self.is_rank0)
-        self.previews = None
         if spec.samples.every:  # the student in its own step count, as the stock graph samples it
             student = dataclasses.replace(spec.samples, steps=dd.student_steps, cfg=1.0, sampler=STUDENT_SAMPLER,
                                           scheduler=STUDENT_SCHEDULER)
-            self.previews = PreviewSampler(student, family, self.run_dir, self.is_rank0)
+            self.control.previews = PreviewSampler(student, family, self.run_dir, self.is_rank0)
 
     def report_step(self, step: int, lr: float, grad_norm, losses: dict, step_time: float):
-        t = self.spec.train
-        self.step_times.append(step_time)
-        recent = self.step_times[-20:]
-        self.events.emit("step", step=step, total=t.steps, lr=lr, grad_norm=grad_norm,
+        eta_s = self.control.timed(step, step_time)
+        self.events.emit("step", step=step, total=self.spec.train.steps, lr=lr, grad_norm=grad_norm,
                          fake_lr=self.fake_optimizer.param_groups[0]["lr"],
-                         samples_per_s=self.global_batch / step_time, step_time_s=step_time,
-                         eta_s=sum(recent) / len(recent) * (t.steps - step), **losses)
+                         samples_per_s=self.global_batch / step_time, step_time_s=step_time, eta_s=eta_s, **losses)
         self.health.step(step, **{f"train/{k}": v for k, v in losses.items()}, **{
             "train/lr": lr, "train/grad_norm": grad_norm, "perf/step_time_s": step_time})
 

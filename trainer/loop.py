@@ -14,9 +14,9 @@ from .comfy_env import import_comfy
 from .config import RunSpec
 from .batch_mix import StepBatches, build_training_data, prior_report
 from .data import load_cached_dataset, step_loader
-from .distributed import data_parallel_size, deepspeed_config, init_distributed, rank, world_size
+from .distributed import data_parallel_size, deepspeed_config, init_distributed, world_size
 from .ema import build_average, exported_weights
-from .events import EVENTS_FILE, EventWriter, read_events
+from .events import EVENTS_FILE, read_events
 from .export import diffusers_module_names
 from .layouts import choose_layout
 from .memory import enable_block_swap, load_peak, memory_savers
@@ -24,8 +24,8 @@ from .metrics import HealthLog, param_norm, param_norm_due
 from .models import load_family
 from .optim import averaged_weights, build_optimizer, build_scheduler
 from .result import write_result
-from .sampling import PreviewSampler, sample_due
-from .stop_requests import StopRequests
+from .run_control import RunControl, TrainingTask
+from .sampling import PreviewSampler
 
 
 class TrainingDiverged(RuntimeError):
@@ -49,11 +49,8 @@ def refuse_fp8_full_fine_tune(diffusion_model: torch.nn.Module, source: str):
                          "file, or train an adapter on this one")
 
 
-class Trainer:
-    def __init__(self, spec: RunSpec, events: EventWriter):
-        self.spec, self.events = spec, events
-        self.run_dir = Path(spec.run_dir)
-        self.is_rank0 = rank() == 0
+class Trainer(TrainingTask):
+    spec: RunSpec
 
     def build(self):
         """Every component, once, from the spec (the order keeps the random stream of the adapter's start)."""
@@ -93,23 +90,17 @@ class Trainer:
             enable_block_swap(swapped_blocks, layout.device)
         self.batches = StepBatches(self.dataset, self.sampler, t, spec.data, data_parallel_size(spec),
                                    layout.data_rank)
-        self.checkpointer = Checkpointer(layout, self.run_dir, t.save_every, t.keep_last, self.is_rank0,
-                                         components={"ema": self.ema})
-        self.stops = StopRequests(self.run_dir, self.is_rank0)
-
-    def run(self):
-        self.started_at = time.time()
-        self.build()
-        return self.train()
+        checkpointer = Checkpointer(layout, self.run_dir, t.save_every, t.keep_last, self.is_rank0,
+                                    components={"ema": self.ema})
+        self.control = RunControl(spec, self.events, layout, optimizer, checkpointer, self.is_rank0)
 
     def train(self):
         t = self.spec.train
-        self.stops.drop_stale(self.started_at)
-        start_step, resumed_from = self.checkpointer.resume(t.resume)
+        start_step, resumed_from = self.control.resume(self.started_at)
         self.announce(start_step, resumed_from)
         eval_before = self.evaluate(start_step) if start_step == 0 else None
         prefetch = step_loader(self.batches, self.layout.device)
-        stopped, self.step_times, self.data_wait, loss = False, [], 0.0, None
+        stopped, self.data_wait, loss = False, 0.0, None
         for step in range(start_step + 1, t.steps + 1):  # `step`: the steps done once this one is
             t0 = time.perf_counter()
             batch = prefetch.get(step - 1, step if step < t.steps else None)
@@ -123,19 +114,9 @@ class Trainer:
             self.report_step(step, start_step, batch, loss, lr, grad_norm, time.perf_counter() - t0)
             if t.eval_every and step % t.eval_every == 0 and step < t.steps:
                 self.evaluate(step)
-            if self.previews is not None and sample_due(self.spec.samples, step, t.steps):
-                with averaged_weights(self.optimizer):
-                    images = self.previews.render(self.layout.module, step)
-                self.events.emit("sample", step=step, images=images, prompts=self.spec.samples.prompts)
-            stop_requested = self.stops.requested(self.layout.device)
-            if self.checkpointer.due(step, t.steps, stop_requested):
-                path = self.checkpointer.save(step, {"step": step, "seed": t.seed})
-                self.events.emit("checkpoint", step=step, path=str(path))
-            if stop_requested:
-                self.stops.consume()
-                if step < t.steps:
-                    stopped = True
-                    break
+            if self.control.after_step(step):  # previews, stop, checkpoint
+                stopped = True
+                break
         else:
             step = t.steps
         prefetch.close()
@@ -144,11 +125,10 @@ class Trainer:
         with averaged_weights(self.optimizer), exported_weights(self.spec, self.ema):
             adapter = write_result(self.spec, self.family, self.params, self.layout, self.is_rank0,
                                    len(self.dataset.unique), step, self.started_at)
-        steady = self.step_times[1:] or self.step_times
         self.events.emit("finished", adapter=adapter, steps=step, stopped=stopped, final_loss=loss,
                          eval_before=eval_before["loss"] if eval_before else None, eval_after=eval_after["loss"],
                          best_eval_step=self.best.get("step"), best_eval_loss=self.best.get("loss"),
-                         mean_step_s=sum(steady) / len(steady) if steady else None,
+                         mean_step_s=self.control.mean_step_s(),
                          data_wait_s=round(self.data_wait, 4), wall_s=time.time() - self.started_at)
         return adapter
 
@@ -169,7 +149,7 @@ class Trainer:
             self.events.emit("log", level="warning", message=prior_warning)
         self.health = HealthLog(self.run_dir, self.is_rank0)
         self.best = best_evaluation(self.run_dir, start_step) if start_step else {}
-        self.previews = PreviewSampler(spec.samples, family, self.run_dir, self.is_rank0) \
+        self.control.previews = PreviewSampler(spec.samples, family, self.run_dir, self.is_rank0) \
             if spec.samples.every else None
 
     def evaluate(self, step: int) -> dict:
@@ -191,13 +171,12 @@ class Trainer:
 
     def report_step(self, step: int, start_step: int, batch, loss: float, lr: float, grad_norm, step_time: float):
         t = self.spec.train
-        self.step_times.append(step_time)
-        recent = self.step_times[-20:]
+        eta_s = self.control.timed(step, step_time)
         samples_per_s = self.global_batch / step_time
         norm = {"param_norm": param_norm(self.params)} if param_norm_due(step, start_step + 1, t.steps) else {}
         self.events.emit("step", step=step, total=t.steps, loss=loss, lr=lr, grad_norm=grad_norm,
                          samples_per_s=samples_per_s, step_time_s=step_time,
-                         eta_s=sum(recent) / len(recent) * (t.steps - step), data_wait_s=round(self.data_wait, 4),
+                         eta_s=eta_s, data_wait_s=round(self.data_wait, 4),
                          buckets=[list(b) for b in batch.buckets], timestep_mean=batch.timestep_mean,
                          timestep_std=batch.timestep_std, **norm, **self.layout.loss_split)
         self.health.step(step, **{"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
