@@ -28,9 +28,17 @@ def check_student_adapter(adapter: AdapterSpec):
                          "(set it to none; to continue a distillation, use the resume input)")
 
 
+def refuse(problems: list[str]):
+    """The spec's problems (trainer.config) as the node's error: its inputs carry the spec's field names without
+    the table ("distill.fake_updates" -> fake_updates)."""
+    if problems:
+        raise ValueError(f"{TITLE}: " + "; ".join(p.removeprefix("distill.") for p in problems))
+
+
 def parse_student_timesteps(text: str, student_steps: int) -> list[float]:
-    """The student_timesteps input: '' (the levels KSampler's sgm_uniform visits), or `student_steps` levels t in
-    (0, 1], highest first, separated by commas or spaces ('1.0, 0.75, 0.5, 0.25'). The error names the input."""
+    """The student_timesteps input: '' (the levels KSampler's sgm_uniform visits), or numbers separated by commas
+    or spaces ('1.0, 0.75, 0.5, 0.25') that the spec's rule (DistillSpec.problems) takes. The error names the
+    input."""
     parts = [p for p in (text or "").replace(",", " ").split() if p]
     if not parts:
         return []
@@ -38,10 +46,8 @@ def parse_student_timesteps(text: str, student_steps: int) -> list[float]:
         values = [float(p) for p in parts]
     except ValueError:
         raise ValueError(f"{TITLE}: student_timesteps: {text!r} is not a list of numbers") from None
-    if len(values) != student_steps or not all(0.0 < v <= 1.0 for v in values) \
-            or values != sorted(values, reverse=True):
-        raise ValueError(f"{TITLE}: student_timesteps: give {student_steps} noise level(s) in (0, 1], highest first "
-                         f"(one per student step), or leave it empty for evenly spaced ones (got {text!r})")
+    spec = RunSpec(task=TASK, distill=DistillSpec(student_steps=student_steps, student_timesteps=values))
+    refuse([p for p in spec.distill.problems(spec) if p.startswith("distill.student_timesteps:")])
     return values
 
 
@@ -52,19 +58,13 @@ def check_distill_settings(adapter: AdapterSpec, train: TrainSpec, distill: Dist
     check_student_adapter(adapter)
     spec = RunSpec(task=TASK, adapter=adapter, train=train, distributed=distributed or DistributedSpec(),
                    distill=distill)
-    problems = distill.problems(spec)
-    if problems:
-        # the node's inputs carry the spec's field names without the table ("distill.fake_updates" -> fake_updates)
-        raise ValueError(f"{TITLE}: " + "; ".join(p.removeprefix("distill.") for p in problems))
+    refuse(distill.problems(spec))
 
 
 def check_guidance_caption(distill: DistillSpec, dataset):
-    """The teacher's classifier-free guidance (guidance_scale above 1) takes the empty caption's embedding from
-    the dataset's cache, which Cache Text Embeddings writes (caches made before it always did lack it)."""
-    if distill.guidance_scale > 1.0 and not getattr(dataset, "empty_text", None):
-        raise ValueError(f"{TITLE}: guidance_scale: the teacher's guidance needs the empty caption's embedding, "
-                         "which the dataset's cache lacks (a cache written before Cache Text Embeddings "
-                         "always stored it); queue Cache Text Embeddings again, or set guidance_scale to 1")
+    """The spec's rule for the teacher's guidance and the cached empty caption, on the node's DATASET."""
+    problem = distill.guidance_caption_problem(bool(getattr(dataset, "empty_text", None)), "the dataset's cache")
+    refuse([problem] if problem else [])
 
 
 def with_distill(spec: RunSpec, distill: DistillSpec) -> RunSpec:

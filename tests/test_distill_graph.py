@@ -83,6 +83,7 @@ def test_settings_the_spec_refuses_are_refused_naming_the_node_input():
     assert refused(config.DistillSpec(min_t=0.9, max_t=0.5)).startswith("Distill: min_t: needs 0 <= min_t < max_t")
     assert "distributed.pipeline_stages" in refused(distributed=config.DistributedSpec(processes=2,
                                                                                         pipeline_stages=2))
+    assert refused(distributed=config.DistributedSpec(block_swap=2)).startswith("Distill: distributed.block_swap: ")
     distill_run.check_distill_settings(config.AdapterSpec(kind="full"), config.TrainSpec(), config.DistillSpec(),
                                        None)
     no_empty, with_empty = types.SimpleNamespace(empty_text=()), types.SimpleNamespace(empty_text=("key", "sha"))

@@ -254,7 +254,8 @@ class DistillSpec:
             (1 <= self.student_steps <= 4, "student_steps", f"must be 1 to 4 (got {self.student_steps})"),
             (not ts or (len(ts) == self.student_steps and all(isinstance(v, (int, float)) and 0 < v <= 1 for v in ts)
                         and list(ts) == sorted(ts, reverse=True)), "student_timesteps",
-             f"must be [] or {self.student_steps} descending values in (0, 1] (got {ts})"),
+             f"give {self.student_steps} noise level(s) in (0, 1], highest first (one per student step), or none for "
+             f"evenly spaced ones (got {ts})"),
             (self.guidance_scale >= 1.0, "guidance_scale", f"must be 1 (no guidance) or more (got {self.guidance_scale})"),
             (self.fake_learning_rate > 0, "fake_learning_rate", f"must be positive (got {self.fake_learning_rate})"),
             (self.fake_updates >= 1, "fake_updates", f"must be at least 1 (got {self.fake_updates})"),
@@ -267,8 +268,21 @@ class DistillSpec:
              f"the student trains as a LoRA or in full (got {spec.adapter.kind!r})"),
             (spec.distributed.pipeline_stages <= 1, "distributed.pipeline_stages",
              "distillation runs three models on whole-model layouts (ZeRO 0-3); use 1 stage"),
+            (not spec.distributed.block_swap, "distributed.block_swap", "not yet for distillation (three models); "
+             "use ZeRO-3 to spread them over processes, or set block_swap to 0"),
+            (spec.train.ema_decay <= 0, "train.ema_decay", "the weight average is not yet kept for distillation; "
+                                                          "set it to 0"),
         ]
         return [f"{name if '.' in name else 'distill.' + name}: {message}" for ok, name, message in rules if not ok]
+
+    def guidance_caption_problem(self, has_empty_caption: bool, cache: str) -> str | None:
+        """The teacher's classifier-free guidance (guidance_scale above 1) takes the empty caption's embedding from
+        the dataset's cache (`cache`: what to call it), which Cache Text Embeddings writes."""
+        if self.guidance_scale > 1.0 and not has_empty_caption:
+            return (f"distill.guidance_scale: the teacher's classifier-free guidance needs the empty caption's "
+                    f"embedding, which {cache} lacks (a cache written before Cache Text Embeddings always stored it); "
+                    "queue Cache Text Embeddings again, or set guidance_scale to 1")
+        return None
 
 
 @dataclass

@@ -239,21 +239,6 @@ def held_weight_bytes(*modules) -> int:
     return held
 
 
-def check_distill_settings(spec, dataset):
-    """What the distillation cannot do yet or cannot do with this cache, named by the field at fault."""
-    t, d = spec.train, spec.distributed
-    if d.block_swap:
-        raise ValueError("distributed.block_swap: not yet for distillation (three models); use ZeRO-3 to spread "
-                         "them over processes, or set block_swap to 0")
-    if t.ema_decay > 0:
-        raise ValueError("train.ema_decay: the weight average is not yet kept for distillation; set it to 0")
-    empty = getattr(dataset, "main", dataset).empty_text
-    if spec.distill.guidance_scale > 1.0 and empty is None:
-        raise ValueError(f"distill.guidance_scale: the teacher's classifier-free guidance needs the empty caption's "
-                         f"embedding, which {spec.data.manifest} lacks (a cache written before Cache Text Embeddings "
-                         "always stored it); queue Cache Text Embeddings again, or set guidance_scale to 1")
-
-
 class Distiller(TrainingTask):
     # --- building ------------------------------------------------------------------------------------------
     def load(self, precision: str):
@@ -283,7 +268,10 @@ class Distiller(TrainingTask):
         generator.check_settings(spec)
         self.global_batch = t.batch_size * t.grad_accum * data_parallel_size(spec)
         self.dataset, self.sampler = build_training_data(spec.data, self.global_batch, t.seed, generator)
-        check_distill_settings(spec, self.dataset)
+        caption_problem = dd.guidance_caption_problem(getattr(self.dataset, "main", self.dataset).empty_text
+                                                      is not None, spec.data.manifest)
+        if caption_problem:  # the spec's own rules (block_swap, ema_decay, ...) were checked as it was read
+            raise ValueError(caption_problem)
         if reads_text_masks(generator, self.dataset):  # the three networks are called without Batch.text_mask
             raise ValueError(f"data.manifest: its captions carry the text encoder's attention mask, which "
                              f"{generator.display_name} reads; distilling it with the mask is not yet supported")
