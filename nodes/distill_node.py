@@ -1,7 +1,8 @@
 from comfy_api.latest import io
 
-from ..trainer.config import PRECISION_CHOICES, DistillSpec, TrainSpec, choice_labels, choice_value
+from ..trainer.config import PRECISION_CHOICES, DistillSpec, TrainSpec, choice_value
 from .train_node import _resumable, progress_relay
+from .inputs import output_file_inputs, precision_input
 from .types import CATEGORY, Adapter, Dataset, Distributed, Previews
 
 DEFAULTS = DistillSpec()  # the node's defaults are the run spec's
@@ -67,8 +68,7 @@ class Distill(io.ComfyNode):
                                  tooltip="Students of 2 to 4 steps: each update starts from what the student's own "
                                          "earlier steps produce, as at sampling time (DMD2's backward simulation), "
                                          "instead of from noised dataset latents."),
-                io.Combo.Input("precision", options=choice_labels(PRECISION_CHOICES), default="bf16",
-                               tooltip="bf16: half the memory, faster on most GPUs; fp32: exact, reproducible."),
+                precision_input(),
                 io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=False,
                              tooltip="Seed for the student's initialisation, caption order, noise and timesteps."),
                 io.Int.Input("save_every", default=0, min=0, max=1_000_000,
@@ -103,13 +103,7 @@ class Distill(io.ComfyNode):
                 io.Float.Input("max_t", default=DEFAULTS.max_t, min=0.0, max=1.0, step=0.01, optional=True,
                                tooltip="Highest noise level (t in [0, 1]) at which the distribution-matching "
                                        "gradient and the fake score are trained."),
-                io.Boolean.Input("overwrite", default=False, optional=True,
-                                 tooltip="Replace a file of the same name in models/loras (or diffusion_models) that "
-                                         "InGraph Trainer did not write, such as a LoRA you downloaded. Off: such a "
-                                         "file is never touched and the run is refused before it starts."),
-                io.Int.Input("keep_last", default=3, min=0, max=10_000, optional=True,
-                             tooltip="Resumable checkpoints kept on disk: older ones are deleted as new ones are "
-                                     "saved (0 = keep all)."),
+                *output_file_inputs(),
                 io.Int.Input("gradient_accumulation", default=1, min=1, max=1024, optional=True,
                              tooltip="Batches whose gradients are summed before each update (of the student and "
                                      "of the fake score): a larger batch in the same memory."),

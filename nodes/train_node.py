@@ -5,6 +5,7 @@ from comfy_api.latest import io
 from ..trainer.config import (ADAPTER_FORMAT_CHOICES, BASE_PRECISION_CHOICES, LOSS_CHOICES, OPTIMIZER_CHOICES,
                                PRECISION_CHOICES, SCHEDULE_CHOICES, TIMESTEP_SAMPLING_CHOICES, TrainSpec,
                                choice_labels, choice_value, choices_tooltip)
+from .inputs import output_file_inputs, precision_input
 from .types import CATEGORY, Adapter, Dataset, Distributed, Previews
 
 log = logging.getLogger("ingraph_trainer")
@@ -74,8 +75,7 @@ class TrainLoRA(io.ComfyNode):
                                tooltip="How the learning rate changes after warm-up."),
                 io.Int.Input("warmup_steps", default=0, min=0, max=100_000,
                              tooltip="Steps over which the learning rate rises linearly from 0 to its peak."),
-                io.Combo.Input("precision", options=choice_labels(PRECISION_CHOICES), default="bf16",
-                               tooltip="bf16: half the memory, faster on most GPUs; fp32: exact, reproducible."),
+                precision_input(),
                 io.Boolean.Input("gradient_checkpointing", default=False,
                                  tooltip="Recompute activations in the backward pass: less memory, slower steps."),
                 io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=False,
@@ -127,14 +127,9 @@ class TrainLoRA(io.ComfyNode):
                                tooltip="Guidance-distilled models (Flux dev): the guidance value given to the model "
                                        "while training (1 is usual for LoRAs). Other models reject any other value "
                                        "than 1."),
-                io.Boolean.Input("overwrite", default=False, optional=True,
-                                 tooltip="Replace a file of the same name in models/loras (or diffusion_models) that "
-                                         "InGraph Trainer did not write, such as a LoRA you downloaded. Off: such a "
-                                         "file is never touched and the run is refused before it starts. Files this "
-                                         "pack wrote are always replaced when the run finishes."),
-                io.Int.Input("keep_last", default=3, min=0, max=10_000, optional=True,
-                             tooltip="Resumable checkpoints kept on disk: older ones are deleted as new ones are "
-                                     "saved (0 = keep all). Each holds the trained weights and optimizer state."),
+                *output_file_inputs(
+                    overwrite_note=" Files this pack wrote are always replaced when the run finishes.",
+                    checkpoint_note=" Each holds the trained weights and optimizer state."),
                 io.Float.Input("ema_decay", default=0.0, min=0.0, max=0.99999, step=0.0001, optional=True,
                                tooltip="Keep an exponential moving average (EMA) of the trained weights, in fp32: "
                                        "each step it moves 1 - decay of the way to the weights (0 = off; 0.999 "
