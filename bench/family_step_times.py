@@ -11,31 +11,30 @@ one-off set-up). Figures are "for the record": tiny models on this machine's CPU
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from trainer.events import EVENTS_FILE, read_events  # noqa: E402  (the trainer's own reader: no torch, no ComfyUI)
+
 
 def runs_under(folder: Path):
-    """(family, [step seconds after the first], adapted modules) of every finished training run below `folder`."""
-    for events_file in folder.rglob("events.jsonl"):
-        family, times, started = None, [], False
+    """(family, [step seconds after the first], run folder) of every finished training run below `folder`."""
+    for events_file in folder.rglob(EVENTS_FILE):
         if not events_file.is_file():  # a test leaves a FIFO there: reading it would wait forever
             continue
         try:
-            lines = events_file.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError):
+            events = read_events(events_file)  # skips lines that are not events
+        except OSError:
             continue
-        for line in lines:
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if event.get("type") == "started" and isinstance(event.get("family"), str):
-                family, started = event["family"], True
-            elif event.get("type") == "step" and started and isinstance(event.get("step_time_s"), (int, float)):
+        family, times = None, []
+        for event in events:
+            if event["type"] == "started" and isinstance(event.get("family"), str):
+                family = event["family"]
+            elif event["type"] == "step" and family and isinstance(event.get("step_time_s"), (int, float)):
                 times.append(float(event["step_time_s"]))
         if family and len(times) >= 2:
             yield family, times[1:], events_file.parent
