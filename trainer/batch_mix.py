@@ -194,12 +194,18 @@ class MixedDataset:
         return b.latents, b.cond, b.pooled
 
     def references(self, indices: list[int]):
-        """As CachedDataset.references, over both sets (evaluation on a run with prior images)."""
-        return training_batch(self, indices, masked_loss=False).references
+        """As CachedDataset.references, over both sets (evaluation on a run with prior images): the latent shards
+        only, no text."""
+        if not self.reference_slots:
+            return None
+        located = [self.locate(i) for i in indices]
+        shards = [load_checked(part.root, "latent", part.latent_keys[j], part.latent_shas[j]) for part, j in located]
+        return stack_references(shards, self.reference_slots, [part.sources[j] for part, j in located])
 
     def text_masks(self, indices: list[int]):
-        """As CachedDataset.text_masks, over both sets (evaluation on a run with prior images)."""
-        return training_batch(self, indices, masked_loss=False).text_mask
+        """As CachedDataset.text_masks, over both sets (evaluation on a run with prior images): the captions as
+        written, no latents."""
+        return stack_text_masks([part.text(j) for part, j in map(self.locate, indices)])
 
 
 def locate(dataset, i: int):
