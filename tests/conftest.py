@@ -51,15 +51,44 @@ def pytest_terminal_summary(terminalreporter):
 
 
 @pytest.fixture(scope="session")
-def assets(tmp_path_factory):
-    """The embedded default: tiny SD1.5 checkpoint and 8 captioned 64x64 images."""
+def assets(tmp_path_factory, tools):
+    """The embedded default: tiny SD1.5 checkpoint and 8 captioned 64x64 images (tools/embedded_default.py, run in
+    the tool worker: its ComfyUI import is the worker's)."""
     if not comfyui_available():
         pytest.skip(COMFYUI_MISSING)
     root = tmp_path_factory.mktemp("assets")
     ckpt, images = root / CHECKPOINT_NAME, root / "images"
-    subprocess.run([sys.executable, str(REPO / "tools" / "embedded_default.py"), "--checkpoint", str(ckpt),
-                    "--images", str(images)], check=True, capture_output=True, timeout=300)
+    tools("embedded_default", ["--checkpoint", ckpt, "--images", images])
     return {"checkpoint": ckpt, "images": images}
+
+
+_TINY_MODELS_BUILT: dict[Path, str] = {}  # file → the dtype it was written in, this session
+
+
+def tiny_models(tools, server, families: dict[str, str] = (), vae16: str | None = None, vae4: str | None = None,
+                wan_vae: str | None = None) -> None:
+    """Puts the tiny models (`families`: family → dtype, as models/diffusion_models/tiny_<family>.safetensors) and
+    VAEs (tiny 16- and 4-channel TAESD, the Wan VAE: the file names given, in models/vae) into the session's
+    server, each built once a session in the tool worker (tools/tiny_models.py, tools/tiny_wan_vae.py), whichever
+    module needs it first; the same seeds every time, so a file is what any module would build."""
+    unets, vaes = server.dir("models", "diffusion_models"), server.dir("models", "vae")
+    argv = []
+    for family, dtype in dict(families).items():
+        out = unets / f"tiny_{family}.safetensors"
+        if out.exists():
+            assert _TINY_MODELS_BUILT.get(out, dtype) == dtype, \
+                f"{out.name} was built in {_TINY_MODELS_BUILT[out]} this session, not {dtype}"
+            continue
+        argv.append(f"{family}:{dtype}")
+        _TINY_MODELS_BUILT[out] = dtype
+    argv = ["--out-dir", unets, "--families", *argv] if argv else []
+    for flag, name in (("--vae16", vae16), ("--vae4", vae4)):
+        if name and not (vaes / name).exists():
+            argv += [flag, vaes / name]
+    if argv:
+        tools("tiny_models", argv, timeout=900)
+    if wan_vae and not (vaes / wan_vae).exists():
+        tools("tiny_wan_vae", [vaes / wan_vae], timeout=600)
 
 
 @pytest.fixture(scope="session")
@@ -213,12 +242,15 @@ def trained_in_format(prepared):
 
 class _TrainerWorker:
     """tests/train_forked.py --serve, started on first use and kept for the session: the trainer program's main in a
-    child forked after one import, for each run (~7 s of imports saved a run)."""
+    child forked after a standby trainer's imports (ComfyUI's included), for each run (~12 s of imports saved a run
+    on 2 cores)."""
     proc: subprocess.Popen | None = None
     log: Path | None = None
 
     @classmethod
-    def run(cls, argv: list[str], cwd: Path, timeout: float, processes: int = 1) -> subprocess.CompletedProcess:
+    def run(cls, argv: list[str], cwd: Path, timeout: float, processes: int = 1, env: dict | None = None,
+            patch: str | None = None, program: str | None = None,
+            kill_on: str | None = None) -> subprocess.CompletedProcess:
         import select
         import tempfile
         if cls.proc is None or cls.proc.poll() is not None:
@@ -227,8 +259,9 @@ class _TrainerWorker:
                 cls.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "train_forked.py"), "--serve"],
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file, text=True,
                                             start_new_session=True)
-        cls.proc.stdin.write(json.dumps({"argv": argv, "cwd": str(cwd), "timeout": timeout,
-                                         "processes": processes}) + "\n")
+        cls.proc.stdin.write(json.dumps({"argv": argv, "cwd": str(cwd), "timeout": timeout, "processes": processes,
+                                         "env": env or {}, "patch": patch, "program": program,
+                                         "kill_on": kill_on}) + "\n")
         cls.proc.stdin.flush()
         ready, _, _ = select.select([cls.proc.stdout], [], [], timeout + 120)  # + the worker's own imports
         line = cls.proc.stdout.readline() if ready else ""
@@ -255,12 +288,22 @@ def pytest_sessionfinish(session, exitstatus):
     _TrainerWorker.stop()
 
 
-def run_trainer(spec_path: Path, *extra, timeout: float = 300, processes: int = 1) -> subprocess.CompletedProcess:
+def run_trainer(spec_path: Path, *extra, timeout: float = 300, processes: int = 1, env: dict | None = None,
+                patch: str | None = None, kill_on: str | None = None) -> subprocess.CompletedProcess:
     """The trainer program's main on `--config spec_path *extra`, started in the spec's folder, in a child forked
     from the session's trainer worker (the imports paid once; `processes` > 1: that many ranks, given what the
-    DeepSpeed launcher gives its ranks); stdout, stderr and exit status are the run's own. run_trainer_program
-    starts the program itself, where its start is the point."""
-    return _TrainerWorker.run(["--config", str(spec_path), *map(str, extra)], spec_path.parent, timeout, processes)
+    DeepSpeed launcher gives its ranks; `env`: variables the run gets; `patch`: tests/<patch>.py's install() runs
+    before the program's main, as tests/inject_nan.py has it; `kill_on`: an event type, the run SIGKILLed once its
+    events hold one); stdout, stderr and exit status are the run's own.
+    run_trainer_program starts the program itself, where its start is the point."""
+    return _TrainerWorker.run(["--config", str(spec_path), *map(str, extra)], spec_path.parent, timeout, processes,
+                              env, patch, kill_on=kill_on)
+
+
+def run_forked_program(name: str, argv: list, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """tests/<name>.py's main(argv) in a child forked from the session's trainer worker (tests/optimizer_runs.py:
+    the trainer's own Trainer in-process, its imports paid once)."""
+    return _TrainerWorker.run([str(a) for a in argv], cwd, timeout, program=name)
 
 
 def run_trainer_program(spec_path: Path, *extra, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -408,23 +408,34 @@ REAL_PASS_IMAGES = 64  # enough for prune to run many times beside the real enco
 
 
 @pytest.mark.comfyui
-def test_real_caching_pass_beside_prune_then_training_finishes(assets, tmp_path):
+def test_real_caching_pass_beside_prune_then_training_finishes(assets, tools, tmp_path):
+    """tools/prepare_run.py caches in its own process (a child of the session's tool worker, its imports paid
+    already, so the prunes run beside the encoding, not beside an import) while this process prunes."""
+    import threading
     from conftest import run_trainer
     images = make_images(tmp_path / "images", REAL_PASS_IMAGES, seed=11)
     run_dir = tmp_path / "run"
     root = tmp_path / "cache"  # prepare_run.py caches into the run folder's sibling "cache"
-    prepare = subprocess.Popen(
-        [sys.executable, str(REPO / "tools" / "prepare_run.py"), "--checkpoint", str(assets["checkpoint"]),
-         "--images", str(images), "--run-dir", str(run_dir), "--set", "train.steps=2", "--set",
-         "train.precision=\"fp32\"", "--set", "train.eval_quantiles=[0.5]"],  # every item still read, 1 pass each
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    argv = ["--checkpoint", assets["checkpoint"], "--images", images, "--run-dir", run_dir, "--set", "train.steps=2",
+            "--set", "train.precision=\"fp32\"", "--set", "train.eval_quantiles=[0.5]"]  # every item read, 1 pass each
+    outcome: dict = {}
+
+    def prepare_run():
+        try:
+            outcome["out"] = tools("prepare_run", argv)
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the test's thread
+            outcome["error"] = exc
+    prepare = threading.Thread(target=prepare_run)
+    prepare.start()
     pruner = CacheStore(root)
     prunes, removed = 0, 0
-    while not exited(prepare):
+    while prepare.is_alive():
         removed += pruner.prune()["removed"]
         prunes += 1
-    out, err = prepare.communicate(timeout=60)
-    assert prepare.returncode == 0, err[-3000:]
+        prepare.join(0.01)  # between prunes the writer gets a chance at SQLite's write lock (see `exited`)
+    if "error" in outcome:
+        raise outcome["error"]
+    out = outcome["out"]
     rows = intact_rows(root)
     assert len(rows) == REAL_PASS_IMAGES + 8 + 1 and removed == 0  # the 8 captions and the empty one
     manifest = store_mod.read_manifest(run_dir / "dataset.json")

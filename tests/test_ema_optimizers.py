@@ -164,10 +164,10 @@ def optimizer_runs(prepared, tmp_path_factory):
     (tests/optimizer_runs.py: the trainer's own Trainer in-process); AdamW keeps an EMA and saves it."""
     base = prepared(train__precision="fp32", train__batch_size=2, train__seed=5, adapter__rank=4,
                     adapter__dropout=0.1, train__eval_quantiles=[0.5])
+    from conftest import run_forked_program
     runs = ["adamw", "adamw:ema", "adamw8bit", *NEW_OPTIMIZERS]
-    out = subprocess.run([sys.executable, str(REPO / "tests" / "optimizer_runs.py"), str(base),
-                          str(tmp_path_factory.mktemp("optimizers")), *runs],
-                         capture_output=True, text=True, timeout=900)
+    out = run_forked_program("optimizer_runs", [base, tmp_path_factory.mktemp("optimizers"), *runs], base.parent,
+                             timeout=900)  # a child of the session's trainer worker: its imports paid once
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -3,19 +3,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import REPO, read_events, run_trainer, run_trainer_program
+from conftest import read_events, run_trainer, run_trainer_program
 
 pytestmark = pytest.mark.comfyui
 
@@ -89,16 +85,6 @@ def test_stdout_noise_never_becomes_an_event(two_step_run):
         assert json.loads(line)["v"] == 1
 
 
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_resume_after_kill_matches_uninterrupted_run_bit_for_bit(prepared):
     """fp32 on CPU: killed after the step-3 checkpoint and resumed == never interrupted."""
     common = dict(train__steps=6, train__batch_size=2, train__precision="fp32", train__save_every=3,
@@ -108,15 +94,9 @@ def test_resume_after_kill_matches_uninterrupted_run_bit_for_bit(prepared):
 
     interrupted = prepared(**common)
     run_dir = interrupted.parent
-    proc = subprocess.Popen([sys.executable, str(REPO / "trainer"), "--config", str(interrupted)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        _wait_for(lambda: any(e["type"] == "checkpoint" for e in read_events(run_dir)), 240, "checkpoint event")
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    killed = run_trainer(interrupted, kill_on="checkpoint")  # SIGKILLed once its step-3 checkpoint event is written
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert any(e["type"] == "checkpoint" for e in read_events(run_dir))
     assert not (run_dir / "lora.safetensors").exists()
     spec_before = interrupted.read_text()
     resumed = run_trainer(interrupted, "--resume", "latest")
@@ -187,9 +167,7 @@ def test_continue_from_an_adapter_file_starts_where_it_ended(prepared, trained_i
 def test_nan_at_step_3_ends_the_run_and_step_2_resumes(prepared):
     spec = prepared(train__steps=4, train__save_every=1, train__precision="fp32", adapter__rank=4, **ONE_QUANTILE)
     run_dir = spec.parent
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "inject_nan.py"), "--config", str(spec)],
-                          capture_output=True, text=True, timeout=300, cwd=run_dir,
-                          env=dict(os.environ, INGRAPH_NAN_AT_STEP="3"))
+    proc = run_trainer(spec, env={"INGRAPH_NAN_AT_STEP": "3"}, patch="inject_nan")  # forked, its loss patched
     events = read_events(run_dir)
     assert [e["step"] for e in events if e["type"] == "step"] == [1, 2], proc.stderr[-3000:]  # it really trained
     assert proc.returncode != 0

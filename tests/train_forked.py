@@ -1,12 +1,12 @@
-"""Runs the trainer program's main in children forked from one process that did the program's imports once (~7 s of
-ComfyUI, torch, DeepSpeed and peft on 2 cores): each run starts from the same fresh process image, as
-`python trainer --config SPEC` would, without paying the imports again.
+"""Runs the trainer program's main in children forked from one process that did the program's imports once (~12 s of
+ComfyUI, torch, DeepSpeed and peft on 2 cores: those a standby trainer does, trainer/standby.py's warm_up): each run
+starts from the same fresh process image, as a run handed to a standby does, without paying the imports again.
 
     python tests/train_forked.py SPEC [SPEC ...]     each spec in turn; the last line printed is {spec: exit status}
     python tests/train_forked.py --serve             one JSON request a line in, one JSON answer a line out
 
 --serve is conftest's session trainer worker (run_trainer, run_trainers_forked): a request
-{"argv": [...], "cwd": DIR, "timeout": S, "processes": N} runs the program's main on that argv in a forked child
+{"argv": [...], "cwd": DIR, "timeout": S, "processes": N, "env": {...}, "patch": MODULE, "program": MODULE, "kill_on": EVENT} runs the program's main on that argv in a forked child
 (N > 1: N ranks, as the DeepSpeed launcher starts them on one machine) whose stdout and stderr are its own files,
 killed by SIGALRM after S seconds; the answer is {"returncode", "stdout", "stderr"}.
 The program's own start (its imports, `python trainer` as a path) is still what the standby, trainer-program
@@ -29,16 +29,27 @@ _bootstrap()
 from ingraph_trainer.trainer import main as trainer_main  # noqa: E402
 
 trainer_main.hide_optional_modules()  # as the program does before its imports
-import ingraph_trainer.trainer.evaluation  # noqa: E402,F401
-import ingraph_trainer.trainer.loop  # noqa: E402,F401
+
+
+def warm_up():
+    """A standby trainer's imports (trainer/standby.py), the launching ComfyUI's included (without them every run
+    paid ComfyUI's import, ~5 s on 2 cores, again in its child); logging configured first, as a standby does."""
+    from ingraph_trainer.trainer.standby import warm_up as standby_warm_up
+    trainer_main.configure_logging()
+    standby_warm_up()
 
 
 def run_forked(argv: list[str], cwd: str, timeout: float = 0, output: tuple[int, int] | None = None,
-               processes: int = 1) -> int:
+               processes: int = 1, env: dict[str, str] | None = None, patch: str | None = None,
+               program: str | None = None, kill_on: str | None = None) -> int:
     """The program's main on argv in forked children started in cwd; the exit status (negative: killed by that
     signal). `output`: file descriptors the children's stdout and stderr go to. `processes` > 1: that many ranks
     of one machine, each given the variables and `--local_rank` the DeepSpeed launcher gives its ranks; when one
-    fails the others are killed, as that launcher does."""
+    fails the others are killed, as that launcher does. `env`: variables set in the children; `patch`: a module
+    beside this file whose install() the children call before main (tests/inject_nan.py); `program`: a module
+    beside this file whose main(argv) runs instead of the trainer's (tests/optimizer_runs.py), the optional modules
+    importable, as in a script of its own; `kill_on`: an event type: once the run's events.jsonl (in cwd) holds one,
+    the children are SIGKILLed (tests of a killed run)."""
     sys.stdout.flush()
     sys.stderr.flush()
     rank_env = {}
@@ -66,9 +77,23 @@ def run_forked(argv: list[str], cwd: str, timeout: float = 0, output: tuple[int,
                 os.chdir(cwd)  # where run_trainer starts the program
                 if rank_env:
                     os.environ.update(rank_env, RANK=str(rank), LOCAL_RANK=str(rank))
-                rc = trainer_main.main([*argv, f"--local_rank={rank}"] if rank_env else argv)
+                os.environ.update(env or {})
+                if patch:
+                    import importlib
+                    importlib.import_module(patch).install()
+                if program:
+                    for name in trainer_main.OPTIONAL_MODULES:  # a script of its own never hid them
+                        if name in sys.modules and sys.modules[name] is None:
+                            del sys.modules[name]
+                    import importlib
+                    rc = importlib.import_module(program).main(argv) or 0
+                else:
+                    rc = trainer_main.main([*argv, f"--local_rank={rank}"] if rank_env else argv)
             except SystemExit as exc:  # argparse's errors, as the program would exit with them
                 rc = exc.code if isinstance(exc.code, int) else 1
+            except BaseException:  # as an uncaught exception ends a program: the traceback on stderr, status 1
+                import traceback
+                traceback.print_exc()
             finally:
                 sys.stdout.flush()
                 sys.stderr.flush()
@@ -76,7 +101,16 @@ def run_forked(argv: list[str], cwd: str, timeout: float = 0, output: tuple[int,
         pids.append(pid)
     status = 0
     while pids:
-        pid, wait_status = os.wait()
+        pid, wait_status = os.waitpid(-1, os.WNOHANG if kill_on else 0)
+        if pid == 0:  # kill_on: all still running
+            if _has_event(Path(cwd) / "events.jsonl", kill_on):
+                for child in pids:
+                    os.kill(child, 9)
+                kill_on = None
+            else:
+                import time
+                time.sleep(0.05)
+            continue
         if pid not in pids:
             continue
         pids.remove(pid)
@@ -91,16 +125,32 @@ def run_forked(argv: list[str], cwd: str, timeout: float = 0, output: tuple[int,
     return status
 
 
+def _has_event(path: Path, kind: str) -> bool:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        try:
+            if json.loads(line).get("type") == kind:
+                return True
+        except ValueError:  # a line being written
+            pass
+    return False
+
+
 def serve() -> None:
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # what the imports print goes to the log, never into the answers
     sys.stdout = sys.stderr
+    warm_up()
     for line in sys.stdin:
         request = json.loads(line)
         with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as out, \
                 tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as err:
             rc = run_forked(request["argv"], request["cwd"], request.get("timeout", 0), (out.fileno(), err.fileno()),
-                            request.get("processes", 1))
+                            request.get("processes", 1), request.get("env"), request.get("patch"),
+                            request.get("program"), request.get("kill_on"))
             texts = []
             for f in (out, err):
                 f.seek(0)
@@ -112,6 +162,7 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--serve"]:
         serve()
         sys.exit(0)
+    warm_up()
     # every run is tried (one failing does not hide the others' results); the last line maps spec to exit status
     statuses = {spec: run_forked(["--config", spec], str(Path(spec).parent)) for spec in sys.argv[1:]}
     print(json.dumps(statuses))
