@@ -8,31 +8,23 @@ KSampler samples it again: the same latent to the bit, and no module of the live
 """
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from conftest import IMAGE_FOLDER, REPO, evaluate_on_one_image
+from conftest import IMAGE_FOLDER, evaluate_on_one_image, tiny_models
 from test_model_families import FAMILIES, FAMILY_FOLDER, run_events, sampling_graph, saved_latent, training_graph
 
 pytestmark = pytest.mark.comfyui
 
 
 @pytest.fixture(scope="module")
-def flux_model(comfy):
-    """The tiny Flux in models/diffusion_models and its VAE (made by test_model_families' fixture already when
-    that module ran first in this session), two captioned images."""
-    unets, vaes = comfy.dir("models", "diffusion_models"), comfy.dir("models", "vae")
+def flux_model(comfy, tools):
+    """The tiny Flux in models/diffusion_models and its VAE (conftest.tiny_models: built once a session, by
+    whichever module needs it first), two captioned images."""
     images = comfy.dir("input", FAMILY_FOLDER)
     for source in sorted(comfy.dir("input", IMAGE_FOLDER).iterdir())[:4]:
         (images / source.name).write_bytes(source.read_bytes())
-    vae = FAMILIES["flux"][0]
-    if not (unets / "tiny_flux.safetensors").exists() or not (vaes / vae).exists():
-        subprocess.run([sys.executable, str(REPO / "tools" / "tiny_models.py"), "--out-dir", str(unets),
-                        "--families", f"flux:{FAMILIES['flux'][1]}", "--vae16", str(vaes / vae)],
-                       check=True, capture_output=True, timeout=600)
+    tiny_models(tools, comfy, {"flux": FAMILIES["flux"][1]}, vae16=FAMILIES["flux"][0])
     return comfy
 
 

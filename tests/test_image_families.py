@@ -14,7 +14,6 @@ as its width, so the smallest model it detects is the full 17B one.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import IMAGE_FOLDER, REPO
+from conftest import IMAGE_FOLDER, REPO, tiny_models
 from test_model_families import sampling_graph, saved_latent, training_graph
 
 pytestmark = pytest.mark.comfyui
@@ -55,12 +54,11 @@ CHAINS = {"lumina2": ("lumina2", "tiny_taesd16.safetensors", SINGLE_FOLDER),
 
 
 @pytest.fixture(scope="module")
-def image_family_models(comfy):
+def image_family_models(comfy, tools):
     """Tiny Qwen-Image, Chroma and Lumina 2 models in the server's diffusion_models folder (bf16), and what the
     graph test needs beside them where test_model_families or test_video_data did not leave it: the tiny Flux, the
     16-channel TAESD, the tiny Wan VAE; one image alone, and with a reference image."""
     from PIL import Image, ImageOps
-    unets, vaes = comfy.dir("models", "diffusion_models"), comfy.dir("models", "vae")
     edit = comfy.dir("input", EDIT_FOLDER)
     for source in sorted(comfy.dir("input", IMAGE_FOLDER).iterdir())[:2]:  # the first image and its caption
         for folder in (edit, comfy.dir("input", SINGLE_FOLDER)):
@@ -69,15 +67,8 @@ def image_family_models(comfy):
             mirrored = ImageOps.mirror(Image.open(source).convert("RGB"))
             mirrored.save(edit / f"{source.stem}.ref.png")
             mirrored.save(comfy.dir("input") / EDIT_REFERENCE)
-    families = [*(f"{family}:bf16" for family in IMAGE_FAMILIES),
-                *(["flux:bf16"] if not (unets / "tiny_flux.safetensors").exists() else [])]
-    command = [sys.executable, str(REPO / "tools" / "tiny_models.py"), "--out-dir", str(unets), "--families", *families]
-    if not (vaes / "tiny_taesd16.safetensors").exists():
-        command += ["--vae16", str(vaes / "tiny_taesd16.safetensors")]
-    subprocess.run(command, check=True, capture_output=True, timeout=900)
-    if not (vaes / "tiny_wan_vae.safetensors").exists():
-        subprocess.run([sys.executable, str(REPO / "tools" / "tiny_wan_vae.py"),
-                        str(vaes / "tiny_wan_vae.safetensors")], check=True, capture_output=True, timeout=600)
+    tiny_models(tools, comfy, {**{family: "bf16" for family in IMAGE_FAMILIES}, "flux": "bf16"},
+                vae16="tiny_taesd16.safetensors", wan_vae="tiny_wan_vae.safetensors")
     return comfy
 
 

@@ -8,7 +8,6 @@ stock graph: UNETLoader, VAELoader, the pack's cache and Train nodes, LoraLoader
 """
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import IMAGE_FOLDER, REPO, evaluate_on_one_image
+from conftest import IMAGE_FOLDER, REPO, evaluate_on_one_image, tiny_models
 
 FAMILY_FOLDER = "ingraph_family"  # two of the example images: evaluation before and after costs 10 forward passes
 
@@ -28,16 +27,14 @@ FAMILIES = {"sdxl": ("tiny_taesd4.safetensors", "fp32"), "sd3": ("tiny_taesd16.s
 
 
 @pytest.fixture(scope="module")
-def family_models(comfy):
-    """Tiny models of every family in the server's models/diffusion_models, VAEs in models/vae."""
-    unets, vaes = comfy.dir("models", "diffusion_models"), comfy.dir("models", "vae")
+def family_models(comfy, tools):
+    """Tiny models of every family in the server's models/diffusion_models, VAEs in models/vae (conftest.tiny_models:
+    those another module built this session are not built again)."""
     images = comfy.dir("input", FAMILY_FOLDER)
     for source in sorted(comfy.dir("input", IMAGE_FOLDER).iterdir())[:4]:  # two images and their captions
         (images / source.name).write_bytes(source.read_bytes())
-    subprocess.run([sys.executable, str(REPO / "tools" / "tiny_models.py"), "--out-dir", str(unets), "--families",
-                    *(f"{family}:{dtype}" for family, (_, dtype) in FAMILIES.items()),
-                    "--vae16", str(vaes / "tiny_taesd16.safetensors"), "--vae4", str(vaes / "tiny_taesd4.safetensors")],
-                   check=True, capture_output=True, timeout=600)
+    tiny_models(tools, comfy, {family: dtype for family, (_, dtype) in FAMILIES.items()},
+                vae16="tiny_taesd16.safetensors", vae4="tiny_taesd4.safetensors")
     return comfy
 
 

@@ -590,23 +590,15 @@ VIDEO_FOLDER = "ingraph_video"
 
 
 @pytest.mark.comfyui
-def test_wan_trains_on_clips_and_an_image_through_the_graph(comfy, client):
+def test_wan_trains_on_clips_and_an_image_through_the_graph(comfy, client, tools):
     """A 17-frame clip, a 6-frame clip and two images, frame buckets 1 and 17: Cache Latents encodes the long clip
     with ComfyUI's own Wan VAE into a 5-latent-frame video latent (the short one becomes a 1-frame item beside the
     images), Wan trains 2 steps, one per bucket, the events naming both, and the stock text-to-video graph
     (EmptyHunyuanLatentVideo, KSampler) with the LoRA gives another video than without it."""
-    import subprocess
-    import sys
-    from conftest import REPO
+    from conftest import tiny_models
     from ingraph_trainer.trainer.data import load_cached_dataset
 
-    unets, vaes = comfy.dir("models", "diffusion_models"), comfy.dir("models", "vae")
-    if not (unets / "tiny_wan.safetensors").exists():
-        subprocess.run([sys.executable, str(REPO / "tools" / "tiny_models.py"), "--out-dir", str(unets),
-                        "--families", "wan"], check=True, capture_output=True, timeout=300)
-    if not (vaes / "tiny_wan_vae.safetensors").exists():  # test_video_families.py may have built it already
-        subprocess.run([sys.executable, str(REPO / "tools" / "tiny_wan_vae.py"),
-                        str(vaes / "tiny_wan_vae.safetensors")], check=True, capture_output=True, timeout=300)
+    tiny_models(tools, comfy, {"wan": "fp32"}, wan_vae="tiny_wan_vae.safetensors")  # once a session, any module
     folder = comfy.dir("input", VIDEO_FOLDER)
     write_video(folder / "walk.mp4", 17, fps=8)
     write_video(folder / "turn.mp4", 6, fps=8)
