@@ -48,8 +48,11 @@ class SD3Family(ModelFamily):
                                                "params": {"in_features": context_dim, "out_features": 64 * depth}},
                       operations=comfy.ops.disable_weight_init)
         init_weights(model, seed)
-        with torch.no_grad():  # a buffer ComfyUI leaves empty (checkpoints carry it): small random positions
-            model.pos_embed.copy_(torch.randn(model.pos_embed.shape, generator=torch.Generator().manual_seed(seed)) * 0.02)
+        # a buffer ComfyUI leaves empty (checkpoints carry it) and training never updates: SD3's own 2-D sin-cos
+        # positions at unit scale (small random ones leave the model blind to where a patch is)
+        from comfy.ldm.modules.diffusionmodules.mmdit import get_2d_sincos_pos_embed
+        with torch.no_grad():
+            model.pos_embed.copy_(torch.from_numpy(get_2d_sincos_pos_embed(64 * depth, pos_embed_max_size)).unsqueeze(0))
         return {k: v.contiguous() for k, v in model.state_dict().items()}
 
 
