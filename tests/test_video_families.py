@@ -374,22 +374,19 @@ def test_every_video_family_trains_in_one_graph_and_loads_in_lora_loader(video_m
 
 
 def test_wan_i2v_trains_on_a_clip_with_its_start_image_and_works_in_the_stock_i2v_graph(video_models_in_server,
-                                                                                        client):
+                                                                                        client, tools):
     """A 17-frame clip with a start image beside it (walk.ref.png), cached with ComfyUI's own Wan VAE: the clip as a
     5-latent-frame video latent, the start image as WanImageToVideo encodes it (5 latent frames too). The Wan 2.2
     i2v model trains 2 steps on them, and the stock image-to-video graph (LoadImage → WanImageToVideo → KSampler)
     with the LoRA through LoraLoaderModelOnly makes another video than without it."""
     import shutil
-    import subprocess
 
+    from conftest import tiny_models
     from test_video_data import SIDE, write_image, write_video
 
     from ingraph_trainer.trainer.data import load_cached_dataset
     comfy, stem = video_models_in_server, "tiny_wan22_i2v"
-    vaes = comfy.dir("models", "vae")
-    if not (vaes / "tiny_wan_vae.safetensors").exists():  # test_video_data.py may have built it in this session
-        subprocess.run([sys.executable, str(REPO / "tools" / "tiny_wan_vae.py"),
-                        str(vaes / "tiny_wan_vae.safetensors")], check=True, capture_output=True, timeout=300)
+    tiny_models(tools, comfy, wan_vae="tiny_wan_vae.safetensors")  # once a session, whichever module needs it first
     folder = comfy.dir("input", "ingraph_video_start")
     write_video(folder / "walk.mp4", 17, fps=8)
     (folder / "walk.txt").write_text("a walk, ingraph style")
