@@ -1,13 +1,21 @@
 """Distillation quality (issue 16): a tiny teacher the pack trains from scratch, distilled by the trainer program
-into a 4-step student, whose 1-step and 4-step samples are at most half as far from the teacher's 25-step samples
-as the teacher's own 1-step and 4-step samples are.
+into a 4-step student, whose 1-step and 4-step samples should be at most half as far from the teacher's 25-step
+samples as the teacher's own 1-step and 4-step samples are.
 
-How (tools/distill_quality.py, one process, the trainer runs forked from it): four captions, each a pattern at
-one of several places (64x64 images, a random 16-channel TAESD, a synthetic text encoder); the New Model builder's
-SD3 trained from scratch (adapter kind full), then distilled (task distill, the student full); samples from
-ComfyUI's KSampler path (teacher: euler / normal at its CFG; student: lcm / sgm_uniform, CFG 1). The Fréchet
-distance is on latents: each 16x8x8 sample latent flattened and mapped by a fixed Gaussian random projection to
-64 dimensions, 512 samples per set (128 per caption).
+How (tools/distill_quality.py, one process, the trainer runs forked from it): four captions, each a pattern in four
+variants over a fine random texture (64x64 images, a random 16-channel TAESD, a synthetic text encoder); the New
+Model builder's SD3 trained from scratch (adapter kind full), then distilled (task distill, the student full);
+samples from ComfyUI's KSampler path (teacher: euler / normal, CFG 1; student: lcm / sgm_uniform, CFG 1). The
+Fréchet distance is on latents: each 16x8x8 sample latent flattened and mapped by a fixed Gaussian random
+projection to 8 dimensions, 512 samples per set (128 per caption).
+
+The 1-step rule holds (student ~0.26x the teacher's distance); the 4-step rule does not yet (~0.75x): the student
+restores the within-caption spread the teacher's 4 Euler steps lose, but its per-caption means sit off the
+reference's by about 3 times what two 25-step sets differ by, with CFG or without, at 300 or 600 updates. That test
+is a strict xfail: it fails the suite the day the rule holds, so that the mark goes.
+
+About 90 s on two quiet cores (the teacher's sampling runs beside the distillation); INGRAPH_SKIP_DISTILL_QUALITY=1
+leaves it out.
 """
 from __future__ import annotations
 
@@ -20,32 +28,41 @@ import pytest
 
 from conftest import ARTIFACTS, REPO
 
-# Opt-in: about 3 minutes on 2 cores, beyond the suite's budget, and it FAILS its 4-step rule today. This teacher
-# does not use its caption at high noise (its denoising error at sigma 0.9 is the dataset mean's), so its own
-# 4-step samples are already within 1.6x of the 25-step floor and no student can be half as far. Run it with
-# INGRAPH_DISTILL_QUALITY=1 .venv/bin/python -m pytest -q tests/test_distill_quality.py
-quality_test_marks = [pytest.mark.comfyui,
-              pytest.mark.skipif(os.environ.get("INGRAPH_DISTILL_QUALITY") != "1",
-                                 reason="distillation quality is opt-in (INGRAPH_DISTILL_QUALITY=1; ~3 min; its "
-                                        "4-step rule fails with today's teacher, see the module docstring)")]
+skip_quality = pytest.mark.skipif(os.environ.get("INGRAPH_SKIP_DISTILL_QUALITY") == "1",
+                                  reason="INGRAPH_SKIP_DISTILL_QUALITY=1 (the quality check takes ~90 s)")
 
 
-@quality_test_marks[0]
-@quality_test_marks[1]
-def test_distilled_student_is_twice_as_close_to_the_teacher_as_its_own_few_step_samples(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "distill_quality.py"), "--work", str(tmp_path)],
-                          capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+@pytest.fixture(scope="module")
+def figures(tmp_path_factory):
+    """The quality check's figures (one run of tools/distill_quality.py for the module)."""
+    work = tmp_path_factory.mktemp("distill_quality")
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "distill_quality.py"), "--work", str(work)],
+                          capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
-    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    (ARTIFACTS / "distill_quality.json").write_text(json.dumps(figures, indent=1))
-    # the check can tell: the teacher's 25-step samples are far from noise, and its one step far from them, against
-    # the distance between two independent 25-step sets (what sampling alone leaves)
-    assert figures["fd_noise"] > 10 * figures["fd_teacher25_floor"], figures
-    assert figures["fd_teacher1"] > 2 * figures["fd_teacher25_floor"], figures
-    for steps in (1, 4):
-        assert figures[f"fd_student{steps}"] <= 0.5 * figures[f"fd_teacher{steps}"], (steps, figures)
+    (ARTIFACTS / "distill_quality.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+@pytest.mark.comfyui
+@skip_quality
+def test_teacher_is_far_from_noise_and_a_distilled_one_step_student_twice_as_close_as_its_own_step(figures):
+    # the check can tell: the teacher's 25-step samples are far from noise, and its own 1 and 4 steps far from them,
+    # against the distance between two independent 25-step sets (what sampling alone leaves)
+    floor = figures["fd_teacher25_floor"]
+    assert figures["fd_noise"] > 100 * floor, figures
+    assert figures["fd_teacher1"] > 3 * floor and figures["fd_teacher4"] > 3 * floor, figures
+    assert figures["samples"] >= 256, figures
+    assert figures["fd_student1"] <= 0.5 * figures["fd_teacher1"], figures
+
+
+@pytest.mark.comfyui
+@skip_quality
+@pytest.mark.xfail(strict=True, reason="issue 16: the 4-step student is ~0.75x the teacher's 4-step distance, not "
+                                       "0.5x (its per-caption means are off; see the module docstring)")
+def test_distilled_four_step_student_twice_as_close_as_the_teachers_four_steps(figures):
+    assert figures["fd_student4"] <= 0.5 * figures["fd_teacher4"], figures
 
 
 def test_scratch_sd3_positions_are_as_large_as_its_patch_embeddings():

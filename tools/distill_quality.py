@@ -1,22 +1,24 @@
 """The distillation quality check (issue 16): a tiny teacher trained from scratch, distilled into a few-step student,
 and the Fréchet distance of each few-step sample set to the teacher's 25-step samples.
 
-    python tools/distill_quality.py --work DIR [--samples 256 --teacher-steps 800 --reuse-teacher
-        --set train.steps=300 --set distill.fake_updates=5 ...]
+    python tools/distill_quality.py --work DIR [--samples 512 --teacher-steps 800 --reuse-teacher
+        --set train.steps=300 --set distill.fake_updates=5 ... | --student-is-teacher | --no-distill]
 
 Everything is the pack's own: the dataset is a folder of captioned 64x64 images with visible structure (four
-captions, each a pattern in four variants), cached through the cache code with a 16-channel TAESD
-(tools/tiny_models.py, at vae_scale 0.25) and a synthetic text encoder (tests/comfy_nodes: a fixed pseudo-random
-embedding per caption, the tiny SD3's widths). The teacher is the New Model builder's SD3 (trainer/models
-SCRATCH_FAMILIES) at one joint block, trained from scratch by the trainer program (adapter kind "full", 20% of
-samples on the empty caption so that it has an unconditional score for CFG), then distilled by the trainer program
-(task "distill", DISTILL_SETTINGS, each overridable with --set). Samples come from ComfyUI's own KSampler path (comfy.sample.sample): the teacher with euler / normal
-and its CFG (the empty caption's embedding as the negative), the student with lcm / sgm_uniform at CFG 1.
+captions, each a pattern in four variants over a fine random texture, 64 images each), cached through the cache
+code with a 16-channel TAESD (tools/tiny_models.py, at vae_scale 0.25) and a synthetic text encoder
+(tests/comfy_nodes: a fixed pseudo-random embedding per caption, the tiny SD3's widths). The teacher is the New
+Model builder's SD3 (trainer/models SCRATCH_FAMILIES) at one joint block, trained from scratch by the trainer
+program (adapter kind "full", 20% of samples on the empty caption), then distilled by the trainer program (task
+"distill", DISTILL_SETTINGS, each overridable with --set). Samples come from ComfyUI's own KSampler path
+(comfy.sample.sample): the teacher with euler / normal at TEACHER_CFG, the student with lcm / sgm_uniform at CFG 1.
+The teacher's sets are sampled in a child while the student distils (two cores).
 
 The distance is on latents: each 16x8x8 sample latent (flattened, 1024 values) is mapped by one fixed Gaussian
-random projection (seed 0) to FEATURE_DIM = 64 dimensions, a size 512 samples estimate a covariance of; the
-Fréchet distance of the two Gaussians fitted to the features is computed in float64 with the matrix square root
-taken by eigen-decomposition. The last line printed is a JSON object with every figure.
+random projection (seed 0) to FEATURE_DIM = 8 dimensions; the Fréchet distance of the two Gaussians fitted to the
+features is computed in float64 with the matrix square root taken by eigen-decomposition. "fd_teacher25_floor" is
+the distance between two 25-step sets from different noise: what finite sampling alone leaves. The last line
+printed is a JSON object with every figure; the sample sets are kept in DIR/sample_sets.pt.
 
 Trainer runs are children forked from this process after one import of the trainer program (as
 tests/train_forked.py does), so the check pays ComfyUI's and the trainer's imports once.
@@ -36,19 +38,26 @@ sys.path.insert(0, str(REPO))
 
 from tools.bootstrap import bootstrap  # noqa: E402
 
-FEATURE_DIM = 64
+# 8 random features: the bias of a Fréchet distance between two finite sets of one distribution grows as
+# FEATURE_DIM^2 / samples, while a spread the few-step samples lack adds about FEATURE_DIM times its share; at 512
+# samples the 25-step floor is ~0.02 here at 8 features (2.1 at 64)
+FEATURE_DIM = 8
 RESOLUTION = 64  # 64x64 images: 16x8x8 latents
-# four captions, each a pattern in four variants (_pattern)
+# four captions, each a pattern in four variants (_pattern) at CONTRAST, over a fine TEXTURE: one random level per
+# 8x8 block (one latent pixel) and colour channel, a spread that a 4-step Euler sampler averages away (it keeps
+# ~55% of the 25-step samples' within-caption variance here, its 1 step ~40%)
 CAPTIONS = ("a red square", "blue stripes", "a green cross", "a yellow gradient")
-TEACHER_CFG = 2.0
+CONTRAST, TEXTURE, TEXTURE_BLOCK = 0.6, 0.5, 8
+# no guidance: the distribution the 25-step reference samples is then the one DMD's real score describes (with CFG 2
+# the student's per-caption means drifted from the reference's by 3 to 5 times the floor's)
+TEACHER_CFG = 1.0
 REFERENCE_STEPS = 25
-# the distillation: a full-weight 4-step student (sampled at 1 and 4 steps) with the reference's guidance; tuned on
-# this teacher (generator and fake-score learning rates 2e-4, 2 fake updates, 200 updates: the student's 1-step
-# distance 17.6 against the teacher's 14.3; at 5e-4, 5 fake updates and 300 updates: 6.85)
+# the distillation: a full-weight 4-step student (sampled at 1 and 4 steps); 30 regression updates first (its
+# per-caption means start near the data's); tuned on this teacher, see the module docstring for the figures
 DISTILL_SETTINGS = {"adapter.kind": "full", "train.steps": 300, "train.batch_size": 16, "train.learning_rate": 5e-4,
                     "train.lr_schedule": "constant", "train.weight_decay": 0.0, "distill.student_steps": 4,
                     "distill.guidance_scale": TEACHER_CFG, "distill.fake_learning_rate": 5e-4,
-                    "distill.fake_updates": 5}
+                    "distill.fake_updates": 5, "distill.regression_steps": 30}
 
 
 def _pattern(caption_index: int, rng) -> "np.ndarray":
@@ -74,6 +83,8 @@ def _pattern(caption_index: int, rng) -> "np.ndarray":
         ramp = ramp if a else ramp[::-1]
         img[:, :, 0] = ramp[None, :] if b else ramp[:, None]
         img[:, :, 1] = img[:, :, 0]
+    blocks = rng.standard_normal((RESOLUTION // TEXTURE_BLOCK, RESOLUTION // TEXTURE_BLOCK, 3)).astype(np.float32)
+    img = np.clip(0.5 + CONTRAST * (img - 0.5) + TEXTURE * blocks.repeat(TEXTURE_BLOCK, 0).repeat(TEXTURE_BLOCK, 1), 0, 1)
     return img
 
 
@@ -158,10 +169,11 @@ def write_run(work: Path, name: str, model_path: Path, dataset, overrides: dict,
     return spec_path
 
 
-def in_child(fn, *args, log: Path | None = None):
-    """fn(*args) in a child forked from this process; returns what it returns (pickled through a pipe). Every step
-    that computes with torch runs in a child until sampling: a process whose OpenMP threads have run cannot fork
-    a child that computes (libgomp's pool hangs in it), so the parent only imports until it samples."""
+def start_child(fn, *args, log: Path | None = None):
+    """fn(*args) in a child forked from this process, running while the caller goes on; finish_child(handle)
+    returns what it returned (pickled through a pipe). Every step that computes with torch runs in a child: a
+    process whose OpenMP threads have run cannot fork a child that computes (libgomp's pool hangs in it), so the
+    parent only imports and forks."""
     import pickle
     import traceback
     sys.stdout.flush()
@@ -186,15 +198,26 @@ def in_child(fn, *args, log: Path | None = None):
             sys.stderr.flush()
             os._exit(0)
     os.close(write_fd)
+    return fn.__name__, pid, read_fd
+
+
+def finish_child(handle):
+    import pickle
+    name, pid, read_fd = handle
     with os.fdopen(read_fd, "rb") as pipe:
         data = pipe.read()
     status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     if not data:
-        raise RuntimeError(f"{fn.__name__} died in its child (exit status {status})")
+        raise RuntimeError(f"{name} died in its child (exit status {status})")
     ok, value = pickle.loads(data)
     if not ok:
-        raise RuntimeError(f"{fn.__name__} failed in its child: {value}")
+        raise RuntimeError(f"{name} failed in its child: {value}")
     return value
+
+
+def in_child(fn, *args, log: Path | None = None):
+    """fn(*args) in a forked child (start_child), waited for."""
+    return finish_child(start_child(fn, *args, log=log))
 
 
 def _trainer_program(spec_path: Path) -> int:
@@ -251,6 +274,26 @@ def sample_latents(model_path: Path, clip, count: int, steps: int, cfg: float, s
     return torch.cat(out).float()
 
 
+def sample_teacher_sets(teacher: Path, n: int) -> dict:
+    """The teacher's sample sets, euler / normal at its CFG: the 25-step reference, a second 25-step set from other
+    noise (the floor: what sampling alone leaves), and its own 1-step and 4-step sets."""
+    t0 = time.perf_counter()
+    clip = synthetic_sd3_clip()
+    sets = {name: sample_latents(teacher, clip, n, steps, TEACHER_CFG, "euler", "normal", seed=seed)
+            for name, steps, seed in (("reference", REFERENCE_STEPS, 1000), ("teacher25_floor", REFERENCE_STEPS, 5000),
+                                      ("teacher1", 1, 2000), ("teacher4", 4, 2000))}
+    return {**sets, "sampling_s": time.perf_counter() - t0}
+
+
+def sample_student_sets(student: Path, n: int) -> dict:
+    """The student's 1-step and 4-step sets, lcm / sgm_uniform at CFG 1 (as it was distilled to be sampled)."""
+    t0 = time.perf_counter()
+    clip = synthetic_sd3_clip()
+    sets = {f"student{steps}": sample_latents(student, clip, n, steps, 1.0, "lcm", "sgm_uniform", seed=2000)
+            for steps in (1, 4)}
+    return {**sets, "student_sampling_s": time.perf_counter() - t0}
+
+
 def features(latents):
     """The fixed random projection of flattened latents to FEATURE_DIM dimensions (float64 numpy)."""
     import numpy as np
@@ -276,7 +319,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--samples", type=int, default=512, help="samples per set (the 25-step floor halves from 256)")
-    parser.add_argument("--per-caption", type=int, default=16, help="training images per caption")
+    parser.add_argument("--per-caption", type=int, default=64, help="training images per caption")
     parser.add_argument("--teacher-steps", type=int, default=800)
     parser.add_argument("--teacher-lr", type=float, default=3e-3)
     parser.add_argument("--batch", type=int, default=32, help="the teacher's batch size")
@@ -285,7 +328,12 @@ def main(argv=None):
     parser.add_argument("--no-distill", action="store_true", help="the teacher's figures only")
     parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=JSON",
                         help="a distillation spec field (e.g. distill.fake_updates=5, train.steps=300)")
+    parser.add_argument("--cfg", type=float, default=TEACHER_CFG, help="the teacher's guidance (sampling, real score)")
+    parser.add_argument("--student-is-teacher", action="store_true",
+                        help="no distillation: the teacher sampled as the student is (the check must fail then)")
+    parser.add_argument("--feature-dim", type=int, default=FEATURE_DIM)
     opts = parser.parse_args(argv)
+    globals().update(TEACHER_CFG=opts.cfg, FEATURE_DIM=opts.feature_dim)
     t_start = time.perf_counter()
     # one thread: this model's tensors are too small to share, and two threads' synchronisation per operation
     # costs more than the operation (many times more on a machine that is busy with other work)
@@ -312,9 +360,14 @@ def main(argv=None):
     figures["teacher_eval_loss"] = [evals[0], evals[-1]]
     teacher = teacher_spec.parent / "teacher.safetensors"
 
+    n = opts.samples
+    teacher_sampling = start_child(sample_teacher_sets, teacher, n)
     student = None
-    if not opts.no_distill:
-        settings = {**DISTILL_SETTINGS, **{k: json.loads(v) for k, v in (item.split("=", 1) for item in opts.set)}}
+    if opts.student_is_teacher:
+        student = teacher
+    elif not opts.no_distill:
+        settings = {**DISTILL_SETTINGS, "distill.guidance_scale": TEACHER_CFG,
+                    **{k: json.loads(v) for k, v in (item.split("=", 1) for item in opts.set)}}
         import shutil
         shutil.rmtree(work / "student", ignore_errors=True)
         distill_spec = write_run(work, "student", teacher, dataset, {**common, **settings}, task="distill")
@@ -324,22 +377,17 @@ def main(argv=None):
         figures["distill_losses"] = {k: [steps[0].get(k), steps[-1].get(k)] for k in ("dmd_loss", "fake_loss")}
         student = distill_spec.parent / "student.safetensors"
 
-    # sampling last: this process computes only once every child has been forked (in_child)
-    t0 = time.perf_counter()
-    clip = synthetic_sd3_clip()
-    n = opts.samples
-    reference = features(sample_latents(teacher, clip, n, REFERENCE_STEPS, TEACHER_CFG, "euler", "normal", seed=1000))
-    second = features(sample_latents(teacher, clip, n, REFERENCE_STEPS, TEACHER_CFG, "euler", "normal", seed=5000))
-    figures["fd_teacher25_floor"] = frechet_distance(second, reference)  # two independent 25-step sets
-    noise = torch.randn((n, 16, RESOLUTION // 8, RESOLUTION // 8), generator=torch.Generator().manual_seed(7))
-    figures["fd_noise"] = frechet_distance(features(noise), reference)
-    for steps in (1, 4):
-        got = features(sample_latents(teacher, clip, n, steps, TEACHER_CFG, "euler", "normal", seed=2000))
-        figures[f"fd_teacher{steps}"] = frechet_distance(got, reference)
-        if student is not None:
-            got = features(sample_latents(student, clip, n, steps, 1.0, "lcm", "sgm_uniform", seed=2000))
-            figures[f"fd_student{steps}"] = frechet_distance(got, reference)
-    figures["sampling_s"] = time.perf_counter() - t0
+    # the teacher's sets are sampled in a child while the student distils (a second core), the student's after
+    sets = finish_child(teacher_sampling)
+    if student is not None:
+        sets.update(in_child(sample_student_sets, student, n))
+    figures["sampling_s"] = sets.pop("sampling_s") + sets.pop("student_sampling_s", 0.0)
+    sets["noise"] = torch.randn((n, 16, RESOLUTION // 8, RESOLUTION // 8), generator=torch.Generator().manual_seed(7))
+    torch.save(sets, work / "sample_sets.pt")
+    reference = features(sets["reference"])
+    for name, latents in sets.items():
+        if name != "reference":
+            figures[f"fd_{name}"] = frechet_distance(features(latents), reference)
     figures["feature_dim"], figures["samples"] = FEATURE_DIM, n
     figures["total_s"] = time.perf_counter() - t_start
     import resource
