@@ -20,6 +20,14 @@ features is computed in float64 with the matrix square root taken by eigen-decom
 the distance between two 25-step sets from different noise: what finite sampling alone leaves. The last line
 printed is a JSON object with every figure; the sample sets are kept in DIR/sample_sets.pt.
 
+Figures (512 samples, 8 features; the same on every run here, all seeded): the 25-step floor 0.022, noise 16.2;
+the teacher's 1 step 0.230 and 4 steps 0.103; the student's 1 step 0.059 (0.26x) and 4 steps 0.080 (0.78x). The
+teacher's 4 Euler steps keep 56% of the reference's within-caption variance, the student's 93%, but the student's
+per-caption means are off the reference's by 0.014 per latent value (squared) where two 25-step sets differ by 0.003.
+Tried without a gain at 4 steps: CFG 2, 600 updates, cosine decay, learning rates 2e-4 and 1e-3, no backward
+simulation, a 2-block teacher, DMD noise levels shifted by 3, generator batch 32. The teacher sampled as the
+student (--student-is-teacher) is 1.0x and 2.5x: the rule tells a distilled student from an undistilled one.
+
 Trainer runs are children forked from this process after one import of the trainer program (as
 tests/train_forked.py does), so the check pays ComfyUI's and the trainer's imports once.
 """
