@@ -11,7 +11,8 @@ projection to 8 dimensions, 512 samples per set (128 per caption).
 
 The 1-step rule holds (student ~0.26x the teacher's distance); the 4-step rule does not yet (~0.75x): the student
 restores the within-caption spread the teacher's 4 Euler steps lose, but its per-caption means sit off the
-reference's by about 3 times what two 25-step sets differ by, with CFG or without, at 300 or 600 updates. That test
+reference's by about 3 times what two 25-step sets differ by, with CFG or without, at 300 or 600 updates, with the
+GAN term, with 2 or 10 fake updates, on images with more texture (tools/distill_quality.py lists each). That test
 is a strict xfail: it fails the suite the day the rule holds, so that the mark goes.
 
 150 s wall on this 2-core machine while other tests ran (user+sys 141 s), of which the teacher's 800 steps took
