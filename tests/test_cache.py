@@ -108,6 +108,7 @@ def test_two_processes_filling_one_cache_leave_it_valid(cache, assets, tools, tm
     results = [json.loads(out.strip().splitlines()[-1]) for out in tools("cache_dataset", args, copies=2)]
     print(f"\nlatents of each process: {[r['latents'] for r in results]}")  # both encoding: they overlapped
     assert all(r["latents"]["encoded"] + r["latents"]["reused"] == 40 for r in results)
+    assert all(r["latents"]["encoded"] > 0 for r in results), "the two processes did not overlap"
     assert all_entries_valid(root) == 40 + 8 + 1  # 40 latents, 8 distinct captions, the empty caption
     assert cache(images, root, "--resolution", "64")["latents"]["encoded"] == 0
 

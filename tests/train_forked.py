@@ -34,8 +34,12 @@ trainer_main.hide_optional_modules()  # as the program does before its imports
 def warm_up():
     """A standby trainer's imports (trainer/standby.py), the launching ComfyUI's included (without them every run
     paid ComfyUI's import, ~5 s on 2 cores, again in its child); logging configured first, as a standby does."""
-    from ingraph_trainer.trainer.standby import warm_up as standby_warm_up
+    import torch
     trainer_main.configure_logging()
+    if torch.cuda.is_available():  # ComfyUI's import starts CUDA, which a forked child cannot use: trainer only
+        from ingraph_trainer.trainer import evaluation, loop  # noqa: F401
+        return
+    from ingraph_trainer.trainer.standby import warm_up as standby_warm_up
     standby_warm_up()
 
 
@@ -97,7 +101,7 @@ def run_forked(argv: list[str], cwd: str, timeout: float = 0, output: tuple[int,
             finally:
                 sys.stdout.flush()
                 sys.stderr.flush()
-                os._exit(rc)
+                os._exit(rc if isinstance(rc, int) else 1)
         pids.append(pid)
     status = 0
     while pids:

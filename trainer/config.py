@@ -254,8 +254,8 @@ class DistillSpec:
             (1 <= self.student_steps <= 4, "student_steps", f"must be 1 to 4 (got {self.student_steps})"),
             (not ts or (len(ts) == self.student_steps and all(isinstance(v, (int, float)) and 0 < v <= 1 for v in ts)
                         and list(ts) == sorted(ts, reverse=True)), "student_timesteps",
-             f"give {self.student_steps} noise level(s) in (0, 1], highest first (one per student step), or none for "
-             f"evenly spaced ones (got {ts})"),
+             f"give {self.student_steps} noise level(s) in (0, 1], highest first (one per student step), or leave it "
+             f"empty for evenly spaced ones (got {ts})"),
             (self.guidance_scale >= 1.0, "guidance_scale", f"must be 1 (no guidance) or more (got {self.guidance_scale})"),
             (self.fake_learning_rate > 0, "fake_learning_rate", f"must be positive (got {self.fake_learning_rate})"),
             (self.fake_updates >= 1, "fake_updates", f"must be at least 1 (got {self.fake_updates})"),
