@@ -226,6 +226,19 @@ def test_conditioning_survives_the_file_round_trip(tmp_path):
     assert set(back[0][1]) == {"pooled_output"}
 
 
+def test_a_distill_spec_refuses_what_distillation_does_not_keep_yet_when_it_is_read():
+    """EMA and block swap are refused when a distill spec is read (before any model loads), naming the field;
+    the same settings are a train spec's to use."""
+    for field, section, value in (("train.ema_decay", "train", {"ema_decay": 0.5}),
+                                  ("distributed.block_swap", "distributed", {"block_swap": 1})):
+        data = valid_spec_dict()
+        data[section].update(value)
+        assert config.spec_from_dict(data).task == "train"
+        data["task"] = "distill"
+        with pytest.raises(config.RunSpecError, match=field.replace(".", r"\.")):
+            config.spec_from_dict(data)
+
+
 def test_evaluate_task_needs_no_output_file():
     data = valid_spec_dict()
     data["task"], data["output"]["lora_path"] = "evaluate", ""
