@@ -428,19 +428,22 @@ def test_real_caching_pass_beside_prune_then_training_finishes(assets, tools, tm
     prepare = threading.Thread(target=prepare_run)
     prepare.start()
     pruner = CacheStore(root)
-    prunes, removed = 0, 0
+    prunes, removed, mid_fill = 0, 0, 0
+    total = REAL_PASS_IMAGES + 8 + 1
     while prepare.is_alive():
         removed += pruner.prune()["removed"]
         prunes += 1
+        mid_fill += 0 < pruner.stats()["entries"] < total  # a prune beside the encoding, not before or after it
         prepare.join(0.01)  # between prunes the writer gets a chance at SQLite's write lock (see `exited`)
     if "error" in outcome:
         raise outcome["error"]
     out = outcome["out"]
     rows = intact_rows(root)
-    assert len(rows) == REAL_PASS_IMAGES + 8 + 1 and removed == 0  # the 8 captions and the empty one
+    assert mid_fill > 0, "no prune ran while the cache was being filled"
+    assert len(rows) == total and removed == 0  # the 8 captions and the empty one
     manifest = store_mod.read_manifest(run_dir / "dataset.json")
     assert all(item[2] in rows and item[4] in rows for item in manifest["items"])
-    print(f"prune ran {prunes} times beside the real caching pass; {len(rows)} rows checked intact")
+    print(f"prune ran {prunes} times, {mid_fill} of them on a part-filled cache; {len(rows)} rows checked intact")
     result = run_trainer(Path(out.strip().splitlines()[-1]), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     pruner.close()
