@@ -97,6 +97,12 @@ class Distill(io.ComfyNode):
                                         "the student's own levels as t in (0, 1] along the model's schedule, one "
                                         "per student step, highest first, e.g. '1.0, 0.75, 0.5, 0.25' (then sample "
                                         "with SamplerCustom, sampler lcm, cfg 1, and those sigmas)."),
+                io.Boolean.Input("fake_score_per_step", default=DEFAULTS.fake_score_per_step, optional=True,
+                                 tooltip="Students of 2 to 4 steps: one fake score per student step, each following "
+                                         "that step's outputs, so that every step (not only their mix) learns the "
+                                         "teacher's images; better last-step samples, at one more network in memory "
+                                         "per step and as many more fake-score updates. Off: one fake score "
+                                         "(DMD2's). Not with the GAN term."),
                 io.Float.Input("min_t", default=DEFAULTS.min_t, min=0.0, max=1.0, step=0.01, optional=True,
                                tooltip="Lowest noise level (t in [0, 1]) at which the distribution-matching "
                                        "gradient and the fake score are trained."),
@@ -138,7 +144,8 @@ class Distill(io.ComfyNode):
     def execute(cls, model, dataset, adapter, steps, batch_size, learning_rate, student_steps, guidance_scale,
                 fake_learning_rate, fake_updates, dmd_weight, denoising_weight, gan_weight, regression_steps,
                 backward_simulation, precision, seed, save_every, output_name, resume="off", distributed=None,
-                previews=None, student_timesteps="", min_t=DEFAULTS.min_t, max_t=DEFAULTS.max_t, overwrite=False,
+                previews=None, student_timesteps="", fake_score_per_step=DEFAULTS.fake_score_per_step,
+                min_t=DEFAULTS.min_t, max_t=DEFAULTS.max_t, overwrite=False,
                 keep_last=3, gradient_accumulation=1, gradient_checkpointing=False) -> io.NodeOutput:
         import comfy.model_management
 
@@ -157,6 +164,7 @@ class Distill(io.ComfyNode):
                               fake_updates=fake_updates, dmd_weight=float(dmd_weight),
                               denoising_weight=float(denoising_weight), gan_weight=float(gan_weight),
                               regression_steps=regression_steps, backward_simulation=bool(backward_simulation),
+                              fake_score_per_step=bool(fake_score_per_step),
                               min_t=float(DEFAULTS.min_t if min_t is None else min_t),
                               max_t=float(DEFAULTS.max_t if max_t is None else max_t))
         node_id = cls.hidden.unique_id

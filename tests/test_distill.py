@@ -54,6 +54,20 @@ def uninterrupted(prepared):
     return spec
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_per_step(prepared):
+    """The same run with a fake score per student step (distill.fake_score_per_step; the GAN term is not kept with
+    it): two fake scores, each with its own engine, optimizer and checkpoint folder."""
+    spec = prepared(*EMPTY_CAPTION, **{**DISTILL, "distill__gan_weight": 0.0}, distill__fake_score_per_step=True,
+                    train__steps=4, train__save_every=2)
+    proc = run_trainer(spec, timeout=RUN_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    shutil.copy(spec.parent / "lora.safetensors", spec.parent / "uninterrupted.safetensors")
+    started = runs(spec.parent)[0][0]
+    assert started["student_steps"] == 2 and started["fake_trainable_params"] > 0, started
+    return spec
+
+
 def test_two_processes_under_zero3_match_one_process(prepared, uninterrupted):
     spec = prepared(*EMPTY_CAPTION, **{**DISTILL, "train__batch_size": 1}, train__steps=3, distributed__processes=2,
                     distributed__zero_stage=3)
@@ -73,9 +87,11 @@ def test_two_processes_under_zero3_match_one_process(prepared, uninterrupted):
         assert a["loss"] == a["generator_loss"]  # the panel's loss is the generator's
 
 
-def test_resumed_distillation_ends_bit_identical(uninterrupted):
-    """Resumed from the checkpoint of update 2 (both engines, the GAN head, the step), in a new process, to update
-    4: the same losses and the same LoRA, to the bit."""
+@pytest.mark.parametrize("reference", ["uninterrupted", "uninterrupted_per_step"])
+def test_resumed_distillation_ends_bit_identical(reference, request):
+    """Resumed from the checkpoint of update 2 (every engine, the GAN head or the second fake score, the step), in
+    a new process, to update 4: the same losses and the same LoRA, to the bit."""
+    uninterrupted = request.getfixturevalue(reference)
     run_dir = uninterrupted.parent
     proc = run_trainer(uninterrupted, "--resume", "step_000002", timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -47,7 +47,8 @@ def test_the_node_is_registered_with_a_tooltip_on_every_input_and_the_spec_defau
     assert all(i.tooltip and len(i.tooltip) > 20 for i in schema.inputs), [i.id for i in schema.inputs if not i.tooltip]
     defaults = config.DistillSpec()
     for name in ("student_steps", "guidance_scale", "fake_learning_rate", "fake_updates", "dmd_weight",
-                 "denoising_weight", "gan_weight", "regression_steps", "backward_simulation", "min_t", "max_t"):
+                 "denoising_weight", "gan_weight", "regression_steps", "backward_simulation", "fake_score_per_step",
+                 "min_t", "max_t"):
         assert inputs[name].default == getattr(defaults, name), name
     assert (inputs["student_steps"].min, inputs["student_steps"].max) == (1, 4)
     assert inputs["precision"].options == config.choice_labels(config.PRECISION_CHOICES)
@@ -81,6 +82,8 @@ def test_settings_the_spec_refuses_are_refused_naming_the_node_input():
         return str(info.value)
     assert refused(config.DistillSpec(fake_updates=0)).startswith("Distill: fake_updates: must be at least 1")
     assert refused(config.DistillSpec(min_t=0.9, max_t=0.5)).startswith("Distill: min_t: needs 0 <= min_t < max_t")
+    assert refused(config.DistillSpec(fake_score_per_step=True, gan_weight=0.1)).startswith(
+        "Distill: fake_score_per_step: the GAN term is not yet kept with a fake score per student step")
     assert "distributed.pipeline_stages" in refused(distributed=config.DistributedSpec(processes=2,
                                                                                         pipeline_stages=2))
     assert refused(distributed=config.DistributedSpec(block_swap=2)).startswith("Distill: distributed.block_swap: ")

@@ -239,6 +239,10 @@ class DistillSpec:
     guidance_scale: float = 1.75  # the teacher's classifier-free guidance for the real score (empty caption)
     fake_learning_rate: float = 1e-4  # the fake score's learning rate
     fake_updates: int = 5  # fake-score updates per generator update (DMD2's two time-scale rule)
+    # multi-step students: one fake score per student step, each following that step's outputs. One fake score
+    # (DMD2's) follows the mixture of every step's outputs, so only the mixture is matched to the teacher: steps can
+    # drift apart in ways that cancel in it (tools/distill_quality.py measured it), which the last step's samples show
+    fake_score_per_step: bool = False
     dmd_weight: float = 1.0  # the distribution-matching loss of the generator
     denoising_weight: float = 1.0  # the fake score's denoising loss on the generator's outputs
     gan_weight: float = 0.0  # the GAN term on the fake score's features (0 = off)
@@ -262,6 +266,9 @@ class DistillSpec:
             (self.dmd_weight >= 0 and self.denoising_weight > 0 and self.gan_weight >= 0, "dmd_weight",
              "dmd_weight and gan_weight must be 0 or more and denoising_weight positive"),
             (self.regression_steps >= 0, "regression_steps", f"must be 0 or more (got {self.regression_steps})"),
+            (not (self.fake_score_per_step and self.gan_weight > 0), "fake_score_per_step",
+             "the GAN term is not yet kept with a fake score per student step: set gan_weight to 0, or use one "
+             "fake score"),
             (0.0 <= self.min_t < self.max_t <= 1.0, "min_t", f"needs 0 <= min_t < max_t <= 1 (got {self.min_t}, "
                                                              f"{self.max_t})"),
             (spec.adapter.kind in DISTILL_STUDENT_KINDS, "adapter.kind",

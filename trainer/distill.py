@@ -171,8 +171,8 @@ class Network(WholeModel):
         self._own_grad_norm = True
 
 
-class TwoEngines:
-    """The generator's and the fake score's engines as the one engine checkpoint.py saves and loads: each writes
+class Engines:
+    """The generator's and the fake scores' engines as the one engine checkpoint.py saves and loads: each writes
     its own DeepSpeed files (weights, optimizer, scheduler) into its own folder of the checkpoint; the client
     state (the trainer's step, the random state) travels with the generator's."""
 
@@ -196,10 +196,12 @@ class TwoEngines:
 
 
 class Networks:
-    """What Checkpointer asks of a layout (save, load), over both trained networks."""
+    """What Checkpointer asks of a layout (save, load), over every trained network."""
 
-    def __init__(self, generator: Network, fake: Network):
-        self.engine = TwoEngines({"generator": generator.engine, "fake": fake.engine})
+    def __init__(self, generator: Network, fakes: list):
+        # the first fake score's folder is "fake" whether or not there are more (distill.fake_score_per_step)
+        self.engine = Engines({"generator": generator.engine, "fake": fakes[0].engine,
+                               **{f"fake_step{k + 1}": f.engine for k, f in enumerate(fakes) if k}})
 
     def save(self, run_dir, step, state, is_rank0, keep_last, components=None):
         return save_checkpoint(self.engine, run_dir, step, state, is_rank0, keep_last=keep_last,
@@ -287,21 +289,28 @@ class Distiller(TrainingTask):
         self.generator.initialize(deepspeed, self.optimizer, build_scheduler(spec, self.optimizer), config)
         device = self.device = self.generator.device
 
-        self.fake_family = fake = self.load(t.precision)
-        fake_params = self.trainable(fake, t.seed + 1)
-        if t.gradient_checkpointing:
-            enable_gradient_checkpointing(fake.checkpoint_blocks())
-        head = None
-        if dd.gan_weight > 0:
-            torch.manual_seed(t.seed + 2)
-            channels = fake.base_model.latent_format.latent_channels
-            head = GanHead(channels).to(fake.weight_dtype())
-            fake_params = fake_params + list(head.parameters())
-        self.fake_params = fake_params
-        self.fake = Network(spec, Denoiser(fake, head), fake_params)
-        fake_spec = fake_score_spec(spec)
-        self.fake_optimizer = build_optimizer(fake_spec, fake_params)
-        self.fake.initialize(deepspeed, self.fake_optimizer, build_scheduler(fake_spec, self.fake_optimizer), config)
+        # one fake score, or one per student step (distill.fake_score_per_step), each with its own optimizer
+        self.fakes, self.fake_params, fake_optimizers = [], [], []
+        for _ in range(dd.student_steps if dd.fake_score_per_step else 1):
+            fake = self.load(t.precision)
+            fake_params = self.trainable(fake, t.seed + 1)
+            if t.gradient_checkpointing:
+                enable_gradient_checkpointing(fake.checkpoint_blocks())
+            head = None
+            if dd.gan_weight > 0:  # one fake score only (DistillSpec.problems)
+                torch.manual_seed(t.seed + 2)
+                channels = fake.base_model.latent_format.latent_channels
+                head = GanHead(channels).to(fake.weight_dtype())
+                fake_params = fake_params + list(head.parameters())
+            network = Network(spec, Denoiser(fake, head), fake_params)
+            fake_spec = fake_score_spec(spec)
+            optimizer = build_optimizer(fake_spec, fake_params)
+            network.initialize(deepspeed, optimizer, build_scheduler(fake_spec, optimizer), config)
+            self.fakes.append(network)
+            self.fake_params += fake_params
+            fake_optimizers.append(optimizer)
+        self.fake, self.fake_optimizer = self.fakes[0], fake_optimizers[0]
+        self.fake_family = self.fake.module.family
 
         self.teacher_family = teacher = self.load(t.precision)
         teacher.diffusion_model.requires_grad_(False)
@@ -321,7 +330,7 @@ class Distiller(TrainingTask):
         self.data_rank = self.generator.data_rank
         self.batches = StepBatches(self.dataset, self.sampler, t, data, data_parallel_size(spec), self.data_rank)
         self.slots = micro_batch_slots(t.batch_size, t.grad_accum, data_parallel_size(spec), self.data_rank)
-        checkpointer = Checkpointer(Networks(self.generator, self.fake), self.run_dir, t.save_every, t.keep_last,
+        checkpointer = Checkpointer(Networks(self.generator, self.fakes), self.run_dir, t.save_every, t.keep_last,
                                     self.is_rank0)
         self.control = RunControl(spec, self.events, self.generator, self.optimizer, checkpointer, self.is_rank0)
 
@@ -366,8 +375,8 @@ class Distiller(TrainingTask):
                          fake_trainable_params=sum(p.numel() for p in self.fake_params),
                          dataset_items=len(self.dataset.unique), samples=len(self.dataset), eval_items=0,
                          base_weight_bytes=family.base_weight_bytes(), load_memory=self.load_memory,
-                         # the three networks' weights on this process (rank 0): under ZeRO-3 its partitions
-                         held_weight_bytes=held_weight_bytes(self.generator.module, self.fake.module,
+                         # every network's weights on this process (rank 0): under ZeRO-3 its partitions
+                         held_weight_bytes=held_weight_bytes(self.generator.module, *(f.module for f in self.fakes),
                                                              getattr(self.teacher, "module", self.teacher)),
                          student_steps=dd.student_steps, student_sigmas=self.sigmas,
                          student_sampler=STUDENT_SAMPLER, student_scheduler=STUDENT_SCHEDULER,
@@ -397,7 +406,8 @@ class Distiller(TrainingTask):
     # --- one generator update ------------------------------------------------------------------------------
     def update(self, step: int, micro_batches) -> tuple[dict, float | None]:
         """The generator's update (sub-step 0), then the fake score's updates (sub-steps 1..fake_updates), the
-        first on the generator's own outputs; (the step's losses, global means; the generator's gradient norm)."""
+        first on the generator's own outputs; with a fake score per student step, each of its updates on fresh
+        outputs of that step. (The step's losses, global means; the generator's gradient norm.)"""
         dd = self.spec.distill
         regression = step <= dd.regression_steps
         sums = {"generator": 0.0, "dmd": 0.0, "gan": 0.0, "fake": 0.0}
@@ -423,16 +433,22 @@ class Distiller(TrainingTask):
             for name, value in parts.items():
                 sums[name] += value.detach()
         for sub in range(1, dd.fake_updates + 1):
-            for m, latents, cond, pooled, references in inputs:
-                if sub == 1:
-                    x0 = outputs[m]
-                else:
-                    with torch.no_grad():
-                        x0 = self.student_x0(step, sub, m, model_shape, latents, cond, pooled, references)[0]
-                loss = self.fake_loss(step, sub, m, model_shape, x0, latents, cond, pooled, references)
-                self.fake.engine.backward(loss)
-                self.fake.engine.step()
-                sums["fake"] += loss.detach() / dd.fake_updates
+            for k, fake in enumerate(self.fakes):
+                # a fake score per student step: each on outputs of its own step, from draws of its own (samples
+                # of one chain shared by every step's fake score measured worse: 0.52x against 0.46x, seed 0)
+                draw = sub * len(self.fakes) + k if len(self.fakes) > 1 else sub
+                for m, latents, cond, pooled, references in inputs:
+                    if len(self.fakes) > 1:
+                        x0 = self.student_chain(step, draw, m, model_shape, latents, cond, pooled, references, k)
+                    elif sub == 1:
+                        x0 = outputs[m]
+                    else:
+                        with torch.no_grad():
+                            x0 = self.student_x0(step, sub, m, model_shape, latents, cond, pooled, references)[0]
+                    loss = self.fake_loss(step, draw, m, model_shape, x0, latents, cond, pooled, references, fake)
+                    fake.engine.backward(loss)
+                    fake.engine.step()
+                    sums["fake"] += loss.detach() / (dd.fake_updates * len(self.fakes))
         names = list(sums)
         local = torch.stack([torch.as_tensor(sums[n], dtype=torch.float64).cpu() for n in names]).tolist()
         means = (global_sum(local, self.device) / (len(micro_batches) * world_size())).tolist()
@@ -449,7 +465,7 @@ class Distiller(TrainingTask):
 
     def student_x0(self, step: int, sub: int, m: int, shape, latents, cond, pooled, references,
                    from_dataset: bool = False):
-        """(the student's x0 at its step k, its input): k drawn per slot; the input at sigma_k is pure noise
+        """(the student's x0 at its step k, its input, k): k drawn per slot; the input at sigma_k is pure noise
         (k = 0), the student's own earlier steps from pure noise (backward simulation), or the dataset's latents
         noised (`from_dataset`, and k > 0 without backward simulation). Gradients flow as the caller's mode says."""
         dd, slots = self.spec.distill, self.slots[m]
@@ -479,12 +495,30 @@ class Distiller(TrainingTask):
                         fresh = self.draw_normal(shape, SIMULATION_NOISE_STREAM, step, sub, j)[slots].to(self.device)
                         current = sampling.noise_scaling(sigmas[j + 1].view(1), fresh, denoised)
                         x = torch.where((k == j + 1).view(view), current, x)
-        return self.generator.engine("x0", x, sigma_k, cond, pooled, references), x
+        return self.generator.engine("x0", x, sigma_k, cond, pooled, references), x, k
+
+    @torch.no_grad()
+    def student_chain(self, step: int, sub: int, m: int, shape, latents, cond, pooled, references, last: int):
+        """The student's x0 at its step `last`, for that step's fake score: with backward simulation the chain
+        from pure noise, as a sampler runs it (step k's input: step k-1's x0 re-noised); without, step `last`'s
+        input is the dataset's latents noised to its sigma (step 0: pure noise)."""
+        dd, slots = self.spec.distill, self.slots[m]
+        sampling = self.generator_family.base_model.model_sampling
+        sigmas = torch.tensor(self.sigmas, dtype=torch.float32, device=self.device)
+        noise = self.draw_normal(shape, START_NOISE_STREAM, step, sub)[slots].to(self.device)
+        current = sampling.noise_scaling(sigmas[0].view(1), noise, torch.zeros_like(noise), self.first_at_max)
+        if last and not dd.backward_simulation:
+            current = sampling.noise_scaling(sigmas[last].view(1), noise, latents)
+        for j in range(last if dd.backward_simulation else 0):
+            denoised = self.generator.engine("x0", current, sigmas[j].expand(len(noise)), cond, pooled, references)
+            fresh = self.draw_normal(shape, SIMULATION_NOISE_STREAM, step, sub, j)[slots].to(self.device)
+            current = sampling.noise_scaling(sigmas[j + 1].view(1), fresh, denoised)
+        return self.generator.engine("x0", current, sigmas[last].expand(len(noise)), cond, pooled, references)
 
     def generator_loss(self, step, m, shape, latents, cond, pooled, references, regression: bool):
         """(the student's x0, {"generator": the loss to back-propagate, "dmd", "gan": its parts})."""
         dd = self.spec.distill
-        x0, _ = self.student_x0(step, 0, m, shape, latents, cond, pooled, references, from_dataset=regression)
+        x0, _, k = self.student_x0(step, 0, m, shape, latents, cond, pooled, references, from_dataset=regression)
         zero = torch.zeros((), device=self.device)
         if regression:
             loss = torch.nn.functional.mse_loss(x0.float(), latents.float())
@@ -498,7 +532,7 @@ class Distiller(TrainingTask):
         with torch.no_grad():
             x_t = sampling.noise_scaling(sigma_t.view(view), noise, x0.detach())
             real = self.real_x0(x_t, sigma_t, cond, pooled, references)
-            fake = self.fake.engine("x0", x_t, sigma_t, cond, pooled, references)
+            fake = self.fake_x0(x_t, sigma_t, cond, pooled, references, k)
             dims = tuple(range(1, x0.dim()))
             normaliser = (x0.detach().float() - real).abs().mean(dim=dims, keepdim=True)
             grad = torch.nan_to_num((fake - real) / normaliser)
@@ -513,6 +547,14 @@ class Distiller(TrainingTask):
             loss = loss + dd.gan_weight * gan
         return x0, {"generator": loss, "dmd": dmd, "gan": gan}
 
+    def fake_x0(self, x_t, sigma_t, cond, pooled, references, k):
+        """The fake score's x0; with one per student step, each sample's from the fake score of the step that made
+        it (every fake score runs on the whole batch: under ZeRO-3 a forward pass is collective)."""
+        if len(self.fakes) == 1:
+            return self.fake.engine("x0", x_t, sigma_t, cond, pooled, references)
+        every = torch.stack([f.engine("x0", x_t, sigma_t, cond, pooled, references) for f in self.fakes])
+        return every[k, torch.arange(x_t.shape[0], device=every.device)]
+
     def real_x0(self, x_t, sigma_t, cond, pooled, references):
         """The teacher's x0, guided: uncond + guidance_scale * (cond - uncond), with the empty caption."""
         scale = self.spec.distill.guidance_scale
@@ -526,7 +568,7 @@ class Distiller(TrainingTask):
         uncond_x0 = self.teacher("x0", x_t, sigma_t, empty_cond, empty_pooled, references)
         return uncond_x0 + scale * (cond_x0 - uncond_x0)
 
-    def fake_loss(self, step, sub, m, shape, x0, latents, cond, pooled, references):
+    def fake_loss(self, step, sub, m, shape, x0, latents, cond, pooled, references, fake: Network):
         """The fake score's loss on the generator's detached x0: the family's own training loss with x0 as the
         clean latents (times denoising_weight), plus the GAN classifier's loss where on."""
         dd, slots = self.spec.distill, self.slots[m]
@@ -534,7 +576,7 @@ class Distiller(TrainingTask):
         t_place = dd.min_t + (dd.max_t - dd.min_t) * self.draw_uniform(FAKE_TIME_STREAM, step, sub)[slots]
         noise = self.draw_normal(shape, FAKE_NOISE_STREAM, step, sub)[slots].to(self.device)
         raw = family.base_model.process_latent_out(x0.detach().float())  # the family's loss takes cached latents
-        per_sample = self.fake.engine("loss", raw, cond, pooled, noise, t_place.to(self.device), references)
+        per_sample = fake.engine("loss", raw, cond, pooled, noise, t_place.to(self.device), references)
         loss = dd.denoising_weight * per_sample.mean()
         if dd.gan_weight > 0:
             sampling = family.base_model.model_sampling
@@ -544,6 +586,6 @@ class Distiller(TrainingTask):
             real = sampling.noise_scaling(sigma_t.view(view), noise, latents)
             softplus = torch.nn.functional.softplus
             loss = loss + dd.gan_weight * (
-                softplus(self.fake.engine("logit", generated, sigma_t, cond, pooled, references)).mean()
-                + softplus(-self.fake.engine("logit", real, sigma_t, cond, pooled, references)).mean())
+                softplus(fake.engine("logit", generated, sigma_t, cond, pooled, references)).mean()
+                + softplus(-fake.engine("logit", real, sigma_t, cond, pooled, references)).mean())
         return loss
