@@ -97,12 +97,6 @@ class Distill(io.ComfyNode):
                                         "the student's own levels as t in (0, 1] along the model's schedule, one "
                                         "per student step, highest first, e.g. '1.0, 0.75, 0.5, 0.25' (then sample "
                                         "with SamplerCustom, sampler lcm, cfg 1, and those sigmas)."),
-                io.Boolean.Input("fake_score_per_step", default=DEFAULTS.fake_score_per_step, optional=True,
-                                 tooltip="Students of 2 to 4 steps: one fake score per student step, each following "
-                                         "that step's outputs, so that every step (not only their mix) learns the "
-                                         "teacher's images; better last-step samples, at one more network in memory "
-                                         "per step and as many more fake-score updates. Off: one fake score "
-                                         "(DMD2's). Not with the GAN term."),
                 io.Float.Input("min_t", default=DEFAULTS.min_t, min=0.0, max=1.0, step=0.01, optional=True,
                                tooltip="Lowest noise level (t in [0, 1]) at which the distribution-matching "
                                        "gradient and the fake score are trained."),
@@ -116,6 +110,12 @@ class Distill(io.ComfyNode):
                 io.Boolean.Input("gradient_checkpointing", default=False, optional=True,
                                  tooltip="Recompute activations in the backward pass (student and fake score): less "
                                          "memory, slower updates."),
+                io.Boolean.Input("fake_score_per_step", default=DEFAULTS.fake_score_per_step, optional=True,
+                                 tooltip="Students of 2 to 4 steps: one fake score per student step, each following "
+                                         "that step's outputs, so that every step (not only their mix) learns the "
+                                         "teacher's images; better last-step samples, at one more network in memory "
+                                         "per step and as many more fake-score updates. Off: one fake score "
+                                         "(DMD2's). Not with the GAN term."),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The teacher with the student applied: a KSampler "
