@@ -113,9 +113,9 @@ class Distill(io.ComfyNode):
                 io.Boolean.Input("fake_score_per_step", default=DEFAULTS.fake_score_per_step, optional=True,
                                  tooltip="Students of 2 to 4 steps: one fake score per student step, each following "
                                          "that step's outputs, so that every step (not only their mix) learns the "
-                                         "teacher's images; better last-step samples, at one more network in memory "
-                                         "per step and as many more fake-score updates. Off: one fake score "
-                                         "(DMD2's). Not with the GAN term."),
+                                         "teacher's images; better last-step samples, at one more copy of the model "
+                                         "in memory per extra step and about three times the time per update. Off: one "
+                                         "fake score (DMD2's). Not with the GAN term. Resume with it as it was."),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The teacher with the student applied: a KSampler "

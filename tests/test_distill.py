@@ -3,8 +3,10 @@ under ZeRO-3 match 1 process, a resumed distillation ends bit-identical to an un
 LoRA loads onto the teacher with ComfyUI's own LoRA code, every key read.
 
 One 1-process run (4 generator updates, a checkpoint at 2) is the reference of all three. Every code path of an
-update runs in it: the regression warm-up (update 1), the DMD loss with the teacher's classifier-free guidance on
-the cached empty caption, backward simulation (a 2-step student), two fake-score updates and the GAN term."""
+update with one fake score runs in it: the regression warm-up (update 1), the DMD loss with the teacher's
+classifier-free guidance on the cached empty caption, backward simulation (a 2-step student), two fake-score
+updates and the GAN term. A second run, with a fake score per student step (and no GAN term, which that does not
+keep), is resumed too, and refuses to resume with the setting changed."""
 from __future__ import annotations
 
 import logging
@@ -65,6 +67,8 @@ def uninterrupted_per_step(prepared):
     shutil.copy(spec.parent / "lora.safetensors", spec.parent / "uninterrupted.safetensors")
     started = runs(spec.parent)[0][0]
     assert started["student_steps"] == 2 and started["fake_trainable_params"] > 0, started
+    saved = {p.name for p in spec.parent.rglob("step_000002/fake*") if p.is_dir()}
+    assert saved == {"fake", "fake_step2"}, saved  # two fake scores, each in its own folder
     return spec
 
 
@@ -105,6 +109,17 @@ def test_resumed_distillation_ends_bit_identical(reference, request):
     assert reference.keys() == result.keys()
     for key in reference:
         assert torch.equal(reference[key], result[key]), key
+
+
+def test_resuming_with_fake_score_per_step_changed_is_refused_naming_it(uninterrupted_per_step):
+    """A checkpoint of 2 fake scores resumed as a run of one: refused before any update, naming the setting."""
+    text = uninterrupted_per_step.read_text()
+    assert "fake_score_per_step = true" in text
+    changed = uninterrupted_per_step.with_name("one_fake_score.toml")
+    changed.write_text(text.replace("fake_score_per_step = true", "fake_score_per_step = false"))
+    proc = run_trainer(changed, "--resume", "step_000002", timeout=RUN_TIMEOUT)
+    assert proc.returncode != 0
+    assert "fake_score_per_step" in proc.stderr + proc.stdout, (proc.stdout[-2000:], proc.stderr[-3000:])
 
 
 def test_student_lora_loads_onto_the_teacher_in_comfyui(uninterrupted, assets, caplog):

@@ -1,6 +1,6 @@
 """DMD2 few-step distillation (task "distill"), built from the adapter trainer's components (trainer/loop.py).
 
-Three networks of the spec's model family, each loaded with ComfyUI's own code (load_family, so every family's
+Three kinds of network of the spec's model family, each loaded with ComfyUI's own code (load_family, so every family's
 training patches are its own, never shared through a copy):
 
 - the teacher: the graph's MODEL, frozen, the "real" score, with classifier-free guidance (distill.guidance_scale)
@@ -9,10 +9,13 @@ training patches are its own, never shared through a copy):
   DeepSpeed engine and optimizer at train.learning_rate;
 - the fake score: another copy with the same adapter kind, trained with its own engine and optimizer at
   distill.fake_learning_rate, distill.fake_updates times per generator update, on the family's own training
-  loss with the generator's (detached) outputs as the clean latents.
+  loss with the generator's (detached) outputs as the clean latents. With distill.fake_score_per_step, one fake
+  score per student step (each its own copy, engine, optimizer and checkpoint folder), each trained on outputs of
+  its own step and giving the DMD gradient of the samples that step made: one fake score learns the mix of all
+  steps' outputs, so only that mix is matched to the teacher (tools/distill_quality.py measured the drift).
 
 Under ZeRO-3 the teacher is a DeepSpeed engine too (no optimizer), so every network is partitioned across the
-processes and no process holds three whole models. One process and data parallel run the same code.
+processes and no process holds whole models. One process and data parallel run the same code.
 
 Every prediction is an x0 (denoised latent) through ComfyUI's model_sampling (calculate_input, calculate_denoised,
 noise_scaling), so epsilon, v-prediction and flow models distil alike. The student's noise levels are the sigmas
@@ -38,7 +41,8 @@ One generator update (DMD2, Yin et al. 2024):
    (through the fake score, whose weights stay as they are), and the fake score's loss adds gan_weight *
    (softplus(logit(generated)) + softplus(-logit(dataset latents))), trained with the fake score's optimizer.
 
-Randomness: every draw is seeded by (train.seed, a stream, the update, the sub-step) over the whole global batch
+Randomness: every draw is seeded by (train.seed, a stream, the update, the sub-step; with a fake score per step,
+sub-step * steps + the step) over the whole global batch
 and each process takes its slots (batch_mix.micro_batch_slots), as StepBatches does for the data, so 1 and N
 processes, and a resumed run, compute the same numbers.
 """
@@ -185,6 +189,12 @@ class Engines:
                                    **kwargs)
 
     def load_checkpoint(self, load_dir, tag, **kwargs):
+        saved = {p.name for p in (Path(load_dir) / tag).glob("fake*") if p.is_dir()}
+        wanted = {name for name in self.engines if name.startswith("fake")}
+        if saved and saved != wanted:  # a run resumed with distill.fake_score_per_step changed
+            raise ValueError(f"{Path(load_dir) / tag}: it holds {len(saved)} fake score(s) and this run has "
+                             f"{len(wanted)}: resume with distill.fake_score_per_step (the Distill node's "
+                             "fake_score_per_step) as it was when the checkpoint was saved")
         found = None
         for n, (name, engine) in enumerate(self.engines.items()):
             path, client_state = engine.load_checkpoint(str(Path(load_dir) / tag), tag=name, **kwargs)
@@ -274,7 +284,7 @@ class Distiller(TrainingTask):
                                                       is not None, spec.data.manifest)
         if caption_problem:  # the spec's own rules (block_swap, ema_decay, ...) were checked as it was read
             raise ValueError(caption_problem)
-        if reads_text_masks(generator, self.dataset):  # the three networks are called without Batch.text_mask
+        if reads_text_masks(generator, self.dataset):  # the networks are called without Batch.text_mask
             raise ValueError(f"data.manifest: its captions carry the text encoder's attention mask, which "
                              f"{generator.display_name} reads; distilling it with the mask is not yet supported")
         if getattr(generator, "variant", None) == "ti2v_5b" and getattr(self.dataset, "reference_slots", 0):
