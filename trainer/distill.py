@@ -448,13 +448,12 @@ class Distiller(TrainingTask):
                 # of one chain shared by every step's fake score measured worse: 0.52x against 0.46x, seed 0)
                 draw = sub * len(self.fakes) + k if len(self.fakes) > 1 else sub
                 for m, latents, cond, pooled, references in inputs:
-                    if len(self.fakes) > 1:
-                        x0 = self.student_chain(step, draw, m, model_shape, latents, cond, pooled, references, k)
-                    elif sub == 1:
+                    if sub == 1 and len(self.fakes) == 1:
                         x0 = outputs[m]
                     else:
                         with torch.no_grad():
-                            x0 = self.student_x0(step, sub, m, model_shape, latents, cond, pooled, references)[0]
+                            x0 = self.student_x0(step, draw, m, model_shape, latents, cond, pooled, references,
+                                                 only_step=k if len(self.fakes) > 1 else None)[0]
                     loss = self.fake_loss(step, draw, m, model_shape, x0, latents, cond, pooled, references, fake)
                     fake.engine.backward(loss)
                     fake.engine.step()
@@ -474,14 +473,17 @@ class Distiller(TrainingTask):
         return losses, float(reported) if reported else (own_norm.item() if own_norm is not None else None)
 
     def student_x0(self, step: int, sub: int, m: int, shape, latents, cond, pooled, references,
-                   from_dataset: bool = False):
-        """(the student's x0 at its step k, its input, k): k drawn per slot; the input at sigma_k is pure noise
+                   from_dataset: bool = False, only_step: int | None = None):
+        """(the student's x0 at its step k, its input, k): k drawn per slot (`only_step`: that step for every slot,
+        as a step's own fake score takes it); the input at sigma_k is pure noise
         (k = 0), the student's own earlier steps from pure noise (backward simulation), or the dataset's latents
         noised (`from_dataset`, and k > 0 without backward simulation). Gradients flow as the caller's mode says."""
         dd, slots = self.spec.distill, self.slots[m]
         sampling = self.generator_family.base_model.model_sampling
         n = len(self.sigmas)
         every_k = (self.draw_uniform(STUDENT_STEP_STREAM, step, sub) * n).long().clamp(max=n - 1)
+        if only_step is not None:
+            every_k = torch.full_like(every_k, only_step)
         k = every_k[slots].to(self.device)
         sigmas = torch.tensor(self.sigmas, dtype=torch.float32, device=self.device)
         sigma_k = sigmas[k]
@@ -506,24 +508,6 @@ class Distiller(TrainingTask):
                         current = sampling.noise_scaling(sigmas[j + 1].view(1), fresh, denoised)
                         x = torch.where((k == j + 1).view(view), current, x)
         return self.generator.engine("x0", x, sigma_k, cond, pooled, references), x, k
-
-    @torch.no_grad()
-    def student_chain(self, step: int, sub: int, m: int, shape, latents, cond, pooled, references, last: int):
-        """The student's x0 at its step `last`, for that step's fake score: with backward simulation the chain
-        from pure noise, as a sampler runs it (step k's input: step k-1's x0 re-noised); without, step `last`'s
-        input is the dataset's latents noised to its sigma (step 0: pure noise)."""
-        dd, slots = self.spec.distill, self.slots[m]
-        sampling = self.generator_family.base_model.model_sampling
-        sigmas = torch.tensor(self.sigmas, dtype=torch.float32, device=self.device)
-        noise = self.draw_normal(shape, START_NOISE_STREAM, step, sub)[slots].to(self.device)
-        current = sampling.noise_scaling(sigmas[0].view(1), noise, torch.zeros_like(noise), self.first_at_max)
-        if last and not dd.backward_simulation:
-            current = sampling.noise_scaling(sigmas[last].view(1), noise, latents)
-        for j in range(last if dd.backward_simulation else 0):
-            denoised = self.generator.engine("x0", current, sigmas[j].expand(len(noise)), cond, pooled, references)
-            fresh = self.draw_normal(shape, SIMULATION_NOISE_STREAM, step, sub, j)[slots].to(self.device)
-            current = sampling.noise_scaling(sigmas[j + 1].view(1), fresh, denoised)
-        return self.generator.engine("x0", current, sigmas[last].expand(len(noise)), cond, pooled, references)
 
     def generator_loss(self, step, m, shape, latents, cond, pooled, references, regression: bool):
         """(the student's x0, {"generator": the loss to back-propagate, "dmd", "gan": its parts})."""
