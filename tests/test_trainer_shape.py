@@ -197,3 +197,40 @@ def test_whole_model_step_reads_the_loss_once_and_means_it_like_the_old_loop(mon
     layout.engine = _Engine([0.5, 0.5], reported=1.5)
     layout.engine.param = param
     assert layout.train_step([batch, batch])[1] == 1.5 and layout._own_grad_norm is False
+
+
+def test_the_layouts_gradient_clipping_is_deepspeeds_bit_for_bit(monkeypatch):
+    """WholeModel clips on DeepSpeed's fp32 path itself (one pass for the reported norm and the clip): the weights
+    must stay those of the engine's own clipping, bit for bit, and the reported norm that of grad_norm."""
+    import torch
+    from deepspeed.runtime import utils as deepspeed_utils
+    from ingraph_trainer.trainer import layouts
+    # one process: DeepSpeed's all-reduce of the norm is the identity, and needs no process group here
+    monkeypatch.setattr(deepspeed_utils.dist, "all_reduce", lambda *args, **kwargs: None)
+    monkeypatch.setattr(deepspeed_utils.dist, "get_world_size", lambda *args, **kwargs: 1)
+    monkeypatch.setattr(deepspeed_utils.groups, "_get_data_parallel_group", lambda: None)
+
+    def module_with_gradients():
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3), torch.nn.Linear(3, 2))
+        module[1].requires_grad_(False)
+        for n, p in enumerate(module.parameters()):
+            if p.requires_grad and n != 5:  # the last bias without a gradient: skipped by both
+                p.grad = torch.randn_like(p) * 10.0 ** (n - 2)
+        return module
+
+    for max_norm in (0.05, 1e9):  # clipping that bites, and one that multiplies by 1.0
+        theirs, ours = module_with_gradients(), module_with_gradients()
+        trainable = [p for p in ours.parameters() if p.requires_grad][::-1]  # reported in another order
+        expected_norm = layouts.grad_norm(trainable)
+        deepspeed_utils.clip_grad_norm_(theirs.parameters(), max_norm)
+        clipping = layouts.GradientClipping(max_norm)
+        clipping.order(ours, trainable)
+        reported = clipping.clip()
+        assert torch.equal(reported, expected_norm)
+        pairs = list(zip(theirs.parameters(), ours.parameters()))
+        assert len(pairs) == 6 and sum(p.grad is not None for _, p in pairs) == 3
+        for a, b in pairs:
+            assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad)
+        if max_norm < 1:
+            assert float(reported) > 10 * max_norm  # the clip did bite

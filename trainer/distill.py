@@ -168,6 +168,7 @@ class Denoiser(torch.nn.Module):
 class Network(WholeModel):
     """A trained network of the distillation on WholeModel's layout (a DeepSpeed engine at any world size, ZeRO
     0-3, whole weights gathered for export), with a module of the distillation's own."""
+    clips_itself = False  # the distiller's loop drives the engine: it clips, as configured
 
     def __init__(self, spec, module: torch.nn.Module, params: list):
         ParallelLayout.__init__(self, spec)

@@ -68,12 +68,31 @@ class ParallelLayout:
 
 
 class WholeModel(ParallelLayout):
+    clips_itself = True  # see initialize; the distiller's networks, whose loop drives the engines, leave it
+    _clipping: GradientClipping | None = None
+
     def __init__(self, spec, family, params):
         from .training_module import TrainingModule
         super().__init__(spec)
         self.module = TrainingModule(family)
         self.trainable = params
         self._own_grad_norm = True  # until the engine shows it reports one (ZeRO, bf16 optimizers do)
+
+    def initialize(self, deepspeed, optimizer, scheduler, config: dict):
+        """On DeepSpeed's plain path (fp32, no ZeRO) the engine clips in a pass of its own over every parameter
+        of the module, beside the pass the loop makes for the gradient norm it reports: this layout clips
+        instead, from that one pass and in the engine's arithmetic (bit for bit the same weights). In one
+        process the engine's all-reduce of the gradients only copies them into a buffer and back: left out."""
+        plain = not config["bf16"]["enabled"] and config["zero_optimization"]["stage"] == 0
+        if self.clips_itself and plain and config["gradient_clipping"] > 0:
+            self._clipping = GradientClipping(config["gradient_clipping"])
+            config = {**config, "gradient_clipping": 0.0}
+        engine = super().initialize(deepspeed, optimizer, scheduler, config)
+        if self._clipping is not None:
+            self._clipping.order(self.module, self.trainable)
+            if world_size() == 1:
+                engine.enable_backward_allreduce = False
+        return engine
 
     @property
     def data_rank(self) -> int:
@@ -90,7 +109,9 @@ class WholeModel(ParallelLayout):
                 loss, part = loss
                 parts.append(part)
             engine.backward(loss)
-            if self._own_grad_norm and engine.is_gradient_accumulation_boundary():
+            if self._clipping is not None and engine.is_gradient_accumulation_boundary():
+                own_norm = self._clipping.clip()
+            elif self._own_grad_norm and engine.is_gradient_accumulation_boundary():
                 own_norm = grad_norm(self.trainable)
             engine.step()
             losses.append(loss.detach())
@@ -161,6 +182,37 @@ def grad_norm(params) -> torch.Tensor | None:
     """The 2-norm of the gradients, on the device (no wait for it)."""
     grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
     return torch.stack(grads).norm() if grads else None
+
+
+class GradientClipping:
+    """DeepSpeed's clip_grad_norm_ (deepspeed/runtime/utils.py, what the engine runs on its fp32 path without
+    ZeRO) in the same arithmetic and parameter order, from per-parameter norms that also give the gradient norm
+    the loop reports (grad_norm's, the same bits)."""
+
+    def __init__(self, max_norm: float):
+        self.max_norm = max_norm
+
+    def order(self, module: torch.nn.Module, reported: list):
+        """The engine's order (the module's parameters), and where each reported parameter sits in it."""
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        place = {id(p): i for i, p in enumerate(self.params)}
+        self.reported = [place[id(p)] for p in reported]
+
+    def clip(self) -> torch.Tensor | None:
+        """Clips the gradients in place; the 2-norm of the reported parameters' gradients before clipping."""
+        norms = {i: p.grad.detach().float().norm(2.0) for i, p in enumerate(self.params) if p.grad is not None}
+        if not norms:
+            return None
+        reported = [norms[i] for i in self.reported if i in norms]
+        total = torch.stack(list(norms.values())).pow(2.0).sum().float().pow(1.0 / 2.0)
+        total = total * 1.0 / float(world_size())
+        if world_size() > 1:
+            torch.distributed.all_reduce(total)
+        clip_coef = torch.min(torch.tensor([1.0], device=total.device),
+                              torch.tensor([float(self.max_norm)], device=total.device) / (total + 1e-6))
+        for i in norms:
+            self.params[i].grad.detach().mul_(clip_coef)
+        return torch.stack(reported).norm() if reported else None
 
 
 def global_sum(values: list[float], device) -> torch.Tensor:
