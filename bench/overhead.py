@@ -4,12 +4,17 @@ last line (the target is at most 1.05).
 Both train the same ComfyUI model (the tiny SD1.5 of bench/step_losses.py, or any prepared run spec) with the same
 adapter, on the same cached batches (the trainer's own StepSampler order, noise and timesteps), with the same
 optimizer and gradient clipping. The bare loop is what a hand-written script would do: forward, backward, clip,
-step, no DeepSpeed, no events, no health metrics, no prefetch thread. The trainer is the real program, and its
-seconds per step are the gaps between its step events (so events, health metrics and checkpoint checks count).
-Medians of the steady steps; the runs alternate `--repeats` times and the best median of each side is kept
-(other work on the machine only ever slows a run down).
+step, no DeepSpeed, no events, no health metrics, no prefetch thread. The trainer is the real program
+(trainer/main.py, its loop, events, health metrics and checkpoint checks all count).
 
-    python bench/overhead.py [--steps 40 --warmup 5 --repeats 2 --spec RUN.toml]
+This machine's speed drifts by tens of percent within seconds (the same bare loop: 0.21 to 0.41 s a step in one
+run), so runs taken one after the other compare moments, not code. By default the two take their steps in turns
+in one process: each time the trainer's loop asks for a step's batches, the bare loop first takes one of its own;
+each trainer step is set against the bare step beside it, and the last line is the median of those ratios over
+the steady steps of `--repeats` runs. `--separate` runs each side in a process of its own, one after the other
+(the trainer as the node launches it), and keeps the best median of each side.
+
+    python bench/overhead.py [--steps 40 --warmup 5 --repeats 2 --spec RUN.toml] [--separate]
 """
 from __future__ import annotations
 
@@ -66,47 +71,97 @@ def bare_step_times(spec_path: Path) -> list[float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def bare_loop(spec_path: Path) -> list[float]:
-    _register_package()
-    import torch
-    from ingraph_trainer.trainer.adapters import inject_adapter
-    from ingraph_trainer.trainer.comfy_env import import_comfy
-    from ingraph_trainer.trainer.config import load_run_spec
-    from ingraph_trainer.trainer.batch_mix import StepBatches, build_training_data
-    from ingraph_trainer.trainer.models import Batch, load_family
-    from ingraph_trainer.trainer.optim import build_optimizer, build_scheduler
-    spec = load_run_spec(spec_path)
-    t, a = spec.train, spec.adapter
-    import_comfy()
-    family = load_family(spec.model, precision=t.precision)
-    family.set_objective(t.loss, t.huber_delta, t.min_snr_gamma, t.flow_shift, t.guidance)
-    torch.manual_seed(t.seed)
-    params = inject_adapter(family.diffusion_model, family.adapter_targets(a.targets), a.kind, a.rank, a.alpha,
-                            a.dropout)
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
-    family.diffusion_model.to(device=device, dtype=dtype)
-    optimizer = build_optimizer(spec, params)
-    scheduler = build_scheduler(spec, optimizer)
-    load = StepBatches(*build_training_data(spec.data, t.batch_size * t.grad_accum, t.seed), t, spec.data, 1, 0)
-    steps = [load(s).micro_batches for s in range(t.steps)]  # every batch ready: the loop alone is timed
-    times = []
-    for micro_batches in steps:
+class BareLoop:
+    """What a hand-written script does: forward, backward, clip, step; every step's batches made beforehand."""
+
+    def __init__(self, spec_path: Path):
+        _register_package()
+        import torch
+        from ingraph_trainer.trainer.adapters import inject_adapter
+        from ingraph_trainer.trainer.comfy_env import import_comfy
+        from ingraph_trainer.trainer.config import load_run_spec
+        from ingraph_trainer.trainer.batch_mix import StepBatches, build_training_data
+        from ingraph_trainer.trainer.models import load_family
+        from ingraph_trainer.trainer.optim import build_optimizer, build_scheduler
+        spec = load_run_spec(spec_path)
+        self.t, a = t, a = spec.train, spec.adapter
+        import_comfy()
+        self.family = family = load_family(spec.model, precision=t.precision)
+        family.set_objective(t.loss, t.huber_delta, t.min_snr_gamma, t.flow_shift, t.guidance)
+        torch.manual_seed(t.seed)
+        self.params = inject_adapter(family.diffusion_model, family.adapter_targets(a.targets), a.kind, a.rank,
+                                     a.alpha, a.dropout)
+        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        self.dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
+        family.diffusion_model.to(device=self.device, dtype=self.dtype)
+        self.optimizer = build_optimizer(spec, self.params)
+        self.scheduler = build_scheduler(spec, self.optimizer)
+        load = StepBatches(*build_training_data(spec.data, t.batch_size * t.grad_accum, t.seed), t, spec.data, 1, 0)
+        self.steps = [load(s).micro_batches for s in range(t.steps)]  # every batch ready: the loop alone is timed
+
+    def step(self, index: int) -> float:
+        """One optimizer step; its seconds."""
+        import torch
+        from ingraph_trainer.trainer.models import Batch
+        t, device, dtype = self.t, self.device, self.dtype
         t0 = time.perf_counter()
-        for latents, cond, noise, timesteps, pooled, *_ in micro_batches:  # a plain run: no masks, no prior set
+        for latents, cond, noise, timesteps, pooled, *_ in self.steps[index]:  # a plain run: no masks, no priors
             batch = Batch(latents.to(device, dtype), cond.to(device, dtype),
                           pooled.to(device, dtype) if pooled is not None else None, noise.to(device, dtype),
                           timesteps.to(device))
-            loss = family.loss(batch) / t.grad_accum
+            loss = self.family.loss(batch) / t.grad_accum
             loss.backward()
         if t.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+            torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
         loss.item()  # what any loop reads back once a step (a log line, a NaN check)
-        times.append(time.perf_counter() - t0)
-    return times
+        return time.perf_counter() - t0
+
+
+def bare_loop(spec_path: Path) -> list[float]:
+    bare = BareLoop(spec_path)
+    return [bare.step(s) for s in range(len(bare.steps))]
+
+
+def interleaved_step_times(spec_path: Path) -> tuple[list[float], list[float]]:
+    """(the trainer's, the bare loop's) seconds per step, taken in turns in one fresh process: each time the
+    trainer's loop asks for a step's batches, the bare loop first takes a step of its own. Both see the same
+    moment of the machine, whose speed drifts by tens of percent within seconds here. The trainer is the real
+    program (trainer/main.py, its loop, events, health metrics); its step is all it does from one request for
+    batches to the next, the bare step left out."""
+    out = subprocess.run([sys.executable, __file__, "--interleaved", str(spec_path)], capture_output=True, text=True,
+                         cwd=spec_path.parent)
+    if out.returncode:
+        sys.exit(f"interleaved run failed:\n{out.stderr[-3000:]}")
+    ours, bare = json.loads(out.stdout.strip().splitlines()[-1])
+    return ours, bare
+
+
+def interleaved_run(spec_path: Path) -> tuple[list[float], list[float]]:
+    bare = BareLoop(spec_path)
+    from ingraph_trainer.trainer import loop
+    from ingraph_trainer.trainer.main import main as trainer_main
+    own_loader, bare_times, asked = loop.step_loader, [], []
+
+    class Interleaved:
+        def __init__(self, load, device):
+            self.inner = own_loader(load, device)
+
+        def get(self, step: int, next_step):
+            bare_times.append(bare.step(step))
+            asked.append(time.perf_counter())
+            return self.inner.get(step, next_step)
+
+        def close(self):
+            self.inner.close()
+
+    loop.step_loader = Interleaved
+    if trainer_main(["--config", str(spec_path)]):
+        sys.exit("trainer failed")
+    ours = [b - a - bare_step for a, b, bare_step in zip(asked, asked[1:], bare_times[1:])]
+    return ours, bare_times[1:]
 
 
 def steady(times: list[float], warmup: int) -> float:
@@ -118,23 +173,45 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the median (first-step costs)")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--separate", action="store_true",
+                        help="each side in a process of its own, one after the other (the trainer as the node "
+                             "launches it; the ratio then carries the machine's drift between the runs)")
     parser.add_argument("--spec", type=Path, default=None, help="a prepared run spec (default: the tiny SD1.5)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/ingraph-step-losses"))
     parser.add_argument("--bare", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--interleaved", type=Path, default=None, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     if opts.bare:
         print(json.dumps(bare_loop(opts.bare)))
         return
+    if opts.interleaved:
+        print(json.dumps(interleaved_run(opts.interleaved)))
+        return
     spec = bench_spec(opts.work, opts.steps, opts.spec)
-    ours, bare = [], []
+    if opts.separate:
+        ours, bare = [], []
+        for _ in range(opts.repeats):
+            ours.append(steady(trainer_step_times(spec), opts.warmup))
+            bare.append(steady(bare_step_times(spec), opts.warmup))
+            print(f"trainer {ours[-1]:.4f} s/step, bare loop {bare[-1]:.4f} s/step", flush=True)
+        print(f"trainer s/step {min(ours):.4f}")
+        print(f"bare PyTorch s/step {min(bare):.4f}")
+        print(f"ratio {min(ours) / min(bare):.3f}")
+        return
+    ours, bare, paired = [], [], []
     for _ in range(opts.repeats):
-        ours.append(steady(trainer_step_times(spec), opts.warmup))
-        bare.append(steady(bare_step_times(spec), opts.warmup))
-        print(f"trainer {ours[-1]:.4f} s/step, bare loop {bare[-1]:.4f} s/step", flush=True)
-    print(f"trainer s/step {min(ours):.4f}")
-    print(f"bare PyTorch s/step {min(bare):.4f}")
-    print(f"ratio {min(ours) / min(bare):.3f}")
-
+        run_ours, run_bare = (times[opts.warmup:] for times in interleaved_step_times(spec))
+        if len(run_ours) != len(run_bare) or not run_ours:
+            sys.exit(f"{len(run_ours)} trainer steps against {len(run_bare)} bare ones: nothing to compare")
+        ours += run_ours
+        bare += run_bare
+        paired += [a / b for a, b in zip(run_ours, run_bare)]
+        print(f"trainer {statistics.median(run_ours):.4f} s/step, bare loop {statistics.median(run_bare):.4f} "
+              f"s/step, median of the steps' ratios {statistics.median(paired[-len(run_ours):]):.3f}", flush=True)
+    print(f"trainer s/step {statistics.median(ours):.4f}")
+    print(f"bare PyTorch s/step {statistics.median(bare):.4f}")
+    print(f"ratio {statistics.median(paired):.3f} (the median over the {len(paired)} steps of each trainer step "
+          "against the bare step beside it)")
 
 if __name__ == "__main__":
     main()
