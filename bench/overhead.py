@@ -140,6 +140,7 @@ def interleaved_step_times(spec_path: Path) -> tuple[list[float], list[float]]:
 
 
 def interleaved_run(spec_path: Path) -> tuple[list[float], list[float]]:
+    import torch
     bare = BareLoop(spec_path)
     from ingraph_trainer.trainer import loop
     from ingraph_trainer.trainer.main import main as trainer_main
@@ -150,6 +151,8 @@ def interleaved_run(spec_path: Path) -> tuple[list[float], list[float]]:
             self.inner = own_loader(load, device)
 
         def get(self, step: int, next_step):
+            if torch.cuda.is_available():  # the trainer's queued kernels count to it, not to the bare step
+                torch.cuda.synchronize()
             bare_times.append(bare.step(step))
             asked.append(time.perf_counter())
             return self.inner.get(step, next_step)

@@ -200,8 +200,9 @@ def test_whole_model_step_reads_the_loss_once_and_means_it_like_the_old_loop(mon
 
 
 def test_the_layouts_gradient_clipping_is_deepspeeds_bit_for_bit(monkeypatch):
-    """WholeModel clips on DeepSpeed's fp32 path itself (one pass for the reported norm and the clip): the weights
-    must stay those of the engine's own clipping, bit for bit, and the reported norm that of grad_norm."""
+    """WholeModel clips on DeepSpeed's fp32 path itself (one pass for the reported norm and the clip), and in one
+    process leaves the engine's gradient all-reduce out: the weights must stay those of the engine's own
+    all-reduce and clipping, bit for bit, and the reported norm that of grad_norm."""
     import torch
     from deepspeed.runtime import utils as deepspeed_utils
     from ingraph_trainer.trainer import layouts
@@ -209,27 +210,39 @@ def test_the_layouts_gradient_clipping_is_deepspeeds_bit_for_bit(monkeypatch):
     monkeypatch.setattr(deepspeed_utils.dist, "all_reduce", lambda *args, **kwargs: None)
     monkeypatch.setattr(deepspeed_utils.dist, "get_world_size", lambda *args, **kwargs: 1)
     monkeypatch.setattr(deepspeed_utils.groups, "_get_data_parallel_group", lambda: None)
+    unused = 9  # a trained parameter the step gives no gradient (a layer the family never runs)
 
     def module_with_gradients():
-        torch.manual_seed(0)
-        module = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3), torch.nn.Linear(3, 2))
-        module[1].requires_grad_(False)
+        torch.manual_seed(2)  # gradients whose clip coefficient depends on the order of the norms' sum
+        module = torch.nn.Sequential(*(torch.nn.Linear(6, 6) for _ in range(24)))
+        module[3].requires_grad_(False)
         for n, p in enumerate(module.parameters()):
-            if p.requires_grad and n != 5:  # the last bias without a gradient: skipped by both
-                p.grad = torch.randn_like(p) * 10.0 ** (n - 2)
+            if p.requires_grad and n != unused:
+                p.grad = torch.randn_like(p) * (1 + n % 5)
         return module
 
-    for max_norm in (0.05, 1e9):  # clipping that bites, and one that multiplies by 1.0
+    def engine_all_reduce(module):  # what the engine's all-reduce does to a gradient left None
+        for p in module.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    for max_norm in (0.5, 1e9):  # clipping that bites, and one that multiplies by 1.0
         theirs, ours = module_with_gradients(), module_with_gradients()
-        trainable = [p for p in ours.parameters() if p.requires_grad][::-1]  # reported in another order
-        expected_norm = layouts.grad_norm(trainable)
+        engine_all_reduce(theirs)
+        trainable = [p for p in ours.parameters() if p.requires_grad]
+        trainable = trainable[1:] + trainable[:1]  # reported in another order than the module's
+        theirs_trainable = [p for p in theirs.parameters() if p.requires_grad]
+        expected_norm = layouts.grad_norm(theirs_trainable[1:] + theirs_trainable[:1])
+        norms = torch.stack([p.grad.float().norm(2.0) for p in theirs_trainable])
+        assert (norms ** 2).sum() != (norms.roll(-1) ** 2).sum()  # so summing in the reported order fails
         deepspeed_utils.clip_grad_norm_(theirs.parameters(), max_norm)
         clipping = layouts.GradientClipping(max_norm)
         clipping.order(ours, trainable)
         reported = clipping.clip()
         assert torch.equal(reported, expected_norm)
         pairs = list(zip(theirs.parameters(), ours.parameters()))
-        assert len(pairs) == 6 and sum(p.grad is not None for _, p in pairs) == 3
+        assert len(pairs) == 48 and sum(p.grad is not None for _, p in pairs) == 46
+        assert torch.equal(list(ours.parameters())[unused].grad, torch.zeros(6))
         for a, b in pairs:
             assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad)
         if max_norm < 1:

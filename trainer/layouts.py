@@ -199,7 +199,12 @@ class GradientClipping:
         self.reported = [place[id(p)] for p in reported]
 
     def clip(self) -> torch.Tensor | None:
-        """Clips the gradients in place; the 2-norm of the reported parameters' gradients before clipping."""
+        """Clips the gradients in place; the 2-norm of the reported parameters' gradients before clipping.
+        A trained parameter the step left without a gradient gets zeros first, as the engine's all-reduce gives
+        it (in every process count): the optimizer then still decays and moves it."""
+        for p in self.params:
+            if p.grad is None and p.numel():
+                p.grad = torch.zeros(p.size(), dtype=p.dtype, device=p.device)
         norms = {i: p.grad.detach().float().norm(2.0) for i, p in enumerate(self.params) if p.grad is not None}
         if not norms:
             return None
