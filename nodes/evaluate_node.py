@@ -1,5 +1,6 @@
 from comfy_api.latest import io
 
+from ..trainer.config import DEFAULT_EVAL_QUANTILES_TEXT
 from .types import CATEGORY, Dataset, Distributed
 
 
@@ -18,7 +19,7 @@ class Evaluate(io.ComfyNode):
                 io.Model.Input("model", tooltip="The model to evaluate, e.g. a checkpoint, or it with a LoRA loaded."),
                 Dataset.Input("dataset", tooltip="Evaluation images, cached through Cache Latents and Cache Text "
                                                  "Embeddings (ideally images not trained on)."),
-                io.String.Input("quantiles", default="0.1, 0.3, 0.5, 0.7, 0.9",
+                io.String.Input("quantiles", default=DEFAULT_EVAL_QUANTILES_TEXT,
                                 tooltip="Points of the noise schedule to measure at (0 = clean, 1 = pure noise)."),
                 io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=False,
                              tooltip="Seed of the fixed noise; keep it the same to compare models."),

@@ -2,7 +2,7 @@ import logging
 
 from comfy_api.latest import io
 
-from ..trainer.config import (ADAPTER_FORMAT_CHOICES, BASE_PRECISION_CHOICES, LOSS_CHOICES, OPTIMIZER_CHOICES,
+from ..trainer.config import (ADAPTER_FORMAT_CHOICES, BASE_PRECISION_CHOICES, DEFAULT_EVAL_QUANTILES_TEXT, LOSS_CHOICES, OPTIMIZER_CHOICES,
                                PRECISION_CHOICES, SCHEDULE_CHOICES, TIMESTEP_SAMPLING_CHOICES, TrainSpec,
                                choice_labels, choice_value, choices_tooltip)
 from .inputs import output_file_inputs, precision_input
@@ -158,6 +158,11 @@ class TrainLoRA(io.ComfyNode):
                 io.Combo.Input("base_precision", options=choice_labels(BASE_PRECISION_CHOICES), default="as loaded",
                                optional=True, tooltip="How the trainer holds the frozen base weights. "
                                                       + choices_tooltip(BASE_PRECISION_CHOICES)),
+                io.String.Input("eval_quantiles", default=DEFAULT_EVAL_QUANTILES_TEXT, optional=True,
+                                tooltip="Points of the noise schedule (0 = clean, 1 = pure noise) where evaluation "
+                                        "measures the loss, with fixed noise. Each costs a forward pass per "
+                                        "evaluated image at every evaluation: on a large model, fewer (e.g. 0.5) "
+                                        "is faster. An Evaluate node given the same values measures the same."),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The input MODEL with the trained LoRA applied."),
@@ -171,11 +176,14 @@ class TrainLoRA(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, output_name):
+    def validate_inputs(cls, output_name, eval_quantiles=None):
         # no **kwargs: that would switch off ComfyUI's own min/max checks of every other input
+        from ..runner.evaluation_run import parse_quantiles
         from ..runner.paths import lora_output_path
         try:
             lora_output_path(output_name)
+            if eval_quantiles is not None:  # None: not given (a workflow saved before it), or linked
+                parse_quantiles(eval_quantiles, "eval_quantiles")
         except ValueError as exc:
             return str(exc)
         return True
@@ -187,9 +195,10 @@ class TrainLoRA(io.ComfyNode):
                 previews=None, file_format="ComfyUI", loss="MSE", min_snr_gamma=0.0, timestep_sampling="uniform",
                 flow_shift=1.0, guidance=1.0, overwrite=False, keep_last=3, ema_decay=0.0, ema_start_step=0,
                 save_ema=False, prior_dataset=None, prior_weight=1.0, prior_fraction=0.5,
-                base_precision="as loaded") -> io.NodeOutput:
+                base_precision="as loaded", eval_quantiles=DEFAULT_EVAL_QUANTILES_TEXT) -> io.NodeOutput:
         import comfy.model_management
 
+        from ..runner.evaluation_run import parse_quantiles
         from ..runner.loss_chart import chart_tensor, render_loss_chart
         from ..runner.train_run import train_lora
 
@@ -208,7 +217,9 @@ class TrainLoRA(io.ComfyNode):
                                                          "timestep_sampling"),
                           flow_shift=float(flow_shift or 1.0), guidance=float(1.0 if guidance is None else guidance),
                           keep_last=3 if keep_last is None else int(keep_last),
-                          ema_decay=float(ema_decay or 0.0), ema_start_step=int(ema_start_step or 0))
+                          ema_decay=float(ema_decay or 0.0), ema_start_step=int(ema_start_step or 0),
+                          eval_quantiles=parse_quantiles(eval_quantiles or DEFAULT_EVAL_QUANTILES_TEXT,
+                                                         "eval_quantiles"))
         node_id = cls.hidden.unique_id
         outcome = train_lora(model, dataset, adapter=adapter, train=train, output_name=output_name,
                              resume=resume or "off", distributed=distributed, eval_dataset=eval_dataset,

@@ -6,19 +6,19 @@ from typing import Callable
 from ..trainer.config import DistributedSpec, TrainSpec
 
 
-def parse_quantiles(text: str) -> list[float]:
-    """'0.1, 0.5 0.9' → [0.1, 0.5, 0.9]; the error names the input and the bad value."""
+def parse_quantiles(text: str, name: str = "quantiles") -> list[float]:
+    """'0.1, 0.5 0.9' → [0.1, 0.5, 0.9]; the error names the input (`name`) and the bad value."""
     values = []
     for part in text.replace(",", " ").split():
         try:
             q = float(part)
         except ValueError:
-            raise ValueError(f"quantiles: {part!r} is not a number") from None
+            raise ValueError(f"{name}: {part!r} is not a number") from None
         if not 0.0 < q < 1.0:
-            raise ValueError(f"quantiles: {part} is not between 0 and 1")
+            raise ValueError(f"{name}: {part} is not between 0 and 1")
         values.append(q)
     if not values:
-        raise ValueError("quantiles: give at least one value between 0 and 1, e.g. 0.1, 0.5, 0.9")
+        raise ValueError(f"{name}: give at least one value between 0 and 1, e.g. 0.1, 0.5, 0.9")
     return sorted(set(values))
 
 

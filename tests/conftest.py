@@ -38,11 +38,63 @@ def pytest_report_header(config):
 
 def pytest_collection_modifyitems(config, items):
     if comfyui_available():
+        # the tests on the distillation quality check's figures last, so its background run (below) has the whole
+        # suite's idle core time to finish in
+        items.sort(key=lambda item: "distill_quality_figures" in getattr(item, "fixturenames", ()))
         return
     skip = pytest.mark.skip(reason=COMFYUI_MISSING)
     for item in items:
         if "comfyui" in item.keywords:
             item.add_marker(skip)
+
+
+class DistillQualityRun:
+    """tools/distill_quality.py (~3.5 minutes on one thread) started as soon as the session knows a test needs its
+    figures, at the lowest CPU priority: it runs on the core time the other tests leave idle (process starts,
+    servers' waits, one-thread work) and barely slows them, and its figures are the same (seeded, one thread)."""
+    proc: subprocess.Popen | None = None
+    work: Path | None = None
+
+    @classmethod
+    def start(cls, work: Path):
+        cls.work = work
+        with open(work / "stdout.txt", "w") as out, open(work / "stderr.txt", "w") as err:
+            cls.proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "distill_quality.py"), "--work",
+                                         str(work / "check")], stdout=out, stderr=err, start_new_session=True,
+                                        env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=lambda: os.nice(19))
+
+    @classmethod
+    def figures(cls, timeout: float = 900) -> dict:
+        try:
+            cls.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(cls.proc)
+            raise AssertionError(f"tools/distill_quality.py gave no figures within {timeout:.0f} s of being waited on")
+        stderr = (cls.work / "stderr.txt").read_text()
+        assert cls.proc.returncode == 0, stderr[-4000:]
+        return json.loads((cls.work / "stdout.txt").read_text().strip().splitlines()[-1])
+
+    @classmethod
+    def stop(cls):
+        if cls.proc is not None and cls.proc.poll() is None:
+            _kill_group(cls.proc)
+
+
+def pytest_collection_finish(session):
+    wanted = any("distill_quality_figures" in getattr(item, "fixturenames", ()) for item in session.items)
+    if (wanted and comfyui_available() and not session.config.option.collectonly
+            and os.environ.get("INGRAPH_SKIP_DISTILL_QUALITY") != "1"):
+        DistillQualityRun.start(session.config._tmp_path_factory.mktemp("distill_quality"))
+
+
+@pytest.fixture(scope="session")
+def distill_quality_figures():
+    """The distillation quality check's figures, from the run started at collection."""
+    assert DistillQualityRun.proc is not None, "the distillation quality check was not started at collection"
+    result = DistillQualityRun.figures()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    (ARTIFACTS / "distill_quality.json").write_text(json.dumps(result, indent=1))
+    return result
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -130,9 +182,10 @@ def load_workflow(name: str = "train_lora_api.json") -> dict:
     return json.loads((REPO / "workflows" / name).read_text())
 
 
-def evaluate_on_one_image(wf: dict, train: str = "6", dataset: str = "2", folder: str = ONE_IMAGE_FOLDER) -> list:
-    """The Train node's evaluations (before the first step and after the last: 5 quantiles an item) on one image,
-    not the 8 it trains on, for tests whose point is not the evaluation: a copy of the dataset chain from node
+def evaluate_on_one_image(wf: dict, train: str = "6", dataset: str = "2", folder: str = ONE_IMAGE_FOLDER,
+                          quantiles: str = "0.5") -> list:
+    """The Train node's evaluations (before the first step and after the last) on one image, not the 8 it trains
+    on, at `quantiles` (its eval_quantiles), for tests whose point is not the evaluation: a copy of the dataset chain from node
     `dataset` (Load Training Images → Cache Latents → Cache Text Embeddings) on `folder` (an image and its caption) as
     its eval_dataset. Returns that cached dataset's link (for an Evaluate node that must measure the same)."""
     import copy
@@ -147,6 +200,7 @@ def evaluate_on_one_image(wf: dict, train: str = "6", dataset: str = "2", folder
             clone["inputs"]["dataset"][0] = "eval_" + clone["inputs"]["dataset"][0]
         wf["eval_" + node] = clone
     wf[train]["inputs"]["eval_dataset"] = ["eval_" + chain[-1], 0]
+    wf[train]["inputs"]["eval_quantiles"] = quantiles
     return ["eval_" + chain[-1], 0]
 
 
@@ -286,6 +340,7 @@ class _TrainerWorker:
 
 def pytest_sessionfinish(session, exitstatus):
     _TrainerWorker.stop()
+    DistillQualityRun.stop()
 
 
 def run_trainer(spec_path: Path, *extra, timeout: float = 300, processes: int = 1, env: dict | None = None,

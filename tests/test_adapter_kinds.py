@@ -13,6 +13,8 @@ from conftest import evaluate_on_one_image, load_workflow
 
 pytestmark = pytest.mark.comfyui
 
+# the Train node's evaluations and the Evaluate node's, at the same points (the comparison's)
+FIVE_QUANTILES = "0.1, 0.3, 0.5, 0.7, 0.9"
 KEY_PARTS = {"LoRA": {"lora_up.weight", "lora_down.weight", "alpha"},
              "LoHa": {"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "alpha"},
              "LoKr": {"alpha"},  # plus lokr_w1 / lokr_w1_a+b and lokr_w2 / lokr_w2_a+b, as peft factors them
@@ -26,8 +28,8 @@ def test_adapter_kind_loads_in_comfyui_and_reproduces_the_trainer(kind, comfy, c
     wf["6"]["inputs"].update(steps=3, learning_rate=1e-2, precision="fp32", output_name=f"kinds/{kind.lower()}",
                              batch_size=2)
     wf["9"] = {"class_type": "InGraphEvaluate",
-               "inputs": {"model": ["6", 0], "dataset": evaluate_on_one_image(wf),
-                          "quantiles": "0.1, 0.3, 0.5, 0.7, 0.9", "seed": 0, "batch_size": 2, "precision": "fp32"}}
+               "inputs": {"model": ["6", 0], "dataset": evaluate_on_one_image(wf, quantiles=FIVE_QUANTILES),
+                          "quantiles": FIVE_QUANTILES, "seed": 0, "batch_size": 2, "precision": "fp32"}}
     log_before = len(comfy.log_text())
     outcome = client.run(wf, timeout=600)
     assert outcome.ok, (outcome.status, outcome.error, comfy.log_tail())
@@ -51,7 +53,7 @@ def test_full_fine_tune_loads_through_unet_loader_and_reproduces_the_trained_wei
     wf = {k: v for k, v in load_workflow().items() if k in {"1", "2", "3", "4", "5", "6"}}
     wf["5"]["inputs"]["kind"] = "Full fine-tune"
     wf["6"]["inputs"].update(steps=3, learning_rate=1e-4, precision="fp32", output_name="full/ft_test", batch_size=2)
-    evaluate = {"dataset": evaluate_on_one_image(wf), "quantiles": "0.1, 0.3, 0.5, 0.7, 0.9", "seed": 0,
+    evaluate = {"dataset": evaluate_on_one_image(wf, quantiles=FIVE_QUANTILES), "quantiles": FIVE_QUANTILES, "seed": 0,
                 "batch_size": 2, "precision": "fp32"}
     wf["9"] = {"class_type": "InGraphEvaluate", "inputs": {"model": ["6", 0], **evaluate}}
     outcome = client.run(wf, timeout=600)

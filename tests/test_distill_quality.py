@@ -18,30 +18,22 @@ INGRAPH_SKIP_DISTILL_QUALITY=1 leaves it out.
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from conftest import ARTIFACTS, REPO
+from conftest import REPO
 
 skip_quality = pytest.mark.skipif(os.environ.get("INGRAPH_SKIP_DISTILL_QUALITY") == "1",
                                   reason="INGRAPH_SKIP_DISTILL_QUALITY=1 (the quality check takes ~3 minutes)")
 
 
-@pytest.fixture(scope="module")
-def figures(tmp_path_factory):
-    """The quality check's figures (one run of tools/distill_quality.py for the module)."""
-    work = tmp_path_factory.mktemp("distill_quality")
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "distill_quality.py"), "--work", str(work)],
-                          capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    (ARTIFACTS / "distill_quality.json").write_text(json.dumps(result, indent=1))
-    return result
+@pytest.fixture
+def figures(distill_quality_figures):
+    """The quality check's figures: tools/distill_quality.py, one run for the session, started at collection in
+    the background (tests/conftest.py, DistillQualityRun)."""
+    return distill_quality_figures
 
 
 @pytest.mark.comfyui

@@ -37,14 +37,14 @@ ENCODER_EXTRAS = {"chroma": {"pooled_output": None},  # T5 alone: no pooled vect
 
 EDIT_FOLDER = "ingraph_edit"  # one family image with a name.ref.png (its mirror image) as edit source
 EDIT_REFERENCE = "ingraph_edit_reference.png"  # the source image the stock edit graph loads (LoadImage)
-# one image, batch 1, in every chain (suite time): every forward pass costs (evaluation before and after: 5 quantiles
-# per item)
+# one image, batch 1, in every chain (suite time): every forward pass costs (evaluation before and after, at one
+# quantile: training_graph's eval_quantiles)
 SINGLE_FOLDER = "ingraph_single"
 # graph chain → (tiny model and synthetic encoder family, VAE, image folder); the edit chains train on reference
 # images: Qwen-Image-Edit with the Wan VAE Qwen-Image uses (5-D latents), Flux Kontext with the 16-channel TAESD.
 # Chroma is not among them but trains on its own prompt (test_chroma_trains_in_the_graph_and_loads_in_lora_loader),
 # which INGRAPH_SKIP_CHROMA_GRAPH=1 skips for suite time: its fixed 278M-parameter modulation network costs ~4.5 s
-# on 2 cores a forward pass, and the run makes 12 (2 training steps, 5 evaluation quantiles before and after).
+# on 2 cores a forward pass, and the run makes 4 (2 training steps, 1 evaluation quantile before and after).
 # Skipped, what is Chroma's own (ComfyUI detects it and the trainer picks it, its loss is ComfyUI's sampler's, its
 # out-of-place blocks pass gradients, its exported LoRA is read whole by ComfyUI's LoRA loading onto the layers
 # trained) is still test_family_detected_and_its_loss_is_comfyuis
@@ -280,6 +280,9 @@ def trained_two_steps(comfy, outcome, node: str, family: str, output_name: str) 
     assert started and started["family"] == family and started["prediction"] == "flow", (node, started, events[:3])
     steps = [e for e in events if e["type"] == "step"]
     assert len(steps) == 2 and all(torch.isfinite(torch.tensor(e["loss"])) for e in steps), steps
+    # the Train node's eval_quantiles (training_graph: 0.5 alone) is where the run evaluated, before and after
+    evals = [e for e in events if e["type"] == "eval"]
+    assert len(evals) == 2 and all(list(e["quantiles"]) == ["0.5"] for e in evals), evals
     adapter = load_file(str(comfy.base_dir / "models" / "loras" / f"{output_name}.safetensors"))
     assert adapter and all(k.startswith("diffusion_model.") for k in adapter), sorted(adapter)[:3]
     return started

@@ -278,15 +278,15 @@ def test_the_start_names_the_training_buckets_no_prior_image_covers():
 
 
 @pytest.mark.comfyui
-def test_the_train_node_offers_base_precision_last_and_hands_it_to_the_spec(monkeypatch):
+def test_the_train_node_offers_base_precision_and_hands_it_to_the_spec(monkeypatch):
     import inspect
     from tools.prepare_run import _bootstrap
     _bootstrap()
     from ingraph_trainer.nodes.train_node import TrainLoRA
     from ingraph_trainer.runner import train_run
     from ingraph_trainer.trainer import config
-    last = TrainLoRA.define_schema().inputs[-1]
-    assert last.id == "base_precision" and last.optional and "fp8" in last.tooltip
+    last = next(i for i in TrainLoRA.define_schema().inputs if i.id == "base_precision")
+    assert last.optional and "fp8" in last.tooltip
     assert [config.choice_value(config.BASE_PRECISION_CHOICES, o, "base_precision") for o in last.options] \
         == list(config.BASE_PRECISIONS)
     assert inspect.signature(TrainLoRA.execute).parameters["base_precision"].default in last.options
@@ -309,3 +309,21 @@ def test_the_train_node_offers_base_precision_last_and_hands_it_to_the_spec(monk
                              output_name="base_precision_probe", base_precision="fp8", on_run=None,
                              check_interrupt=lambda: None)
     assert handed.value.args[0].base_precision == "fp8" and handed.value.args[0].path == "base.safetensors"
+
+
+@pytest.mark.comfyui
+def test_the_train_node_offers_eval_quantiles_last_and_refuses_a_bad_one_naming_it():
+    """Appended last (saved workflows map widget values by position), its default is the spec's default, and a bad
+    value fails validation naming the input (that a graph's value reaches the run: tests/test_image_families.py,
+    trained_two_steps)."""
+    from tools.prepare_run import _bootstrap
+    _bootstrap()
+    from ingraph_trainer.nodes.train_node import TrainLoRA
+    from ingraph_trainer.runner.evaluation_run import parse_quantiles
+    from ingraph_trainer.trainer import config
+    last = TrainLoRA.define_schema().inputs[-1]
+    assert last.id == "eval_quantiles" and last.optional and "forward pass" in last.tooltip
+    assert parse_quantiles(last.default) == config.TrainSpec().eval_quantiles == [0.1, 0.3, 0.5, 0.7, 0.9]
+    assert TrainLoRA.validate_inputs("lora", "0.5") is True and TrainLoRA.validate_inputs("lora") is True
+    assert TrainLoRA.validate_inputs("lora", "0.5, 1.5") == "eval_quantiles: 1.5 is not between 0 and 1"
+    assert TrainLoRA.validate_inputs("lora", " ").startswith("eval_quantiles: give at least one value")

@@ -15,6 +15,11 @@ from typing import Any, get_type_hints
 SPEC_VERSION = 1
 
 
+# the timestep quantiles evaluation measures at, unless a spec or node says otherwise (as nodes show it: text)
+DEFAULT_EVAL_QUANTILES = (0.1, 0.3, 0.5, 0.7, 0.9)
+DEFAULT_EVAL_QUANTILES_TEXT = ", ".join(f"{q:g}" for q in DEFAULT_EVAL_QUANTILES)
+
+
 @dataclass(frozen=True)
 class Choice:
     """One option of a setting: the value the run spec holds, the label a node shows (saved workflows store the
@@ -195,7 +200,7 @@ class TrainSpec:
     seed: int = 0
     save_every: int = 0  # 0: only the final adapter
     keep_last: int = 3  # complete checkpoints kept (the oldest go first); 0 = keep all
-    eval_quantiles: list = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
+    eval_quantiles: list = field(default_factory=lambda: list(DEFAULT_EVAL_QUANTILES))
     eval_every: int = 0  # 0: evaluate before the first step and after the last only
     resume: str = ""  # "": fresh run; "latest": newest complete checkpoint; or a checkpoint tag
     ema_decay: float = 0.0  # exponential moving average of the trained weights (0 = off; 0.999 is usual)
