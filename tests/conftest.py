@@ -51,7 +51,9 @@ def pytest_collection_modifyitems(config, items):
 class DistillQualityRun:
     """tools/distill_quality.py (~3.5 minutes on one thread) started as soon as the session knows a test needs its
     figures, at the lowest CPU priority: it runs on the core time the other tests leave idle (process starts,
-    servers' waits, one-thread work) and barely slows them, and its figures are the same (seeded, one thread)."""
+    servers' waits, one-thread work) and barely slows them, and its figures are the same (seeded, one thread).
+    Its own process group, but the session's: Linux's autogroup scheduling would give a new session as much CPU as
+    the whole test session, whatever its nice value."""
     proc: subprocess.Popen | None = None
     work: Path | None = None
 
@@ -60,7 +62,7 @@ class DistillQualityRun:
         cls.work = work
         with open(work / "stdout.txt", "w") as out, open(work / "stderr.txt", "w") as err:
             cls.proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "distill_quality.py"), "--work",
-                                         str(work / "check")], stdout=out, stderr=err, start_new_session=True,
+                                         str(work / "check")], stdout=out, stderr=err, process_group=0,
                                         env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=lambda: os.nice(19))
 
     @classmethod
