@@ -48,12 +48,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _lowest_priority():
+    """In a child just made a session leader (start_new_session): its autogroup and itself at nice 19."""
+    try:
+        with open("/proc/self/autogroup", "w") as autogroup:  # absent where autogroup scheduling is off
+            autogroup.write("19")
+    except OSError:
+        pass
+    os.nice(19)
+
+
 class DistillQualityRun:
     """tools/distill_quality.py (~3.5 minutes on one thread) started as soon as the session knows a test needs its
     figures, at the lowest CPU priority: it runs on the core time the other tests leave idle (process starts,
     servers' waits, one-thread work) and barely slows them, and its figures are the same (seeded, one thread).
-    Its own process group, but the session's: Linux's autogroup scheduling would give a new session as much CPU as
-    the whole test session, whatever its nice value."""
+    Linux's autogroup scheduling shares the CPU between sessions first (the server and each trainer have their own)
+    and only then by nice value within one: so it runs in a session of its own whose autogroup is at nice 19."""
     proc: subprocess.Popen | None = None
     work: Path | None = None
 
@@ -62,8 +72,8 @@ class DistillQualityRun:
         cls.work = work
         with open(work / "stdout.txt", "w") as out, open(work / "stderr.txt", "w") as err:
             cls.proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "distill_quality.py"), "--work",
-                                         str(work / "check")], stdout=out, stderr=err, process_group=0,
-                                        env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=lambda: os.nice(19))
+                                         str(work / "check")], stdout=out, stderr=err, start_new_session=True,
+                                        env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=_lowest_priority)
 
     @classmethod
     def figures(cls, timeout: float = 900) -> dict:
