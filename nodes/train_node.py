@@ -218,8 +218,7 @@ class TrainLoRA(io.ComfyNode):
                           flow_shift=float(flow_shift or 1.0), guidance=float(1.0 if guidance is None else guidance),
                           keep_last=3 if keep_last is None else int(keep_last),
                           ema_decay=float(ema_decay or 0.0), ema_start_step=int(ema_start_step or 0),
-                          eval_quantiles=parse_quantiles(eval_quantiles or DEFAULT_EVAL_QUANTILES_TEXT,
-                                                         "eval_quantiles"))
+                          eval_quantiles=parse_quantiles(eval_quantiles, "eval_quantiles"))
         node_id = cls.hidden.unique_id
         outcome = train_lora(model, dataset, adapter=adapter, train=train, output_name=output_name,
                              resume=resume or "off", distributed=distributed, eval_dataset=eval_dataset,

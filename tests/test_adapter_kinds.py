@@ -10,11 +10,12 @@ import pytest
 from safetensors import safe_open
 
 from conftest import evaluate_on_one_image, load_workflow
+from ingraph_trainer.trainer.config import DEFAULT_EVAL_QUANTILES_TEXT
 
 pytestmark = pytest.mark.comfyui
 
 # the Train node's evaluations and the Evaluate node's, at the same points (the comparison's)
-FIVE_QUANTILES = "0.1, 0.3, 0.5, 0.7, 0.9"
+FIVE_QUANTILES = DEFAULT_EVAL_QUANTILES_TEXT
 KEY_PARTS = {"LoRA": {"lora_up.weight", "lora_down.weight", "alpha"},
              "LoHa": {"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "alpha"},
              "LoKr": {"alpha"},  # plus lokr_w1 / lokr_w1_a+b and lokr_w2 / lokr_w2_a+b, as peft factors them

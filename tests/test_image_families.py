@@ -22,7 +22,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import IMAGE_FOLDER, REPO, tiny_models
+from conftest import IMAGE_FOLDER, REPO, SUITE_EVAL_QUANTILES, tiny_models
+from ingraph_trainer.runner.evaluation_run import parse_quantiles
+from ingraph_trainer.trainer.config import DEFAULT_EVAL_QUANTILES_TEXT
 from test_model_families import sampling_graph, saved_latent, training_graph
 
 pytestmark = pytest.mark.comfyui
@@ -280,9 +282,11 @@ def trained_two_steps(comfy, outcome, node: str, family: str, output_name: str) 
     assert started and started["family"] == family and started["prediction"] == "flow", (node, started, events[:3])
     steps = [e for e in events if e["type"] == "step"]
     assert len(steps) == 2 and all(torch.isfinite(torch.tensor(e["loss"])) for e in steps), steps
-    # the Train node's eval_quantiles (training_graph: 0.5 alone) is where the run evaluated, before and after
+    # the Train node's eval_quantiles (training_graph's: SUITE_EVAL_QUANTILES) is where the run evaluated
     evals = [e for e in events if e["type"] == "eval"]
-    assert len(evals) == 2 and all(list(e["quantiles"]) == ["0.5"] for e in evals), evals
+    points = [str(q) for q in parse_quantiles(SUITE_EVAL_QUANTILES)]
+    assert SUITE_EVAL_QUANTILES != DEFAULT_EVAL_QUANTILES_TEXT  # else the input could be ignored unseen
+    assert len(evals) == 2 and all(list(e["quantiles"]) == points for e in evals), evals
     adapter = load_file(str(comfy.base_dir / "models" / "loras" / f"{output_name}.safetensors"))
     assert adapter and all(k.startswith("diffusion_model.") for k in adapter), sorted(adapter)[:3]
     return started

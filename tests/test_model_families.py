@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import IMAGE_FOLDER, REPO, evaluate_on_one_image, tiny_models
+from conftest import IMAGE_FOLDER, REPO, SUITE_EVAL_QUANTILES, evaluate_on_one_image, tiny_models
+from ingraph_trainer.trainer.config import DEFAULT_EVAL_QUANTILES_TEXT
 
 FAMILY_FOLDER = "ingraph_family"  # two of the example images: evaluation before and after costs 10 forward passes
 
@@ -60,7 +61,7 @@ def training_graph(family: str, output_name: str, model: dict | None = None, tex
                          "gradient_accumulation": 1, "learning_rate": 1e-3, "optimizer": "AdamW",
                          "lr_schedule": "constant", "warmup_steps": 0, "precision": "fp32",
                          "gradient_checkpointing": False, "seed": 0, "save_every": 0, "output_name": output_name,
-                         "resume": "off", "eval_quantiles": "0.5", **train}},  # one point: suite time
+                         "resume": "off", "eval_quantiles": SUITE_EVAL_QUANTILES, **train}},
     }
 
 
@@ -159,7 +160,7 @@ def test_training_from_scratch_reduces_loss(family_models, client):
                                                          "seed": 0, "clip": ["3", 0]}}
     outcome = client.run(training_graph("sd3", "scratch_sd3", model=model, text_family="flux", kind="Full fine-tune",
                                         steps=12, learning_rate=2e-3, timestep_sampling="logit-normal",
-                                        eval_quantiles="0.1, 0.3, 0.5, 0.7, 0.9"), timeout=600)
+                                        eval_quantiles=DEFAULT_EVAL_QUANTILES_TEXT), timeout=600)
     assert outcome.ok, outcome.error
     finished = next(e for e in run_events(outcome) if e["type"] == "finished")
     assert finished["eval_after"] < 0.8 * finished["eval_before"], finished

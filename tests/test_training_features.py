@@ -323,7 +323,7 @@ def test_the_train_node_offers_eval_quantiles_last_and_refuses_a_bad_one_naming_
     from ingraph_trainer.trainer import config
     last = TrainLoRA.define_schema().inputs[-1]
     assert last.id == "eval_quantiles" and last.optional and "forward pass" in last.tooltip
-    assert parse_quantiles(last.default) == config.TrainSpec().eval_quantiles == [0.1, 0.3, 0.5, 0.7, 0.9]
+    assert parse_quantiles(last.default) == config.TrainSpec().eval_quantiles == list(config.DEFAULT_EVAL_QUANTILES)
     assert TrainLoRA.validate_inputs("lora", "0.5") is True and TrainLoRA.validate_inputs("lora") is True
     assert TrainLoRA.validate_inputs("lora", "0.5, 1.5") == "eval_quantiles: 1.5 is not between 0 and 1"
     assert TrainLoRA.validate_inputs("lora", " ").startswith("eval_quantiles: give at least one value")

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import SUITE_EVAL_QUANTILES
 from ingraph_trainer.cache.buckets import BucketSettings
 from ingraph_trainer.cache.dataset import DatasetError, load_clip_item_tensor, scan_image_folder
 from ingraph_trainer.cache.encoding import encode_latents, encode_text
@@ -625,7 +626,7 @@ def test_wan_trains_on_clips_and_an_image_through_the_graph(comfy, client, tools
                          "gradient_accumulation": 1, "learning_rate": 1e-3, "optimizer": "AdamW",
                          "lr_schedule": "constant", "warmup_steps": 0, "precision": "fp32",
                          "gradient_checkpointing": False, "seed": 0, "save_every": 0, "output_name": "wan_video",
-                         "resume": "off", "eval_quantiles": "0.5"}},
+                         "resume": "off", "eval_quantiles": SUITE_EVAL_QUANTILES}},
     }
     # batch 3: one batch per bucket (the 17-frame bucket's one item repeated), so the 2 steps of the epoch see both
     outcome = client.run(graph, timeout=900)

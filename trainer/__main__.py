@@ -32,4 +32,9 @@ import os  # noqa: E402
 logging.shutdown()
 sys.stdout.flush()
 sys.stderr.flush()
+try:  # what C and C++ libraries printed into the run's log through C's own buffers
+    import ctypes
+    ctypes.CDLL(None).fflush(None)
+except (OSError, AttributeError):
+    pass
 os._exit(0)
