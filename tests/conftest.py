@@ -31,6 +31,7 @@ ENV_CANARY = "ingraph-canary-" + os.urandom(8).hex()
 IMAGE_FOLDER = "ingraph_example"
 ONE_IMAGE_FOLDER = "ingraph_one"  # the first example image and its caption: evaluation where it is not the point
 SUITE_EVAL_QUANTILES = "0.5"  # the Train node's eval_quantiles where evaluation is not the point (suite time)
+SKIP_DISTILL_QUALITY = os.environ.get("INGRAPH_SKIP_DISTILL_QUALITY") == "1"  # ~3.5 min of one core left out
 
 
 def pytest_report_header(config):
@@ -41,12 +42,16 @@ def pytest_collection_modifyitems(config, items):
     if comfyui_available():
         # the tests on the distillation quality check's figures last, so its background run (below) has the whole
         # suite's idle core time to finish in
-        items.sort(key=lambda item: "distill_quality_figures" in getattr(item, "fixturenames", ()))
+        items.sort(key=_needs_distill_quality)
         return
     skip = pytest.mark.skip(reason=COMFYUI_MISSING)
     for item in items:
         if "comfyui" in item.keywords:
             item.add_marker(skip)
+
+
+def _needs_distill_quality(item) -> bool:
+    return "distill_quality_figures" in getattr(item, "fixturenames", ())
 
 
 def _set_autogroup_nice(pid: int | str, nice: int):
@@ -114,9 +119,8 @@ class DistillQualityRun:
 
 
 def pytest_collection_finish(session):
-    wanted = any("distill_quality_figures" in getattr(item, "fixturenames", ()) for item in session.items)
-    if (wanted and comfyui_available() and not session.config.option.collectonly
-            and os.environ.get("INGRAPH_SKIP_DISTILL_QUALITY") != "1"):
+    if (any(map(_needs_distill_quality, session.items)) and comfyui_available()
+            and not session.config.option.collectonly and not SKIP_DISTILL_QUALITY):
         DistillQualityRun.start(session.config._tmp_path_factory.mktemp("distill_quality"))
 
 
@@ -218,9 +222,10 @@ def load_workflow(name: str = "train_lora_api.json") -> dict:
 def evaluate_on_one_image(wf: dict, train: str = "6", dataset: str = "2", folder: str = ONE_IMAGE_FOLDER,
                           quantiles: str = SUITE_EVAL_QUANTILES) -> list:
     """The Train node's evaluations (before the first step and after the last) on one image, not the 8 it trains
-    on, at `quantiles` (its eval_quantiles), for tests whose point is not the evaluation: a copy of the dataset chain from node
-    `dataset` (Load Training Images → Cache Latents → Cache Text Embeddings) on `folder` (an image and its caption) as
-    its eval_dataset. Returns that cached dataset's link (for an Evaluate node that must measure the same)."""
+    on, at `quantiles` (its eval_quantiles), for tests whose point is not the evaluation: a copy of the dataset
+    chain from node `dataset` (Load Training Images → Cache Latents → Cache Text Embeddings) on `folder` (an image
+    and its caption) as its eval_dataset. Returns that cached dataset's link (for an Evaluate node that must
+    measure the same)."""
     import copy
     chain = [dataset]
     while len(chain) < 3:

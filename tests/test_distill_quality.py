@@ -18,14 +18,13 @@ INGRAPH_SKIP_DISTILL_QUALITY=1 leaves it out.
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, SKIP_DISTILL_QUALITY
 
-skip_quality = pytest.mark.skipif(os.environ.get("INGRAPH_SKIP_DISTILL_QUALITY") == "1",
+skip_quality = pytest.mark.skipif(SKIP_DISTILL_QUALITY,
                                   reason="INGRAPH_SKIP_DISTILL_QUALITY=1 (the quality check takes ~3 minutes)")
 
 

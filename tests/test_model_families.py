@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from conftest import IMAGE_FOLDER, REPO, SUITE_EVAL_QUANTILES, evaluate_on_one_image, tiny_models
 from ingraph_trainer.trainer.config import DEFAULT_EVAL_QUANTILES_TEXT
 
-FAMILY_FOLDER = "ingraph_family"  # two of the example images: evaluation before and after costs 10 forward passes
+# two of the example images: few forward passes a run (evaluation at one quantile: training_graph's eval_quantiles)
+FAMILY_FOLDER = "ingraph_family"
 
 pytestmark = pytest.mark.comfyui
 
