@@ -75,60 +75,93 @@ def _lowest_priority():
         pass
 
 
-class DistillQualityRun:
-    """tools/distill_quality.py (~3.5 minutes on one thread) started as soon as the session knows a test needs its
-    figures, at the lowest CPU priority: it runs on the core time the other tests leave idle (process starts,
-    servers' waits, one-thread work) and barely slows them, and its figures are the same (seeded, one thread).
-    Linux's autogroup scheduling shares the CPU between sessions first (the server and each trainer have their own)
-    and only then by nice value within one: so it runs in a session of its own whose autogroup is at nice 19."""
-    proc: subprocess.Popen | None = None
-    work: Path | None = None
+class BackgroundRun:
+    """A tool started as soon as the session knows a selected test needs what it makes, at the lowest CPU priority:
+    it runs on the core time the other tests leave idle (process starts, servers' waits, one-thread work) and
+    barely slows them, and what it makes is the same (seeded, one thread). Linux's autogroup scheduling shares the
+    CPU between sessions first (the server and each trainer have their own) and only then by nice value within one:
+    so it runs in a session of its own whose autogroup is at nice 19."""
 
-    @classmethod
-    def start(cls, work: Path):
-        cls.work = work
+    def __init__(self, tool: str):
+        self.tool = tool
+        self.proc: subprocess.Popen | None = None
+        self.work: Path | None = None
+
+    def start(self, work: Path, argv: list):
+        self.work = work
         with open(work / "stdout.txt", "w") as out, open(work / "stderr.txt", "w") as err:
-            cls.proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "distill_quality.py"), "--work",
-                                         str(work / "check")], stdout=out, stderr=err, start_new_session=True,
-                                        env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=_lowest_priority)
+            self.proc = subprocess.Popen([sys.executable, str(REPO / "tools" / self.tool), *map(str, argv)],
+                                         stdout=out, stderr=err, start_new_session=True,
+                                         env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=_lowest_priority)
 
-    @classmethod
-    def figures(cls, timeout: float = 1800) -> dict:
-        """Its figures, once it ends. Waited on, it no longer takes idle time only: its priority goes back to normal
-        where this process may raise it (as root; otherwise the suite waiting leaves it the machine anyway), and the
-        time limit is generous for a machine that other work keeps busy."""
-        if cls.proc.poll() is None:
-            _set_autogroup_nice(cls.proc.pid, 0)
+    def output(self, timeout: float = 1800) -> str:
+        """What it printed, once it ends. Waited on, it no longer takes idle time only: its priority goes back to
+        normal where this process may raise it (as root; otherwise the suite waiting leaves it the machine anyway),
+        and the time limit is generous for a machine that other work keeps busy."""
+        assert self.proc is not None, f"tools/{self.tool} was not started at collection"
+        if self.proc.poll() is None:
+            _set_autogroup_nice(self.proc.pid, 0)
             try:
-                os.setpriority(os.PRIO_PGRP, cls.proc.pid, 0)  # it and the children it forked
+                os.setpriority(os.PRIO_PGRP, self.proc.pid, 0)  # it and the children it forked
             except OSError:
                 pass
         try:
-            cls.proc.wait(timeout)
+            self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(cls.proc)
-            raise AssertionError(f"tools/distill_quality.py gave no figures within {timeout:.0f} s of being waited on")
-        stderr = (cls.work / "stderr.txt").read_text()
-        assert cls.proc.returncode == 0, stderr[-4000:]
-        return json.loads((cls.work / "stdout.txt").read_text().strip().splitlines()[-1])
+            _kill_group(self.proc)
+            raise AssertionError(f"tools/{self.tool} ended not within {timeout:.0f} s of being waited on")
+        stderr = (self.work / "stderr.txt").read_text()
+        assert self.proc.returncode == 0, f"tools/{self.tool} failed:\n{stderr[-4000:]}"
+        return (self.work / "stdout.txt").read_text()
 
-    @classmethod
-    def stop(cls):
-        if cls.proc is not None and cls.proc.poll() is None:
-            _kill_group(cls.proc)
+    def stop(self):
+        if self.proc is not None and self.proc.poll() is None:
+            _kill_group(self.proc)
+
+
+DISTILL_QUALITY = BackgroundRun("distill_quality.py")  # ~3.5 minutes of one core
+TINY_MODEL_BUILD = BackgroundRun("tiny_models.py")  # the tiny models the selected tests put into the server
+_TINY_MODELS_PREBUILT: dict = {"families": {}}  # what TINY_MODEL_BUILD makes: tiny_models' keyword arguments
+
+
+def _tiny_models_wanted(items) -> dict:
+    """The tiny models and VAEs the selected tests' `tiny_models` markers name (tiny_models' keyword arguments),
+    merged; a family wanted in two dtypes is an error of the tests, named here."""
+    wanted: dict = {"families": {}}
+    for item in items:
+        for marker in item.iter_markers("tiny_models"):
+            for key, value in marker.kwargs.items():
+                if key != "families":
+                    wanted[key] = value
+                    continue
+                for family, dtype in value.items():
+                    assert wanted["families"].setdefault(family, dtype) == dtype, \
+                        f"{item.nodeid} wants tiny_{family} in {dtype}, another test in {wanted['families'][family]}"
+    return wanted
 
 
 def pytest_collection_finish(session):
-    if (any(map(_needs_distill_quality, session.items)) and comfyui_available()
-            and not session.config.option.collectonly and not SKIP_DISTILL_QUALITY):
-        DistillQualityRun.start(session.config._tmp_path_factory.mktemp("distill_quality"))
+    if not comfyui_available() or session.config.option.collectonly:
+        return
+    temp = session.config._tmp_path_factory
+    if any(map(_needs_distill_quality, session.items)) and not SKIP_DISTILL_QUALITY:
+        work = temp.mktemp("distill_quality")
+        DISTILL_QUALITY.start(work, ["--work", work / "check"])
+    wanted = _tiny_models_wanted(session.items)
+    if wanted["families"] or len(wanted) > 1:
+        out = temp.mktemp("tiny_models")
+        argv = ["--out-dir", out, "--families", *(f"{f}:{d}" for f, d in wanted["families"].items())]
+        for key in ("vae16", "vae4", "wan_vae"):
+            if key in wanted:
+                argv += [f"--{key.replace('_', '-')}", out / wanted[key]]
+        TINY_MODEL_BUILD.start(out, argv)
+        _TINY_MODELS_PREBUILT.update(wanted)
 
 
 @pytest.fixture(scope="session")
 def distill_quality_figures():
     """The distillation quality check's figures, from the run started at collection."""
-    assert DistillQualityRun.proc is not None, "the distillation quality check was not started at collection"
-    result = DistillQualityRun.figures()
+    result = json.loads(DISTILL_QUALITY.output().strip().splitlines()[-1])
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     (ARTIFACTS / "distill_quality.json").write_text(json.dumps(result, indent=1))
     return result
@@ -158,26 +191,36 @@ def tiny_models(tools, server, families: dict[str, str] = (), vae16: str | None 
                 wan_vae: str | None = None) -> None:
     """Puts the tiny models (`families`: family → dtype, as models/diffusion_models/tiny_<family>.safetensors) and
     VAEs (tiny 16- and 4-channel TAESD, the Wan VAE: the file names given, in models/vae) into the session's
-    server, each built once a session in the tool worker (tools/tiny_models.py, tools/tiny_wan_vae.py), whichever
-    module needs it first; the same seeds every time, so a file is what any module would build."""
+    server, each once a session, whichever module needs it first; the same seeds every time, so a file is what any
+    module would build. What a selected test's `tiny_models` marker names (the same keyword arguments) was built
+    in the background from the session's start (TINY_MODEL_BUILD) and is linked from there; anything else is built
+    here, in the tool worker (tools/tiny_models.py)."""
     unets, vaes = server.dir("models", "diffusion_models"), server.dir("models", "vae")
-    argv = []
+    prebuilt, argv, links = _TINY_MODELS_PREBUILT, [], []
     for family, dtype in dict(families).items():
         out = unets / f"tiny_{family}.safetensors"
         if out.exists():
             assert _TINY_MODELS_BUILT.get(out, dtype) == dtype, \
                 f"{out.name} was built in {_TINY_MODELS_BUILT[out]} this session, not {dtype}"
             continue
-        argv.append(f"{family}:{dtype}")
         _TINY_MODELS_BUILT[out] = dtype
+        if prebuilt["families"].get(family) == dtype:
+            links.append(out)
+        else:
+            argv.append(f"{family}:{dtype}")
     argv = ["--out-dir", unets, "--families", *argv] if argv else []
-    for flag, name in (("--vae16", vae16), ("--vae4", vae4)):
+    for key, name in (("vae16", vae16), ("vae4", vae4), ("wan_vae", wan_vae)):
         if name and not (vaes / name).exists():
-            argv += [flag, vaes / name]
+            if prebuilt.get(key) == name:
+                links.append(vaes / name)
+            else:
+                argv += [f"--{key.replace('_', '-')}", vaes / name]
+    if links:
+        TINY_MODEL_BUILD.output(timeout=900)
+        for link in links:
+            link.symlink_to(TINY_MODEL_BUILD.work / link.name)
     if argv:
         tools("tiny_models", argv, timeout=900)
-    if wan_vae and not (vaes / wan_vae).exists():
-        tools("tiny_wan_vae", [vaes / wan_vae], timeout=600)
 
 
 @pytest.fixture(scope="session")
@@ -378,7 +421,8 @@ class _TrainerWorker:
 
 def pytest_sessionfinish(session, exitstatus):
     _TrainerWorker.stop()
-    DistillQualityRun.stop()
+    DISTILL_QUALITY.stop()
+    TINY_MODEL_BUILD.stop()
 
 
 def run_trainer(spec_path: Path, *extra, timeout: float = 300, processes: int = 1, env: dict | None = None,

@@ -31,7 +31,7 @@ skip_quality = pytest.mark.skipif(SKIP_DISTILL_QUALITY,
 @pytest.fixture
 def figures(distill_quality_figures):
     """The quality check's figures: tools/distill_quality.py, one run for the session, started at collection in
-    the background (tests/conftest.py, DistillQualityRun)."""
+    the background (tests/conftest.py, DISTILL_QUALITY)."""
     return distill_quality_figures
 
 

@@ -14,7 +14,8 @@ import torch
 from conftest import IMAGE_FOLDER, evaluate_on_one_image, tiny_models
 from test_model_families import FAMILIES, FAMILY_FOLDER, run_events, sampling_graph, saved_latent, training_graph
 
-pytestmark = pytest.mark.comfyui
+TINY_MODELS = dict(families={"flux": FAMILIES["flux"][1]}, vae16=FAMILIES["flux"][0])  # conftest.tiny_models
+pytestmark = [pytest.mark.comfyui, pytest.mark.tiny_models(**TINY_MODELS)]
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def flux_model(comfy, tools):
     images = comfy.dir("input", FAMILY_FOLDER)
     for source in sorted(comfy.dir("input", IMAGE_FOLDER).iterdir())[:4]:
         (images / source.name).write_bytes(source.read_bytes())
-    tiny_models(tools, comfy, {"flux": FAMILIES["flux"][1]}, vae16=FAMILIES["flux"][0])
+    tiny_models(tools, comfy, **TINY_MODELS)
     return comfy
 
 

@@ -27,11 +27,12 @@ from ingraph_trainer.runner.evaluation_run import parse_quantiles
 from ingraph_trainer.trainer.config import DEFAULT_EVAL_QUANTILES_TEXT
 from test_model_families import sampling_graph, saved_latent, training_graph
 
-pytestmark = pytest.mark.comfyui
-
 # family → (latent of one item as cached: C, h, w; text tokens and width the tiny model takes)
 IMAGE_FAMILIES = {"qwen_image": ((16, 6, 10), (8, 3584)), "chroma": ((16, 6, 10), (8, 4096)),
                   "lumina2": ((16, 6, 10), (8, 2304))}
+TINY_MODELS = dict(families={**{family: "bf16" for family in IMAGE_FAMILIES}, "flux": "bf16"},
+                   vae16="tiny_taesd16.safetensors", wan_vae="tiny_wan_vae.safetensors")  # conftest.tiny_models
+pytestmark = [pytest.mark.comfyui, pytest.mark.tiny_models(**TINY_MODELS)]
 # what the family's stock text encoder adds to CLIPTextEncode's conditioning beside the embedding
 ENCODER_EXTRAS = {"chroma": {"pooled_output": None},  # T5 alone: no pooled vector
                   "lumina2": {"attention_mask": torch.ones((1, 8), dtype=torch.long)}}  # Gemma's mask
@@ -69,8 +70,7 @@ def image_family_models(comfy, tools):
             mirrored = ImageOps.mirror(Image.open(source).convert("RGB"))
             mirrored.save(edit / f"{source.stem}.ref.png")
             mirrored.save(comfy.dir("input") / EDIT_REFERENCE)
-    tiny_models(tools, comfy, {**{family: "bf16" for family in IMAGE_FAMILIES}, "flux": "bf16"},
-                vae16="tiny_taesd16.safetensors", wan_vae="tiny_wan_vae.safetensors")
+    tiny_models(tools, comfy, **TINY_MODELS)
     return comfy
 
 

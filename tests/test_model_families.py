@@ -21,11 +21,12 @@ from ingraph_trainer.trainer.config import DEFAULT_EVAL_QUANTILES_TEXT
 # two of the example images: few forward passes a run (evaluation at one quantile: training_graph's eval_quantiles)
 FAMILY_FOLDER = "ingraph_family"
 
-pytestmark = pytest.mark.comfyui
-
 # family → (VAE file, dtype the tiny model is stored in); Flux cannot be made small (see tools/tiny_models.py)
 FAMILIES = {"sdxl": ("tiny_taesd4.safetensors", "fp32"), "sd3": ("tiny_taesd16.safetensors", "fp32"),
             "flux": ("tiny_taesd16.safetensors", "bf16"), "wan": ("tiny_taesd16.safetensors", "fp32")}
+TINY_MODELS = dict(families={family: dtype for family, (_, dtype) in FAMILIES.items()},
+                   vae16="tiny_taesd16.safetensors", vae4="tiny_taesd4.safetensors")  # conftest.tiny_models
+pytestmark = [pytest.mark.comfyui, pytest.mark.tiny_models(**TINY_MODELS)]
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +36,7 @@ def family_models(comfy, tools):
     images = comfy.dir("input", FAMILY_FOLDER)
     for source in sorted(comfy.dir("input", IMAGE_FOLDER).iterdir())[:4]:  # two images and their captions
         (images / source.name).write_bytes(source.read_bytes())
-    tiny_models(tools, comfy, {family: dtype for family, (_, dtype) in FAMILIES.items()},
-                vae16="tiny_taesd16.safetensors", vae4="tiny_taesd4.safetensors")
+    tiny_models(tools, comfy, **TINY_MODELS)
     return comfy
 
 

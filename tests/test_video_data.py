@@ -588,9 +588,11 @@ def test_dataset_node_appends_the_video_inputs_last_with_tooltips():
 
 
 VIDEO_FOLDER = "ingraph_video"
+WAN_TINY_MODELS = dict(families={"wan": "fp32"}, wan_vae="tiny_wan_vae.safetensors")  # conftest.tiny_models
 
 
 @pytest.mark.comfyui
+@pytest.mark.tiny_models(**WAN_TINY_MODELS)
 def test_wan_trains_on_clips_and_an_image_through_the_graph(comfy, client, tools):
     """A 17-frame clip, a 6-frame clip and two images, frame buckets 1 and 17: Cache Latents encodes the long clip
     with ComfyUI's own Wan VAE into a 5-latent-frame video latent (the short one becomes a 1-frame item beside the
@@ -599,7 +601,7 @@ def test_wan_trains_on_clips_and_an_image_through_the_graph(comfy, client, tools
     from conftest import tiny_models
     from ingraph_trainer.trainer.data import load_cached_dataset
 
-    tiny_models(tools, comfy, {"wan": "fp32"}, wan_vae="tiny_wan_vae.safetensors")  # once a session, any module
+    tiny_models(tools, comfy, **WAN_TINY_MODELS)  # once a session, whichever module needs them first
     folder = comfy.dir("input", VIDEO_FOLDER)
     write_video(folder / "walk.mp4", 17, fps=8)
     write_video(folder / "turn.mp4", 6, fps=8)

@@ -19,6 +19,7 @@ from conftest import REPO
 from test_model_families import FAMILY_FOLDER, IMAGE_FOLDER, run_events, sampling_graph, saved_latent, training_graph
 
 pytestmark = pytest.mark.comfyui
+WAN_VAE = "tiny_wan_vae.safetensors"  # conftest.tiny_models
 
 
 def _comfy():
@@ -373,6 +374,7 @@ def test_every_video_family_trains_in_one_graph_and_loads_in_lora_loader(video_m
         assert base.shape == trained.shape and (base - trained).abs().max() > 1e-6, f"{stem}: the LoRA changed nothing"
 
 
+@pytest.mark.tiny_models(wan_vae=WAN_VAE)
 def test_wan_i2v_trains_on_a_clip_with_its_start_image_and_works_in_the_stock_i2v_graph(video_models_in_server,
                                                                                         client, tools):
     """A 17-frame clip with a start image beside it (walk.ref.png), cached with ComfyUI's own Wan VAE: the clip as a
@@ -386,7 +388,7 @@ def test_wan_i2v_trains_on_a_clip_with_its_start_image_and_works_in_the_stock_i2
 
     from ingraph_trainer.trainer.data import load_cached_dataset
     comfy, stem = video_models_in_server, "tiny_wan22_i2v"
-    tiny_models(tools, comfy, wan_vae="tiny_wan_vae.safetensors")  # once a session, whichever module needs it first
+    tiny_models(tools, comfy, wan_vae=WAN_VAE)  # once a session, whichever module needs it first
     folder = comfy.dir("input", "ingraph_video_start")
     write_video(folder / "walk.mp4", 17, fps=8)
     (folder / "walk.txt").write_text("a walk, ingraph style")

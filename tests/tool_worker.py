@@ -1,5 +1,5 @@
 """tools/prepare_run.py's, tools/cache_dataset.py's and tools/diffusers_roundtrip.py's main, and the test-asset
-builders' (tools/embedded_default.py, tools/tiny_models.py, tools/tiny_wan_vae.py), served to the test session: one
+builders' (tools/embedded_default.py, tools/tiny_models.py), served to the test session: one
 JSON request a line in ({"tool": "prepare_run", "argv": [...]}; with "copies": N, N children run it at once and the
 answer is the list of their answers), one JSON answer a line out.
 
@@ -25,14 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 # diffusers_roundtrip imports diffusers in its child; the builders make the tiny checkpoint, models and VAEs
-TOOLS = ("prepare_run", "cache_dataset", "diffusers_roundtrip", "embedded_default", "tiny_models", "tiny_wan_vae")
-
-
-def _tool_main(tool):
-    """The tool's main(argv); tools/tiny_wan_vae.py has none: its command line is one output path."""
-    if hasattr(tool, "main"):
-        return tool.main
-    return lambda argv: print(tool.build_wan_vae(Path(argv[0])))
+TOOLS = ("prepare_run", "cache_dataset", "diffusers_roundtrip", "embedded_default", "tiny_models")
 
 
 def run_in_child(request: dict, answer_fd: int) -> None:
@@ -42,7 +35,7 @@ def run_in_child(request: dict, answer_fd: int) -> None:
             raise ValueError(f"tests/tool_worker.py serves {TOOLS}, not {request['tool']!r}")
         tool = importlib.import_module(f"tools.{request['tool']}")
         with contextlib.redirect_stdout(printed):
-            _tool_main(tool)(request["argv"])
+            tool.main(request["argv"])
         answer = {"ok": True, "stdout": printed.getvalue()}
     except BaseException as exc:  # argparse's SystemExit too: the test sees a failed run of the tool
         answer = {"ok": False, "stdout": printed.getvalue(),

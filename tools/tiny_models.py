@@ -1,14 +1,16 @@
 """Tiny random-weight diffusion models of every family, as files ComfyUI's UNETLoader detects as that
-family, and a 16-channel TAESD VAE for the flow-matching families' latents (tests and benches).
+family, a 16-channel TAESD VAE for the flow-matching families' latents, and a Wan 2.1 VAE (tests and benches).
 
     python tools/tiny_models.py --family sd3 --out tiny_sd3.safetensors [--dtype bf16]
     python tools/tiny_models.py --families sdxl:bf16 sd3 flux:bf16 wan --out-dir DIR   # DIR/tiny_<family>.safetensors
     python tools/tiny_models.py --vae16 tiny_taesd16.safetensors --vae4 tiny_taesd4.safetensors
+    python tools/tiny_models.py --wan-vae tiny_wan_vae.safetensors
 
 Sizes are each family's smallest that ComfyUI still detects (see trainer/models/<family>.py):
 SD3 and Wan are well under a million parameters, SDXL ~60M (its text width and block depths are what
 ComfyUI matches); Flux ~400M (one double block) cannot shrink further because ComfyUI
-reads its width from a fixed configuration.
+reads its width from a fixed configuration. The Wan VAE is not shrunk either: ComfyUI fixes its size (127M
+parameters; stored in fp16, 254 MB).
 """
 from __future__ import annotations
 
@@ -52,6 +54,25 @@ def build_vae16(out: Path, seed: int = 2) -> Path:
     return out
 
 
+def build_wan_vae(out: Path, seed: int = 3) -> Path:
+    """A random-weight Wan 2.1 VAE that ComfyUI's VAELoader detects as one (its video VAE: 16 latent channels, 4x in
+    time, 8x in space), for tests of video datasets."""
+    _bootstrap()
+    import torch
+    import comfy.ldm.wan.vae
+    from ingraph_trainer.trainer.models.base import init_weights
+    # the configuration comfy/sd.py builds for a state dict with decoder.middle.0.residual.0.gamma (Wan 2.1)
+    vae = comfy.ldm.wan.vae.WanVAE(dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                                   temperal_downsample=[False, True, True], dropout=0.0)
+    init_weights(vae, seed)
+    with torch.no_grad():
+        for name, param in vae.named_parameters():
+            if name.endswith("gamma"):  # RMS norms' scales
+                param.fill_(1.0)
+    _save(vae.state_dict(), out, torch.float16)
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", choices=["sd_unet", "sdxl", "sd3", "flux", "wan"])
@@ -64,6 +85,7 @@ def main(argv=None):
     parser.add_argument("--out-dir", type=Path)
     parser.add_argument("--vae16", type=Path, help="write a 16-channel TAESD VAE here")
     parser.add_argument("--vae4", type=Path, help="write a 4-channel TAESD VAE (SD1.x/SDXL latents) here")
+    parser.add_argument("--wan-vae", type=Path, help="write a Wan 2.1 VAE (video latents) here")
     opts = parser.parse_args(argv)
     if opts.family:
         print(build_family_model(opts.family, opts.out, opts.seed, opts.size, opts.dtype))
@@ -77,6 +99,8 @@ def main(argv=None):
         sys.path.insert(0, str(REPO / "tools"))
         from embedded_default import build_vae
         print(build_vae(opts.vae4))
+    if opts.wan_vae:
+        print(build_wan_vae(opts.wan_vae))
 
 
 if __name__ == "__main__":
