@@ -78,65 +78,96 @@ def _lowest_priority():
 class BackgroundRun:
     """A tool started as soon as the session knows a selected test needs what it makes, at the lowest CPU priority:
     it runs on the core time the other tests leave idle (process starts, servers' waits, one-thread work) and
-    barely slows them, and what it makes is the same (seeded, one thread). Linux's autogroup scheduling shares the
-    CPU between sessions first (the server and each trainer have their own) and only then by nice value within one:
-    so it runs in a session of its own whose autogroup is at nice 19."""
+    barely slows them, and what it makes is the same (seeded). Linux's autogroup scheduling shares the CPU between
+    sessions first (the server and each trainer have their own) and only then by nice value within one: so it runs
+    in a session of its own whose autogroup is at nice 19."""
 
-    def __init__(self, tool: str):
-        self.tool = tool
+    def __init__(self, tool: str, threads: int | None = None):
+        self.tool, self.threads = tool, threads
         self.proc: subprocess.Popen | None = None
         self.work: Path | None = None
 
     def start(self, work: Path, argv: list):
         self.work = work
+        env = {**os.environ, **({"OMP_NUM_THREADS": str(self.threads)} if self.threads else {})}
         with open(work / "stdout.txt", "w") as out, open(work / "stderr.txt", "w") as err:
             self.proc = subprocess.Popen([sys.executable, str(REPO / "tools" / self.tool), *map(str, argv)],
-                                         stdout=out, stderr=err, start_new_session=True,
-                                         env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=_lowest_priority)
+                                         stdout=out, stderr=err, start_new_session=True, env=env,
+                                         preexec_fn=_lowest_priority)
 
-    def output(self, timeout: float = 1800) -> str:
-        """What it printed, once it ends. Waited on, it no longer takes idle time only: its priority goes back to
-        normal where this process may raise it (as root; otherwise the suite waiting leaves it the machine anyway),
-        and the time limit is generous for a machine that other work keeps busy."""
-        assert self.proc is not None, f"tools/{self.tool} was not started at collection"
+    def _priority(self, nice: int):
+        """Its autogroup's and its processes' nice value; back to 0 only where this process may (as root; otherwise
+        the suite waiting on it leaves it the machine anyway)."""
         if self.proc.poll() is None:
-            _set_autogroup_nice(self.proc.pid, 0)
+            _set_autogroup_nice(self.proc.pid, nice)
             try:
-                os.setpriority(os.PRIO_PGRP, self.proc.pid, 0)  # it and the children it forked
+                os.setpriority(os.PRIO_PGRP, self.proc.pid, nice)  # it and the children it forked
             except OSError:
                 pass
+
+    def _failed(self, what: str):
+        _kill_group(self.proc)
+        stderr = (self.work / "stderr.txt").read_text()
+        raise AssertionError(f"tools/{self.tool} {what}; its stderr ends:\n{stderr[-4000:]}")
+
+    def output(self, timeout: float = 1800) -> str:
+        """What it printed, once it ends: waited on at normal priority, with a limit generous for a machine that
+        other work keeps busy."""
+        assert self.proc is not None, f"tools/{self.tool} was not started at collection"
+        self._priority(0)
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(self.proc)
-            raise AssertionError(f"tools/{self.tool} ended not within {timeout:.0f} s of being waited on")
-        stderr = (self.work / "stderr.txt").read_text()
-        assert self.proc.returncode == 0, f"tools/{self.tool} failed:\n{stderr[-4000:]}"
+            self._failed(f"ended not within {timeout:.0f} s of being waited on")
+        if self.proc.returncode != 0:
+            self._failed(f"failed (exit status {self.proc.returncode})")
         return (self.work / "stdout.txt").read_text()
+
+    def wait_for(self, names: list[str], timeout: float = 900) -> list[Path]:
+        """Its files `names` (in its work folder), once it has written them all (each by an atomic rename), at
+        normal priority while waited on and back at the lowest after, if it goes on to write more."""
+        import time
+        assert self.proc is not None, f"tools/{self.tool} was not started at collection"
+        paths = [self.work / name for name in names]
+        deadline = time.monotonic() + timeout
+        self._priority(0)
+        while not all(path.exists() for path in paths):
+            if self.proc.poll() is not None:
+                missing = [path.name for path in paths if not path.exists()]
+                self._failed(f"ended (exit status {self.proc.returncode}) without writing {missing}")
+            if time.monotonic() > deadline:
+                self._failed(f"wrote not all of {names} within {timeout:.0f} s of being waited on")
+            time.sleep(0.2)
+        self._priority(19)
+        return paths
 
     def stop(self):
         if self.proc is not None and self.proc.poll() is None:
             _kill_group(self.proc)
 
 
-DISTILL_QUALITY = BackgroundRun("distill_quality.py")  # ~3.5 minutes of one core
+DISTILL_QUALITY = BackgroundRun("distill_quality.py", threads=1)  # ~3.5 minutes; its figures are one thread's
 TINY_MODEL_BUILD = BackgroundRun("tiny_models.py")  # the tiny models the selected tests put into the server
+TINY_VAE_FLAGS = {"vae16": "--vae16", "vae4": "--vae4", "wan_vae": "--wan-vae"}  # tiny_models' VAEs: the tool's flags
 _TINY_MODELS_PREBUILT: dict = {"families": {}}  # what TINY_MODEL_BUILD makes: tiny_models' keyword arguments
 
 
 def _tiny_models_wanted(items) -> dict:
     """The tiny models and VAEs the selected tests' `tiny_models` markers name (tiny_models' keyword arguments),
-    merged; a family wanted in two dtypes is an error of the tests, named here."""
+    merged; two tests wanting a family in two dtypes, or two files for one VAE, is an error of the tests, named."""
     wanted: dict = {"families": {}}
     for item in items:
         for marker in item.iter_markers("tiny_models"):
-            for key, value in marker.kwargs.items():
-                if key != "families":
-                    wanted[key] = value
-                    continue
-                for family, dtype in value.items():
-                    assert wanted["families"].setdefault(family, dtype) == dtype, \
-                        f"{item.nodeid} wants tiny_{family} in {dtype}, another test in {wanted['families'][family]}"
+            if marker.args or not set(marker.kwargs) <= {"families", *TINY_VAE_FLAGS}:
+                raise pytest.UsageError(f"{item.nodeid}: the tiny_models marker takes tiny_models' keyword "
+                                        f"arguments (families, {', '.join(TINY_VAE_FLAGS)}), not {marker}")
+            merges = [(wanted["families"], family, dtype)
+                      for family, dtype in marker.kwargs.get("families", {}).items()]
+            merges += [(wanted, key, name) for key, name in marker.kwargs.items() if key != "families"]
+            for held, key, value in merges:
+                if held.setdefault(key, value) != value:
+                    raise pytest.UsageError(f"{item.nodeid} wants {key} as {value!r}, another selected test as "
+                                            f"{held[key]!r} (tiny_models markers)")
     return wanted
 
 
@@ -151,9 +182,9 @@ def pytest_collection_finish(session):
     if wanted["families"] or len(wanted) > 1:
         out = temp.mktemp("tiny_models")
         argv = ["--out-dir", out, "--families", *(f"{f}:{d}" for f, d in wanted["families"].items())]
-        for key in ("vae16", "vae4", "wan_vae"):
+        for key, flag in TINY_VAE_FLAGS.items():
             if key in wanted:
-                argv += [f"--{key.replace('_', '-')}", out / wanted[key]]
+                argv += [flag, out / wanted[key]]
         TINY_MODEL_BUILD.start(out, argv)
         _TINY_MODELS_PREBUILT.update(wanted)
 
@@ -192,9 +223,9 @@ def tiny_models(tools, server, families: dict[str, str] = (), vae16: str | None 
     """Puts the tiny models (`families`: family → dtype, as models/diffusion_models/tiny_<family>.safetensors) and
     VAEs (tiny 16- and 4-channel TAESD, the Wan VAE: the file names given, in models/vae) into the session's
     server, each once a session, whichever module needs it first; the same seeds every time, so a file is what any
-    module would build. What a selected test's `tiny_models` marker names (the same keyword arguments) was built
-    in the background from the session's start (TINY_MODEL_BUILD) and is linked from there; anything else is built
-    here, in the tool worker (tools/tiny_models.py)."""
+    module would build. What a selected test's `tiny_models` marker names (the same keyword arguments) is built in
+    the background from the session's start (TINY_MODEL_BUILD) and linked from there once written; anything else
+    is built here, in the tool worker (tools/tiny_models.py)."""
     unets, vaes = server.dir("models", "diffusion_models"), server.dir("models", "vae")
     prebuilt, argv, links = _TINY_MODELS_PREBUILT, [], []
     for family, dtype in dict(families).items():
@@ -214,11 +245,10 @@ def tiny_models(tools, server, families: dict[str, str] = (), vae16: str | None 
             if prebuilt.get(key) == name:
                 links.append(vaes / name)
             else:
-                argv += [f"--{key.replace('_', '-')}", vaes / name]
+                argv += [TINY_VAE_FLAGS[key], vaes / name]
     if links:
-        TINY_MODEL_BUILD.output(timeout=900)
-        for link in links:
-            link.symlink_to(TINY_MODEL_BUILD.work / link.name)
+        for link, built in zip(links, TINY_MODEL_BUILD.wait_for([link.name for link in links])):
+            link.symlink_to(built)
     if argv:
         tools("tiny_models", argv, timeout=900)
 

@@ -20,8 +20,8 @@ pytestmark = [pytest.mark.comfyui, pytest.mark.tiny_models(**TINY_MODELS)]
 
 @pytest.fixture(scope="module")
 def flux_model(comfy, tools):
-    """The tiny Flux in models/diffusion_models and its VAE (conftest.tiny_models: built once a session, by
-    whichever module needs it first), two captioned images."""
+    """The tiny Flux in models/diffusion_models and its VAE (conftest.tiny_models: built once a session, in the
+    background from its start), two captioned images."""
     images = comfy.dir("input", FAMILY_FOLDER)
     for source in sorted(comfy.dir("input", IMAGE_FOLDER).iterdir())[:4]:
         (images / source.name).write_bytes(source.read_bytes())

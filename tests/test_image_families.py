@@ -59,8 +59,8 @@ CHAINS = {"lumina2": ("lumina2", "tiny_taesd16.safetensors", SINGLE_FOLDER),
 @pytest.fixture(scope="module")
 def image_family_models(comfy, tools):
     """Tiny Qwen-Image, Chroma and Lumina 2 models in the server's diffusion_models folder (bf16), and what the
-    graph test needs beside them where test_model_families or test_video_data did not leave it: the tiny Flux, the
-    16-channel TAESD, the tiny Wan VAE; one image alone, and with a reference image."""
+    graph test needs beside them: the tiny Flux, the 16-channel TAESD, the tiny Wan VAE (conftest.tiny_models: each
+    built once a session, in the background from its start); one image alone, and with a reference image."""
     from PIL import Image, ImageOps
     edit = comfy.dir("input", EDIT_FOLDER)
     for source in sorted(comfy.dir("input", IMAGE_FOLDER).iterdir())[:2]:  # the first image and its caption

@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.comfyui, pytest.mark.tiny_models(**TINY_MODELS)]
 @pytest.fixture(scope="module")
 def family_models(comfy, tools):
     """Tiny models of every family in the server's models/diffusion_models, VAEs in models/vae (conftest.tiny_models:
-    those another module built this session are not built again)."""
+    built once a session, in the background from its start)."""
     images = comfy.dir("input", FAMILY_FOLDER)
     for source in sorted(comfy.dir("input", IMAGE_FOLDER).iterdir())[:4]:  # two images and their captions
         (images / source.name).write_bytes(source.read_bytes())

@@ -87,18 +87,19 @@ def main(argv=None):
     parser.add_argument("--vae4", type=Path, help="write a 4-channel TAESD VAE (SD1.x/SDXL latents) here")
     parser.add_argument("--wan-vae", type=Path, help="write a Wan 2.1 VAE (video latents) here")
     opts = parser.parse_args(argv)
-    if opts.family:
-        print(build_family_model(opts.family, opts.out, opts.seed, opts.size, opts.dtype))
-    for item in opts.families:
-        family, _, dtype = item.partition(":")
-        print(build_family_model(family, opts.out_dir / f"tiny_{family}.safetensors", opts.seed, opts.size,
-                                 dtype or "fp32"))
+    # the small TAESDs first: a test waiting on the files written so far waits least (each file is seeded alone)
     if opts.vae16:
         print(build_vae16(opts.vae16))
     if opts.vae4:
         sys.path.insert(0, str(REPO / "tools"))
         from embedded_default import build_vae
         print(build_vae(opts.vae4))
+    if opts.family:
+        print(build_family_model(opts.family, opts.out, opts.seed, opts.size, opts.dtype))
+    for item in opts.families:
+        family, _, dtype = item.partition(":")
+        print(build_family_model(family, opts.out_dir / f"tiny_{family}.safetensors", opts.seed, opts.size,
+                                 dtype or "fp32"))
     if opts.wan_vae:
         print(build_wan_vae(opts.wan_vae))
 
