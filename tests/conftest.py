@@ -78,18 +78,19 @@ def _lowest_priority():
 class BackgroundRun:
     """A tool started as soon as the session knows a selected test needs what it makes, at the lowest CPU priority:
     it runs on the core time the other tests leave idle (process starts, servers' waits, one-thread work) and
-    barely slows them, and what it makes is the same (seeded). Linux's autogroup scheduling shares the CPU between
-    sessions first (the server and each trainer have their own) and only then by nice value within one: so it runs
-    in a session of its own whose autogroup is at nice 19."""
+    barely slows them, and what it makes is the same (seeded, one thread). Linux's autogroup scheduling shares the
+    CPU between sessions first (the server and each trainer have their own) and only then by nice value within one:
+    so it runs in a session of its own whose autogroup is at nice 19. One thread: more would oversubscribe the
+    cores the tests' own processes use, and torch's threads then wait on each other."""
 
-    def __init__(self, tool: str, threads: int | None = None):
-        self.tool, self.threads = tool, threads
+    def __init__(self, tool: str):
+        self.tool = tool
         self.proc: subprocess.Popen | None = None
         self.work: Path | None = None
 
     def start(self, work: Path, argv: list):
         self.work = work
-        env = {**os.environ, **({"OMP_NUM_THREADS": str(self.threads)} if self.threads else {})}
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
         with open(work / "stdout.txt", "w") as out, open(work / "stderr.txt", "w") as err:
             self.proc = subprocess.Popen([sys.executable, str(REPO / "tools" / self.tool), *map(str, argv)],
                                          stdout=out, stderr=err, start_new_session=True, env=env,
@@ -146,7 +147,7 @@ class BackgroundRun:
             _kill_group(self.proc)
 
 
-DISTILL_QUALITY = BackgroundRun("distill_quality.py", threads=1)  # ~3.5 minutes; its figures are one thread's
+DISTILL_QUALITY = BackgroundRun("distill_quality.py")  # ~3.5 minutes of one core
 TINY_MODEL_BUILD = BackgroundRun("tiny_models.py")  # the tiny models the selected tests put into the server
 TINY_VAE_FLAGS = {"vae16": "--vae16", "vae4": "--vae4", "wan_vae": "--wan-vae"}  # tiny_models' VAEs: the tool's flags
 _TINY_MODELS_PREBUILT: dict = {"families": {}}  # what TINY_MODEL_BUILD makes: tiny_models' keyword arguments
