@@ -135,6 +135,8 @@ class BackgroundRun:
         while not all(path.exists() for path in paths):
             if self.proc.poll() is not None:
                 missing = [path.name for path in paths if not path.exists()]
+                if not missing:  # written just before it ended
+                    break
                 self._failed(f"ended (exit status {self.proc.returncode}) without writing {missing}")
             if time.monotonic() > deadline:
                 self._failed(f"wrote not all of {names} within {timeout:.0f} s of being waited on")

@@ -62,11 +62,11 @@ def serve() -> None:
             pid = os.fork()
             if pid == 0:
                 os.close(read_fd)
-                if request.get("copies", 1) > 1:  # copies share the cores: oversubscribed, torch's threads
-                    # wait on each other (two 2-thread copies on 2 cores took 15-60 s where 1-thread ones take 7)
-                    from ingraph_trainer.trainer.distributed import set_cpu_threads
-                    set_cpu_threads(max(1, (os.cpu_count() or 1) // request["copies"]))
                 try:
+                    if request.get("copies", 1) > 1:  # copies share the cores: oversubscribed, torch's threads
+                        # wait on each other (two 2-thread copies on 2 cores took 15-60 s where 1-thread ones took 7)
+                        from ingraph_trainer.trainer.distributed import set_cpu_threads
+                        set_cpu_threads(max(1, len(os.sched_getaffinity(0)) // request["copies"]))
                     run_in_child(request, write_fd)
                 finally:
                     sys.stderr.flush()

@@ -26,6 +26,20 @@ TINY_UNET_CONFIG = dict(
 CAPTION_WORDS = ["red", "blue", "green", "yellow", "circle", "square", "stripes", "dots"]
 
 
+def save_safetensors(state: dict, out: Path) -> Path:
+    """`state` as a safetensors file at `out`, written by the pack's atomic write: a reader (a test server, a test
+    waiting on the file while a background build goes on) sees no file or the whole one, never a part."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tools.bootstrap import bootstrap
+    bootstrap()
+    from safetensors.torch import save_file
+    from ingraph_trainer.cache.files import atomic_write
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write(out) as staged:
+        save_file(state, str(staged.path))
+    return out
+
+
 def _comfy_path() -> Path:
     path = Path(os.environ.get("COMFYUI_PATH", "/opt/ComfyUI"))
     if not (path / "comfy").is_dir():
@@ -49,7 +63,6 @@ def _init_weights(module, generator):
 def build_checkpoint(out: Path, seed: int = 0) -> Path:
     sys.path.insert(0, str(_comfy_path()))
     import torch
-    from safetensors.torch import save_file
     from comfy.cli_args import args
     args.cpu = True
     from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
@@ -73,28 +86,20 @@ def build_checkpoint(out: Path, seed: int = 0) -> Path:
     for k, v in taesd.state_dict().items():
         if k.startswith(("taesd_encoder.", "taesd_decoder.")):
             state[f"first_stage_model.{k}"] = v.to(torch.float32).contiguous()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    save_file(state, str(tmp))
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, out)
-    return out
+    return save_safetensors(state, out)
 
 
 def build_vae(out: Path, seed: int = 1) -> Path:
     """A TAESD VAE with other random weights than the checkpoint's: a "different VAE" for cache tests."""
     sys.path.insert(0, str(_comfy_path()))
     import torch
-    from safetensors.torch import save_file
     from comfy.cli_args import args
     args.cpu = not torch.cuda.is_available()
     import comfy.taesd.taesd
     taesd = comfy.taesd.taesd.TAESD()
     _init_weights(taesd, torch.Generator().manual_seed(seed))
     state = {k: v.contiguous() for k, v in taesd.state_dict().items() if k.startswith(("taesd_encoder.", "taesd_decoder."))}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out))
-    return out
+    return save_safetensors(state, out)
 
 
 def build_images(folder: Path, count: int = 8, size: int | tuple[int, int] = 64, seed: int = 0) -> list[Path]:

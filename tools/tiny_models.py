@@ -15,7 +15,6 @@ parameters; stored in fp16, 254 MB).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -26,13 +25,9 @@ from tools.prepare_run import _bootstrap  # noqa: E402  (ComfyUI on sys.path, th
 
 
 def _save(state: dict, out: Path, dtype=None):
-    from safetensors.torch import save_file
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".partial")
-    save_file({k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
-               for k, v in state.items()}, str(tmp))
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, out)
+    from tools.embedded_default import save_safetensors
+    save_safetensors({k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
+                      for k, v in state.items()}, out)
 
 
 def build_family_model(family: str, out: Path, seed: int = 0, size: str = "tiny", dtype: str = "fp32") -> Path:
@@ -87,21 +82,21 @@ def main(argv=None):
     parser.add_argument("--vae4", type=Path, help="write a 4-channel TAESD VAE (SD1.x/SDXL latents) here")
     parser.add_argument("--wan-vae", type=Path, help="write a Wan 2.1 VAE (video latents) here")
     opts = parser.parse_args(argv)
-    # the small TAESDs first: a test waiting on the files written so far waits least (each file is seeded alone)
+    # the VAEs first (seconds; each file is seeded alone, so the order changes none): every module that waits on
+    # the files written so far needs one of them, and the families in the order the tests first ask for them
     if opts.vae16:
         print(build_vae16(opts.vae16))
     if opts.vae4:
-        sys.path.insert(0, str(REPO / "tools"))
-        from embedded_default import build_vae
+        from tools.embedded_default import build_vae
         print(build_vae(opts.vae4))
+    if opts.wan_vae:
+        print(build_wan_vae(opts.wan_vae))
     if opts.family:
         print(build_family_model(opts.family, opts.out, opts.seed, opts.size, opts.dtype))
     for item in opts.families:
         family, _, dtype = item.partition(":")
         print(build_family_model(family, opts.out_dir / f"tiny_{family}.safetensors", opts.seed, opts.size,
                                  dtype or "fp32"))
-    if opts.wan_vae:
-        print(build_wan_vae(opts.wan_vae))
 
 
 if __name__ == "__main__":
