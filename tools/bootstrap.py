@@ -17,7 +17,8 @@ def bootstrap():
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     from tools.comfy_server import comfyui_path
-    sys.path.insert(0, str(comfyui_path()))
+    if str(comfyui_path()) not in sys.path:  # tools call it once per file they write
+        sys.path.insert(0, str(comfyui_path()))
     if "ingraph_trainer" not in sys.modules:
         package = types.ModuleType("ingraph_trainer")
         package.__path__ = [str(REPO)]

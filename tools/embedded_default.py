@@ -29,7 +29,9 @@ CAPTION_WORDS = ["red", "blue", "green", "yellow", "circle", "square", "stripes"
 def save_safetensors(state: dict, out: Path) -> Path:
     """`state` as a safetensors file at `out`, written by the pack's atomic write: a reader (a test server, a test
     waiting on the file while a background build goes on) sees no file or the whole one, never a part."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    repo = str(Path(__file__).resolve().parent.parent)
+    if repo not in sys.path:  # run as a script: tools/ is on the path, the repo is not
+        sys.path.insert(0, repo)
     from tools.bootstrap import bootstrap
     bootstrap()
     from safetensors.torch import save_file
