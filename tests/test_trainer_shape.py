@@ -247,3 +247,21 @@ def test_the_layouts_gradient_clipping_is_deepspeeds_bit_for_bit(monkeypatch):
             assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad)
         if max_norm < 1:
             assert float(reported) > 10 * max_norm  # the clip did bite
+
+
+@pytest.mark.comfyui
+def test_bootstrap_keeps_comfyuis_nodes_module_ahead_of_the_packs_nodes_package(monkeypatch):
+    """ComfyUI's modules `import nodes` (its nodes.py); the pack's `nodes/` package has the same name. An
+    in-process test puts the repo first and bootstraps again after another test already had: ComfyUI's folder
+    must still lead, and appear once (tools bootstrap once per file they write)."""
+    import importlib.machinery
+    import sys
+    from tools.bootstrap import REPO, bootstrap
+    from tools.comfy_server import comfyui_path
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    bootstrap()
+    sys.path.insert(0, str(REPO))
+    bootstrap()
+    found = importlib.machinery.PathFinder.find_spec("nodes", sys.path)
+    assert found is not None and Path(found.origin) == comfyui_path() / "nodes.py", found
+    assert sys.path.count(str(comfyui_path())) == 1

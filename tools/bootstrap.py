@@ -17,8 +17,14 @@ def bootstrap():
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     from tools.comfy_server import comfyui_path
-    if str(comfyui_path()) not in sys.path:  # tools call it once per file they write
-        sys.path.insert(0, str(comfyui_path()))
+    # ComfyUI's folder leads: its top-level module `nodes` (which ComfyUI's own modules import) and the repo's
+    # package `nodes/` share a name, so a repo put ahead of it since the last call must not win. Moved, not
+    # added again: tools call this once per file they write.
+    comfy = str(comfyui_path())
+    if sys.path[0] != comfy:
+        while comfy in sys.path:
+            sys.path.remove(comfy)
+        sys.path.insert(0, comfy)
     if "ingraph_trainer" not in sys.modules:
         package = types.ModuleType("ingraph_trainer")
         package.__path__ = [str(REPO)]
