@@ -38,6 +38,7 @@ SHARD_SUFFIX = ".safetensors"
 RUN_PIN_PREFIX = "run:"  # pseudo-dataset holding the keys of one run manifest while that file exists
 PASS_HEARTBEAT_S = 10.0  # a live caching pass refreshes its heartbeat at least this often while it works
 PASS_STALE_S = 900.0  # a pass whose heartbeat is older than this is treated as dead (crashed, other host)
+DB_BUSY_S = 60.0  # how long opening or writing the database waits for other processes' locks
 ORPHAN_GRACE_S = 600.0  # shard files without a row, and run pins without their manifest, are kept this long
 
 _KEY = re.compile(r"[0-9a-f]{64}")
@@ -124,6 +125,33 @@ def _process_alive(pid: int) -> bool | None:
     return True
 
 
+def _open_database(path: Path) -> sqlite3.Connection:
+    """The cache's database in WAL mode with its tables, opened safely beside other processes opening it too.
+
+    SQLite's busy timeout makes a connection wait out another's lock, but not everywhere: switching a file to WAL
+    needs it exclusively, and a connection that meets another's lock there is told "database is locked" at once
+    (SQLite does not wait where waiting could deadlock). Two servers, or a server and a tool, opening one new
+    cache folder together then lost one of them its caching pass. So the set-up is retried here, within the same
+    budget. WAL is a property of the file: once any process has switched it, the switch takes no lock."""
+    db = sqlite3.connect(path, timeout=DB_BUSY_S, isolation_level=None, check_same_thread=False)
+    deadline, pause = time.monotonic() + DB_BUSY_S, 0.01
+    while True:
+        try:
+            if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.executescript(f"BEGIN IMMEDIATE;{SCHEMA}COMMIT;")
+            return db
+        except sqlite3.OperationalError as exc:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            if ("locked" not in str(exc) and "busy" not in str(exc)) or time.monotonic() > deadline:
+                db.close()
+                raise
+        time.sleep(pause)
+        pause = min(2 * pause, 0.5)
+
+
 @dataclass(frozen=True)
 class Entry:
     key: str
@@ -137,10 +165,7 @@ class CacheStore:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.shards = self.root / SHARDS_DIR
-        self._db = sqlite3.connect(self.root / DB_FILE, timeout=60, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(SCHEMA)
+        self._db = _open_database(self.root / DB_FILE)
         self._pass_id: int | None = None
         self._last_beat = 0.0
 

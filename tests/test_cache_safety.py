@@ -5,6 +5,7 @@ runs with small stand-in encoders, so no model weights are needed.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import hashlib
 import importlib
@@ -104,6 +105,50 @@ def exited(process, pause_s: float = 0.01) -> bool:
         return True
     except subprocess.TimeoutExpired:
         return False
+
+
+# Six processes open one new cache folder at the same instant, fifty times over (a few seconds): the switch to
+# WAL met another opener's lock about once in ten folders and failed at once, whatever the busy timeout.
+OPENERS = """
+import multiprocessing, sys, tempfile, time, types
+pkg = types.ModuleType("ingraph_trainer"); pkg.__path__ = [sys.argv[1]]; sys.modules["ingraph_trainer"] = pkg
+from ingraph_trainer.cache.store import CacheStore
+
+def open_and_pass(root, together, results):
+    waits = []
+    sleep, time.sleep = time.sleep, lambda s: (waits.append(s), sleep(s))  # retries made while opening
+    together.wait()
+    try:
+        store = CacheStore(root)
+        with store.caching_pass():
+            pass
+        store.close()
+        results.put(("ok", len(waits)))
+    except Exception as exc:
+        results.put((f"{type(exc).__name__}: {exc}", len(waits)))
+
+fork = multiprocessing.get_context("fork")
+outcomes = []
+for _ in range(int(sys.argv[2])):
+    root, together, results = tempfile.mkdtemp(dir=sys.argv[3]), fork.Barrier(6), fork.Queue()
+    openers = [fork.Process(target=open_and_pass, args=(root, together, results)) for _ in range(6)]
+    for p in openers: p.start()
+    outcomes += [results.get(timeout=120) for _ in openers]
+    for p in openers: p.join()
+print(repr(outcomes))
+"""
+
+
+def test_processes_opening_one_new_cache_together_all_get_it(tmp_path):
+    """Two servers (or a server and a tool) caching into one new folder at once: each opens the database."""
+    out = subprocess.run([sys.executable, "-c", OPENERS, str(REPO), "50", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    outcomes = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    assert len(outcomes) == 300
+    failed = [message for message, _ in outcomes if message != "ok"]
+    assert not failed, f"{len(failed)} of 300 opens failed: {sorted(set(failed))}"
+    print(f"\nopens that waited out another's switch to WAL: {sum(1 for _, waits in outcomes if waits)} of 300")
 
 
 def test_prune_in_a_loop_beside_a_caching_pass_loses_nothing(tmp_path):
