@@ -142,10 +142,12 @@ def _open_database(path: Path) -> sqlite3.Connection:
             db.execute("PRAGMA synchronous=NORMAL")
             db.executescript(f"BEGIN IMMEDIATE;{SCHEMA}COMMIT;")
             return db
-        except sqlite3.OperationalError as exc:
+        except sqlite3.Error as exc:
             if db.in_transaction:
-                db.execute("ROLLBACK")
-            if ("locked" not in str(exc) and "busy" not in str(exc)) or time.monotonic() > deadline:
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")
+            locked = isinstance(exc, sqlite3.OperationalError) and ("locked" in str(exc) or "busy" in str(exc))
+            if not locked or time.monotonic() > deadline:  # a damaged, read-only or full cache: its own error
                 db.close()
                 raise
         time.sleep(pause)

@@ -130,8 +130,8 @@ def open_and_pass(root, together, results):
 fork = multiprocessing.get_context("fork")
 outcomes = []
 for _ in range(int(sys.argv[2])):
-    root, together, results = tempfile.mkdtemp(dir=sys.argv[3]), fork.Barrier(6), fork.Queue()
-    openers = [fork.Process(target=open_and_pass, args=(root, together, results)) for _ in range(6)]
+    root, together, results = tempfile.mkdtemp(dir=sys.argv[3]), fork.Barrier(6, timeout=60), fork.Queue()
+    openers = [fork.Process(target=open_and_pass, args=(root, together, results), daemon=True) for _ in range(6)]
     for p in openers: p.start()
     outcomes += [results.get(timeout=120) for _ in openers]
     for p in openers: p.join()
@@ -149,6 +149,26 @@ def test_processes_opening_one_new_cache_together_all_get_it(tmp_path):
     failed = [message for message, _ in outcomes if message != "ok"]
     assert not failed, f"{len(failed)} of 300 opens failed: {sorted(set(failed))}"
     print(f"\nopens that waited out another's switch to WAL: {sum(1 for _, waits in outcomes if waits)} of 300")
+
+
+def test_opening_a_cache_waits_out_a_writer_holding_it(tmp_path):
+    """The race above, made certain: another process is mid-write (holding the write lock) when the cache, not
+    yet in WAL mode, is opened; the open waits for it rather than failing at once."""
+    import threading
+    writer = sqlite3.connect(tmp_path / store_mod.DB_FILE, isolation_level=None, check_same_thread=False)
+    writer.execute("CREATE TABLE other (x)")
+    writer.execute("BEGIN IMMEDIATE")
+    opened = []
+    opener = threading.Thread(target=lambda: opened.append(CacheStore(tmp_path)))
+    opener.start()
+    opener.join(0.5)
+    assert opener.is_alive() and not opened  # it waits while the write lock is held
+    writer.execute("COMMIT")
+    opener.join(30)
+    assert opened, "the cache did not open once the writer let go"
+    assert opened[0]._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    opened[0].close()
+    writer.close()
 
 
 def test_prune_in_a_loop_beside_a_caching_pass_loses_nothing(tmp_path):
