@@ -29,11 +29,7 @@ CAPTION_WORDS = ["red", "blue", "green", "yellow", "circle", "square", "stripes"
 def save_safetensors(state: dict, out: Path) -> Path:
     """`state` as a safetensors file at `out`, written by the pack's atomic write: a reader (a test server, a test
     waiting on the file while a background build goes on) sees no file or the whole one, never a part."""
-    repo = str(Path(__file__).resolve().parent.parent)
-    if repo not in sys.path:  # run as a script: tools/ is on the path, the repo is not
-        sys.path.insert(0, repo)
-    from tools.bootstrap import bootstrap
-    bootstrap()
+    _bootstrap()
     from safetensors.torch import save_file
     from ingraph_trainer.cache.files import atomic_write
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -42,11 +38,17 @@ def save_safetensors(state: dict, out: Path) -> Path:
     return out
 
 
-def _comfy_path() -> Path:
+def _bootstrap():
+    """ComfyUI importable and the pack as the package ingraph_trainer (tools/bootstrap.py), after a clear exit
+    where ComfyUI is missing. Run as a script, this file has tools/ on the path but not the repo."""
     path = Path(os.environ.get("COMFYUI_PATH", "/opt/ComfyUI"))
     if not (path / "comfy").is_dir():
         sys.exit(f"ComfyUI not found at {path} (set COMFYUI_PATH)")
-    return path
+    repo = str(Path(__file__).resolve().parent.parent)
+    if repo not in sys.path:
+        sys.path.insert(0, repo)
+    from tools.bootstrap import bootstrap
+    bootstrap()
 
 
 def _init_weights(module, generator):
@@ -63,7 +65,7 @@ def _init_weights(module, generator):
 
 
 def build_checkpoint(out: Path, seed: int = 0) -> Path:
-    sys.path.insert(0, str(_comfy_path()))
+    _bootstrap()
     import torch
     from comfy.cli_args import args
     args.cpu = True
@@ -93,7 +95,7 @@ def build_checkpoint(out: Path, seed: int = 0) -> Path:
 
 def build_vae(out: Path, seed: int = 1) -> Path:
     """A TAESD VAE with other random weights than the checkpoint's: a "different VAE" for cache tests."""
-    sys.path.insert(0, str(_comfy_path()))
+    _bootstrap()
     import torch
     from comfy.cli_args import args
     args.cpu = not torch.cuda.is_available()
