@@ -264,7 +264,9 @@ def test_flux_single_and_double_blocks_train_despite_in_place_residuals(family_m
     from ingraph_trainer.trainer.models.base import init_weights
     patcher = comfy.sd.load_diffusion_model(str(family_models.dir("models", "diffusion_models") / "tiny_flux.safetensors"),
                                             model_options={"dtype": torch.float32})
-    narrow = init_weights(comfy.ldm.flux.model.Flux(
+    from ingraph_trainer.trainer.comfy_compat import build_dit
+    narrow = init_weights(build_dit(
+        comfy.ldm.flux.model.Flux, comfy.ldm.flux.model.FluxParams,
         in_channels=16, out_channels=16, vec_in_dim=64, context_in_dim=4096, hidden_size=64, mlp_ratio=4.0,
         num_heads=2, depth=1, depth_single_blocks=1, axes_dim=[8, 12, 12], theta=10000, patch_size=2, qkv_bias=True,
         guidance_embed=True, operations=comfy.ops.disable_weight_init), 0)

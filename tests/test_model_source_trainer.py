@@ -99,10 +99,12 @@ def _narrow_flux():
     import comfy.supported_models
 
     from ingraph_trainer.trainer.models.base import init_weights
-    config = comfy.supported_models.Flux(dict(
+    from comfy.ldm.flux.model import FluxParams
+    from ingraph_trainer.trainer.comfy_compat import dit_config
+    config = comfy.supported_models.Flux(dit_config(FluxParams, dict(
         image_model="flux", in_channels=16, out_channels=16, vec_in_dim=64, context_in_dim=4096, hidden_size=64,
         mlp_ratio=4.0, num_heads=2, depth=1, depth_single_blocks=1, axes_dim=[8, 12, 12], theta=10000,
-        patch_size=2, qkv_bias=True, guidance_embed=True))
+        patch_size=2, qkv_bias=True, guidance_embed=True)))
     config.set_inference_dtype(torch.float32, None)
     model = config.get_model({})
     init_weights(model.diffusion_model, 0)

@@ -63,8 +63,10 @@ class FluxFamily(ReferenceLatentsInput, ModelFamily):
     def scratch_state_dict(cls, seed: int = 0, depth: int = 1, depth_single_blocks: int = 0, vec_in_dim: int = 768,
                            guidance_embed: bool = True, **_):
         import comfy.ops
-        from comfy.ldm.flux.model import Flux
-        model = Flux(in_channels=16, out_channels=16, vec_in_dim=vec_in_dim, context_in_dim=4096, hidden_size=3072,
+        from comfy.ldm.flux.model import Flux, FluxParams
+        from ..comfy_compat import build_dit
+        model = build_dit(
+            Flux, FluxParams, in_channels=16, out_channels=16, vec_in_dim=vec_in_dim, context_in_dim=4096, hidden_size=3072,
                      mlp_ratio=4.0, num_heads=24, depth=depth, depth_single_blocks=depth_single_blocks,
                      axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True, guidance_embed=guidance_embed,
                      operations=comfy.ops.disable_weight_init)

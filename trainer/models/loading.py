@@ -21,14 +21,11 @@ import ctypes
 import ctypes.util
 import os
 import struct
-import threading
 
 MADV_DONTNEED = 4
 PAGEMAP_PRESENT = 1 << 63
 PAGEMAP_SWAPPED = 1 << 62
 PAGEMAP_FILE_OR_SHARED = 1 << 61  # clear for a private page that was written to (copy-on-write)
-# the wrapper replaces a ComfyUI class attribute for the load's duration: one load at a time installs it
-_PATCH_LOCK = threading.RLock()
 
 
 def file_mappings(path: str) -> list[tuple[int, int]]:
@@ -96,52 +93,47 @@ def released_after_copy(path: str):
     """While ComfyUI loads `path` (comfy.sd.load_diffusion_model, load_checkpoint_guess_config), each tensor of
     the file leaves the process's memory as soon as the model holds its copy. Yields a dict whose
     "released_bytes" tells how much was dropped (0 where nothing could be)."""
-    with _PATCH_LOCK:
-        with _released_after_copy(path) as report:
-            yield report
-
-
-@contextlib.contextmanager
-def _released_after_copy(path: str):
     import comfy.model_base
+    from ..comfy_compat import wrap_method
     report = {"released_bytes": 0}
-    base = comfy.model_base.BaseModel
-    original = base.__dict__["load_model_weights"]
 
-    def load_model_weights(self, sd, unet_prefix=""):
-        ranges = file_mappings(path)
-        try:
-            releaser = PageReleaser(ranges) if ranges else None
-        except (OSError, AttributeError):  # no pagemap or madvise here: ComfyUI's load as it is
-            releaser = None
-        if releaser is None:
-            return original(self, sd, unet_prefix)
-        copied: list = []  # the file tensors of the module load_state_dict is filling now
+    def make_wrapper(original):
+        def load_model_weights(self, sd, *args, **kwargs):
+            if kwargs.get("assign") or (len(args) > 1 and args[1]):
+                # the model takes the file's tensors as its own (ComfyUI 0.33's dynamic VRAM): nothing is copied,
+                # so nothing may be released
+                return original(self, sd, *args, **kwargs)
+            ranges = file_mappings(path)
+            try:
+                releaser = PageReleaser(ranges) if ranges else None
+            except (OSError, AttributeError):  # no pagemap or madvise here: ComfyUI's load as it is
+                releaser = None
+            if releaser is None:
+                return original(self, sd, *args, **kwargs)
+            copied: list = []  # the file tensors of the module load_state_dict is filling now
 
-        def before_module(module, state_dict, prefix, *_):
-            # modules are filled one after another, each before its children: when the next one starts,
-            # the previous one's tensors have been copied
-            for tensor in copied:
-                releaser.release(tensor)
-            copied.clear()
-            for name in (*module._parameters, *module._buffers):
-                source = state_dict.get(prefix + name)
-                if source is not None and hasattr(source, "data_ptr"):
-                    copied.append(source)
+            def before_module(module, state_dict, prefix, *_):
+                # modules are filled one after another, each before its children: when the next one starts,
+                # the previous one's tensors have been copied
+                for tensor in copied:
+                    releaser.release(tensor)
+                copied.clear()
+                for name in (*module._parameters, *module._buffers):
+                    source = state_dict.get(prefix + name)
+                    if source is not None and hasattr(source, "data_ptr"):
+                        copied.append(source)
 
-        hooks = [m.register_load_state_dict_pre_hook(before_module) for m in self.diffusion_model.modules()]
-        try:
-            return original(self, sd, unet_prefix)
-        finally:
-            for hook in hooks:
-                hook.remove()
-            for tensor in copied:
-                releaser.release(tensor)
-            report["released_bytes"] += releaser.released_bytes
-            releaser.close()
+            hooks = [m.register_load_state_dict_pre_hook(before_module) for m in self.diffusion_model.modules()]
+            try:
+                return original(self, sd, *args, **kwargs)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+                for tensor in copied:
+                    releaser.release(tensor)
+                report["released_bytes"] += releaser.released_bytes
+                releaser.close()
+        return load_model_weights
 
-    base.load_model_weights = load_model_weights
-    try:
+    with wrap_method(comfy.model_base.BaseModel, "load_model_weights", make_wrapper):
         yield report
-    finally:
-        base.load_model_weights = original

@@ -1,0 +1,93 @@
+"""The one module that meets what differs between ComfyUI versions (trainer/comfy_compat.py): wrappers take whatever
+the wrapped ComfyUI function takes, and model configs gain the fields a newer ComfyUI requires. No ComfyUI needed:
+a stand-in for its classes carries the newer signatures, so each test fails on the narrower code it guards."""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+
+import pytest
+
+from ingraph_trainer.trainer import comfy_compat
+from ingraph_trainer.trainer.models import loading
+
+
+class _FutureBaseModel:
+    """ComfyUI 0.33's BaseModel.load_model_weights signature, plus a keyword a later ComfyUI might add."""
+    calls: list = []
+
+    def load_model_weights(self, sd, unet_prefix="", assign=False, later_keyword=None):
+        self.calls.append((sd, unet_prefix, assign, later_keyword))
+        return self
+
+
+@pytest.fixture
+def comfy_model_base(monkeypatch):
+    module = types.ModuleType("comfy.model_base")
+    module.BaseModel = _FutureBaseModel
+    package = sys.modules.get("comfy") or types.ModuleType("comfy")
+    monkeypatch.setitem(sys.modules, "comfy", package)
+    monkeypatch.setitem(sys.modules, "comfy.model_base", module)
+    monkeypatch.setattr(package, "model_base", module, raising=False)
+    _FutureBaseModel.calls = []
+    return module
+
+
+def test_the_load_wrapper_passes_every_argument_comfyui_gives(comfy_model_base, tmp_path):
+    """0.33 calls load_model_weights(sd, prefix, assign=...): the pack's wrapper refused `assign` and every model
+    load failed. Positional, keyword and unknown arguments reach ComfyUI's method unchanged."""
+    model = _FutureBaseModel()
+    model.diffusion_model = types.SimpleNamespace(modules=lambda: [])
+    original = _FutureBaseModel.__dict__["load_model_weights"]
+    with loading.released_after_copy(str(tmp_path / "model.safetensors")) as report:
+        assert _FutureBaseModel.__dict__["load_model_weights"] is not original  # the wrapper is installed
+        model.load_model_weights({"a": 1}, "model.", assign=True, later_keyword=7)
+        model.load_model_weights({"b": 2}, "x.", False)
+        model.load_model_weights({"c": 3}, unet_prefix="y.", later_keyword="z")
+    assert _FutureBaseModel.__dict__["load_model_weights"] is original  # put back
+    assert _FutureBaseModel.calls == [({"a": 1}, "model.", True, 7), ({"b": 2}, "x.", False, None),
+                                      ({"c": 3}, "y.", False, "z")]
+    assert report["released_bytes"] == 0
+
+
+def test_wrap_method_puts_the_original_back_after_an_error():
+    class Owner:
+        def method(self, a, b=1, **kw):
+            return (a, b, kw)
+
+    def make(original):
+        def wrapped(self, *args, **kwargs):
+            raise ValueError("inside")
+        return wrapped
+    with pytest.raises(ValueError):
+        with comfy_compat.wrap_method(Owner, "method", make):
+            Owner().method(1)
+    assert Owner().method(1, b=2, c=3) == (1, 2, {"c": 3})
+
+
+def test_dit_config_fills_only_the_newer_required_fields():
+    @dataclasses.dataclass
+    class Params:  # a FluxParams as 0.33 has it: txt_ids_dims required, newer optional ones defaulted
+        hidden_size: int
+        txt_ids_dims: list
+        global_modulation: bool = False
+
+    config = comfy_compat.dit_config(Params, {"hidden_size": 64})
+    assert config == {"hidden_size": 64, "txt_ids_dims": []}
+    Params(**config)
+    assert comfy_compat.dit_config(Params, {"hidden_size": 64, "txt_ids_dims": [3]})["txt_ids_dims"] == [3]
+    # the list is the caller's own: a model that appends to it leaves the table alone
+    config["txt_ids_dims"].append(1)
+    assert comfy_compat.LEGACY_DIT_FIELDS["txt_ids_dims"] == []
+
+    @dataclasses.dataclass
+    class Older:  # 0.3.64: no such field, nothing added
+        hidden_size: int
+    assert comfy_compat.dit_config(Older, {"hidden_size": 64}) == {"hidden_size": 64}
+
+
+def test_comfyui_version_reads_the_installs_own_file(tmp_path):
+    (tmp_path / "comfyui_version.py").write_text('__version__ = "0.33.0"\n')
+    assert comfy_compat.comfyui_version(tmp_path) == (0, 33, 0)
+    assert comfy_compat.comfyui_version(tmp_path / "missing") == ()

@@ -1,0 +1,78 @@
+"""What differs between the ComfyUI versions the pack supports (0.3.64, October 2025, to 0.33, August 2026), in one
+place: the next ComfyUI change that breaks the pack is fixed here.
+
+- A wrapper of a ComfyUI function never has a narrower signature than the function: `wrap_method` installs one that
+  takes whatever ComfyUI passes (0.33 added `assign` to `BaseModel.load_model_weights`, and the pack's narrower
+  wrapper failed every model load).
+- Model parameter dataclasses gain required fields (0.33: `FluxParams.txt_ids_dims`, `HunyuanVideoParams.
+  use_cond_type_embedding`, `vision_in_dim`, `meanflow_sum`): `dit_config` fills each one the caller did not give
+  with the value ComfyUI's own detection gives a file of the older layout, so a model built from a config is the
+  one 0.3.64 built.
+- Which version is installed (`comfyui_version`), for the rare decision that needs it.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+from pathlib import Path
+
+# required fields ComfyUI added after 0.3.64 → the value its detection gives a file without the newer feature
+# (comfy/model_detection.py of 0.33: plain Flux and Chroma take no text-position ids; HunyuanVideo 1.0 has no
+# condition-type embedding and no vision input)
+LEGACY_DIT_FIELDS = {
+    "txt_ids_dims": [],
+    "use_cond_type_embedding": False,
+    "vision_in_dim": None,
+    "meanflow_sum": False,
+}
+
+_WRAP_LOCK = threading.RLock()
+
+
+def comfyui_version(comfyui_dir: str | Path) -> tuple[int, ...]:
+    """The version of the ComfyUI at `comfyui_dir` (its comfyui_version.py), as numbers; () where it says none."""
+    import re
+    try:
+        text = (Path(comfyui_dir) / "comfyui_version.py").read_text()
+    except OSError:
+        return ()
+    found = re.search(r"""__version__\s*=\s*["']([0-9.]+)""", text)
+    return tuple(int(part) for part in found.group(1).strip(".").split(".")) if found else ()
+
+
+def dit_config(params_cls, config: dict) -> dict:
+    """`config` (keyword arguments of a ComfyUI diffusion model whose parameters are the dataclass `params_cls`) plus
+    each required field of the installed ComfyUI's dataclass that it lacks and that LEGACY_DIT_FIELDS knows."""
+    extra = {}
+    for field in dataclasses.fields(params_cls):
+        required = field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+        if required and field.name not in config and field.name in LEGACY_DIT_FIELDS:
+            value = LEGACY_DIT_FIELDS[field.name]
+            extra[field.name] = list(value) if isinstance(value, list) else value
+    return {**config, **extra}
+
+
+def build_dit(model_cls, params_cls, **config):
+    """`model_cls(**config)` with `dit_config`'s fields added (the model's `operations`, `dtype`... pass through)."""
+    return model_cls(**dit_config(params_cls, config))
+
+
+@contextlib.contextmanager
+def wrap_method(owner, name: str, make_wrapper):
+    """For the block's duration, `owner.name` is `make_wrapper(original)`, called as `wrapper(self, *args,
+    **kwargs)` with whatever ComfyUI passes, never a narrower signature; the original is put back after. One
+    wrapping of a method at a time (a lock), since it replaces a class attribute every thread sees."""
+    with _WRAP_LOCK:
+        original = owner.__dict__[name]
+        inner = make_wrapper(original)
+
+        @functools.wraps(original)
+        def wrapper(self, *args, **kwargs):
+            return inner(self, *args, **kwargs)
+        setattr(owner, name, wrapper)
+        try:
+            yield original
+        finally:
+            setattr(owner, name, original)
