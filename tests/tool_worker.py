@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 # diffusers_roundtrip imports diffusers in its child; the builders make the tiny checkpoint, models and VAEs
-TOOLS = ("prepare_run", "cache_dataset", "diffusers_roundtrip", "embedded_default", "tiny_models")
+TOOLS = ("prepare_run", "cache_dataset", "diffusers_roundtrip", "embedded_default", "tiny_models", "quantized_models")
 
 
 def run_in_child(request: dict, answer_fd: int) -> None:

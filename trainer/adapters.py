@@ -24,8 +24,9 @@ def is_adapter_tensor(name: str) -> bool:
 
 def base_weight(layer: torch.nn.Module) -> torch.Tensor:
     """A layer's frozen weight as float32, whatever it is stored in: fp8 (ComfyUI's scaled-fp8 layers keep a
-    per-tensor scale_weight) or a full-precision dtype."""
-    weight = layer.weight.detach().float()
+    per-tensor scale_weight), a quantized layout (ComfyUI 0.33) or a full-precision dtype."""
+    from .comfy_compat import float_weight
+    weight = float_weight(layer.weight)
     scale = getattr(layer, "scale_weight", None)
     return weight * scale.detach().float() if scale is not None else weight
 
@@ -53,12 +54,30 @@ def inject_adapter(diffusion_model: torch.nn.Module, targets: list[str], kind: s
     if fp8 and kind == "dora":  # peft's DoRA adds the update to the stored weight, which fp8 cannot take part in
         raise ValueError(f"adapter.kind: DoRA needs the base weights in full precision, and {fp8[0]} is stored in "
                          "fp8; train a LoRA, LoHa or LoKr on an fp8 base, or load the model in its own precision")
+    from .comfy_compat import dequantize_per_matmul, is_linear, quantized_format
+    quantized = {name: quantized_format(diffusion_model.get_submodule(name)) for name in targets}
+    quantized = {name: layout for name, layout in quantized.items() if layout}
+    if quantized and kind != "lora":
+        # peft's LoHa, LoKr and DoRA layers take torch's own Linear only, and DoRA needs the stored weight
+        name, layout = next(iter(quantized.items()))
+        raise ValueError(f"adapter.kind: {kind} is not trained on quantized weights ({name} is stored as {layout}); "
+                         "train a LoRA on this model, or load it from a file in full precision")
     diffusion_model.requires_grad_(False)
+    custom = {}
+    for name in targets:
+        layer = diffusion_model.get_submodule(name)
+        if name in quantized:
+            dequantize_per_matmul(layer)
+        if is_linear(layer) and not isinstance(layer, torch.nn.Linear):  # ComfyUI's mixed-precision Linear
+            from peft.tuners.lora.layer import Linear as LoraLinear
+            custom[type(layer)] = LoraLinear
     for name in fp8:  # peft makes an adapter in its base layer's dtype: fp8 bases get full-precision adapters
         # what peft reads for a quantised base (bitsandbytes' attribute)
         diffusion_model.get_submodule(name).compute_dtype = torch.float32
-    inject_adapter_in_model(_peft_config(kind, targets, rank, alpha, dropout), diffusion_model,
-                            adapter_name=ADAPTER_NAME)
+    config = _peft_config(kind, targets, rank, alpha, dropout)
+    if custom:
+        config._register_custom_module(custom)  # peft's own LoRA layer around ComfyUI's Linear (its forward)
+    inject_adapter_in_model(config, diffusion_model, adapter_name=ADAPTER_NAME)
     return [p for p in diffusion_model.parameters() if p.requires_grad]
 
 

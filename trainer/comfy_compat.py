@@ -8,6 +8,9 @@ place: the next ComfyUI change that breaks the pack is fixed here.
   use_cond_type_embedding`, `vision_in_dim`, `meanflow_sum`): `dit_config` fills each one the caller did not give
   with the value ComfyUI's own detection gives a file of the older layout, so a model built from a config is the
   one 0.3.64 built.
+- Quantized weights (0.33's `QuantizedTensor` layouts, loaded by its mixed-precision ops, whose Linear is no
+  `torch.nn.Linear`): which layers are linear, how many bytes a weight holds in its layout, its float value, and
+  the setting that makes a layer dequantize its weight for each matmul instead of quantizing the input.
 - Which version is installed (`comfyui_version`), for the rare decision that needs it.
 """
 from __future__ import annotations
@@ -76,3 +79,44 @@ def wrap_method(owner, name: str, make_wrapper):
             yield original
         finally:
             setattr(owner, name, original)
+
+
+def is_quantized(tensor) -> bool:
+    """A ComfyUI QuantizedTensor (comfy_kitchen's): its dtype is the dtype it stands for, its storage another."""
+    return type(tensor).__name__ == "QuantizedTensor" and hasattr(tensor, "dequantize")
+
+
+def quantized_format(module) -> str | None:
+    """The QUANT_ALGOS name a ComfyUI mixed-precision layer's weight is stored in, None where it is not quantized."""
+    weight = getattr(module, "weight", None)
+    return getattr(module, "quant_format", None) if weight is not None and is_quantized(weight) else None
+
+
+def is_linear(module) -> bool:
+    """A linear layer, as torch's or as ComfyUI's mixed-precision ops make it (a quantized file's layers, and the
+    layers it left in full precision, are `Linear` modules that are no torch.nn.Linear)."""
+    import torch
+    if isinstance(module, torch.nn.Linear):
+        return True
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ == "Linear" and hasattr(module, "in_features") and hasattr(module, "out_features")
+            and weight is not None and len(weight.shape) == 2)
+
+
+def tensor_bytes(tensor) -> int:
+    """Bytes a tensor holds: a quantized one's data and scales in their own dtypes."""
+    if is_quantized(tensor):
+        return sum(t.numel() * t.element_size() for t in tensor.state_dict("w").values())
+    return tensor.numel() * tensor.element_size()
+
+
+def float_weight(tensor):
+    """A weight's value as float32, dequantized where it is quantized."""
+    data = tensor.detach()
+    return data.dequantize().float() if is_quantized(data) else data.float()
+
+
+def dequantize_per_matmul(module) -> None:
+    """A quantized layer computes with its weight dequantized to the input's dtype for each matmul (ComfyUI's cast
+    path), never with its input quantized: the gradient that reaches the adapter is the full-precision one."""
+    module.comfy_force_cast_weights = True

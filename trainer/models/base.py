@@ -93,8 +93,9 @@ class ModelFamily:
         """Storage bytes of the frozen base weights (parameters and buffers of the diffusion model, adapter
         tensors excluded): halves from bf16 to fp8."""
         from ..adapters import is_adapter_tensor
+        from ..comfy_compat import tensor_bytes
         tensors = [*self.diffusion_model.named_parameters(), *self.diffusion_model.named_buffers()]
-        return sum(t.numel() * t.element_size() for name, t in tensors if not is_adapter_tensor(name))
+        return sum(tensor_bytes(t) for name, t in tensors if not is_adapter_tensor(name))
 
     # --- what a run may ask of this family -------------------------------------------------------------
     def check_settings(self, spec) -> None:
@@ -113,7 +114,8 @@ class ModelFamily:
     # --- adapters and memory ---------------------------------------------------------------------------
     def adapter_targets(self, preset: str) -> list[str]:
         """Names (relative to the diffusion model) of the linear layers an adapter preset trains."""
-        linear = [n for n, m in self.diffusion_model.named_modules() if isinstance(m, torch.nn.Linear)]
+        from ..comfy_compat import is_linear
+        linear = [n for n, m in self.diffusion_model.named_modules() if is_linear(m)]
         if preset == "all_linear":
             return linear
         patterns = [re.compile(p) for p in self.target_patterns[preset]]
