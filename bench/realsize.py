@@ -252,7 +252,7 @@ def classify_gone(path: Path, entry: dict) -> str:
 # ---------------------------------------------------------------- workflows
 
 def load_workflow(name: str) -> dict:
-    path = Path(name) if Path(name).is_file() else REPO / "workflows" / name
+    path = Path(name) if Path(name).is_file() else REPO / "workflows" / "api" / name
     return json.loads(path.read_text())
 
 
@@ -461,7 +461,7 @@ def main(argv=None):
                         help="the random-weight SD1.5 checkpoint (built there by tools/realsize_models.py if missing; "
                              "default <work>/realsize_sd15.safetensors)")
     parser.add_argument("--workflow", default="train_evaluate_compare_api.json",
-                        help="API-format workflow from workflows/ (or a path) with one InGraphTrain* node")
+                        help="API-format workflow from workflows/api/ (or a path) with one InGraphTrain* node")
     parser.add_argument("--steps", type=int, default=4, help="training steps of each run of ours")
     parser.add_argument("--images", type=int, default=8, help="training images (captioned, square)")
     parser.add_argument("--size", type=int, default=64, help="image side in pixels")

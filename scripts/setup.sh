@@ -5,6 +5,8 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${INGRAPH_VENV:-$REPO/.venv}"
 export COMFYUI_PATH="${COMFYUI_PATH:-/opt/ComfyUI}"
+# the newer ComfyUI the ComfyUI tier also runs against (scripts/test.sh); skipped where absent
+export COMFYUI_033_PATH="${COMFYUI_033_PATH:-/opt/ComfyUI-0.33}"
 PYTHON="${PYTHON:-python3}"
 TORCH_PINS="${INGRAPH_TORCH_PINS:-torch==2.14.1 torchvision==0.29.1}"
 
@@ -28,7 +30,10 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 comfy_reqs=""
 [ -f "$COMFYUI_PATH/requirements.txt" ] && comfy_reqs="$COMFYUI_PATH/requirements.txt"
 stamp="$VENV/.ingraph-setup-stamp"
-want="$(cat "$REPO/requirements.txt" "$REPO/requirements-dev.txt" ${comfy_reqs:+"$comfy_reqs"} | sha256sum | cut -c1-16) $TORCH_PINS"
+newer_reqs=""
+[ -f "$COMFYUI_033_PATH/requirements.txt" ] && newer_reqs="$COMFYUI_033_PATH/requirements.txt"
+want="$(cat "$REPO/requirements.txt" "$REPO/requirements-dev.txt" ${comfy_reqs:+"$comfy_reqs"} ${newer_reqs:+"$newer_reqs"} \
+  "$REPO/scripts/comfyui_overlay.py" | sha256sum | cut -c1-16) $TORCH_PINS"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "setup: environment $VENV is up to date" >&2
   exit 0
@@ -51,5 +56,10 @@ if [ -n "$comfy_reqs" ]; then
 fi
 echo "setup: installing requirements into $VENV" >&2
 "${PIP[@]}" -c "$constraints" "${reqs[@]}"
+if [ -n "$newer_reqs" ]; then
+  # what ComfyUI 0.33 needs beyond this environment goes into an overlay its tier puts first on PYTHONPATH
+  echo "setup: overlay for $COMFYUI_033_PATH in $VENV/comfyui-0.33" >&2
+  "$VENV/bin/python" "$REPO/scripts/comfyui_overlay.py" "$COMFYUI_033_PATH" "$VENV/comfyui-0.33"
+fi
 echo "$want" > "$stamp"
 echo "setup: done" >&2

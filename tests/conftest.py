@@ -292,7 +292,7 @@ def client(comfy):
 
 
 def load_workflow(name: str = "train_lora_api.json") -> dict:
-    return json.loads((REPO / "workflows" / name).read_text())
+    return json.loads((REPO / "workflows" / "api" / name).read_text())
 
 
 def evaluate_on_one_image(wf: dict, train: str = "6", dataset: str = "2", folder: str = ONE_IMAGE_FOLDER,

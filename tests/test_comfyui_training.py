@@ -241,7 +241,7 @@ def test_pack_adds_under_half_a_second_to_startup(comfy):
 def test_ui_workflow_matches_object_info(client, name):
     """Every node type of the UI-format workflow exists, and every link joins matching types."""
     import json
-    ui = json.loads((REPO / "workflows" / f"{name}.json").read_text())
+    ui = json.loads((REPO / "example_workflows" / f"{name}.json").read_text())
     info = client.get("/object_info")
     nodes = {n["id"]: n for n in ui["nodes"]}
     for node in nodes.values():

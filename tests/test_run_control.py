@@ -150,7 +150,7 @@ def test_headless_client_exit_codes(comfy, tmp_path):
     proc = run_client("run", str(rejected), "--server", comfy.address)
     assert proc.returncode == 2 and "rank" in proc.stderr
 
-    ui = run_client("run", str(REPO / "workflows" / "train_lora.json"), "--server", comfy.address)
+    ui = run_client("run", str(REPO / "example_workflows" / "train_lora.json"), "--server", comfy.address)
     assert ui.returncode == 2 and "API-format" in ui.stderr
 
     long = tmp_path / "long.json"

@@ -83,7 +83,7 @@ def test_panel_draws_a_million_step_run_with_bounded_points(tmp_path):
 def test_panel_shows_rising_steps_and_a_loss_chart(comfy, tmp_path):
     from playwright.sync_api import sync_playwright
     # the train + evaluate + compare workflow: the panel also charts evaluations and shows previews
-    workflow = json.loads((REPO / "workflows" / "train_evaluate_compare.json").read_text())
+    workflow = json.loads((REPO / "example_workflows" / "train_evaluate_compare.json").read_text())
     train = next(n for n in workflow["nodes"] if n["type"] == "InGraphTrainLoRA")
     from client.api import ComfyClient
     info = ComfyClient(comfy.address).get("/object_info/InGraphTrainLoRA")["InGraphTrainLoRA"]

@@ -1,7 +1,7 @@
 """The main job: train a LoRA on the embedded default through a real, headless ComfyUI.
 
 Makes a tiny random-weight SD1.5 checkpoint and a captioned image set, starts ComfyUI with this
-pack, queues workflows/train_lora_api.json through POST /prompt, shows progress, prints where the
+pack, queues workflows/api/train_lora_api.json through POST /prompt, shows progress, prints where the
 LoRA was written, and stops the server.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tools.embedded_default import build_checkpoint, build_images  # noqa: E402
 
 CHECKPOINT_NAME = "ingraph_tiny_sd15.safetensors"
 IMAGE_FOLDER = "ingraph_example"
-WORKFLOW = REPO / "workflows" / "train_lora_api.json"
+WORKFLOW = REPO / "workflows" / "api" / "train_lora_api.json"
 
 
 def prepare_base(base: Path):

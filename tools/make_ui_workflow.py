@@ -1,7 +1,7 @@
 """Turn an API-format workflow into the UI (litegraph) format the ComfyUI frontend opens.
 
 Needs a running ComfyUI with the pack (for /object_info):
-    python tools/make_ui_workflow.py workflows/train_lora_api.json workflows/train_lora.json --server HOST:PORT
+    python tools/make_ui_workflow.py workflows/api/train_lora_api.json example_workflows/train_lora.json --server HOST:PORT
 """
 from __future__ import annotations
 
