@@ -279,6 +279,8 @@ def test_flux_single_and_double_blocks_train_despite_in_place_residuals(family_m
     for param in lora_like:
         param.requires_grad_(True)
     x = batch.latents.requires_grad_(True)
+    from ingraph_trainer.trainer.comfy_compat import enter_training
+    enter_training()  # what prepare_for_training does (ComfyUI 0.33's rope kernels have no backward otherwise)
     with pytest.raises(RuntimeError, match="inplace operation"):
         narrow(x, torch.rand(2), torch.randn(2, 8, 4096), y=torch.randn(2, 64), guidance=torch.ones(2)).sum().backward()
 

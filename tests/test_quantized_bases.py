@@ -106,3 +106,42 @@ def test_the_lora_loads_onto_comfyuis_quantized_model_and_changes_it(runs, quant
         comfy.model_management.unload_all_models()
     assert torch.isfinite(outputs[1]).all()
     assert (outputs[1] - outputs[0]).abs().max() > 1e-4
+
+
+def _quantized_family(quantized, layout):
+    sys.path.insert(0, str(REPO))
+    from tools.prepare_run import _bootstrap
+    _bootstrap()
+    import comfy.sd
+    from ingraph_trainer.trainer.models import family_for
+    return family_for(comfy.sd.load_diffusion_model(str(quantized[layout])).model, prediction="epsilon")
+
+
+def test_other_adapter_kinds_are_refused_at_queue_time_naming_the_layout(quantized):
+    from ingraph_trainer.trainer.config import AdapterSpec, RunSpec
+    from ingraph_trainer.trainer.models import UnsupportedSetting
+    family = _quantized_family(quantized, "int8_tensorwise")
+    family.check_settings(RunSpec(adapter=AdapterSpec(kind="lora")))
+    for kind in ("lokr", "loha", "dora", "full"):
+        with pytest.raises(UnsupportedSetting, match=rf"adapter.kind: {kind} is not trained on quantized weights "
+                                                     r"\(\S+ is stored as int8_tensorwise\)"):
+            family.check_settings(RunSpec(adapter=AdapterSpec(kind=kind)))
+
+
+def test_a_layout_the_device_cannot_run_is_refused_naming_it_and_the_device(quantized, monkeypatch):
+    """As a GPU-only layout is on a CPU: the layout's kernels raise there (faked: ComfyUI 0.33 runs every layout
+    it defines on the CPU, slowly)."""
+    import comfy.quant_ops
+    from ingraph_trainer.trainer.config import AdapterSpec, RunSpec
+    from ingraph_trainer.trainer.models import UnsupportedSetting
+    family = _quantized_family(quantized, "mxfp8")
+    real = comfy.quant_ops.QuantizedTensor.from_float
+
+    def no_kernel(tensor, layout, *args, **kwargs):
+        if layout == "TensorCoreMXFP8Layout":
+            raise NotImplementedError("no mxfp8 kernel for this device")
+        return real(tensor, layout, *args, **kwargs)
+    monkeypatch.setattr(comfy.quant_ops.QuantizedTensor, "from_float", staticmethod(no_kernel))
+    with pytest.raises(UnsupportedSetting, match=r"model: \S+ is stored as mxfp8, which does not run on cpu "
+                                                 r"\(NotImplementedError: no mxfp8 kernel for this device\)"):
+        family.check_settings(RunSpec(adapter=AdapterSpec(kind="lora")))

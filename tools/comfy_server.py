@@ -99,8 +99,10 @@ class ComfyServer:
                 continue
 
     def log_text(self) -> str:
+        """The server's log, without the colour codes ComfyUI 0.33 puts around each line's level."""
+        import re
         try:
-            return self.log_path.read_text(encoding="utf-8", errors="replace")
+            return re.sub(r"\x1b\[[0-9;]*m", "", self.log_path.read_text(encoding="utf-8", errors="replace"))
         except FileNotFoundError:
             return ""
 

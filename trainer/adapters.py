@@ -54,19 +54,14 @@ def inject_adapter(diffusion_model: torch.nn.Module, targets: list[str], kind: s
     if fp8 and kind == "dora":  # peft's DoRA adds the update to the stored weight, which fp8 cannot take part in
         raise ValueError(f"adapter.kind: DoRA needs the base weights in full precision, and {fp8[0]} is stored in "
                          "fp8; train a LoRA, LoHa or LoKr on an fp8 base, or load the model in its own precision")
+    # a quantized base trains LoRA alone (family.check_quantized_weights refuses the rest before a run starts):
+    # peft's LoHa, LoKr and DoRA layers take torch's own Linear only, and DoRA needs the stored weight
     from .comfy_compat import dequantize_per_matmul, is_linear, quantized_format
-    quantized = {name: quantized_format(diffusion_model.get_submodule(name)) for name in targets}
-    quantized = {name: layout for name, layout in quantized.items() if layout}
-    if quantized and kind != "lora":
-        # peft's LoHa, LoKr and DoRA layers take torch's own Linear only, and DoRA needs the stored weight
-        name, layout = next(iter(quantized.items()))
-        raise ValueError(f"adapter.kind: {kind} is not trained on quantized weights ({name} is stored as {layout}); "
-                         "train a LoRA on this model, or load it from a file in full precision")
     diffusion_model.requires_grad_(False)
     custom = {}
     for name in targets:
         layer = diffusion_model.get_submodule(name)
-        if name in quantized:
+        if quantized_format(layer):
             dequantize_per_matmul(layer)
         if is_linear(layer) and not isinstance(layer, torch.nn.Linear):  # ComfyUI's mixed-precision Linear
             from peft.tuners.lora.layer import Linear as LoraLinear

@@ -11,6 +11,8 @@ place: the next ComfyUI change that breaks the pack is fixed here.
 - Quantized weights (0.33's `QuantizedTensor` layouts, loaded by its mixed-precision ops, whose Linear is no
   `torch.nn.Linear`): which layers are linear, how many bytes a weight holds in its layout, its float value, and
   the setting that makes a layer dequantize its weight for each matmul instead of quantizing the input.
+- ComfyUI's training switch (0.33's `model_management.in_training`, which its own TrainLoraNode sets): without it
+  0.33's DiTs apply rotary embeddings with comfy-kitchen kernels that have no backward (`enter_training`).
 - Which version is installed (`comfyui_version`), for the rare decision that needs it.
 """
 from __future__ import annotations
@@ -120,3 +122,39 @@ def dequantize_per_matmul(module) -> None:
     """A quantized layer computes with its weight dequantized to the input's dtype for each matmul (ComfyUI's cast
     path), never with its input quantized: the gradient that reaches the adapter is the full-precision one."""
     module.comfy_force_cast_weights = True
+
+
+def quantized_layouts(model) -> dict[str, str]:
+    """{layout: the first layer stored in it} over a model's modules (empty for a model with no quantized layer)."""
+    found: dict[str, str] = {}
+    for name, module in model.named_modules():
+        layout = quantized_format(module)
+        if layout and layout not in found:
+            found[layout] = name
+    return found
+
+
+def layout_problem(layout: str, device) -> str | None:
+    """Why weights in `layout` cannot train on `device` (None where they can): the layout's own quantize,
+    dequantize and linear run on a small matrix there, as a training step runs them."""
+    import torch
+    try:
+        from comfy.quant_ops import QUANT_ALGOS, QuantizedTensor
+        if layout not in QUANT_ALGOS:
+            return f"this ComfyUI defines no layout {layout!r}"
+        weight = QuantizedTensor.from_float(torch.randn(64, 256, device=device),
+                                            QUANT_ALGOS[layout]["comfy_tensor_layout"])
+        x = torch.randn(4, 256, device=device, requires_grad=True)
+        torch.nn.functional.linear(x, weight.dequantize().to(x.dtype)).sum().backward()
+    except Exception as exc:  # noqa: BLE001  whatever the layout's kernels raise on this device
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    return None
+
+
+def enter_training() -> None:
+    """Tells ComfyUI its models are being trained in this process (0.33 and later; nothing on older versions): its
+    ops then take the paths autograd can go back through (rotary embeddings without comfy-kitchen's forward-only
+    kernels, no fused INT8 activations). The trainer process trains, evaluates and previews, so it is set once."""
+    import comfy.model_management
+    if hasattr(comfy.model_management, "in_training"):
+        comfy.model_management.in_training = True

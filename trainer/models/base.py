@@ -77,7 +77,10 @@ class ModelFamily:
     # one on the graph's live MODEL. What the trainer must change in the model's modules happens here, called by
     # load_family on the trainer's own copy.
     def prepare_for_training(self) -> None:
-        """Patches the trainer's copy of the model's modules for training (once)."""
+        """Patches the trainer's copy of the model's modules for training (once); ComfyUI's ops are told they train
+        (comfy_compat.enter_training)."""
+        from ..comfy_compat import enter_training
+        enter_training()
 
     def weight_dtype(self) -> torch.dtype:
         """The dtype the model computes in: compute_dtype, else the first parameter not stored in fp8 (fp8 bases
@@ -102,6 +105,7 @@ class ModelFamily:
         """Raises UnsupportedSetting for run settings this family cannot honour (checked by the node and
         again by the trainer, so a hand-written spec gets the same message)."""
         t = spec.train
+        self.check_quantized_weights(spec)
         if self.prediction != "flow" and t.flow_shift != 1.0:
             raise UnsupportedSetting(f"train.flow_shift: {self.display_name} is not a flow-matching model "
                                      f"({self.prediction}); leave the shift at 1")
@@ -110,6 +114,26 @@ class ModelFamily:
         if spec.output.format == "diffusers" and not self.diffusers_format:
             raise UnsupportedSetting(f"output.format: the diffusers layout is for SD1.x/SD2.x/SDXL UNets, not "
                                      f"{self.display_name}; use comfyui or kohya")
+
+    def check_quantized_weights(self, spec) -> None:
+        """A model loaded from a quantized file (ComfyUI 0.33's layouts) trains a LoRA, on a device that runs its
+        layouts: refused naming the layer, layout and device otherwise, before anything starts."""
+        from ..comfy_compat import layout_problem, quantized_layouts
+        layouts = quantized_layouts(self.diffusion_model)
+        if not layouts:
+            return
+        layout, layer = next(iter(layouts.items()))
+        if spec.adapter.kind != "lora":
+            raise UnsupportedSetting(f"adapter.kind: {spec.adapter.kind} is not trained on quantized weights ({layer} "
+                                     f"is stored as {layout}); train a LoRA on this model, or load it from a file in "
+                                     "full precision")
+        import comfy.model_management
+        device = comfy.model_management.get_torch_device()
+        for layout, layer in layouts.items():
+            problem = layout_problem(layout, device)
+            if problem:
+                raise UnsupportedSetting(f"model: {layer} is stored as {layout}, which does not run on {device} "
+                                         f"({problem}); load the model from a file in another layout or precision")
 
     # --- adapters and memory ---------------------------------------------------------------------------
     def adapter_targets(self, preset: str) -> list[str]:
