@@ -14,6 +14,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+# on a GPU machine: torch.cuda.is_available() in a parent (this session, tests/train_forked.py's server) would start
+# CUDA and leave every child it forks unable to use the GPU ("Cannot re-initialize CUDA in forked subprocess", seen
+# on an H100); asked through NVML it starts nothing. Set here, every process the suite starts inherits it.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 from tools.comfy_server import ComfyServer, comfyui_available, comfyui_path  # noqa: E402
 

@@ -100,3 +100,28 @@ def test_a_full_fine_tune_of_fp8_weights_is_refused_naming_the_file():
     model[1].weight.data = model[1].weight.data.to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"scaled_fp8\.safetensors holds 1 fp8 weights \(such as 1\.weight\)"):
         refuse_fp8_full_fine_tune(model, "scaled_fp8.safetensors")
+
+
+@pytest.mark.parametrize("weight_dtype", ["fp8_e4m3fn", "fp8_e4m3fn_fast"])
+def test_an_fp8_base_with_a_lora_upstream_loads_in_the_trainer(tiny_unet, tmp_path, weight_dtype):
+    """UNETLoader fp8 → a LoRA → Evaluate (or Train): the trainer bakes the LoRA into the fp8 weights with ComfyUI's
+    patching code, whose fp8 rounding refused weights that require grad (clamp(out=...), seen on an H100 and here);
+    the baked weights stay fp8 and differ from the plain base where the LoRA applies."""
+    from test_handoff import write_upstream_lora
+    sys.path.insert(0, str(REPO))
+    from tools.prepare_run import _bootstrap
+    _bootstrap()
+    from safetensors.torch import load_file, save_file
+    from ingraph_trainer.trainer.config import ModelSpec
+    from ingraph_trainer.trainer.models import load_base_model
+    as_checkpoint = tmp_path / "as_checkpoint.safetensors"  # write_upstream_lora reads a checkpoint's key names
+    save_file({f"model.diffusion_model.{k}": v for k, v in load_file(tiny_unet).items()}, as_checkpoint)
+    lora = tmp_path / "upstream.safetensors"
+    write_upstream_lora(as_checkpoint, lora)
+    plain = load_base_model(ModelSpec(path=str(tiny_unet), weight_dtype=weight_dtype), "bf16")
+    patched = load_base_model(ModelSpec(path=str(tiny_unet), weight_dtype=weight_dtype, lora_paths=[str(lora)],
+                                        lora_strengths=[1.0]), "bf16")
+    name = "input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight"
+    before, after = (p.model.diffusion_model.get_parameter(name) for p in (plain, patched))
+    assert after.dtype == torch.float8_e4m3fn
+    assert not torch.equal(before.float(), after.float())

@@ -79,8 +79,9 @@ def test_bad_spec_exits_2_naming_the_field(two_step_run, tmp_path):
 def test_stdout_noise_never_becomes_an_event(two_step_run):
     spec, proc = two_step_run
     assert proc.returncode == 0
-    # DeepSpeed and ComfyUI print plenty to the log; the event file has only well-formed events
-    assert "accelerator" in (proc.stdout + proc.stderr).lower()
+    # DeepSpeed and ComfyUI print plenty to the log (ComfyUI its memory on every device, DeepSpeed its accelerator
+    # on a CPU); the event file has only well-formed events
+    assert "total vram" in (proc.stdout + proc.stderr).lower()
     for line in (spec.parent / "events.jsonl").read_text().splitlines():
         assert json.loads(line)["v"] == 1
 

@@ -411,3 +411,25 @@ def test_zero3_across_machines_partitions_weights_again_within_each_machine(monk
     assert "zero_hpz_partition_size" not in zero(3, 2, 2)  # one machine: nothing to keep inside it
     assert "zero_hpz_partition_size" not in zero(3, 2, 1)  # one process per machine: no second partition
     assert "zero_hpz_partition_size" not in zero(2, 4, 2)  # ZeRO-2 keeps whole weights on every process
+
+
+def test_checkpoints_carry_the_cuda_generator_where_a_device_computes(monkeypatch):
+    """Resume is exact on a GPU only if the device's generator comes back too (faked CUDA facts: this machine has
+    no GPU). A CPU checkpoint, without it, still restores the CPU's."""
+    import torch
+    from ingraph_trainer.trainer import checkpoint
+    device_state = {"now": torch.tensor([1, 2, 3], dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": device_state["now"].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": device_state.update(now=state))
+    saved = checkpoint.rng_state()
+    assert torch.equal(saved["cuda"], torch.tensor([1, 2, 3], dtype=torch.uint8))
+    device_state["now"] = torch.tensor([9, 9, 9], dtype=torch.uint8)  # draws after the checkpoint
+    torch.rand(3)
+    checkpoint.set_rng_state(saved)
+    assert torch.equal(device_state["now"], saved["cuda"])
+    assert torch.equal(torch.get_rng_state(), saved["torch"])
+    checkpoint.set_rng_state({"torch": saved["torch"]})  # saved on a CPU
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert "cuda" not in checkpoint.rng_state()

@@ -22,6 +22,10 @@ import sys
 import traceback
 from pathlib import Path
 
+# A worker that forks must not have started CUDA (a forked child cannot use it), and ComfyUI's import starts it
+# on a GPU machine: the tools it serves (caching, test-asset builders) run on the CPU, as the suite's ComfyUI
+# server does (--cpu). Trainers the tests launch are other processes and keep the GPU.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 # diffusers_roundtrip imports diffusers in its child; the builders make the tiny checkpoint, models and VAEs

@@ -275,13 +275,22 @@ def load_checkpoint(engine, path: Path, components: dict | None = None) -> dict:
 
 
 def rng_state() -> dict:
+    """Every generator a step draws from: the CPU's, and this process's CUDA device's where it computes on one
+    (dropout, rank dropout and noise made on the device draw from it)."""
     import torch
-    return {"torch": torch.get_rng_state()}
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()  # the current device's: each rank sets its own before any step
+    return state
 
 
 def set_rng_state(state: dict):
+    """Restores rng_state()'s generators; a checkpoint saved on a CPU (or before the device's generator was
+    saved) restores the CPU's alone."""
     import torch
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 class Checkpointer:

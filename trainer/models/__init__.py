@@ -153,11 +153,17 @@ def apply_lora(patcher, path: str, strength: float):
 def bake_patches(patcher) -> None:
     """Writes the patcher's weight patches into the weights, key by key, with ComfyUI's own patching code (the
     weight ComfyUI computes when it loads the patched model whole), and drops each original as soon as its
-    patched weight replaces it, so no second copy of the model is ever held."""
+    patched weight replaces it, so no second copy of the model is ever held. Without autograd: the weights are
+    parameters that require grad until the trainer freezes them, and ComfyUI's rounding of a patched fp8 weight
+    (comfy/float.py, `clamp(out=...)`) refuses them otherwise, as it did for every fp8 base with a LoRA upstream
+    (an Evaluate node on the trained LoRA, a run continuing from one)."""
     import uuid
-    for key in list(patcher.patches):
-        patcher.patch_weight_to_device(key, device_to=None)
-        patcher.backup.pop(key, None)
+
+    import torch
+    with torch.no_grad():
+        for key in list(patcher.patches):
+            patcher.patch_weight_to_device(key, device_to=None)
+            patcher.backup.pop(key, None)
     patcher.patches.clear()
     patcher.patches_uuid = uuid.uuid4()
 
