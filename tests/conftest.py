@@ -28,6 +28,9 @@ if "ingraph_trainer" not in sys.modules:  # the pack as a package, as ComfyUI an
     sys.modules["ingraph_trainer"] = _pkg
 
 COMFYUI_MISSING = f"skipped: ComfyUI not found at {comfyui_path()} (set COMFYUI_PATH)"
+from ingraph_trainer.trainer.comfy_compat import comfyui_version  # noqa: E402
+# the ComfyUI under test is 0.33 or later (scripts/test.sh's second tier); () where none is found
+ON_COMFYUI_033 = comfyui_version(comfyui_path()) >= (0, 33)
 ARTIFACTS = Path(os.environ.get("INGRAPH_TEST_ARTIFACTS", REPO / "test-artifacts"))
 CHECKPOINT_NAME = "ingraph_tiny_sd15.safetensors"
 # in the test server's environment: nothing a client can read may ever carry it (tests/test_run_control.py)

@@ -61,8 +61,8 @@ def test_a_standby_run_gives_the_events_log_and_exit_code_of_a_cold_run(prepared
     assert [e.get("loss") for e in warm_events] == [e.get("loss") for e in cold_events]  # same seed, same numbers
     assert warm_events[0]["type"] == "started" and warm_events[-1]["type"] == "finished"
     warm_log = (warm_spec.parent / "trainer.log").read_text()
-    # what the imports printed before the run existed (DeepSpeed's accelerator line) is in the run's log
-    assert "ccelerator" in warm_log and "takes this run" in warm_log
+    # what the imports printed before the run existed (ComfyUI's memory line, on any device) is in the run's log
+    assert "Total VRAM" in warm_log and "takes this run" in warm_log
     assert int((warm_spec.parent / "trainer.pid").read_text()) == warm.pid
 
 

@@ -25,12 +25,13 @@ from pathlib import Path
 
 # required fields ComfyUI added after 0.3.64 → the value its detection gives a file without the newer feature
 # (comfy/model_detection.py of 0.33: plain Flux and Chroma take no text-position ids; HunyuanVideo 1.0 has no
-# condition-type embedding and no vision input)
+# condition-type embedding and no vision input; Chroma has no pooled-vector input)
 LEGACY_DIT_FIELDS = {
     "txt_ids_dims": [],
     "use_cond_type_embedding": False,
     "vision_in_dim": None,
     "meanflow_sum": False,
+    "vec_in_dim": None,  # Chroma: no pooled-vector input (0.33 made the field required)
 }
 
 _WRAP_LOCK = threading.RLock()
