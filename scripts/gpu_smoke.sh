@@ -18,15 +18,6 @@ mkdir -p "$OUTD"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site COMFYUI_PATH=/tmp/ComfyUI
 export INGRAPH_SKIP_DISTILL_QUALITY=1 INGRAPH_SKIP_CHROMA_GRAPH=1
 export INGRAPH_TEST_ARTIFACTS=/tmp/test-artifacts
-# GPU_TEST_WORKAROUNDS=1: what let the suite's forked workers run on the H100 (2026-11-25), not fixes of the pack:
-# tests/tool_worker.py forks after ComfyUI's import started CUDA, so its process is kept off the GPU (its tools then
-# run on the CPU); torch.cuda.is_available() in tests/train_forked.py's parent poisons forked children unless
-# torch checks through NVML
-if [ "${GPU_TEST_WORKAROUNDS:-0}" = 1 ]; then
-  mkdir -p /tmp/hide
-  printf 'import os\ntry:\n    if b"tool_worker.py" in open("/proc/self/cmdline","rb").read(): os.environ["CUDA_VISIBLE_DEVICES"]=""\nexcept OSError: pass\n' > /tmp/hide/sitecustomize.py
-  export PYTHONPATH=/tmp/hide:$PYTHONPATH PYTORCH_NVML_BASED_CUDA_CHECK=1
-fi
 PY="${PY:-python3}"
 W=/tmp/gpu-work
 mkdir -p "$W"
