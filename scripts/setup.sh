@@ -33,8 +33,8 @@ stamp="$VENV/.ingraph-setup-stamp"
 newer_reqs=""
 [ -f "$COMFYUI_033_PATH/requirements.txt" ] && newer_reqs="$COMFYUI_033_PATH/requirements.txt"
 want="$(cat "$REPO/requirements.txt" "$REPO/requirements-dev.txt" ${comfy_reqs:+"$comfy_reqs"} ${newer_reqs:+"$newer_reqs"} \
-  "$REPO/scripts/comfyui_overlay.py" | sha256sum | cut -c1-16) $TORCH_PINS"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  "$REPO/scripts/comfyui_overlay.py" "$REPO"/tools/torchaudio_standin/torchaudio/*.py | sha256sum | cut -c1-16) $TORCH_PINS"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && { [ -z "$newer_reqs" ] || [ -d "$VENV/comfyui-0.33" ]; }; then
   echo "setup: environment $VENV is up to date" >&2
   exit 0
 fi

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up, then run the whole test suite (unit, trainer program, ComfyUI tiers) against ComfyUI 0.3.64 (COMFYUI_PATH),
 # then the ComfyUI 0.33 tier (COMFYUI_033_PATH; skipped with one line where absent). Arguments (tests to run,
-# pytest flags) go to both runs, in place of the 0.33 tier's list; INGRAPH_033_TESTS replaces that list,
-# INGRAPH_SKIP_033=1 leaves the tier out.
+# pytest flags) go to both runs, in place of the 0.33 tier's list (so `-k video` runs those tests on both, and
+# a flag alone runs the whole suite on 0.33 too); INGRAPH_033_TESTS replaces that list, INGRAPH_SKIP_033=1 leaves
+# the tier out.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$REPO/scripts/setup.sh"
@@ -28,10 +29,12 @@ elif [ ! -f "$COMFYUI_033_PATH/main.py" ]; then
 else
   start=$SECONDS
   tier_status=0
-  # shellcheck disable=SC2086,SC2048
+  # the arguments as given (quoted ones stay one word), else the tier's list
+  tier=("$@")
+  [ "$#" -gt 0 ] || read -ra tier <<< "$(echo $TIER_033)"  # word-split on purpose: the list is paths and flags
   COMFYUI_PATH="$COMFYUI_033_PATH" PYTHONPATH="$VENV/comfyui-0.33${PYTHONPATH:+:$PYTHONPATH}" \
     INGRAPH_TEST_ARTIFACTS="$REPO/test-artifacts/comfyui-0.33" INGRAPH_SKIP_DISTILL_QUALITY=1 \
-    "$VENV/bin/python" -m pytest -v ${*:-$TIER_033} || tier_status=$?
+    "$VENV/bin/python" -m pytest -v "${tier[@]}" || tier_status=$?
   echo "test.sh: ComfyUI 0.33 tier in $((SECONDS - start)) s (exit $tier_status)"
   [ "$tier_status" = 0 ] || status=$tier_status
 fi

@@ -527,3 +527,13 @@ def wait_first_step(client, prompt_id: str, timeout: float = 240, at_least: int 
         if m.get("type") in ("execution_error", "execution_success", "execution_interrupted"):
             raise AssertionError(f"prompt ended before training: {m}")
     raise AssertionError("no step event")
+
+
+@pytest.fixture(autouse=True)
+def _comfyui_not_training_after_the_test():
+    """A test that prepares a model for training in this process sets ComfyUI 0.33's process-wide training switch
+    (comfy_compat.enter_training); the next test compares against ComfyUI as users run it, with it off."""
+    yield
+    management = sys.modules.get("comfy.model_management")
+    if management is not None and hasattr(management, "in_training"):
+        management.in_training = False

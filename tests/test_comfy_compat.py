@@ -68,23 +68,27 @@ def test_wrap_method_puts_the_original_back_after_an_error():
 
 def test_dit_config_fills_only_the_newer_required_fields():
     @dataclasses.dataclass
-    class Params:  # a FluxParams as 0.33 has it: txt_ids_dims required, newer optional ones defaulted
+    class FluxParams:  # as 0.33 has it: txt_ids_dims required, vec_in_dim required, newer optional ones defaulted
         hidden_size: int
+        vec_in_dim: int
         txt_ids_dims: list
         global_modulation: bool = False
 
-    config = comfy_compat.dit_config(Params, {"hidden_size": 64})
-    assert config == {"hidden_size": 64, "txt_ids_dims": []}
-    Params(**config)
-    assert comfy_compat.dit_config(Params, {"hidden_size": 64, "txt_ids_dims": [3]})["txt_ids_dims"] == [3]
+    config = comfy_compat.dit_config(FluxParams, {"hidden_size": 64, "vec_in_dim": 768})
+    assert config == {"hidden_size": 64, "vec_in_dim": 768, "txt_ids_dims": []}
+    FluxParams(**config)
+    assert comfy_compat.dit_config(FluxParams, {"hidden_size": 64, "vec_in_dim": 768,
+                                                "txt_ids_dims": [3]})["txt_ids_dims"] == [3]
+    # per class: Chroma's vec_in_dim default is not Flux's (a Flux config that leaves it out stays incomplete)
+    assert "vec_in_dim" not in comfy_compat.dit_config(FluxParams, {"hidden_size": 64})
     # the list is the caller's own: a model that appends to it leaves the table alone
     config["txt_ids_dims"].append(1)
-    assert comfy_compat.LEGACY_DIT_FIELDS["txt_ids_dims"] == []
+    assert comfy_compat.LEGACY_DIT_FIELDS["FluxParams"]["txt_ids_dims"] == []
 
     @dataclasses.dataclass
-    class Older:  # 0.3.64: no such field, nothing added
+    class ChromaParams:  # 0.3.64: no such field, nothing added
         hidden_size: int
-    assert comfy_compat.dit_config(Older, {"hidden_size": 64}) == {"hidden_size": 64}
+    assert comfy_compat.dit_config(ChromaParams, {"hidden_size": 64}) == {"hidden_size": 64}
 
 
 def test_comfyui_version_reads_the_installs_own_file(tmp_path):

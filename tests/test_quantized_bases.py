@@ -59,7 +59,7 @@ def runs(prepared, quantized):
 
 
 @pytest.mark.parametrize("layout", CPU_LAYOUTS)
-def test_a_lora_trains_on_a_quantized_base_like_on_bf16(runs, layout):
+def test_a_lora_trains_on_a_quantized_base_like_on_bf16(runs, quantized, layout):
     losses = {name: [e["loss"] for e in runs[name] if e["type"] == "step"] for name in ("bf16", layout)}
     assert len(losses[layout]) == len(losses["bf16"]) == STEPS
     mean = {name: sum(values) / len(values) for name, values in losses.items()}
@@ -70,7 +70,17 @@ def test_a_lora_trains_on_a_quantized_base_like_on_bf16(runs, layout):
     quantized_bytes, full_bytes = started[layout]["base_weight_bytes"], started["bf16"]["base_weight_bytes"]
     print(f"{layout}: base weights {quantized_bytes} bytes, the bf16 file's held in fp32 {full_bytes} "
           f"({quantized_bytes / full_bytes:.3f}x); mean loss {mean[layout]:.5f} against {mean['bf16']:.5f}")
-    assert quantized_bytes < full_bytes
+    # each quantized weight held as its layout's bytes (data and scales, as in the file) instead of fp32's 4 a weight
+    from safetensors import safe_open
+    saved = 0
+    with safe_open(str(quantized[layout]), "pt") as f:
+        layers = [k[:-len(".comfy_quant")] for k in f.keys() if k.endswith(".comfy_quant")]
+        for layer in layers:
+            weight = f.get_slice(f"{layer}.weight").get_shape()
+            held = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys()
+                       if k.startswith(f"{layer}.weight"))
+            saved += 4 * weight[0] * weight[1] - held
+    assert layers and full_bytes - quantized_bytes == saved, (full_bytes, quantized_bytes, saved)
     assert runs[layout][-1]["type"] == "finished"
 
 
@@ -121,11 +131,13 @@ def test_other_adapter_kinds_are_refused_at_queue_time_naming_the_layout(quantiz
     from ingraph_trainer.trainer.config import AdapterSpec, RunSpec
     from ingraph_trainer.trainer.models import UnsupportedSetting
     family = _quantized_family(quantized, "int8_tensorwise")
-    family.check_settings(RunSpec(adapter=AdapterSpec(kind="lora")))
-    for kind in ("lokr", "loha", "dora", "full"):
-        with pytest.raises(UnsupportedSetting, match=rf"adapter.kind: {kind} is not trained on quantized weights "
-                                                     r"\(\S+ is stored as int8_tensorwise\)"):
-            family.check_settings(RunSpec(adapter=AdapterSpec(kind=kind)))
+    with torch.inference_mode():  # as ComfyUI runs every node
+        for layout in CPU_LAYOUTS:  # a LoRA is taken, every layout running here
+            _quantized_family(quantized, layout).check_settings(RunSpec(adapter=AdapterSpec(kind="lora")))
+        for kind in ("lokr", "loha", "dora", "full"):
+            with pytest.raises(UnsupportedSetting, match=rf"adapter.kind: {kind} is not trained on quantized "
+                                                         r"weights \(\S+ is stored as int8_tensorwise\)"):
+                family.check_settings(RunSpec(adapter=AdapterSpec(kind=kind)))
 
 
 def test_a_layout_the_device_cannot_run_is_refused_naming_it_and_the_device(quantized, monkeypatch):
@@ -145,3 +157,44 @@ def test_a_layout_the_device_cannot_run_is_refused_naming_it_and_the_device(quan
     with pytest.raises(UnsupportedSetting, match=r"model: \S+ is stored as mxfp8, which does not run on cpu "
                                                  r"\(NotImplementedError: no mxfp8 kernel for this device\)"):
         family.check_settings(RunSpec(adapter=AdapterSpec(kind="lora")))
+
+
+def test_a_quantized_layer_computes_with_its_weight_dequantized_and_the_lora_added(quantized):
+    """The adapted layer's output is F.linear with the dequantized weight, plus the LoRA's term: ComfyUI's cast path,
+    not its quantized-input path (which would quantize the activations the LoRA's gradient flows through)."""
+    from ingraph_trainer.trainer.adapters import inject_adapter
+    from ingraph_trainer.trainer.comfy_compat import quantized_format
+    family = _quantized_family(quantized, "float8_e4m3fn")
+    targets = family.adapter_targets("attention")
+    inject_adapter(family.diffusion_model, targets, "lora", 4, 4.0, 0.0)
+    layer = family.diffusion_model.get_submodule(targets[0])
+    base = layer.get_base_layer()
+    assert quantized_format(base) == "float8_e4m3fn" and base.comfy_force_cast_weights
+    torch.nn.init.normal_(layer.lora_B["default"].weight)  # a LoRA that changes the output
+    x = torch.randn(3, base.in_features, requires_grad=True)
+    weight = base.weight.detach().dequantize().float()
+    lora = layer.lora_B["default"](layer.lora_A["default"](x)) * layer.scaling["default"]
+    expected = torch.nn.functional.linear(x, weight, base.bias) + lora
+    out = layer(x)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    out.sum().backward()
+    assert layer.lora_A["default"].weight.grad.abs().sum() > 0
+
+
+def test_a_quantized_unet_trains_from_the_graph(comfy, client, quantized):
+    """UNETLoader (a quantized file) → Train LoRA, as a user queues it: checked at queue time in ComfyUI's process
+    (under inference_mode), trained, written."""
+    from conftest import load_workflow
+    link = comfy.dir("models", "diffusion_models") / "quantized_unet_int8.safetensors"
+    if not link.exists():
+        link.symlink_to(quantized["int8_tensorwise"])
+    wf = load_workflow()
+    wf = {k: v for k, v in wf.items() if k in {"1", "2", "3", "4", "5", "6", "7"}}  # no sampling tail
+    wf["unet"] = {"class_type": "UNETLoader", "inputs": {"unet_name": link.name, "weight_dtype": "default"}}
+    wf["6"]["inputs"].update(model=["unet", 0], steps=3, output_name="quantized_graph", precision="fp32",
+                             eval_quantiles="0.5")
+    outcome = client.run(wf, timeout=600)
+    assert outcome.ok, (outcome.status, outcome.error, comfy.log_tail())
+    events = [m["data"]["event"] for m in outcome.messages if m.get("type") == "ingraph.event"]
+    assert [e["step"] for e in events if e["type"] == "step"] == [1, 2, 3]
+    assert (comfy.base_dir / "models" / "loras" / "quantized_graph.safetensors").is_file()

@@ -23,16 +23,17 @@ import functools
 import threading
 from pathlib import Path
 
-# required fields ComfyUI added after 0.3.64 → the value its detection gives a file without the newer feature
-# (comfy/model_detection.py of 0.33: plain Flux and Chroma take no text-position ids; HunyuanVideo 1.0 has no
-# condition-type embedding and no vision input; Chroma has no pooled-vector input)
+# required fields ComfyUI added after 0.3.64, per parameter class → the value its detection gives a file without the
+# newer feature (comfy/model_detection.py of 0.33: plain Flux and Chroma take no text-position ids; HunyuanVideo 1.0
+# has no condition-type embedding and no vision input; Chroma has no pooled-vector input)
 LEGACY_DIT_FIELDS = {
-    "txt_ids_dims": [],
-    "use_cond_type_embedding": False,
-    "vision_in_dim": None,
-    "meanflow_sum": False,
-    "vec_in_dim": None,  # Chroma: no pooled-vector input (0.33 made the field required)
+    "FluxParams": {"txt_ids_dims": []},
+    "ChromaParams": {"txt_ids_dims": [], "vec_in_dim": None},
+    "HunyuanVideoParams": {"use_cond_type_embedding": False, "vision_in_dim": None, "meanflow_sum": False},
 }
+# families whose ComfyUI 0.33 code the pack's family files have not followed yet: refused at queue time there
+NOT_YET_ON_033 = {"hunyuan_video": "its blocks add a residual in place under autograd and its forward changed",
+                  "ltxv": "its input processing changed"}
 
 _WRAP_LOCK = threading.RLock()
 
@@ -51,11 +52,11 @@ def comfyui_version(comfyui_dir: str | Path) -> tuple[int, ...]:
 def dit_config(params_cls, config: dict) -> dict:
     """`config` (keyword arguments of a ComfyUI diffusion model whose parameters are the dataclass `params_cls`) plus
     each required field of the installed ComfyUI's dataclass that it lacks and that LEGACY_DIT_FIELDS knows."""
-    extra = {}
+    extra, legacy = {}, LEGACY_DIT_FIELDS.get(params_cls.__name__, {})
     for field in dataclasses.fields(params_cls):
         required = field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
-        if required and field.name not in config and field.name in LEGACY_DIT_FIELDS:
-            value = LEGACY_DIT_FIELDS[field.name]
+        if required and field.name not in config and field.name in legacy:
+            value = legacy[field.name]
             extra[field.name] = list(value) if isinstance(value, list) else value
     return {**config, **extra}
 
@@ -135,20 +136,32 @@ def quantized_layouts(model) -> dict[str, str]:
     return found
 
 
+def running_comfyui_version() -> tuple[int, ...]:
+    """The version of the ComfyUI whose `comfy` package this process imported."""
+    import comfy.model_management
+    return comfyui_version(Path(comfy.model_management.__file__).resolve().parent.parent)
+
+
 def layout_problem(layout: str, device) -> str | None:
     """Why weights in `layout` cannot train on `device` (None where they can): the layout's own quantize,
-    dequantize and linear run on a small matrix there, as a training step runs them."""
+    dequantize and linear run on a small matrix there, as a training step runs them, with autograd on even where
+    the caller has it off (ComfyUI runs every node under inference_mode)."""
     import torch
     try:
-        from comfy.quant_ops import QUANT_ALGOS, QuantizedTensor
-        if layout not in QUANT_ALGOS:
-            return f"this ComfyUI defines no layout {layout!r}"
-        weight = QuantizedTensor.from_float(torch.randn(64, 256, device=device),
-                                            QUANT_ALGOS[layout]["comfy_tensor_layout"])
-        x = torch.randn(4, 256, device=device, requires_grad=True)
-        torch.nn.functional.linear(x, weight.dequantize().to(x.dtype)).sum().backward()
+        with torch.inference_mode(False), torch.enable_grad():
+            return _layout_probe(layout, device)
     except Exception as exc:  # noqa: BLE001  whatever the layout's kernels raise on this device
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+
+
+def _layout_probe(layout: str, device) -> str | None:
+    import torch
+    from comfy.quant_ops import QUANT_ALGOS, QuantizedTensor
+    if layout not in QUANT_ALGOS:
+        return f"this ComfyUI defines no layout {layout!r}"
+    weight = QuantizedTensor.from_float(torch.randn(64, 256, device=device), QUANT_ALGOS[layout]["comfy_tensor_layout"])
+    x = torch.randn(4, 256, device=device, requires_grad=True)
+    torch.nn.functional.linear(x, weight.dequantize().to(x.dtype)).sum().backward()
     return None
 
 

@@ -105,6 +105,7 @@ class ModelFamily:
         """Raises UnsupportedSetting for run settings this family cannot honour (checked by the node and
         again by the trainer, so a hand-written spec gets the same message)."""
         t = spec.train
+        self.check_comfyui_version()
         self.check_quantized_weights(spec)
         if self.prediction != "flow" and t.flow_shift != 1.0:
             raise UnsupportedSetting(f"train.flow_shift: {self.display_name} is not a flow-matching model "
@@ -114,6 +115,13 @@ class ModelFamily:
         if spec.output.format == "diffusers" and not self.diffusers_format:
             raise UnsupportedSetting(f"output.format: the diffusers layout is for SD1.x/SD2.x/SDXL UNets, not "
                                      f"{self.display_name}; use comfyui or kohya")
+
+    def check_comfyui_version(self) -> None:
+        """A family whose ComfyUI 0.33 code the family file has not followed yet is refused there, naming it."""
+        from ..comfy_compat import NOT_YET_ON_033, running_comfyui_version
+        if self.name in NOT_YET_ON_033 and running_comfyui_version() >= (0, 33):
+            raise UnsupportedSetting(f"model: {self.display_name} is not trained on ComfyUI 0.33 yet "
+                                     f"({NOT_YET_ON_033[self.name]}); train it on ComfyUI 0.3.64")
 
     def check_quantized_weights(self, spec) -> None:
         """A model loaded from a quantized file (ComfyUI 0.33's layouts) trains a LoRA, on a device that runs its
@@ -127,8 +135,7 @@ class ModelFamily:
             raise UnsupportedSetting(f"adapter.kind: {spec.adapter.kind} is not trained on quantized weights ({layer} "
                                      f"is stored as {layout}); train a LoRA on this model, or load it from a file in "
                                      "full precision")
-        import comfy.model_management
-        device = comfy.model_management.get_torch_device()
+        device = training_device()
         for layout, layer in layouts.items():
             problem = layout_problem(layout, device)
             if problem:
@@ -358,3 +365,14 @@ def ends_here(output: torch.Tensor, *carried: torch.Tensor) -> torch.Tensor:
     """The last layer's output, with a zero-weighted use of tensors carried along but not needed any more, so
     that they get the (zero) gradient DeepSpeed sends back across stages."""
     return output + 0.0 * sum(t.sum() for t in carried)
+
+
+def training_device():
+    """The device a run trains on, as this process can tell before any distributed set-up: the trainer rank's own
+    GPU (LOCAL_RANK, set by the launcher) where CUDA is present, else ComfyUI's device (the ComfyUI process
+    checking a node's settings, on the machine the trainer will use)."""
+    import os
+    if os.environ.get("LOCAL_RANK") and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    import comfy.model_management
+    return comfy.model_management.get_torch_device()
