@@ -433,3 +433,19 @@ def test_checkpoints_carry_the_cuda_generator_where_a_device_computes(monkeypatc
     checkpoint.set_rng_state({"torch": saved["torch"]})  # saved on a CPU
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     assert "cuda" not in checkpoint.rng_state()
+
+
+@pytest.mark.parametrize("os_name", ["nt", "posix"])
+def test_the_trainers_exit_flush_never_fails_a_finished_run(monkeypatch, os_name):
+    """Windows: ctypes.CDLL(None) raises TypeError, which escaped the trainer's exit and made every successful
+    run exit 1 (faked here: os.name and a CDLL that raises as CPython's does there)."""
+    import ctypes
+    from ingraph_trainer.trainer import process_state
+
+    def windows_cdll(name, *args, **kwargs):
+        if name is None:
+            raise TypeError("LoadLibrary() argument 1 must be str, not None")
+        return ctypes.CDLL(name, *args, **kwargs)
+    monkeypatch.setattr(ctypes, "CDLL", windows_cdll)
+    monkeypatch.setattr(process_state, "os", types.SimpleNamespace(name=os_name))  # that module's view alone
+    process_state.flush_c_stdio()  # returns, whatever the platform

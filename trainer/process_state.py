@@ -1,4 +1,5 @@
-"""Is a process still there? Shared by the trainer's parent watchdog and the run-record routes."""
+"""Is a process still there? Shared by the trainer's parent watchdog and the run-record routes. And how the trainer
+flushes what C libraries printed before it leaves without the interpreter's teardown."""
 from __future__ import annotations
 
 import os
@@ -23,3 +24,17 @@ def process_gone(pid: int) -> bool:
             return f.read().rsplit(") ", 1)[-1][:1] == "Z"
     except OSError:
         return False
+
+
+def flush_c_stdio() -> None:
+    """Flushes C's stdio buffers (what C and C++ libraries printed into the run's log), where the C library is
+    reachable: `ctypes.CDLL(None)` is the running process's own symbols on POSIX and raises TypeError on Windows,
+    whose C runtime the interpreter's own flush already covers. Never raises: a run that succeeded stays a success
+    (on Windows every successful run exited 1 here)."""
+    if os.name == "nt":
+        return
+    try:
+        import ctypes
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError, TypeError):
+        pass
