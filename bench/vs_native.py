@@ -6,6 +6,9 @@ differentially: (time of a long run - time of a short run) / (step difference), 
 set-up. Ours is measured the same way, and also read from the trainer's own step events.
 
     python bench/vs_native.py [--short 10 --long 40 --rank 8 --batch 2 --precision bf16]
+
+Against ComfyUI 0.33 (its TrainLoraNode is a v3 node with more inputs; each takes its default):
+    COMFYUI_PATH=/opt/ComfyUI-0.33 PYTHONPATH=.venv/comfyui-0.33 python bench/vs_native.py
 """
 from __future__ import annotations
 
@@ -66,6 +69,23 @@ def ours_workflow(steps, rank, batch, precision, seed, targets):
     }
 
 
+def fit_to_schema(client, wf: dict) -> dict:
+    """The workflow as the running ComfyUI's nodes take it: inputs a node no longer has dropped, inputs it has gained
+    set to their defaults (TrainLoraNode gained bypass, offloading, checkpoint depth and buckets in 0.33), so the
+    same comparison runs on 0.3.64 and 0.33 with each side's own defaults for what the other lacks."""
+    fitted = {}
+    for node_id, node in wf.items():
+        schema = client.get(f"/object_info/{node['class_type']}")[node["class_type"]]["input"]
+        known = {**schema.get("required", {}), **schema.get("optional", {})}
+        inputs = {k: v for k, v in node["inputs"].items() if k in known}
+        for name, spec in schema.get("required", {}).items():
+            options = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+            if name not in inputs and "default" in options:
+                inputs[name] = options["default"]
+        fitted[node_id] = {**node, "inputs": inputs}
+    return fitted
+
+
 def node_seconds(outcome, node: str) -> float:
     """Wall time from the 'executing' message for `node` to the next 'executing' (or the end of the prompt)."""
     marks = [(m["_t"], (m.get("data") or {}).get("node")) for m in outcome.messages
@@ -84,7 +104,7 @@ def timed_run(client, wf):
         message["_t"] = time.monotonic()
         if message.get("type") == "ingraph.event" and message["data"]["event"]["type"] == "step":
             first_step.setdefault("t", message["_t"])
-    outcome = client.run(wf, timeout=3600, on_message=stamp)
+    outcome = client.run(fit_to_schema(client, wf), timeout=3600, on_message=stamp)
     if not outcome.ok:
         raise RuntimeError(f"{outcome.status}: {outcome.error}")
     return outcome, (first_step.get("t", t_queue) - t_queue)
@@ -124,8 +144,11 @@ def main(argv=None):
                 results[targets] = (diff, statistics.median(steps))
             client.close()
     native = results["native"]
-    print(f"setup: tiny SD1.5, 8 images 64x64, rank {opts.rank}, batch {opts.batch}, {opts.precision}, "
-          f"steps {opts.short} vs {opts.long}, CPU")
+    from trainer.comfy_compat import comfyui_version
+    from tools.comfy_server import comfyui_path
+    version = ".".join(map(str, comfyui_version(comfyui_path()))) or "?"
+    print(f"setup: ComfyUI {version}, tiny SD1.5, 8 images 64x64, rank {opts.rank}, batch {opts.batch}, "
+          f"{opts.precision}, steps {opts.short} vs {opts.long}, CPU")
     print(f"native TrainLoraNode (LoRA on every weight + bias diffs): {native:.4f} s/step")
     for targets in ("attention", "all linear layers"):
         diff, median = results[targets]
