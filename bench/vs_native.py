@@ -8,7 +8,7 @@ set-up. Ours is measured the same way, and also read from the trainer's own step
     python bench/vs_native.py [--short 10 --long 40 --rank 8 --batch 2 --precision bf16]
 
 Against ComfyUI 0.33 (its TrainLoraNode is a v3 node with more inputs; each takes its default):
-    COMFYUI_PATH=/opt/ComfyUI-0.33 PYTHONPATH=.venv/comfyui-0.33 python bench/vs_native.py
+    COMFYUI_PATH=/opt/ComfyUI-0.33 PYTHONPATH=$PWD/.venv/comfyui-0.33 python bench/vs_native.py
 """
 from __future__ import annotations
 
@@ -29,22 +29,39 @@ from tools.embedded_default import build_checkpoint, build_images  # noqa: E402
 CKPT = "ingraph_tiny_sd15.safetensors"
 
 
-def native_workflow(steps, rank, batch, precision, seed, checkpoint=CKPT, images="bench_images", prefix=None):
-    """ComfyUI's own TrainLoraNode on a checkpoint and an image folder (bench/realsize.py uses it too)."""
+def native_workflow(steps, rank, batch, precision, seed, checkpoint=CKPT, images="bench_images", prefix=None,
+                    dataset_nodes="0.3.64"):
+    """ComfyUI's own TrainLoraNode on a checkpoint and an image folder (bench/realsize.py uses it too).
+    `dataset_nodes`: "0.3.64" (LoadImageTextSetFromFolderNode, VAEEncode) or "0.33" (its v3 dataset nodes:
+    LoadImageTextDataSetFromFolder, MakeTrainingDataset); `native_dataset_nodes` tells which a server has."""
+    if dataset_nodes == "0.33":
+        dataset = {
+            "2": {"class_type": "LoadImageTextDataSetFromFolder", "inputs": {"folder": images}},
+            "3": {"class_type": "MakeTrainingDataset",
+                  "inputs": {"images": ["2", 0], "vae": ["1", 2], "clip": ["1", 1], "texts": ["2", 1]}},
+        }
+        latents, positive = ["3", 0], ["3", 1]
+    else:
+        dataset = {
+            "2": {"class_type": "LoadImageTextSetFromFolderNode",
+                  "inputs": {"folder": images, "clip": ["1", 1], "resize_method": "None", "width": -1,
+                             "height": -1}},
+            "3": {"class_type": "VAEEncode", "inputs": {"pixels": ["2", 0], "vae": ["1", 2]}},
+        }
+        latents, positive = ["3", 0], ["2", 1]
     return {
         "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": checkpoint}},
-        "2": {"class_type": "LoadImageTextSetFromFolderNode",
-              "inputs": {"folder": images, "clip": ["1", 1], "resize_method": "None",
-                         "width": -1, "height": -1}},
-        "3": {"class_type": "VAEEncode", "inputs": {"pixels": ["2", 0], "vae": ["1", 2]}},
+        **dataset,
         "4": {"class_type": "TrainLoraNode",
-              "inputs": {"model": ["1", 0], "latents": ["3", 0], "positive": ["2", 1], "batch_size": batch,
+              "inputs": {"model": ["1", 0], "latents": latents, "positive": positive, "batch_size": batch,
                          "grad_accumulation_steps": 1, "steps": steps, "learning_rate": 1e-3, "rank": rank,
                          "optimizer": "AdamW", "loss_function": "MSE", "seed": seed, "training_dtype": precision,
                          "lora_dtype": precision, "algorithm": "LoRA", "gradient_checkpointing": False,
                          "existing_lora": "[None]"}},
-        "5": {"class_type": "SaveLoRANode", "inputs": {"lora": ["4", 1],
-                                                       "prefix": f"loras/{prefix or f'native_{steps}'}"}},
+        # 0.33: the LoRA is the first output (0.3.64: the second, after the model)
+        "5": {"class_type": "SaveLoRA" if dataset_nodes == "0.33" else "SaveLoRANode",
+              "inputs": {"lora": ["4", 0 if dataset_nodes == "0.33" else 1],
+                         "prefix": f"loras/{prefix or f'native_{steps}'}"}},
     }
 
 
@@ -67,6 +84,15 @@ def ours_workflow(steps, rank, batch, precision, seed, targets):
                          "gradient_checkpointing": False, "seed": seed, "save_every": 0,
                          "output_name": f"bench_ours_{targets}_{steps}"}},
     }
+
+
+def native_dataset_nodes(client) -> str:
+    """Which of native_workflow's dataset graphs the server's ComfyUI has."""
+    try:
+        client.get("/object_info/MakeTrainingDataset")["MakeTrainingDataset"]
+        return "0.33"
+    except (KeyError, OSError):
+        return "0.3.64"
 
 
 def fit_to_schema(client, wf: dict) -> dict:
@@ -127,12 +153,13 @@ def main(argv=None):
         with ComfyServer(base) as server:
             client = ComfyClient(server.address)
             args = (opts.rank, opts.batch, opts.precision)
+            native = dict(dataset_nodes=native_dataset_nodes(client))
             # warm-up: caches, first model load
-            timed_run(client, native_workflow(2, *args, seed=99))
+            timed_run(client, native_workflow(2, *args, seed=99, **native))
             timed_run(client, ours_workflow(2, *args, seed=99, targets="attention"))
             results = {}
-            n_short, _ = timed_run(client, native_workflow(opts.short, *args, seed=1))
-            n_long, _ = timed_run(client, native_workflow(opts.long, *args, seed=1))
+            n_short, _ = timed_run(client, native_workflow(opts.short, *args, seed=1, **native))
+            n_long, _ = timed_run(client, native_workflow(opts.long, *args, seed=1, **native))
             results["native"] = (node_seconds(n_long, "4") - node_seconds(n_short, "4")) / (opts.long - opts.short)
             first_step = {}
             for targets in ("attention", "all linear layers"):
