@@ -137,10 +137,11 @@ def test_panel_shows_rising_steps_and_a_loss_chart(comfy, tmp_path):
             # previews at step 20 (the workflow's every 20), two prompts, loaded from the run's samples route
             page.wait_for_function("() => [...document.querySelectorAll('.ingraph-panel [data-role=samples] img')]"
                                    ".filter(i => i.complete && i.naturalWidth === 64).length === 2", timeout=30_000)
-            # centre the view on the Train node so the screenshot shows the panel
+            # the view on the Train node's lower part, where the panel is (the node is taller than the window)
             page.evaluate("""() => { const n = window.app.graph._nodes.find(n => n.type === 'InGraphTrainLoRA');
                 const c = window.app.canvas; c.ds.scale = 1.0;
-                c.ds.offset[0] = -n.pos[0] + 500; c.ds.offset[1] = -n.pos[1] + 120; c.setDirty(true, true); }""")
+                c.ds.offset[0] = -n.pos[0] + 500; c.ds.offset[1] = -(n.pos[1] + n.size[1]) + 960;
+                c.setDirty(true, true); }""")
             time.sleep(0.5)  # one animation frame for the canvas redraw before the screenshot
             page.screenshot(path=str(ARTIFACTS / "web_panel.png"))
             final_points = int(page.get_attribute(".ingraph-panel canvas[data-role=chart]", "data-points"))
