@@ -449,3 +449,28 @@ def test_the_trainers_exit_flush_never_fails_a_finished_run(monkeypatch, os_name
     monkeypatch.setattr(ctypes, "CDLL", windows_cdll)
     monkeypatch.setattr(process_state, "os", types.SimpleNamespace(name=os_name))  # that module's view alone
     process_state.flush_c_stdio()  # returns, whatever the platform
+
+
+@pytest.mark.parametrize("local_rank,capability,tf32", [("1", (9, 0), True), ("0", (7, 5), False)])
+def test_each_rank_computes_on_its_own_gpu_with_tf32_where_the_card_has_it(monkeypatch, local_rank, capability,
+                                                                            tf32):
+    """One decision for the device (faked CUDA facts: this machine has none): the rank's GPU becomes current before
+    ComfyUI asks for "the" device (it was GPU 0 on every rank), TF32 on for Ampere and newer only."""
+    import torch
+    from ingraph_trainer.trainer import device
+    chosen = []
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    precision = torch.get_float32_matmul_precision()
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert device.choose_device() == torch.device("cuda", int(local_rank))
+        assert chosen == [int(local_rank)]
+        assert (torch.get_float32_matmul_precision() == "high") is tf32 and torch.backends.cudnn.allow_tf32 is tf32
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert device.choose_device() == torch.device("cpu") and chosen == [int(local_rank)]

@@ -368,11 +368,12 @@ def ends_here(output: torch.Tensor, *carried: torch.Tensor) -> torch.Tensor:
 
 
 def training_device():
-    """The device a run trains on, as this process can tell before any distributed set-up: the trainer rank's own
-    GPU (LOCAL_RANK, set by the launcher) where CUDA is present, else ComfyUI's device (the ComfyUI process
-    checking a node's settings, on the machine the trainer will use)."""
+    """The device a run trains on: in the trainer, its rank's own GPU (trainer/device.py); in the ComfyUI process
+    checking a node's settings, ComfyUI's device (on the machine the trainer will use)."""
     import os
-    if os.environ.get("LOCAL_RANK") and torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    from ..device import local_cuda_index
+    index = local_cuda_index()
+    if os.environ.get("LOCAL_RANK") and index is not None:
+        return torch.device("cuda", index)
     import comfy.model_management
     return comfy.model_management.get_torch_device()
