@@ -130,8 +130,14 @@ def deepspeed_launch_command(python: str, processes: int, hostfile: str = "", ma
             master_port = s.getsockname()[1]
     cmd = [python, "-m", "deepspeed.launcher.runner", "--master_port", str(master_port)]
     if hostfile:
-        cmd += ["--hostfile", hostfile]
-    else:
-        cmd += ["--num_gpus", str(processes), "--master_addr", "127.0.0.1"]
-    return cmd
+        return cmd + ["--hostfile", hostfile]
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if visible:
+        # the GPUs this ComfyUI was given (CUDA_VISIBLE_DEVICES, which its --cuda-device sets): DeepSpeed's runner
+        # drops the variable when given --num_gpus and would train on GPUs 0..N-1 instead
+        if len(visible) < processes:
+            raise ValueError(f"distributed.processes: {processes} processes, but this ComfyUI sees "
+                             f"{len(visible)} GPU(s) (CUDA_VISIBLE_DEVICES={','.join(visible)})")
+        return cmd + ["--include", "localhost:" + ",".join(visible[:processes]), "--master_addr", "127.0.0.1"]
+    return cmd + ["--num_gpus", str(processes), "--master_addr", "127.0.0.1"]
 

@@ -474,3 +474,19 @@ def test_each_rank_computes_on_its_own_gpu_with_tf32_where_the_card_has_it(monke
         torch.set_float32_matmul_precision(precision)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert device.choose_device() == torch.device("cpu") and chosen == [int(local_rank)]
+
+
+def test_the_launch_keeps_to_the_gpus_comfyui_was_given(monkeypatch):
+    """A server started with --cuda-device 4,5 (ComfyUI sets CUDA_VISIBLE_DEVICES) trains on GPUs 4 and 5:
+    DeepSpeed's runner drops the variable when given --num_gpus, so the launch names them (--include)."""
+    from ingraph_trainer.runner.launcher import deepspeed_launch_command
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    cmd = deepspeed_launch_command("python", 2, master_port=1234)
+    assert "--num_gpus" not in cmd and cmd[cmd.index("--include") + 1] == "localhost:4,5"
+    with pytest.raises(ValueError, match=r"distributed.processes: 4 processes, but this ComfyUI sees 3 GPU"):
+        deepspeed_launch_command("python", 4, master_port=1234)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # a CPU machine, or every GPU: as before
+    cmd = deepspeed_launch_command("python", 2, master_port=1234)
+    assert cmd[cmd.index("--num_gpus") + 1] == "2" and "--include" not in cmd
+    cmd = deepspeed_launch_command("python", 2, "hosts", master_port=1234)  # several machines: the hostfile says
+    assert cmd[cmd.index("--hostfile") + 1] == "hosts" and "--include" not in cmd
