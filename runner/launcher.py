@@ -131,13 +131,12 @@ def deepspeed_launch_command(python: str, processes: int, hostfile: str = "", ma
     cmd = [python, "-m", "deepspeed.launcher.runner", "--master_port", str(master_port)]
     if hostfile:
         return cmd + ["--hostfile", hostfile]
+    # the GPUs this ComfyUI was given (CUDA_VISIBLE_DEVICES, which its --cuda-device sets): DeepSpeed's runner drops
+    # the variable when given --num_gpus and would train on GPUs 0..N-1 instead
     visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    if visible:
-        # the GPUs this ComfyUI was given (CUDA_VISIBLE_DEVICES, which its --cuda-device sets): DeepSpeed's runner
-        # drops the variable when given --num_gpus and would train on GPUs 0..N-1 instead
-        if len(visible) < processes:
-            raise ValueError(f"distributed.processes: {processes} processes, but this ComfyUI sees "
-                             f"{len(visible)} GPU(s) (CUDA_VISIBLE_DEVICES={','.join(visible)})")
-        return cmd + ["--include", "localhost:" + ",".join(visible[:processes]), "--master_addr", "127.0.0.1"]
-    return cmd + ["--num_gpus", str(processes), "--master_addr", "127.0.0.1"]
+    if visible and len(visible) < processes:
+        raise ValueError(f"distributed.processes: {processes} processes, but this ComfyUI sees {len(visible)} "
+                         f"GPU(s) (CUDA_VISIBLE_DEVICES={','.join(visible)})")
+    gpus = ["--include", "localhost:" + ",".join(visible[:processes])] if visible else ["--num_gpus", str(processes)]
+    return cmd + gpus + ["--master_addr", "127.0.0.1"]
 

@@ -95,3 +95,18 @@ def test_comfyui_version_reads_the_installs_own_file(tmp_path):
     (tmp_path / "comfyui_version.py").write_text('__version__ = "0.33.0"\n')
     assert comfy_compat.comfyui_version(tmp_path) == (0, 33, 0)
     assert comfy_compat.comfyui_version(tmp_path / "missing") == ()
+
+
+def test_wrap_method_refuses_a_wrapper_narrower_than_anything_comfyui_may_pass():
+    class Owner:
+        def method(self, a, b=1):
+            return (a, b)
+
+    def narrow(original):
+        def wrapped(self, a, b=1):  # what broke every load when 0.33 added `assign`
+            return original(self, a, b)
+        return wrapped
+    with pytest.raises(TypeError, match=r"the wrapper of Owner.method must take \*args and \*\*kwargs"):
+        with comfy_compat.wrap_method(Owner, "method", narrow):
+            pass
+    assert Owner().method(1) == (1, 1)  # nothing was installed

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import REPO, read_events, run_trainers_forked
+from test_fp8 import _model_overrides, tiny_unet  # noqa: F401  (the bf16 diffusion-model file, a fixture)
 from tools.comfy_server import comfyui_path
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.skipif(
@@ -26,32 +27,23 @@ CPU_LAYOUTS = ("float8_e4m3fn", "float8_e5m2", "int8_tensorwise", "mxfp8")
 
 
 @pytest.fixture(scope="module")
-def quantized(assets, tools, tmp_path_factory):
-    """The embedded default's diffusion model as a bf16 file, and a copy of it in each layout."""
-    from safetensors.torch import load_file, save_file
-    prefix = "model.diffusion_model."
-    folder = tmp_path_factory.mktemp("quantized")
-    source = folder / "tiny_unet.safetensors"
-    save_file({k[len(prefix):]: v.to(torch.bfloat16) if v.is_floating_point() else v
-               for k, v in load_file(assets["checkpoint"]).items() if k.startswith(prefix)}, source)
-    report = json.loads(tools("quantized_models", ["--source", source, "--out", folder, "--layouts", *CPU_LAYOUTS],
-                              timeout=600).strip().splitlines()[-1])
+def quantized(tiny_unet, tools):
+    """The embedded default's diffusion model as a bf16 file (test_fp8's), and a copy of it in each layout."""
+    folder = tiny_unet.parent
+    report = json.loads(tools("quantized_models", ["--source", tiny_unet, "--out", folder, "--layouts",
+                                                   *CPU_LAYOUTS], timeout=600).strip().splitlines()[-1])
     assert set(report) == set(CPU_LAYOUTS)
     for layout, entry in report.items():
         assert entry["quantized_layers"] > 0 and entry["skipped_layers"] == 0, (layout, entry)
-    return {"bf16": source, **{layout: folder / entry["path"].rsplit("/", 1)[-1] for layout, entry in report.items()}}
-
-
-def _model_overrides(path) -> dict:
-    return dict(model__path=str(path), model__format="diffusion_model", model__weight_dtype="default",
-                model__lora_paths=[], model__lora_strengths=[], model__stamps=[])
+    return {"bf16": tiny_unet, **{layout: folder / entry["path"].rsplit("/", 1)[-1]
+                                  for layout, entry in report.items()}}
 
 
 @pytest.fixture(scope="module")
 def runs(prepared, quantized):
     """10 fp32 LoRA steps on the bf16 file and on each quantized copy, same seed and data."""
     specs = {name: prepared(train__steps=STEPS, train__batch_size=2, train__precision="fp32", adapter__rank=4,
-                            adapter__alpha=4.0, train__eval_quantiles=[0.5], **_model_overrides(path))
+                            adapter__alpha=4.0, train__eval_quantiles=[0.5], **_model_overrides(path, "default"))
              for name, path in quantized.items()}
     proc = run_trainers_forked(*specs.values())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -68,17 +68,19 @@ def build_dit(model_cls, params_cls, **config):
 
 @contextlib.contextmanager
 def wrap_method(owner, name: str, make_wrapper):
-    """For the block's duration, `owner.name` is `make_wrapper(original)`, called as `wrapper(self, *args,
-    **kwargs)` with whatever ComfyUI passes, never a narrower signature; the original is put back after. One
-    wrapping of a method at a time (a lock), since it replaces a class attribute every thread sees."""
+    """For the block's duration, `owner.name` is `make_wrapper(original)`; the original is put back after. The
+    wrapper must take `(self, *args, **kwargs)`, whatever ComfyUI passes (refused here otherwise: a narrower one
+    broke every load when 0.33 added an argument). One wrapping of a method at a time (a lock), since it replaces a
+    class attribute every thread sees."""
+    import inspect
     with _WRAP_LOCK:
         original = owner.__dict__[name]
-        inner = make_wrapper(original)
-
-        @functools.wraps(original)
-        def wrapper(self, *args, **kwargs):
-            return inner(self, *args, **kwargs)
-        setattr(owner, name, wrapper)
+        wrapper = make_wrapper(original)
+        kinds = {p.kind for p in inspect.signature(wrapper).parameters.values()}
+        if not {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} <= kinds:
+            raise TypeError(f"the wrapper of {owner.__name__}.{name} must take *args and **kwargs, "
+                            f"not {inspect.signature(wrapper)}")
+        setattr(owner, name, functools.wraps(original)(wrapper))
         try:
             yield original
         finally:

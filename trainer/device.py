@@ -33,3 +33,14 @@ def choose_device():
         torch.set_float32_matmul_precision("high")  # TF32 matmuls (torch's stable switch across versions)
         torch.backends.cudnn.allow_tf32 = True
     return torch.device("cuda", index)
+
+
+def training_device():
+    """The device a run trains on: in a trainer rank (LOCAL_RANK set by the launcher), its own GPU; in the ComfyUI
+    process checking a node's settings, ComfyUI's device (on the machine the trainer will use)."""
+    index = local_cuda_index()
+    if os.environ.get("LOCAL_RANK") and index is not None:
+        import torch
+        return torch.device("cuda", index)
+    import comfy.model_management
+    return comfy.model_management.get_torch_device()

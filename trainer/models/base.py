@@ -135,6 +135,7 @@ class ModelFamily:
             raise UnsupportedSetting(f"adapter.kind: {spec.adapter.kind} is not trained on quantized weights ({layer} "
                                      f"is stored as {layout}); train a LoRA on this model, or load it from a file in "
                                      "full precision")
+        from ..device import training_device
         device = training_device()
         for layout, layer in layouts.items():
             problem = layout_problem(layout, device)
@@ -366,14 +367,3 @@ def ends_here(output: torch.Tensor, *carried: torch.Tensor) -> torch.Tensor:
     that they get the (zero) gradient DeepSpeed sends back across stages."""
     return output + 0.0 * sum(t.sum() for t in carried)
 
-
-def training_device():
-    """The device a run trains on: in the trainer, its rank's own GPU (trainer/device.py); in the ComfyUI process
-    checking a node's settings, ComfyUI's device (on the machine the trainer will use)."""
-    import os
-    from ..device import local_cuda_index
-    index = local_cuda_index()
-    if os.environ.get("LOCAL_RANK") and index is not None:
-        return torch.device("cuda", index)
-    import comfy.model_management
-    return comfy.model_management.get_torch_device()

@@ -52,10 +52,10 @@ class ChromaFamily(ModelFamily):
         from comfy.ldm.chroma.model import Chroma, ChromaParams
         from ..comfy_compat import build_dit
         model = build_dit(
-            Chroma, ChromaParams, in_channels=64, out_channels=64, in_dim=64, out_dim=3072, hidden_dim=5120, n_layers=5,
-                       context_in_dim=4096, hidden_size=3072, mlp_ratio=4.0, num_heads=24, depth=depth,
-                       depth_single_blocks=depth_single_blocks, axes_dim=[16, 56, 56], theta=10000, patch_size=2,
-                       qkv_bias=True, operations=comfy.ops.disable_weight_init)
+            Chroma, ChromaParams, in_channels=64, out_channels=64, in_dim=64, out_dim=3072, hidden_dim=5120,
+            n_layers=5, context_in_dim=4096, hidden_size=3072, mlp_ratio=4.0, num_heads=24, depth=depth,
+            depth_single_blocks=depth_single_blocks, axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True,
+            operations=comfy.ops.disable_weight_init)
         return {k: v.contiguous() for k, v in init_weights(model, seed).state_dict().items()}
 
 

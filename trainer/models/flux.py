@@ -66,10 +66,10 @@ class FluxFamily(ReferenceLatentsInput, ModelFamily):
         from comfy.ldm.flux.model import Flux, FluxParams
         from ..comfy_compat import build_dit
         model = build_dit(
-            Flux, FluxParams, in_channels=16, out_channels=16, vec_in_dim=vec_in_dim, context_in_dim=4096, hidden_size=3072,
-                     mlp_ratio=4.0, num_heads=24, depth=depth, depth_single_blocks=depth_single_blocks,
-                     axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True, guidance_embed=guidance_embed,
-                     operations=comfy.ops.disable_weight_init)
+            Flux, FluxParams, in_channels=16, out_channels=16, vec_in_dim=vec_in_dim, context_in_dim=4096,
+            hidden_size=3072, mlp_ratio=4.0, num_heads=24, depth=depth, depth_single_blocks=depth_single_blocks,
+            axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True, guidance_embed=guidance_embed,
+            operations=comfy.ops.disable_weight_init)
         return {k: v.contiguous() for k, v in init_weights(model, seed).state_dict().items()}
 
 
