@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..trainer.events import EVENT_TYPES
 from ..trainer.layout import CHECKPOINTS_DIR, EVENTS_FILE, OWNER_FILE, PID_FILE
-from ..trainer.process_state import process_gone
+from ..trainer.os_support import process_gone
 
 TERMINAL = {"finished": "finished", "error": "failed"}
 INDEX_EVERY = 1024  # the byte offset of every 1024th event: a page of events is read without the lines before it

@@ -32,7 +32,7 @@ comfy_reqs=""
 stamp="$VENV/.ingraph-setup-stamp"
 newer_reqs=""
 [ -f "$COMFYUI_033_PATH/requirements.txt" ] && newer_reqs="$COMFYUI_033_PATH/requirements.txt"
-want="$(cat "$REPO/requirements.txt" "$REPO/requirements-dev.txt" ${comfy_reqs:+"$comfy_reqs"} ${newer_reqs:+"$newer_reqs"} \
+want="${INGRAPH_MULTI_GPU:-1} $(cat "$REPO/requirements.txt" "$REPO/requirements-multi-gpu.txt" "$REPO/requirements-dev.txt" ${comfy_reqs:+"$comfy_reqs"} ${newer_reqs:+"$newer_reqs"} \
   "$REPO/scripts/comfyui_overlay.py" "$REPO"/tools/torchaudio_standin/torchaudio/*.py | sha256sum | cut -c1-16) $TORCH_PINS"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && { [ -z "$newer_reqs" ] || [ -d "$VENV/comfyui-0.33" ]; }; then
   echo "setup: environment $VENV is up to date" >&2
@@ -49,6 +49,9 @@ constraints="$VENV/.torch-constraints.txt"
 "$VENV/bin/python" -m pip freeze | grep -E '^(torch|torchvision|nvidia-[a-z0-9-]+|triton)==' > "$constraints" || true
 
 reqs=(-r "$REPO/requirements.txt" -r "$REPO/requirements-dev.txt" requests)
+# the multi-GPU extra (DeepSpeed) too, for the multi-process tests; INGRAPH_MULTI_GPU=0: the plain install a
+# one-GPU user has, where those tests skip with one line each
+[ "${INGRAPH_MULTI_GPU:-1}" = "0" ] || reqs+=(-r "$REPO/requirements-multi-gpu.txt")
 if [ -n "$comfy_reqs" ]; then
   # torchaudio is optional for ComfyUI (audio nodes only) and would pull another torch
   grep -v -E '^\s*(torch|torchvision|torchaudio)\s*($|[<>=!~;])' "$comfy_reqs" > "$VENV/.comfyui-requirements.txt"

@@ -31,6 +31,10 @@ COMFYUI_MISSING = f"skipped: ComfyUI not found at {comfyui_path()} (set COMFYUI_
 from ingraph_trainer.trainer.comfy_compat import comfyui_version  # noqa: E402
 # the ComfyUI under test is 0.33 or later (scripts/test.sh's second tier); () where none is found
 ON_COMFYUI_033 = comfyui_version(comfyui_path()) >= (0, 33)
+from ingraph_trainer.trainer.config import deepspeed_installed  # noqa: E402
+# the tests of what only DeepSpeed does (several processes, ZeRO, pipelines): a one-GPU install has no DeepSpeed
+requires_deepspeed = pytest.mark.skipif(not deepspeed_installed(), reason="skipped: DeepSpeed is not installed "
+                                        "(the multi-GPU extra, requirements-multi-gpu.txt)")
 ARTIFACTS = Path(os.environ.get("INGRAPH_TEST_ARTIFACTS", REPO / "test-artifacts"))
 CHECKPOINT_NAME = "ingraph_tiny_sd15.safetensors"
 # in the test server's environment: nothing a client can read may ever carry it (tests/test_run_control.py)

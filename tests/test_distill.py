@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, read_events, run_trainer
+from conftest import REPO, read_events, requires_deepspeed, run_trainer
 
 pytestmark = pytest.mark.comfyui
 
@@ -72,6 +72,7 @@ def uninterrupted_per_step(prepared):
     return spec
 
 
+@requires_deepspeed
 def test_two_processes_under_zero3_match_one_process(prepared, uninterrupted):
     spec = prepared(*EMPTY_CAPTION, **{**DISTILL, "train__batch_size": 1}, train__steps=3, distributed__processes=2,
                     distributed__zero_stage=3)

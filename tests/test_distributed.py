@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, evaluate_on_one_image, read_events, run_trainer
+from conftest import REPO, evaluate_on_one_image, read_events, requires_deepspeed, run_trainer
 
-pytestmark = pytest.mark.comfyui
+pytestmark = [pytest.mark.comfyui, requires_deepspeed]
 
 TRAINER = str(REPO / "trainer" / "__main__.py")
 COMMON = dict(train__steps=5, train__batch_size=2, train__precision="fp32", train__seed=3,

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, requires_deepspeed
 
 from ingraph_trainer.trainer import config
 from ingraph_trainer.trainer.config import (DataSpec, DistributedSpec, ModelSpec, OutputSpec, RunSpec, RunSpecError,
@@ -49,6 +49,7 @@ def test_optimizers_are_refused_where_deepspeed_would_make_them_train_differentl
     assert optimizer in str(err.value) and f"zero_stage {zero_stage}" in str(err.value)
 
 
+@requires_deepspeed
 def test_ema_is_refused_where_processes_hold_slices_of_the_weights():
     for kwargs, message in (({"zero_stage": 3}, r"train\.ema_decay: ZeRO-3 \(distributed\.zero_stage 3\)"),
                             ({"pipeline_stages": 2}, r"train\.ema_decay: pipeline stages")):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import IMAGE_FOLDER, REPO, SUITE_EVAL_QUANTILES, evaluate_on_one_image, tiny_models
+from conftest import IMAGE_FOLDER, REPO, SUITE_EVAL_QUANTILES, evaluate_on_one_image, requires_deepspeed, tiny_models
 from ingraph_trainer.trainer.config import DEFAULT_EVAL_QUANTILES_TEXT
 
 # two of the example images: few forward passes a run (evaluation at one quantile: training_graph's eval_quantiles)
@@ -185,6 +185,7 @@ def _distributed(processes: int, stages: int) -> dict:
                        "pipeline_stages": stages, "block_swap": 0}}
 
 
+@requires_deepspeed
 def test_wan_on_two_pipeline_stages_matches_one_stage(family_models, client):
     """Wan trains through the graph like every family, and split into 2 stages from the graph (DeepSpeed Settings
     node) it gives the same losses as the whole model in one process, and a LoRA the stock loader reads."""

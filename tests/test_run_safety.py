@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO  # noqa: E402  (conftest registers the pack as the package ingraph_trainer)
+from conftest import REPO, requires_deepspeed  # noqa: E402  (conftest registers the pack as the package ingraph_trainer)
 
 config = importlib.import_module("ingraph_trainer.trainer.config")
 events = importlib.import_module("ingraph_trainer.trainer.events")
@@ -172,6 +172,7 @@ def test_checkpoints_past_a_million_steps_sort_by_step(tmp_path, monkeypatch):
     assert [p.name for p in sorted(paths, key=checkpoint._step_of)] == ["step_000020", "step_999000", "step_1000000"]
 
 
+@requires_deepspeed
 def test_a_module_planted_in_the_run_folder_is_never_imported(tmp_path):
     """The run folder is under output/ (any client writes there); `python -m deepspeed...` would import a
     planted deepspeed/ package from its working folder, and DeepSpeed reads ./.deepspeed_env."""

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import conftest  # noqa: F401  (registers the pack as the ingraph_trainer package)
+from conftest import requires_deepspeed
 
 
 def test_atomic_write_leaves_the_old_file_on_failure_and_no_temporary(tmp_path):
@@ -180,7 +181,7 @@ class _Engine:
 
 def test_whole_model_step_reads_the_loss_once_and_means_it_like_the_old_loop(monkeypatch):
     import torch
-    from ingraph_trainer.trainer import layouts
+    from ingraph_trainer.trainer import layouts, plain_engine
     layout = object.__new__(layouts.WholeModel)
     param = torch.nn.Parameter(torch.zeros(4))
     layout.trainable, layout._own_grad_norm = [param], True
@@ -199,13 +200,14 @@ def test_whole_model_step_reads_the_loss_once_and_means_it_like_the_old_loop(mon
     assert layout.train_step([batch, batch])[1] == 1.5 and layout._own_grad_norm is False
 
 
+@requires_deepspeed
 def test_the_layouts_gradient_clipping_is_deepspeeds_bit_for_bit(monkeypatch):
     """WholeModel clips on DeepSpeed's fp32 path itself (one pass for the reported norm and the clip), and in one
     process leaves the engine's gradient all-reduce out: the weights must stay those of the engine's own
     all-reduce and clipping, bit for bit, and the reported norm that of grad_norm."""
     import torch
     from deepspeed.runtime import utils as deepspeed_utils
-    from ingraph_trainer.trainer import layouts
+    from ingraph_trainer.trainer import layouts, plain_engine
     # one process: DeepSpeed's all-reduce of the norm is the identity, and needs no process group here
     monkeypatch.setattr(deepspeed_utils.dist, "all_reduce", lambda *args, **kwargs: None)
     monkeypatch.setattr(deepspeed_utils.dist, "get_world_size", lambda *args, **kwargs: 1)
@@ -236,7 +238,7 @@ def test_the_layouts_gradient_clipping_is_deepspeeds_bit_for_bit(monkeypatch):
         norms = torch.stack([p.grad.float().norm(2.0) for p in theirs_trainable])
         assert (norms ** 2).sum() != (norms.roll(-1) ** 2).sum()  # so summing in the reported order fails
         deepspeed_utils.clip_grad_norm_(theirs.parameters(), max_norm)
-        clipping = layouts.GradientClipping(max_norm)
+        clipping = plain_engine.GradientClipping(max_norm)
         clipping.order(ours, trainable)
         reported = clipping.clip()
         assert torch.equal(reported, expected_norm)

@@ -440,7 +440,7 @@ def test_the_trainers_exit_flush_never_fails_a_finished_run(monkeypatch, os_name
     """Windows: ctypes.CDLL(None) raises TypeError, which escaped the trainer's exit and made every successful
     run exit 1 (faked here: os.name and a CDLL that raises as CPython's does there)."""
     import ctypes
-    from ingraph_trainer.trainer import process_state
+    from ingraph_trainer.trainer import os_support as process_state
 
     def windows_cdll(name, *args, **kwargs):
         if name is None:

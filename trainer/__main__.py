@@ -32,7 +32,7 @@ import os  # noqa: E402
 logging.shutdown()
 sys.stdout.flush()
 sys.stderr.flush()
-from ingraph_trainer.trainer.process_state import flush_c_stdio  # noqa: E402
+from ingraph_trainer.trainer.os_support import flush_c_stdio  # noqa: E402
 
 flush_c_stdio()  # what C and C++ libraries printed into the run's log through C's own buffers
 os._exit(0)

@@ -324,7 +324,34 @@ class DistributedSpec:
             (not self.block_swap or self.zero_stage <= 2, "block_swap",
              "ZeRO-3 partitions the weights itself; use stage 0-2"),
         ]
-        return [f"distributed.{name}: {message}" for ok, name, message in rules if not ok]
+        problems = [f"distributed.{name}: {message}" for ok, name, message in rules if not ok]
+        needs = self.deepspeed_settings()
+        if needs and not problems and not deepspeed_installed():
+            problems.append(f"distributed.{needs[0]}: {getattr(self, needs[0])} needs DeepSpeed, which is not "
+                            f"installed in this Python; install the multi-GPU extra with `{MULTI_GPU_INSTALL}` (one "
+                            "process without ZeRO, a pipeline or a hostfile needs none)")
+        return problems
+
+    def deepspeed_settings(self) -> list[str]:
+        """The settings that make this layout DeepSpeed's (several processes, another machine, ZeRO, a pipeline);
+        none: one process in plain PyTorch (trainer/plain_engine.py)."""
+        return [name for name, on in (("processes", self.processes > 1), ("hostfile", bool(self.hostfile)),
+                                      ("zero_stage", self.zero_stage > 0),
+                                      ("pipeline_stages", self.pipeline_stages > 1),
+                                      ("offload_optimizer", self.offload_optimizer)) if on]
+
+    @property
+    def needs_deepspeed(self) -> bool:
+        return bool(self.deepspeed_settings())
+
+
+MULTI_GPU_INSTALL = "python -m pip install -r requirements-multi-gpu.txt"  # run in the pack's folder
+
+
+def deepspeed_installed() -> bool:
+    """Without importing it (2-10 s, and a one-process run must not)."""
+    import importlib.util
+    return importlib.util.find_spec("deepspeed") is not None
 
 
 def _hostfile_problem(path: str) -> str | None:

@@ -61,8 +61,8 @@ from .batch_mix import StepBatches, build_training_data, micro_batch_slots, read
 from .checkpoint import Checkpointer, load_checkpoint, save_checkpoint
 from .comfy_env import import_comfy
 from .data import seeded_generator, stack_conds, step_loader
-from .distributed import data_parallel_size, deepspeed_config, init_distributed, world_size
-from .layouts import ParallelLayout, WholeModel, global_sum, grad_norm
+from .distributed import data_parallel_size, deepspeed_config, world_size
+from .layouts import ParallelLayout, WholeModel, choose_engine, global_sum, grad_norm
 from .loop import check_finite, refuse_fp8_full_fine_tune
 from .memory import enable_gradient_checkpointing, load_peak
 from .metrics import HealthLog
@@ -233,8 +233,8 @@ def fake_score_spec(spec):
 def peak_rss_per_rank() -> list:
     """Each process's peak resident memory in bytes (VmHWM, since the first network's load began; None where
     unknown), gathered on every rank: what ZeRO-3 saves per process."""
-    from .memory import _status_bytes
-    peak = _status_bytes("VmHWM")
+    from .os_support import host_memory
+    peak = host_memory()[1]
     if world_size() == 1:
         return [peak]
     gathered: list = [None] * world_size()
@@ -272,7 +272,7 @@ class Distiller(TrainingTask):
     def build(self):
         spec, t, dd = self.spec, self.spec.train, self.spec.distill
         import_comfy()
-        deepspeed = init_distributed()
+        deepspeed = choose_engine(spec)
         config = deepspeed_config(spec)
         self.load_memory: dict = {}
         # one network at a time, each initialised (under ZeRO-3: partitioned) before the next is loaded

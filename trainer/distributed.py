@@ -1,4 +1,6 @@
-"""DeepSpeed at any world size, 1 included: process-group set-up and the engine's configuration."""
+"""The engine a run trains on, chosen once: DeepSpeed where the layout needs it (several processes, ZeRO, a
+pipeline, optimizer offload), else plain PyTorch in one process (trainer/plain_engine.py), which imports no
+DeepSpeed; process-group set-up and the engine's configuration (the same dict for both)."""
 from __future__ import annotations
 
 import os
@@ -50,6 +52,15 @@ def set_cpu_threads(count: int) -> None:
             mkl.MKL_Set_Dynamic(ctypes.c_int(1))  # MKL's default; its C interface takes the flag by value
         except (OSError, AttributeError):  # a build with MKL elsewhere: only speed is at stake
             pass
+
+
+ENGINE_VARIABLE = "INGRAPH_TRAINER_ENGINE"  # "deepspeed": a one-process run on DeepSpeed's engine, to compare them
+
+
+def uses_deepspeed(spec) -> bool:
+    """The one rule: the spec's settings (DistributedSpec.needs_deepspeed), or a launcher that started several
+    processes."""
+    return spec.distributed.needs_deepspeed or world_size() > 1 or os.environ.get(ENGINE_VARIABLE) == "deepspeed"
 
 
 def init_distributed():

@@ -15,7 +15,8 @@ import contextlib
 import torch
 
 from . import checkpoint as ckpt
-from .distributed import rank, world_size
+from .distributed import init_distributed, rank, uses_deepspeed, world_size
+from .plain_engine import GradientClipping
 
 
 class ParallelLayout:
@@ -172,6 +173,15 @@ class PipelineStages(ParallelLayout):
         return contextlib.nullcontext()
 
 
+def choose_engine(spec):
+    """What makes the run's engines, with deepspeed.initialize's signature, chosen once (distributed.uses_deepspeed):
+    DeepSpeed with its process group set up, or plain PyTorch in one process (plain_engine)."""
+    if uses_deepspeed(spec):
+        return init_distributed()
+    from . import plain_engine
+    return plain_engine
+
+
 def choose_layout(spec, family, params) -> ParallelLayout:
     if spec.distributed.pipeline_stages > 1:
         return PipelineStages(spec, family)
@@ -182,42 +192,6 @@ def grad_norm(params) -> torch.Tensor | None:
     """The 2-norm of the gradients, on the device (no wait for it)."""
     grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
     return torch.stack(grads).norm() if grads else None
-
-
-class GradientClipping:
-    """DeepSpeed's clip_grad_norm_ (deepspeed/runtime/utils.py, what the engine runs on its fp32 path without
-    ZeRO) in the same arithmetic and parameter order, from per-parameter norms that also give the gradient norm
-    the loop reports (grad_norm's, the same bits)."""
-
-    def __init__(self, max_norm: float):
-        self.max_norm = max_norm
-
-    def order(self, module: torch.nn.Module, reported: list):
-        """The engine's order (the module's parameters), and where each reported parameter sits in it."""
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        place = {id(p): i for i, p in enumerate(self.params)}
-        self.reported = [place[id(p)] for p in reported]
-
-    def clip(self) -> torch.Tensor | None:
-        """Clips the gradients in place; the 2-norm of the reported parameters' gradients before clipping.
-        A trained parameter the step left without a gradient gets zeros first, as the engine's all-reduce gives
-        it (in every process count): the optimizer then still decays and moves it."""
-        for p in self.params:
-            if p.grad is None and p.numel():
-                p.grad = torch.zeros(p.size(), dtype=p.dtype, device=p.device)
-        norms = {i: p.grad.detach().float().norm(2.0) for i, p in enumerate(self.params) if p.grad is not None}
-        if not norms:
-            return None
-        reported = [norms[i] for i in self.reported if i in norms]
-        total = torch.stack(list(norms.values())).pow(2.0).sum().float().pow(1.0 / 2.0)
-        total = total * 1.0 / float(world_size())
-        if world_size() > 1:
-            torch.distributed.all_reduce(total)
-        clip_coef = torch.min(torch.tensor([1.0], device=total.device),
-                              torch.tensor([float(self.max_norm)], device=total.device) / (total + 1e-6))
-        for i in norms:
-            self.params[i].grad.detach().mul_(clip_coef)
-        return torch.stack(reported).norm() if reported else None
 
 
 def global_sum(values: list[float], device) -> torch.Tensor:

@@ -14,11 +14,11 @@ from .comfy_env import import_comfy
 from .config import RunSpec
 from .batch_mix import StepBatches, build_training_data, prior_report
 from .data import load_cached_dataset, step_loader
-from .distributed import data_parallel_size, deepspeed_config, init_distributed, world_size
+from .distributed import data_parallel_size, deepspeed_config, world_size
 from .ema import build_average, exported_weights
 from .events import EVENTS_FILE, read_events
 from .export import diffusers_module_names
-from .layouts import choose_layout
+from .layouts import choose_engine, choose_layout
 from .memory import enable_block_swap, load_peak, memory_savers
 from .metrics import HealthLog, param_norm, param_norm_due
 from .models import load_family
@@ -78,7 +78,7 @@ class Trainer(TrainingTask):
             if a.init_from:
                 load_adapter_weights(family.diffusion_model, a.kind, a.init_from,
                                      diffusers_module_names(family.base_model))
-        deepspeed = init_distributed()  # before the model: pipeline stages need the process group
+        deepspeed = choose_engine(spec)  # before the model: pipeline stages need the process group
         swapped_blocks = memory_savers(family, spec)
         self.layout = layout = choose_layout(spec, family, self.params)
         layout.check_data(self.dataset)

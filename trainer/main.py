@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .config import RunSpecError, load_run_spec, parse_run_spec
 from .events import EVENTS_FILE, EventWriter
-from .process_state import process_gone
+from .os_support import process_gone
 
 EXIT_BAD_SPEC = 2
 EXIT_FAILED = 1

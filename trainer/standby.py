@@ -25,22 +25,21 @@ READY = b"ready\n"  # sent once the imports are done (the launcher may wait for 
 
 
 def warm_up():
-    """The imports of every run, in the order a run does them; bitsandbytes stays hidden (see main.py)."""
+    """The imports of every one-process run, in the order a run does them; bitsandbytes stays hidden (see
+    main.py), and so does DeepSpeed: a one-process run trains without it (plain_engine.py), and the rare one that
+    needs it (ZeRO or optimizer offload in one process) imports it itself."""
     import torch  # noqa: F401
 
     from .comfy_env import import_comfy
-    from .distributed import import_deepspeed
     import_comfy()  # COMFYUI_PATH is the launching server's, set in this process's environment
-    import_deepspeed()
     import peft  # noqa: F401
     import torch.utils.tensorboard  # noqa: F401  the health log's writer
-    import deepspeed.module_inject.auto_ep_layer  # noqa: F401  imported by deepspeed.initialize
-    from . import evaluation, hostfile, loop, objectives, training_module  # noqa: F401
+    from . import evaluation, hostfile, loop, objectives, plain_engine, training_module  # noqa: F401
 
 
 def wait_for_command(channel: socket.socket, parent_pid: int, idle_s: float) -> tuple[list[str], int] | None:
     """(argv, log descriptor) from the launcher, or None when the launcher is gone or the wait ran out."""
-    from .process_state import process_gone
+    from .os_support import process_gone
     deadline = time.monotonic() + idle_s
     while time.monotonic() < deadline:
         ready, _, _ = select.select([channel], [], [], 1.0)
@@ -111,5 +110,5 @@ def serve(argv: list[str], run_main) -> int:
 
 
 def _parent_gone(parent_pid: int) -> bool:
-    from .process_state import process_gone
+    from .os_support import process_gone
     return os.getppid() != parent_pid or process_gone(parent_pid)

@@ -1,0 +1,94 @@
+"""One process trains in plain PyTorch (trainer/plain_engine.py), with DeepSpeed's numbers and without DeepSpeed.
+
+The comparison runs take DeepSpeed's engine through INGRAPH_TRAINER_ENGINE=deepspeed (what one-process runs used
+before); both are the trainer program on the same spec."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, read_events, run_trainer
+
+pytestmark = pytest.mark.comfyui
+
+# the fixed 5-step fp32 run: accumulation 2 (the loss scaling and the boundary), clipping on (the default 1.0,
+# and low enough here to clip), a warm-up and a linear schedule (the scheduler's steps), a checkpoint at step 2
+FIXED_FP32 = dict(train__steps=5, train__batch_size=2, train__grad_accum=2, train__precision="fp32", train__seed=3,
+                  train__lr_schedule="linear", train__warmup_steps=1, train__save_every=2, train__max_grad_norm=0.05,
+                  train__eval_quantiles=[0.5], train__learning_rate=1e-3)
+
+
+def trained(spec, engine: str):
+    env = {"INGRAPH_TRAINER_ENGINE": "deepspeed"} if engine == "deepspeed" else None
+    proc = run_trainer(spec, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    events = read_events(spec.parent)
+    steps = [e for e in events if e["type"] == "step"]
+    assert len(steps) == 5 and events[-1]["type"] == "finished"
+    return steps, load_file(spec.parent / "lora.safetensors"), events
+
+
+@pytest.fixture(scope="module")
+def fp32_pair(prepared):
+    return {engine: trained(prepared(**FIXED_FP32), engine) for engine in ("plain", "deepspeed")}
+
+
+def test_fp32_one_process_run_is_bit_identical_to_deepspeeds_engine(fp32_pair):
+    (plain, plain_lora, plain_events), (ds, ds_lora, _) = fp32_pair["plain"], fp32_pair["deepspeed"]
+    assert [s["loss"] for s in plain] == [s["loss"] for s in ds]
+    assert [s["grad_norm"] for s in plain] == [s["grad_norm"] for s in ds]
+    assert [s["lr"] for s in plain] == [s["lr"] for s in ds]
+    assert max(s["grad_norm"] for s in plain) > FIXED_FP32["train__max_grad_norm"]  # clipping took part
+    assert plain_lora.keys() == ds_lora.keys() and plain_lora
+    assert all(torch.equal(plain_lora[k], ds_lora[k]) for k in plain_lora)
+    finished = plain_events[-1]
+    assert finished["eval_after"] == fp32_pair["deepspeed"][2][-1]["eval_after"]
+
+
+def test_bf16_one_process_run_follows_the_fp32_run(prepared, fp32_pair):
+    """bf16: the weights computed in bf16, the optimizer on fp32 master copies, so the run follows the fp32 one.
+    (DeepSpeed's bf16 engine strays further, 2-3 % by step 3: at start-up its optimizer wrapper takes one AdamW step
+    on zero gradients, which decays the weights and advances Adam's bias correction; this engine does not.)"""
+    plain, lora, events = trained(prepared(**dict(FIXED_FP32, train__precision="bf16")), "plain")
+    fp32, _, fp32_events = fp32_pair["plain"]
+    assert [s["loss"] for s in plain] != [s["loss"] for s in fp32]  # computed in bf16 indeed
+    for a, b in zip(plain, fp32):
+        assert abs(a["loss"] - b["loss"]) <= 5e-3 * b["loss"], (a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 2e-2 * b["grad_norm"], (a["grad_norm"], b["grad_norm"])
+    assert abs(events[-1]["eval_after"] - fp32_events[-1]["eval_after"]) <= 5e-3 * fp32_events[-1]["eval_after"]
+    assert events[-1]["eval_after"] < events[-1]["eval_before"]
+
+
+def test_stop_then_resume_on_the_plain_engine_matches_uninterrupted(prepared, fp32_pair):
+    """The plain engine's own checkpoint (weights, optimizer, scheduler, step counts, random state) resumes exactly."""
+    spec = prepared(**FIXED_FP32)
+    first = run_trainer(spec, kill_on="checkpoint")
+    assert first.returncode != 0
+    saved = sorted((spec.parent / "checkpoints").glob("step_*"))
+    assert [p.name for p in saved] == ["step_000002"] and (saved[0] / "plain_engine.pt").is_file()
+    proc = run_trainer(spec, "--resume", "latest")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = read_events(spec.parent)
+    started = [e for e in events if e["type"] == "started"]
+    assert started[-1]["start_step"] == 2
+    resumed = {e["step"]: e["loss"] for e in events if e["type"] == "step"}
+    reference = {s["step"]: s["loss"] for s in fp32_pair["plain"][0]}
+    assert resumed == reference
+    lora, reference_lora = load_file(spec.parent / "lora.safetensors"), fp32_pair["plain"][1]
+    assert all(torch.equal(lora[k], reference_lora[k]) for k in reference_lora)
+
+
+def test_a_one_process_run_imports_no_deepspeed(prepared):
+    """The trainer program itself, in a fresh process: Python's import log names every module it imported."""
+    spec = prepared(**dict(FIXED_FP32, train__steps=2, train__save_every=1))
+    proc = subprocess.run([sys.executable, "-X", "importtime", str(REPO / "trainer"), "--config", str(spec)],
+                          capture_output=True, text=True, timeout=300, cwd=spec.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    assert "torch" in imported and "peft" in imported  # the log is the run's: its heavy imports are there
+    assert read_events(spec.parent)[-1]["type"] == "finished"
+    assert not [m for m in imported if m.split(".")[0] == "deepspeed"]

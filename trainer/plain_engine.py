@@ -1,0 +1,225 @@
+"""One process in plain PyTorch: the engine of the runs most users make (one GPU, no ZeRO, no pipeline).
+
+It does what DeepSpeed's engine does for such a run, in the same arithmetic, so that a run's numbers do not depend
+on whether DeepSpeed is installed (the fixed 5-step fp32 run's losses and adapter are bit-identical to DeepSpeed's
+engine, tests/test_plain_engine.py), and nothing imports DeepSpeed:
+- the loss of each micro-batch is divided by the accumulation steps before backward;
+- at the accumulation boundary a trained parameter left without a gradient gets zeros (DeepSpeed's all-reduce
+  does so), the gradients are clipped by DeepSpeed's rule (GradientClipping), the optimizer steps, every
+  gradient is dropped and the scheduler steps;
+- bf16 (train.precision): every floating parameter is held in bf16 and the optimizer steps fp32 master copies of
+  the trained ones (DeepSpeed's bf16 optimizer without ZeRO); a step whose gradient norm is not finite is skipped.
+
+The object answers the parts of DeepSpeed's engine interface the layouts and the distiller use (`initialize`,
+calling it, backward, step, is_gradient_accumulation_boundary, get_global_grad_norm, device, module,
+save_checkpoint, load_checkpoint), so a layout runs on either without knowing which.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .distributed import world_size
+
+STATE_FILE = "plain_engine.pt"
+DEEPSPEED_STATE_FILE = "mp_rank_00_model_states.pt"  # what DeepSpeed's engine writes (an earlier version's runs)
+LOW_PRECISION_CASTABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # fp8 stays fp8
+
+
+def initialize(model=None, optimizer=None, lr_scheduler=None, config: dict | None = None, **_):
+    """deepspeed.initialize's shape: (engine, optimizer, data loader, scheduler)."""
+    engine = PlainEngine(model, optimizer, lr_scheduler, config or {})
+    return engine, optimizer, None, lr_scheduler
+
+
+class PlainEngine:
+    def __init__(self, module: torch.nn.Module, optimizer, scheduler, config: dict):
+        from .device import training_device
+        self.module, self.optimizer, self.lr_scheduler = module, optimizer, scheduler
+        self.grad_accum = int(config.get("gradient_accumulation_steps", 1))
+        self.max_norm = float(config.get("gradient_clipping", 0.0))
+        self.bf16 = bool(config.get("bf16", {}).get("enabled"))
+        self.device = training_device()
+        self.micro_steps = self.global_steps = 0
+        self.enable_backward_allreduce = True  # as DeepSpeed's: off, a layout that fills gradients itself
+        self._global_grad_norm = None
+        if self.bf16:
+            for p in module.parameters():
+                if p.dtype in LOW_PRECISION_CASTABLE and p.dtype != torch.bfloat16:
+                    p.data = p.data.to(torch.bfloat16)
+        module.to(self.device)
+        self.masters = MasterWeights(optimizer) if self.bf16 and optimizer is not None else None
+        self._clipping = None
+        if self.max_norm > 0 and optimizer is not None and self.masters is None:
+            self._clipping = GradientClipping(self.max_norm)
+            self._clipping.order(module, [])
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.grad_accum == 0
+
+    def backward(self, loss):
+        scaled = loss / self.grad_accum
+        scaled.backward()
+        if self.is_gradient_accumulation_boundary() and self.enable_backward_allreduce:
+            for p in self.module.parameters():
+                if p.requires_grad and p.numel() and p.grad is None:
+                    p.grad = torch.zeros(p.size(), dtype=p.dtype, device=p.device)
+        return scaled
+
+    def step(self):
+        if self.is_gradient_accumulation_boundary():
+            applied = True
+            if self.masters is not None:
+                self._global_grad_norm, applied = self.masters.step(self.max_norm)
+            else:
+                if self._clipping is not None:
+                    self._clipping.clip()
+                self.optimizer.step()
+            for p in self.module.parameters():
+                p.grad = None
+            if applied and self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            self.global_steps += 1
+        self.micro_steps += 1
+
+    def get_global_grad_norm(self):
+        return self._global_grad_norm
+
+    def trained_state(self) -> dict:
+        """The trained parameters by name (what DeepSpeed saves with exclude_frozen_parameters)."""
+        return {name: p.detach() for name, p in self.module.named_parameters() if p.requires_grad}
+
+    def save_checkpoint(self, save_dir, tag, client_state=None, **_):
+        folder = Path(save_dir) / tag
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save({"module": self.trained_state(),
+                    "masters": self.masters.state() if self.masters is not None else None,
+                    "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                    "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                    "micro_steps": self.micro_steps, "global_steps": self.global_steps,
+                    "client_state": client_state or {}}, folder / STATE_FILE)
+
+    def load_checkpoint(self, load_dir, tag, **_):
+        """(the folder, the client state); the weights, optimizer, scheduler and step counts restored. The file
+        was checked against its signed digest by checkpoint.load_checkpoint and is read without pickle's code."""
+        folder = Path(load_dir) / tag
+        if not (folder / STATE_FILE).is_file():
+            if (folder / DEEPSPEED_STATE_FILE).is_file():
+                raise ValueError(f"checkpoint {folder.name} was written by DeepSpeed's engine (this pack before "
+                                 "one-process runs trained without it); resume it with the version that wrote it, "
+                                 "or start a new run from its adapter (continue_from)")
+            raise ValueError(f"checkpoint {folder.name} holds no {STATE_FILE}")
+        state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=True)
+        trained = dict(self.module.named_parameters())
+        missing = [name for name, p in trained.items() if p.requires_grad and name not in state["module"]]
+        if missing:
+            raise ValueError(f"checkpoint {folder.name} lacks {len(missing)} trained weights (such as {missing[0]}):"
+                             " it was saved by a run with other adapter settings")
+        with torch.no_grad():
+            for name, value in state["module"].items():
+                if name in trained:
+                    trained[name].copy_(value)
+        if self.masters is not None:
+            self.masters.load(state["masters"])
+        if self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.micro_steps, self.global_steps = state["micro_steps"], state["global_steps"]
+        return str(folder), state["client_state"]
+
+
+class GradientClipping:
+    """DeepSpeed's clip_grad_norm_ (deepspeed/runtime/utils.py, what the engine runs on its fp32 path without
+    ZeRO) in the same arithmetic and parameter order, from per-parameter norms that also give the gradient norm
+    the loop reports (grad_norm's, the same bits)."""
+
+    def __init__(self, max_norm: float):
+        self.max_norm = max_norm
+
+    def order(self, module: torch.nn.Module, reported: list):
+        """The engine's order (the module's parameters), and where each reported parameter sits in it."""
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        place = {id(p): i for i, p in enumerate(self.params)}
+        self.reported = [place[id(p)] for p in reported]
+
+    def clip(self) -> torch.Tensor | None:
+        """Clips the gradients in place; the 2-norm of the reported parameters' gradients before clipping.
+        A trained parameter the step left without a gradient gets zeros first, as the engine's all-reduce gives
+        it (in every process count): the optimizer then still decays and moves it."""
+        for p in self.params:
+            if p.grad is None and p.numel():
+                p.grad = torch.zeros(p.size(), dtype=p.dtype, device=p.device)
+        norms = {i: p.grad.detach().float().norm(2.0) for i, p in enumerate(self.params) if p.grad is not None}
+        if not norms:
+            return None
+        reported = [norms[i] for i in self.reported if i in norms]
+        total = torch.stack(list(norms.values())).pow(2.0).sum().float().pow(1.0 / 2.0)
+        total = total * 1.0 / float(world_size())
+        if world_size() > 1:
+            torch.distributed.all_reduce(total)
+        clip_coef = torch.min(torch.tensor([1.0], device=total.device),
+                              torch.tensor([float(self.max_norm)], device=total.device) / (total + 1e-6))
+        for i in norms:
+            self.params[i].grad.detach().mul_(clip_coef)
+        return torch.stack(reported).norm() if reported else None
+
+
+class MasterWeights:
+    """fp32 copies of low-precision trained parameters, which the optimizer steps (DeepSpeed's unfused bf16
+    optimizer without ZeRO): the optimizer's param groups are pointed at the copies, the gradients are copied up
+    before a step and the weights copied down after it."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.pairs = []  # (model parameter, its fp32 master)
+        for group in optimizer.param_groups:
+            masters = []
+            for p in group["params"]:
+                master = p.detach().clone().float() if p.dtype != torch.float32 else p
+                if master is not p:
+                    master.requires_grad_(True)
+                self.pairs.append((p, master))
+                masters.append(master)
+            group["params"] = masters
+
+    def step(self, max_norm: float) -> tuple[float, bool]:
+        """(the gradient norm, whether the step was applied: not where the norm is not finite)."""
+        norms = []
+        for p, master in self.pairs:
+            grad = p.grad if p.grad is not None else torch.zeros(p.size(), dtype=p.dtype, device=p.device)
+            norms.append(grad.detach().float().norm(2.0))
+            master.grad = grad.to(torch.float32) if master is not p else grad
+        total = torch.stack(norms).norm(2.0).item() if norms else 0.0
+        if not (total == total and total != float("inf")):
+            for _, master in self.pairs:
+                master.grad = None
+            return total, False
+        if max_norm > 0:
+            scale = (total + 1e-6) / max_norm
+            if scale > 1:
+                for _, master in self.pairs:
+                    master.grad.mul_(1.0 / scale)
+        self.optimizer.step()
+        with torch.no_grad():
+            for p, master in self.pairs:
+                master.grad = None
+                if master is not p:
+                    p.copy_(master)
+        return total, True
+
+    def state(self) -> list:
+        return [master.detach() for _, master in self.pairs]
+
+    def load(self, saved: list | None):
+        if saved is None or len(saved) != len(self.pairs):
+            raise ValueError("checkpoint: its fp32 master weights do not match this run's trained weights")
+        with torch.no_grad():
+            for (p, master), value in zip(self.pairs, saved):
+                master.copy_(value)
+                if master is not p:
+                    p.copy_(master)
