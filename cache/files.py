@@ -40,7 +40,8 @@ class StagedFile:
         with open(self.path, "rb+") as f:
             os.fsync(f.fileno())  # the bytes are on disk before the name points at them
         os.chmod(self.path, self.mode)
-        os.replace(self.path, self.target)
+        from ..trainer.os_support import replace_file  # the platform module (no import of the pack's own)
+        replace_file(self.path, self.target)
         self.done = True
         fsync_dir(self.target.parent)
 

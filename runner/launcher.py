@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from ..trainer.events import EventReader
+from ..trainer.os_support import kill_processes, own_process_group, signal_tree, tree_of
 from ..trainer.layout import EVENTS_FILE, LOG_FILE, PID_FILE
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
@@ -62,7 +62,7 @@ class TrainerProcess:
             else:
                 # own session: a signal to the group reaches every process of the run and nothing else
                 self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             cwd=PACK_ROOT, env=env, start_new_session=True)
+                                             cwd=PACK_ROOT, env=env, **own_process_group())
         (self.run_dir / PID_FILE).write_text(str(self.proc.pid))
         # the next standby starts once this run ends, not beside it: its ComfyUI import opens a CUDA context,
         # memory this run's GPU would lose (a training prompt queued meanwhile starts one through the prompt hook)
@@ -86,28 +86,21 @@ class TrainerProcess:
         return self.events.poll()
 
     def terminate(self, grace_s: float = 2.0) -> int:
-        """SIGTERM to the whole group, SIGKILL after `grace_s`; returns once the leader is reaped."""
+        """Asks the run's whole process tree to stop, kills it after `grace_s`; returns once the leader is reaped
+        (os_support.signal_tree: the process group on POSIX, psutil's walk of the tree on Windows)."""
         if self.proc is None:
             return 0
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
+        for force, wait_s in ((False, grace_s), (True, 5.0)):
+            stragglers = tree_of(self.proc.pid)  # on Windows the children cannot be found once the leader is gone
+            signal_tree(self.proc.pid, force)
             try:
                 self.proc.wait(timeout=wait_s)
-                if sig == signal.SIGTERM:
-                    self._kill_stragglers()
+                kill_processes(stragglers)  # workers of a multi-process run may outlive the leader
+                signal_tree(self.proc.pid, True)
                 break
             except subprocess.TimeoutExpired:
                 continue
         return self.proc.returncode
-
-    def _kill_stragglers(self):
-        try:  # workers of a multi-process run may outlive the leader
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
     def log_tail(self, lines: int = 40) -> str:
         try:

@@ -93,6 +93,10 @@ def lora_output_path(output_name: str, folder: str = "loras") -> tuple[Path, str
     target = base / relative
     if target.is_dir():
         refuse(f"models/{folder}/{relative} is a folder")
+    from ..trainer.os_support import path_problem
+    too_long = path_problem(target.parent / ("." + parts[-1] + "x" * TEMP_NAME_EXTRA + ".safetensors"))
+    if too_long:  # the temporary name beside it is the longest path written
+        refuse(too_long)
     return target, relative
 
 

@@ -37,6 +37,10 @@ EVAL_MANIFEST_FILE = "eval_dataset.json"
 PRIOR_MANIFEST_FILE = "prior_dataset.json"
 
 
+# the longest path a run writes under its folder (a checkpoint being written, DeepSpeed's file names the longest)
+DEEPEST_RUN_FILE = "checkpoints/.partial-step_000000-0123456789abcdef/fake_step10/bf16_zero_pp_rank_00_mp_rank_00_optim_states.pt"
+
+
 def prepare_run(*, runs_root: Path, name: str, model: ModelSpec, dataset, cache_root: Path,
                 adapter: AdapterSpec | None = None, train: TrainSpec, lora_path: Path | None = None,
                 distributed: DistributedSpec | None = None, task: str = "train",
@@ -77,6 +81,12 @@ def prepare_run(*, runs_root: Path, name: str, model: ModelSpec, dataset, cache_
 def _write_run(run_dir: Path, *, name, model, dataset, cache_root, adapter, train, lora_path, distributed, task,
                eval_dataset, previews, previews_vae, prior_dataset, prior_weight, prior_fraction, file_format,
                overwrite, adjust) -> tuple[Path, Path]:
+    from ..trainer.os_support import path_problem
+    deepest = path_problem(run_dir / DEEPEST_RUN_FILE)
+    if deepest:  # refused before anything is written, rather than a checkpoint failing mid-run
+        raise ValueError(f"the run folder would be too deep for Windows ({deepest.split(' is ')[0]} is its "
+                         "deepest file): install ComfyUI in a shorter folder, use a shorter output name, or enable "
+                         "long paths in Windows")
     manifest = write_manifest(run_dir / MANIFEST_FILE, dataset, cache_root)
     spec = RunSpec(task=task, run_dir=str(run_dir), model=dataclasses.replace(model),
                    adapter=dataclasses.replace(adapter or AdapterSpec()),

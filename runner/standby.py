@@ -19,13 +19,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 from pathlib import Path
+
+from ..trainer.os_support import own_process_group, signal_tree, standby_supported
 
 log = logging.getLogger("ingraph_trainer")
 
@@ -38,7 +39,8 @@ TRAINER_NODES = frozenset({"InGraphTrainLoRA", "InGraphDistill", "InGraphEvaluat
 
 
 def enabled() -> bool:
-    return os.environ.get(ENABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    """Standbys are on unless turned off, where the system can hand a run over (os_support.standby_supported)."""
+    return standby_supported() and os.environ.get(ENABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def idle_seconds() -> float:
@@ -62,7 +64,7 @@ class Standby:
                    "--idle-s", str(idle_seconds())]
             # own session, as every trainer: a signal to the group reaches this process and its children only
             self.proc = subprocess.Popen(cmd, stdin=theirs.fileno(), stdout=output, stderr=subprocess.STDOUT,
-                                         cwd=PACK_ROOT, env=env, start_new_session=True)
+                                         cwd=PACK_ROOT, env=env, **own_process_group())
         finally:
             theirs.close()
             output.close()
@@ -97,10 +99,7 @@ class Standby:
         """Kills an unassigned standby: it holds nothing of a run, so there is nothing to let it finish."""
         self.close()
         if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            signal_tree(self.proc.pid, force=True)
         self.proc.wait()
 
 

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 from .layout import CHECKPOINTS_DIR
+from .os_support import replace_file
 from ..cache.files import fsync_dir
 from ..cache.store import file_sha256
 from .trust import TrustError, canonical, read_signed_json, write_signed_json
@@ -190,7 +191,7 @@ def save_checkpoint(engine, run_dir: str | Path, step: int, state: dict, is_rank
         write_mark(written, step)
         if path.exists() or path.is_symlink():
             _remove(path)
-        os.replace(written, path)
+        replace_file(written, path)
         fsync_dir(root)
         if keep_last > 0:
             prune_checkpoints(run_dir, keep_last, keep=path)

@@ -7,12 +7,7 @@ import contextlib
 import torch
 
 
-def _status_bytes(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) for line in status if line.startswith(field + ":")) * 1024
-    except (OSError, StopIteration, ValueError):
-        return None
+from .os_support import host_memory, restart_memory_peak
 
 
 @contextlib.contextmanager
@@ -20,13 +15,12 @@ def load_peak(report: dict):
     """Measures the host memory a load needs above what the process held before it: fills `report` with
     rss_before (VmRSS when the load starts) and peak (VmHWM when it ends, the kernel's high-water mark, restarted
     at the start where Linux allows). With the restart refused, the peak is the whole process's so far, which can
-    only overstate the load's. Empty on systems without /proc."""
-    with contextlib.suppress(OSError):
-        with open("/proc/self/clear_refs", "w") as clear:
-            clear.write("5")  # the high-water mark restarts here, after the imports
-    before = _status_bytes("VmRSS")
+    only overstate the load's (always so on Windows, whose peak working set cannot be restarted). Empty where the
+    system tells neither (os_support.host_memory)."""
+    restart_memory_peak()  # after the imports
+    before = host_memory()[0]
     yield report
-    peak = _status_bytes("VmHWM")
+    peak = host_memory()[1]
     if before is not None and peak is not None:
         report.update(rss_before=before, peak=peak)
 
