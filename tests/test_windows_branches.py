@@ -121,3 +121,50 @@ def test_memory_probes_on_windows_come_from_psutil(monkeypatch):
     monkeypatch.setattr("builtins.open", lambda *a, **k: opened.append(a) or (_ for _ in ()).throw(OSError()))
     os_support.restart_memory_peak()
     assert not opened  # no /proc on Windows
+
+
+def test_through_a_comfyui_server_on_windows_a_run_succeeds_and_cancel_leaves_no_process(assets, tmp_path):
+    """A ComfyUI server (and every trainer it starts) whose platform module sees Windows (tests/windows_view):
+    a one-process run from the graph trains and the node succeeds; a second run, cancelled, leaves no process."""
+    from tools.comfy_server import ComfyServer
+    from client.api import ComfyClient
+    from conftest import CHECKPOINT_NAME, IMAGE_FOLDER, ONE_IMAGE_FOLDER, REPO, wait_first_step
+    from test_run_control import training_only
+    mark = tmp_path / "windows_processes"
+    server = ComfyServer(tmp_path / "windows", pack_name="ingraph_trainer", extra_env={
+        "PYTHONPATH": str(REPO / "tests" / "windows_view"), "INGRAPH_FAKE_WINDOWS": "1",
+        "INGRAPH_FAKE_WINDOWS_MARK": str(mark), standby.ENABLE_ENV: "1"})
+    (server.dir("models", "checkpoints") / CHECKPOINT_NAME).symlink_to(assets["checkpoint"])
+    images, one = server.dir("input", IMAGE_FOLDER), server.dir("input", ONE_IMAGE_FOLDER)
+    for f in assets["images"].iterdir():
+        (images / f.name).write_bytes(f.read_bytes())
+    for f in sorted(assets["images"].iterdir())[:2]:
+        (one / f.name).write_bytes(f.read_bytes())
+    server.start().wait_ready(180)
+    client = ComfyClient(server.address)
+    try:
+        outcome = client.follow(client.queue(training_only("windows_run", 3)), timeout=300)
+        assert outcome.ok, outcome.error
+        assert (server.base_dir / "models" / "loras" / "windows_run.safetensors").is_file()
+        runs = server.base_dir / "output" / "ingraph" / "runs"
+        first = int(next(runs.glob("*windows_run*/trainer.pid")).read_text())
+        marked = {int(line) for line in mark.read_text().split()}
+        assert server.proc.pid in marked and first in marked  # both saw Windows
+        server_process = psutil.Process(server.proc.pid)
+        assert not [p for p in server_process.children(recursive=True) if "--standby" in p.cmdline()]
+
+        prompt_id = client.queue(training_only("windows_cancel", 5000))
+        run_id = wait_first_step(client, prompt_id)["run_id"]
+        pid = int((runs / run_id / "trainer.pid").read_text())
+        tree = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
+        client.post("/interrupt")
+        outcome = client.follow(prompt_id, timeout=120)
+        assert not outcome.ok
+        deadline = time.monotonic() + 15
+        while [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]:
+            assert time.monotonic() < deadline, [p.pid for p in tree if p.is_running()]
+            time.sleep(0.1)
+        assert pid in {int(line) for line in mark.read_text().split()}
+    finally:
+        client.close()
+        server.stop()
