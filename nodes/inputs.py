@@ -8,7 +8,9 @@ from ..trainer.config import PRECISION_CHOICES, choice_labels
 
 def precision_input():
     return io.Combo.Input("precision", options=choice_labels(PRECISION_CHOICES), default="bf16",
-                          tooltip="bf16: half the memory, faster on most GPUs; fp32: exact, reproducible.")
+                          tooltip="bf16: half the memory, faster on most GPUs; fp32: exact, reproducible; auto: "
+                                  "bf16 where the GPU has it, else fp16; fp16: for GPUs without bf16 (RTX 20xx "
+                                  "and older), with dynamic loss scaling.")
 
 
 def output_file_inputs(overwrite_note: str = "", checkpoint_note: str = "") -> list:

@@ -38,6 +38,7 @@ def spec_with(optimizer="adamw", precision="fp32", zero_stage=0, processes=1, pi
     ("adamw_schedulefree", "fp32", 3, 1, True),
     ("lion", "bf16", 3, 1, False), ("adamw", "bf16", 2, 1, False), ("adamw8bit", "bf16", 1, 1, False),
 ])
+@requires_deepspeed  # the layouts are two processes' (the rule for a missing DeepSpeed: tests/test_unit.py)
 def test_optimizers_are_refused_where_deepspeed_would_make_them_train_differently(optimizer, precision, zero_stage,
                                                                                   stages, refused):
     spec = spec_with(optimizer, precision, zero_stage, processes=2, pipeline_stages=stages)

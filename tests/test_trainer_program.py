@@ -11,7 +11,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import read_events, run_trainer, run_trainer_program
+from conftest import read_events, requires_deepspeed, run_trainer, run_trainer_program
 
 pytestmark = pytest.mark.comfyui
 
@@ -137,6 +137,7 @@ def test_tensorboard_has_the_health_metrics(two_step_run):
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2]
 
 
+@requires_deepspeed
 def test_8bit_adamw_with_optimizer_offload_under_zero1(prepared):
     spec = prepared(train__steps=4, train__precision="fp32", train__optimizer="adamw8bit",
                     distributed__zero_stage=1, distributed__offload_optimizer=True, train__learning_rate=1e-3,

@@ -159,7 +159,7 @@ def test_pack_import_is_light():
     code = ("import sys, types; p = types.ModuleType('ingraph_trainer'); p.__path__ = [%r]; "
             "sys.modules['ingraph_trainer'] = p; "
             "import ingraph_trainer.trainer.config, ingraph_trainer.runner.session, ingraph_trainer.cache.encoding; "
-            "heavy = [m for m in ('peft', 'diffusers', 'deepspeed', 'bitsandbytes', 'torch') if m in sys.modules]; "
+            "heavy = [m for m in ('peft', 'diffusers', 'deepspeed', 'bitsandbytes', 'torch') if sys.modules.get(m) is not None]; "
             "print(heavy)") % str(REPO)
     import subprocess
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -382,7 +382,8 @@ def test_block_swap_refuses_full_fine_tuning_and_pipelines_refuse_previews():
     assert config.spec_from_dict(flow).train.flow_shift == 3.0
 
 
-def test_distributed_layout_problems_are_one_list_for_the_node_and_the_spec(tmp_path):
+def test_distributed_layout_problems_are_one_list_for_the_node_and_the_spec(tmp_path, monkeypatch):
+    monkeypatch.setattr(config, "deepspeed_installed", lambda: True)  # the layout's own rules (DeepSpeed's below)
     layout = config.DistributedSpec(processes=3, pipeline_stages=2, zero_stage=2, offload_optimizer=False)
     assert layout.problems() == ["distributed.pipeline_stages: 2 stages do not divide 3 processes",
                                  "distributed.pipeline_stages: DeepSpeed pipelines take ZeRO stage 0 or 1 "
@@ -391,6 +392,25 @@ def test_distributed_layout_problems_are_one_list_for_the_node_and_the_spec(tmp_
     hosts.write_text("a slots=2\nb slots=2\n")  # with a hostfile the world size is the hostfile's, checked at start
     assert config.DistributedSpec(processes=3, pipeline_stages=2, hostfile=str(hosts)).problems() == []
     assert config.DistributedSpec(processes=4, pipeline_stages=2, zero_stage=1).problems() == []
+
+
+def test_a_layout_that_needs_deepspeed_is_refused_with_its_install_command_where_it_is_missing(monkeypatch):
+    """One GPU needs no DeepSpeed; every setting that does is refused, named, with the command that installs it
+    (DistributedSpec.problems: the DeepSpeed Settings node, the Train node and the spec all ask it)."""
+    monkeypatch.setattr(config, "deepspeed_installed", lambda: False)
+    assert config.DistributedSpec().problems() == []
+    assert config.DistributedSpec(processes=1, block_swap=2).problems() == []
+    for kwargs, field in (({"processes": 2}, "processes"), ({"zero_stage": 2}, "zero_stage"),
+                          ({"zero_stage": 1, "offload_optimizer": True}, "zero_stage"),
+                          ({"processes": 2, "pipeline_stages": 2}, "processes")):
+        problems = config.DistributedSpec(**kwargs).problems()
+        assert len(problems) == 1 and problems[0].startswith(f"distributed.{field}: "), problems
+        assert "needs DeepSpeed" in problems[0] and config.MULTI_GPU_INSTALL in problems[0]
+    spec = config.RunSpec(distributed=config.DistributedSpec(zero_stage=2))
+    with pytest.raises(config.RunSpecError, match="distributed.zero_stage: 2 needs DeepSpeed"):
+        spec.validate("run.toml")
+    monkeypatch.setattr(config, "deepspeed_installed", lambda: True)
+    assert config.DistributedSpec(zero_stage=2).problems() == []
 
 
 def test_zero3_across_machines_partitions_weights_again_within_each_machine(monkeypatch):
@@ -476,6 +496,21 @@ def test_each_rank_computes_on_its_own_gpu_with_tf32_where_the_card_has_it(monke
     assert device.choose_device() == torch.device("cpu") and chosen == [int(local_rank)]
 
 
+@pytest.mark.parametrize("cuda,bf16,expected", [(True, True, "bf16"), (True, False, "fp16"), (False, False, "bf16")])
+def test_auto_precision_is_bf16_where_the_device_computes_in_it_else_fp16(monkeypatch, cuda, bf16, expected):
+    """A Turing or Pascal card (no bf16) trains in fp16 with loss scaling; Ampere and newer, and the CPU, in bf16;
+    a precision chosen by name is kept (faked CUDA facts)."""
+    import torch
+    from ingraph_trainer.trainer import device
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: asked.append(including_emulation) or bf16)
+    assert device.concrete_precision("auto") == expected
+    assert asked == ([False] if cuda else [])  # emulated bf16 (Turing) is slower than fp16: not taken as bf16
+    assert [device.concrete_precision(p) for p in ("fp32", "bf16", "fp16")] == ["fp32", "bf16", "fp16"]
+
+
 def test_the_launch_keeps_to_the_gpus_comfyui_was_given(monkeypatch):
     """A server started with --cuda-device 4,5 (ComfyUI sets CUDA_VISIBLE_DEVICES) trains on GPUs 4 and 5:
     DeepSpeed's runner drops the variable when given --num_gpus, so the launch names them (--include)."""
@@ -490,3 +525,35 @@ def test_the_launch_keeps_to_the_gpus_comfyui_was_given(monkeypatch):
     assert cmd[cmd.index("--num_gpus") + 1] == "2" and "--include" not in cmd
     cmd = deepspeed_launch_command("python", 2, "hosts", master_port=1234)  # several machines: the hostfile says
     assert cmd[cmd.index("--hostfile") + 1] == "hosts" and "--include" not in cmd
+
+
+def test_block_swap_on_the_plain_engine_never_puts_the_swapped_weights_on_the_device(monkeypatch):
+    """A model larger than the card trains with block swap only if the swapped blocks' frozen weights never reach
+    the device whole: the plain engine's move leaves them in host memory (DeepSpeed's engine moved the whole module
+    first, issue 30). "meta" stands in for the device: every move to it is recorded, the tensor left where it is."""
+    import torch
+    from ingraph_trainer.trainer import device, memory, plain_engine
+    blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)])
+    adapter = torch.nn.Parameter(torch.zeros(4))
+    blocks[0].register_parameter("adapter", adapter)  # trained: stays with the optimizer, on the device
+    blocks.requires_grad_(False)
+    adapter.requires_grad_(True)
+    meta = torch.device("meta")
+    moved, real_to = [], torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        if meta in args or kwargs.get("device") == meta:
+            moved.append(self.data_ptr())
+            return self
+        return real_to(self, *args, **kwargs)
+    memory.enable_block_swap([blocks[0]], meta)
+    host_weights = {blocks[0].weight.data_ptr(), blocks[0].bias.data_ptr()}
+    monkeypatch.setattr(device, "training_device", lambda: meta)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    engine, *_ = plain_engine.initialize(model=blocks, optimizer=torch.optim.AdamW([adapter]),
+                                         config={"bf16": {"enabled": True}})
+    monkeypatch.setattr(torch.Tensor, "to", real_to)
+    assert engine.device == meta
+    assert blocks[0].weight.dtype == torch.float32 and blocks[0].adapter.dtype == torch.bfloat16  # swap holds it
+    expected = {p.data_ptr() for b in blocks for name, p in b.named_parameters()} - host_weights
+    assert len(moved) == len(expected) == 5 and set(moved) == expected

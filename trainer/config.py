@@ -91,8 +91,13 @@ SCHEDULE_CHOICES = (
     Choice("cosine", "cosine decay", "falls along a half cosine to 0 at the last step after the warmup."),
 )
 PRECISION_CHOICES = (
-    Choice("bf16", "bf16", "bfloat16 weights and activations (DeepSpeed's bf16 mode): half the memory."),
+    Choice("bf16", "bf16", "bfloat16 weights and activations, fp32 master copies of the trained weights: half the "
+           "memory."),
     Choice("fp32", "fp32", "float32 throughout: exact and repeatable, slower."),
+    Choice("auto", "auto", "bf16 where the GPU computes in it (Ampere and newer) and on a CPU; fp16 on older GPUs "
+           "(Turing, Pascal), decided by the trainer on its own device (trainer/device.py)."),
+    Choice("fp16", "fp16", "float16 weights and activations with dynamic loss scaling (a step whose gradients "
+           "overflow is skipped and the scale halved): for GPUs without bf16."),
 )
 LOSS_CHOICES = (
     Choice("mse", "MSE", "mean squared error."),

@@ -35,6 +35,17 @@ def choose_device():
     return torch.device("cuda", index)
 
 
+def concrete_precision(choice: str) -> str:
+    """train.precision "auto" on this process's device: bf16 where it computes in it (a GPU from Ampere on, or the
+    CPU), else fp16 (with loss scaling); any other choice as it is."""
+    if choice != "auto":
+        return choice
+    import torch
+    if local_cuda_index() is not None and not torch.cuda.is_bf16_supported(including_emulation=False):
+        return "fp16"
+    return "bf16"
+
+
 def training_device():
     """The device a run trains on: in a trainer rank (LOCAL_RANK set by the launcher), its own GPU; in the ComfyUI
     process checking a node's settings, ComfyUI's device (on the machine the trainer will use)."""

@@ -92,6 +92,9 @@ def deepspeed_config(spec) -> dict:
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,  # offload with torch's AdamW or bitsandbytes' (no 1-minute JIT)
         "bf16": {"enabled": t.precision == "bf16"},
+        # dynamic loss scaling from 2^16, halved on overflow, doubled after 1000 clean steps (plain_engine's too)
+        "fp16": {"enabled": t.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16,
+                 "loss_scale_window": 1000, "hysteresis": 1, "min_loss_scale": 1},
     }
     if spec.distributed.offload_optimizer:
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}

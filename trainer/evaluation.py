@@ -115,7 +115,8 @@ def run_evaluation(spec, events) -> dict:
     if world_size() > 1:
         init_distributed()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    dtype = torch.bfloat16 if spec.train.precision == "bf16" else torch.float32
+    from .models import PRECISION_DTYPES
+    dtype = getattr(torch, PRECISION_DTYPES[spec.train.precision])
     module = TrainingModule(family).to(device=device, dtype=dtype)
     family.diffusion_model.requires_grad_(False)
     events.emit("started", run_dir=spec.run_dir, total=0, start_step=0, world_size=world_size(), family=family.name,

@@ -84,7 +84,10 @@ class WholeModel(ParallelLayout):
         of the module, beside the pass the loop makes for the gradient norm it reports: this layout clips
         instead, from that one pass and in the engine's arithmetic (bit for bit the same weights). In one
         process the engine's all-reduce of the gradients only copies them into a buffer and back: left out."""
-        plain = not config["bf16"]["enabled"] and config["zero_optimization"]["stage"] == 0
+        low_precision = config["bf16"]["enabled"] or config["fp16"]["enabled"]
+        plain = not low_precision and config["zero_optimization"]["stage"] == 0
+        if low_precision:  # the engine's optimizer wrapper reports the norm of the gradients it unscaled
+            self._own_grad_norm = False
         if self.clips_itself and plain and config["gradient_clipping"] > 0:
             self._clipping = GradientClipping(config["gradient_clipping"])
             config = {**config, "gradient_clipping": 0.0}

@@ -14,7 +14,8 @@ from .comfy_env import import_comfy
 from .config import RunSpec
 from .batch_mix import StepBatches, build_training_data, prior_report
 from .data import load_cached_dataset, step_loader
-from .distributed import data_parallel_size, deepspeed_config, world_size
+from .device import training_device
+from .distributed import data_parallel_size, deepspeed_config, uses_deepspeed, world_size
 from .ema import build_average, exported_weights
 from .events import EVENTS_FILE, read_events
 from .export import diffusers_module_names
@@ -80,13 +81,16 @@ class Trainer(TrainingTask):
                                      diffusers_module_names(family.base_model))
         deepspeed = choose_engine(spec)  # before the model: pipeline stages need the process group
         swapped_blocks = memory_savers(family, spec)
+        swap_first = bool(swapped_blocks) and not uses_deepspeed(spec)  # the plain engine leaves them on the host
+        if swap_first:
+            enable_block_swap(swapped_blocks, training_device())
         self.layout = layout = choose_layout(spec, family, self.params)
         layout.check_data(self.dataset)
         optimizer = build_optimizer(spec, layout.trainable)
         self.optimizer = optimizer
         layout.initialize(deepspeed, optimizer, build_scheduler(spec, optimizer), deepspeed_config(spec))
         self.ema = build_average(spec, self.params)  # after initialize: on the device the engine put them on
-        if swapped_blocks:
+        if swapped_blocks and not swap_first:
             enable_block_swap(swapped_blocks, layout.device)
         self.batches = StepBatches(self.dataset, self.sampler, t, spec.data, data_parallel_size(spec),
                                    layout.data_rank)
@@ -137,7 +141,7 @@ class Trainer(TrainingTask):
         spec, t, d, family = self.spec, self.spec.train, self.spec.distributed, self.family
         prior, prior_warning = prior_report(self.dataset, self.sampler)
         self.events.emit("started", run_dir=str(self.run_dir), total=t.steps, start_step=start_step,
-                         world_size=world_size(), data_parallel=data_parallel_size(spec),
+                         world_size=world_size(), data_parallel=data_parallel_size(spec), precision=t.precision,
                          pipeline_stages=d.pipeline_stages, block_swap=d.block_swap, family=family.name,
                          prediction=family.prediction, objective={"loss": t.loss, "min_snr_gamma": t.min_snr_gamma},
                          adapted_modules=len(self.targets), trainable_params=sum(p.numel() for p in self.params),

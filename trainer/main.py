@@ -123,8 +123,9 @@ def main(argv=None) -> int:
 
     from .distributed import destroy, ensure_dist_env, rank
     ensure_dist_env()
-    from .device import choose_device
+    from .device import choose_device, concrete_precision
     choose_device()  # before ComfyUI's import and the model: both take the current device
+    spec.train.precision = concrete_precision(spec.train.precision)  # "auto": this device's answer
     run_dir = Path(spec.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     events = EventWriter(run_dir / EVENTS_FILE, enabled=rank() == 0)

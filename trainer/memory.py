@@ -46,7 +46,8 @@ def enable_block_swap(blocks, device):
         frozen = {name: p for name, p in block.named_parameters() if not p.requires_grad}
         host = {name: (p.detach().cpu().pin_memory() if pinned else p.detach().cpu()) for name, p in frozen.items()}
         for name, p in frozen.items():
-            p.data = host[name]  # the device copy is freed
+            p.data = host[name]  # the device copy, if any, is freed
+            p.host_resident = True  # plain_engine leaves it here: the model never has to fit the card whole
         forward = block.forward
 
         def run_on_device(*args, _block=block, _host=host, **kwargs):
@@ -65,8 +66,9 @@ def enable_block_swap(blocks, device):
 
 
 def memory_savers(family, spec) -> list:
-    """Checkpoints the blocks the spec asks for; returns the blocks to swap once the engine's device is known
-    (swapped blocks are checkpointed by the swap itself)."""
+    """Checkpoints the blocks the spec asks for; returns the blocks to swap (enable_block_swap: before the plain
+    engine moves the model to the device, which leaves them in host memory; after DeepSpeed's engine, which moves
+    everything; swapped blocks are checkpointed by the swap itself)."""
     t, d = spec.train, spec.distributed
     blocks = family.checkpoint_blocks() if (t.gradient_checkpointing or d.block_swap) else []
     if d.block_swap > len(blocks):

@@ -7,8 +7,9 @@ engine, tests/test_plain_engine.py), and nothing imports DeepSpeed:
 - at the accumulation boundary a trained parameter left without a gradient gets zeros (DeepSpeed's all-reduce
   does so), the gradients are clipped by DeepSpeed's rule (GradientClipping), the optimizer steps, every
   gradient is dropped and the scheduler steps;
-- bf16 (train.precision): every floating parameter is held in bf16 and the optimizer steps fp32 master copies of
-  the trained ones (DeepSpeed's bf16 optimizer without ZeRO); a step whose gradient norm is not finite is skipped.
+- bf16 and fp16 (train.precision): every floating parameter is held in that precision and the optimizer steps fp32
+  master copies of the trained ones (DeepSpeed's optimizer wrapper without ZeRO); a step whose gradient norm is not
+  finite is skipped; fp16 scales the loss dynamically (LossScale).
 
 The object answers the parts of DeepSpeed's engine interface the layouts and the distiller use (`initialize`,
 calling it, backward, step, is_gradient_accumulation_boundary, get_global_grad_norm, device, module,
@@ -33,23 +34,41 @@ def initialize(model=None, optimizer=None, lr_scheduler=None, config: dict | Non
     return engine, optimizer, None, lr_scheduler
 
 
+def move_to_device(module: torch.nn.Module, device) -> None:
+    """module.to(device), but for the weights block swap keeps in host memory (memory.enable_block_swap marks them
+    host_resident): a model larger than the card trains, its swapped blocks never having been on it whole."""
+    for sub in module.modules():
+        for name, p in sub._parameters.items():
+            if p is not None and not getattr(p, "host_resident", False) and p.device != device:
+                p.data = p.data.to(device)
+        for name, b in sub._buffers.items():
+            if b is not None and b.device != device:
+                sub._buffers[name] = b.to(device)
+
+
 class PlainEngine:
     def __init__(self, module: torch.nn.Module, optimizer, scheduler, config: dict):
         from .device import training_device
         self.module, self.optimizer, self.lr_scheduler = module, optimizer, scheduler
         self.grad_accum = int(config.get("gradient_accumulation_steps", 1))
         self.max_norm = float(config.get("gradient_clipping", 0.0))
-        self.bf16 = bool(config.get("bf16", {}).get("enabled"))
+        fp16 = config.get("fp16", {})
+        self.low_precision = torch.bfloat16 if config.get("bf16", {}).get("enabled") else \
+            torch.float16 if fp16.get("enabled") else None
         self.device = training_device()
         self.micro_steps = self.global_steps = 0
         self.enable_backward_allreduce = True  # as DeepSpeed's: off, a layout that fills gradients itself
         self._global_grad_norm = None
-        if self.bf16:
-            for p in module.parameters():
-                if p.dtype in LOW_PRECISION_CASTABLE and p.dtype != torch.bfloat16:
-                    p.data = p.data.to(torch.bfloat16)
-        module.to(self.device)
-        self.masters = MasterWeights(optimizer) if self.bf16 and optimizer is not None else None
+        self._params = list(module.parameters())
+        if self.low_precision is not None:
+            for p in self._params:
+                if p.dtype in LOW_PRECISION_CASTABLE and p.dtype != self.low_precision \
+                        and not getattr(p, "host_resident", False):
+                    p.data = p.data.to(self.low_precision)
+        move_to_device(module, self.device)
+        self.masters = MasterWeights(optimizer) if self.low_precision is not None and optimizer is not None else None
+        self.scaler = LossScale(2.0 ** fp16.get("initial_scale_power", 16), fp16.get("loss_scale_window", 1000)) \
+            if self.low_precision == torch.float16 else None
         self._clipping = None
         if self.max_norm > 0 and optimizer is not None and self.masters is None:
             self._clipping = GradientClipping(self.max_norm)
@@ -63,9 +82,9 @@ class PlainEngine:
 
     def backward(self, loss):
         scaled = loss / self.grad_accum
-        scaled.backward()
+        (scaled * self.scaler.scale if self.scaler is not None else scaled).backward()
         if self.is_gradient_accumulation_boundary() and self.enable_backward_allreduce:
-            for p in self.module.parameters():
+            for p in self._params:
                 if p.requires_grad and p.numel() and p.grad is None:
                     p.grad = torch.zeros(p.size(), dtype=p.dtype, device=p.device)
         return scaled
@@ -74,12 +93,17 @@ class PlainEngine:
         if self.is_gradient_accumulation_boundary():
             applied = True
             if self.masters is not None:
-                self._global_grad_norm, applied = self.masters.step(self.max_norm)
+                scale = self.scaler.scale if self.scaler is not None else 1.0
+                self._global_grad_norm, applied = self.masters.step(self.max_norm, scale)
+                if self.scaler is not None:
+                    self.scaler.update(applied)
+                    if not applied:  # an overflow of the scaled gradients, not of the training: no norm to report
+                        self._global_grad_norm = None
             else:
                 if self._clipping is not None:
                     self._clipping.clip()
                 self.optimizer.step()
-            for p in self.module.parameters():
+            for p in self._params:
                 p.grad = None
             if applied and self.lr_scheduler is not None:
                 self.lr_scheduler.step()
@@ -98,6 +122,7 @@ class PlainEngine:
         folder.mkdir(parents=True, exist_ok=True)
         torch.save({"module": self.trained_state(),
                     "masters": self.masters.state() if self.masters is not None else None,
+                    "loss_scale": self.scaler.state_dict() if self.scaler is not None else None,
                     "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
                     "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
                     "micro_steps": self.micro_steps, "global_steps": self.global_steps,
@@ -125,6 +150,8 @@ class PlainEngine:
                     trained[name].copy_(value)
         if self.masters is not None:
             self.masters.load(state["masters"])
+        if self.scaler is not None and state.get("loss_scale"):
+            self.scaler.load_state_dict(state["loss_scale"])
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
@@ -169,6 +196,29 @@ class GradientClipping:
         return torch.stack(reported).norm() if reported else None
 
 
+class LossScale:
+    """fp16's dynamic loss scale (DeepSpeed's and torch.amp's rule): the loss is multiplied by it before backward;
+    a step whose gradients overflow is skipped and the scale halved (not below 1); after `window` clean steps in a
+    row it doubles."""
+
+    def __init__(self, scale: float, window: int):
+        self.scale, self.window, self.clean = float(scale), int(window), 0
+
+    def update(self, applied: bool):
+        if not applied:
+            self.scale, self.clean = max(1.0, self.scale / 2), 0
+            return
+        self.clean += 1
+        if self.clean >= self.window:
+            self.scale, self.clean = self.scale * 2, 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean": self.clean}
+
+    def load_state_dict(self, state: dict):
+        self.scale, self.clean = float(state["scale"]), int(state["clean"])
+
+
 class MasterWeights:
     """fp32 copies of low-precision trained parameters, which the optimizer steps (DeepSpeed's unfused bf16
     optimizer without ZeRO): the optimizer's param groups are pointed at the copies, the gradients are copied up
@@ -187,13 +237,16 @@ class MasterWeights:
                 masters.append(master)
             group["params"] = masters
 
-    def step(self, max_norm: float) -> tuple[float, bool]:
-        """(the gradient norm, whether the step was applied: not where the norm is not finite)."""
+    def step(self, max_norm: float, loss_scale: float = 1.0) -> tuple[float, bool]:
+        """(the gradient norm, whether the step was applied: not where the norm is not finite). The gradients are
+        divided by `loss_scale` (fp16's) in fp32, before the norm and the clipping."""
         norms = []
         for p, master in self.pairs:
             grad = p.grad if p.grad is not None else torch.zeros(p.size(), dtype=p.dtype, device=p.device)
-            norms.append(grad.detach().float().norm(2.0))
             master.grad = grad.to(torch.float32) if master is not p else grad
+            if loss_scale != 1.0:
+                master.grad = master.grad / loss_scale
+            norms.append(master.grad.detach().norm(2.0))
         total = torch.stack(norms).norm(2.0).item() if norms else 0.0
         if not (total == total and total != float("inf")):
             for _, master in self.pairs:

@@ -53,7 +53,7 @@ def family_for(base_model, family: str = "auto", prediction: str = "auto", patch
     return family_class(base_model, family)(base_model, prediction, patcher)
 
 
-PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # train.precision → torch dtype name
+PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # train.precision → torch dtype
 
 
 def loader_options(weight_dtype: str) -> dict:
