@@ -53,11 +53,16 @@ def test_fp32_one_process_run_is_bit_identical_to_deepspeeds_engine(fp32_pair):
     assert finished["eval_after"] == fp32_pair["deepspeed"][2][-1]["eval_after"]
 
 
-def test_bf16_one_process_run_follows_the_fp32_run(prepared, fp32_pair):
+@pytest.fixture(scope="module")
+def bf16_run(prepared):
+    return trained(prepared(**dict(FIXED_FP32, train__precision="bf16")), "plain")
+
+
+def test_bf16_one_process_run_follows_the_fp32_run(bf16_run, fp32_pair):
     """bf16: the weights computed in bf16, the optimizer on fp32 master copies, so the run follows the fp32 one.
     (DeepSpeed's bf16 engine strays further, 2-3 % by step 3: at start-up its optimizer wrapper takes one AdamW step
     on zero gradients, which decays the weights and advances Adam's bias correction; this engine does not.)"""
-    plain, lora, events = trained(prepared(**dict(FIXED_FP32, train__precision="bf16")), "plain")
+    plain, lora, events = bf16_run
     fp32, _, fp32_events = fp32_pair["plain"]
     assert [s["loss"] for s in plain] != [s["loss"] for s in fp32]  # computed in bf16 indeed
     for a, b in zip(plain, fp32):
@@ -85,9 +90,12 @@ def test_fp16_overflowing_steps_are_skipped_and_the_run_goes_on(prepared):
     assert events[-1]["eval_after"] < events[-1]["eval_before"]
 
 
-def test_stop_then_resume_on_the_plain_engine_matches_uninterrupted(prepared, fp32_pair):
-    """The plain engine's own checkpoint (weights, optimizer, scheduler, step counts, random state) resumes exactly."""
-    spec = prepared(**FIXED_FP32)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_stop_then_resume_on_the_plain_engine_matches_uninterrupted(prepared, fp32_pair, bf16_run, precision):
+    """The plain engine's own checkpoint (weights, their fp32 masters in bf16, optimizer, scheduler, step counts,
+    random state) resumes exactly."""
+    uninterrupted = fp32_pair["plain"] if precision == "fp32" else bf16_run
+    spec = prepared(**dict(FIXED_FP32, train__precision=precision))
     first = run_trainer(spec, kill_on="checkpoint")
     assert first.returncode != 0
     saved = sorted((spec.parent / "checkpoints").glob("step_*"))
@@ -98,9 +106,9 @@ def test_stop_then_resume_on_the_plain_engine_matches_uninterrupted(prepared, fp
     started = [e for e in events if e["type"] == "started"]
     assert started[-1]["start_step"] == 2
     resumed = {e["step"]: e["loss"] for e in events if e["type"] == "step"}
-    reference = {s["step"]: s["loss"] for s in fp32_pair["plain"][0]}
+    reference = {s["step"]: s["loss"] for s in uninterrupted[0]}
     assert resumed == reference
-    lora, reference_lora = load_file(spec.parent / "lora.safetensors"), fp32_pair["plain"][1]
+    lora, reference_lora = load_file(spec.parent / "lora.safetensors"), uninterrupted[1]
     assert all(torch.equal(lora[k], reference_lora[k]) for k in reference_lora)
 
 

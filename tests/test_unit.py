@@ -546,7 +546,7 @@ def test_block_swap_on_the_plain_engine_never_puts_the_swapped_weights_on_the_de
             moved.append(self.data_ptr())
             return self
         return real_to(self, *args, **kwargs)
-    memory.enable_block_swap([blocks[0]], meta)
+    memory.enable_block_swap([blocks[0]], meta, torch.bfloat16)
     host_weights = {blocks[0].weight.data_ptr(), blocks[0].bias.data_ptr()}
     monkeypatch.setattr(device, "training_device", lambda: meta)
     monkeypatch.setattr(torch.Tensor, "to", to)
@@ -554,6 +554,6 @@ def test_block_swap_on_the_plain_engine_never_puts_the_swapped_weights_on_the_de
                                          config={"bf16": {"enabled": True}})
     monkeypatch.setattr(torch.Tensor, "to", real_to)
     assert engine.device == meta
-    assert blocks[0].weight.dtype == torch.float32 and blocks[0].adapter.dtype == torch.bfloat16  # swap holds it
+    assert blocks[0].weight.dtype == blocks[0].adapter.dtype == torch.bfloat16  # cast by the swap, as by the engine
     expected = {p.data_ptr() for b in blocks for name, p in b.named_parameters()} - host_weights
     assert len(moved) == len(expected) == 5 and set(moved) == expected

@@ -419,7 +419,7 @@ class Distiller(TrainingTask):
         """The generator's update (sub-step 0), then the fake score's updates (sub-steps 1..fake_updates), the
         first on the generator's own outputs; with a fake score per student step, each of its updates on fresh
         outputs of that step. (The step's losses, global means; the generator's gradient norm.)"""
-        dd = self.spec.distill
+        dd, t = self.spec.distill, self.spec.train
         regression = step <= dd.regression_steps
         sums = {"generator": 0.0, "dmd": 0.0, "gan": 0.0, "fake": 0.0}
         model_shape = None
@@ -437,7 +437,8 @@ class Distiller(TrainingTask):
             with frozen(self.fake_params if dd.gan_weight > 0 and not regression else []):
                 x0, parts = self.generator_loss(step, m, model_shape, latents, cond, pooled, references, regression)
                 engine.backward(parts["generator"])
-            if engine.is_gradient_accumulation_boundary():  # ZeRO and bf16 report theirs; else the Trainer's own
+            if engine.is_gradient_accumulation_boundary() and t.precision == "fp32":
+                # ZeRO, bf16 and fp16 report theirs (fp16's model gradients are loss-scaled); else the Trainer's own
                 own_norm = grad_norm(self.params)
             engine.step()
             outputs.append(x0.detach())

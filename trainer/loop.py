@@ -22,11 +22,16 @@ from .export import diffusers_module_names
 from .layouts import choose_engine, choose_layout
 from .memory import enable_block_swap, load_peak, memory_savers
 from .metrics import HealthLog, param_norm, param_norm_due
-from .models import load_family
+from .models import PRECISION_DTYPES, load_family
 from .optim import averaged_weights, build_optimizer, build_scheduler
 from .result import write_result
 from .run_control import RunControl, TrainingTask
 from .sampling import PreviewSampler
+
+
+def low_precision_dtype(precision: str):
+    """The dtype the engine casts the model to (bf16, fp16); None for fp32."""
+    return None if precision == "fp32" else getattr(torch, PRECISION_DTYPES[precision])
 
 
 class TrainingDiverged(RuntimeError):
@@ -83,7 +88,7 @@ class Trainer(TrainingTask):
         swapped_blocks = memory_savers(family, spec)
         swap_first = bool(swapped_blocks) and not uses_deepspeed(spec)  # the plain engine leaves them on the host
         if swap_first:
-            enable_block_swap(swapped_blocks, training_device())
+            enable_block_swap(swapped_blocks, training_device(), low_precision_dtype(t.precision))
         self.layout = layout = choose_layout(spec, family, self.params)
         layout.check_data(self.dataset)
         optimizer = build_optimizer(spec, layout.trainable)

@@ -34,16 +34,21 @@ def enable_gradient_checkpointing(blocks):
         block.forward = checkpointed
 
 
-def enable_block_swap(blocks, device):
+def enable_block_swap(blocks, device, dtype=None):
     """diffusion-pipe's block swap for adapter training: these blocks' frozen weights live in CPU memory and
     visit the device only while the block runs, in the forward pass and again when the backward pass
     recomputes it (swapped blocks are checkpointed, so no copy outlives its block's use). Trainable adapter
-    weights stay on the device, where the optimizer holds them."""
+    weights stay on the device, where the optimizer holds them. `dtype`: the training precision, given where the
+    engine casts the model after this (plain_engine), which leaves these weights alone."""
     import threading
     state = threading.local()
     pinned = torch.cuda.is_available()
     for block in blocks:
         frozen = {name: p for name, p in block.named_parameters() if not p.requires_grad}
+        if dtype is not None:  # the precision the engine gives every other weight (fp8 and integers stay as they are)
+            for p in frozen.values():
+                if p.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) and p.dtype != dtype:
+                    p.data = p.data.to(dtype)
         host = {name: (p.detach().cpu().pin_memory() if pinned else p.detach().cpu()) for name, p in frozen.items()}
         for name, p in frozen.items():
             p.data = host[name]  # the device copy, if any, is freed

@@ -36,8 +36,17 @@ def initialize(model=None, optimizer=None, lr_scheduler=None, config: dict | Non
 
 def move_to_device(module: torch.nn.Module, device) -> None:
     """module.to(device), but for the weights block swap keeps in host memory (memory.enable_block_swap marks them
-    host_resident): a model larger than the card trains, its swapped blocks never having been on it whole."""
+    host_resident): a model larger than the card trains, its swapped blocks never having been on it whole. Each
+    other layer moves through its own _apply (ComfyUI's quantized layers re-wrap their weights there)."""
+    def host(sub):
+        return any(getattr(p, "host_resident", False) for p in sub._parameters.values() if p is not None)
+    if not any(host(sub) for sub in module.modules()):
+        module.to(device)
+        return
     for sub in module.modules():
+        if not host(sub):
+            sub._apply(lambda t: t.to(device), recurse=False)
+            continue
         for name, p in sub._parameters.items():
             if p is not None and not getattr(p, "host_resident", False) and p.device != device:
                 p.data = p.data.to(device)
