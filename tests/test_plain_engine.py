@@ -75,18 +75,18 @@ def test_bf16_one_process_run_follows_the_fp32_run(bf16_run, fp32_pair):
 def test_fp16_overflowing_steps_are_skipped_and_the_run_goes_on(prepared):
     """fp16 with its dynamic loss scale. Started at 2^22 the scaled gradients overflow fp16: such a step is skipped
     (no gradient norm, no weight or schedule change) and the scale halves until steps apply; the run is not stopped
-    as diverged, and it learns. (fp16 computes ~30x slower than fp32 on this CPU, so 5 steps; a probe of the fixed
+    as diverged, and it learns. (fp16 computes ~30x slower than fp32 on this CPU, so 3 steps; a probe of the fixed
     run in fp16 from 2^16 followed the fp32 run's losses to 1e-4.)"""
-    spec = prepared(**dict(FIXED_FP32, train__precision="fp16", train__steps=5, train__save_every=0,
+    spec = prepared(**dict(FIXED_FP32, train__precision="fp16", train__steps=3, train__save_every=0,
                            train__lr_schedule="constant", train__warmup_steps=0))
     proc = run_trainer(spec, patch="huge_loss_scale", env={"INGRAPH_LOSS_SCALE_POWER": "22"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = read_events(spec.parent)
     norms = [e["grad_norm"] for e in events if e["type"] == "step"]
-    assert len(norms) == 5 and events[-1]["type"] == "finished"
+    assert len(norms) == 3 and events[-1]["type"] == "finished"
     skipped = norms.index(next(n for n in norms if n is not None))
     assert skipped >= 1 and all(n is None for n in norms[:skipped])  # overflowed, then applied
-    assert sum(n is not None for n in norms) >= 2
+    assert sum(n is not None for n in norms) >= 1
     assert events[-1]["eval_after"] < events[-1]["eval_before"]
 
 
