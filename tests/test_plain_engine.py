@@ -124,3 +124,22 @@ def test_a_one_process_run_imports_no_deepspeed(prepared):
     assert events[-1]["type"] == "finished"
     assert events[0]["precision"] == "bf16"  # "auto" on a CPU, decided by the trainer
     assert not [m for m in imported if m.split(".")[0] == "deepspeed"]
+
+
+@requires_deepspeed
+def test_a_run_checkpointed_by_deepspeeds_engine_resumes_on_the_plain_engine(prepared, fp32_pair):
+    """A one-process run started before this engine (DeepSpeed's files in its checkpoint) resumes on it, bit for bit
+    the run the plain engine trains uninterrupted."""
+    spec = prepared(**FIXED_FP32)
+    first = run_trainer(spec, kill_on="checkpoint", env={"INGRAPH_TRAINER_ENGINE": "deepspeed"})
+    assert first.returncode != 0
+    saved = sorted((spec.parent / "checkpoints").glob("step_*"))
+    assert [p.name for p in saved] == ["step_000002"] and (saved[0] / "mp_rank_00_model_states.pt").is_file()
+    proc = run_trainer(spec, "--resume", "latest")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = read_events(spec.parent)
+    assert [e["start_step"] for e in events if e["type"] == "started"][-1] == 2
+    assert {e["step"]: e["loss"] for e in events if e["type"] == "step"} == \
+        {s["step"]: s["loss"] for s in fp32_pair["plain"][0]}
+    lora, reference = load_file(spec.parent / "lora.safetensors"), fp32_pair["plain"][1]
+    assert all(torch.equal(lora[k], reference[k]) for k in reference)

@@ -168,3 +168,17 @@ def test_through_a_comfyui_server_on_windows_a_run_succeeds_and_cancel_leaves_no
     finally:
         client.close()
         server.stop()
+
+
+def test_a_parent_whose_pid_was_given_to_another_process_counts_as_gone(monkeypatch):
+    """Windows hands a dead process's pid out again quickly, and os.getppid() there keeps naming the dead parent:
+    the watchdog tells its parent by start time too (psutil's create_time, faked here)."""
+    view = types.SimpleNamespace(**{name: getattr(os, name) for name in dir(os) if not name.startswith("__")})
+    view.name = "nt"
+    monkeypatch.setattr(os_support, "os", view)
+    me = os.getpid()
+    started = os_support.process_started(me)
+    assert started is not None and not os_support.process_gone(me, started)
+    monkeypatch.setattr(psutil.Process, "create_time", lambda self: started + 5.0)  # the pid, reused
+    assert os_support.process_gone(me, started)
+    assert not os_support.process_gone(me)  # without the start time a reused pid looks alive

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .config import RunSpecError, load_run_spec, parse_run_spec
 from .events import EVENTS_FILE, EventWriter
-from .os_support import process_gone
+from .os_support import process_gone, process_started
 
 EXIT_BAD_SPEC = 2
 EXIT_FAILED = 1
@@ -49,11 +49,12 @@ def start_parent_watchdog(parent_pid: int, events: EventWriter, interval: float 
         return
 
     direct_child = os.getppid() == parent_pid
+    started = process_started(parent_pid)
 
     def watch():
         while True:
             time.sleep(interval)
-            if (direct_child and os.getppid() != parent_pid) or process_gone(parent_pid):
+            if (direct_child and os.getppid() != parent_pid) or process_gone(parent_pid, started):
                 events.emit("error", message=f"parent process {parent_pid} exited; trainer stopping")
                 os._exit(EXIT_ORPHANED)
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()

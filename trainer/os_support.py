@@ -131,8 +131,24 @@ def path_problem(path) -> str | None:
     return None
 
 
-def process_gone(pid: int) -> bool:
-    """True when `pid` no longer runs: it does not exist, or it was killed and is not yet reaped (a zombie)."""
+def process_started(pid: int) -> float | None:
+    """When `pid` started (psutil's create_time), to tell it from a later process given the same pid; None where
+    it is gone or cannot be asked."""
+    import psutil  # a ComfyUI requirement
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.Error, OSError):
+        return None
+
+
+def process_gone(pid: int, started: float | None = None) -> bool:
+    """True when `pid` no longer runs: it does not exist, it was killed and is not yet reaped (a zombie), or, with
+    `started` (process_started's answer while it ran), the pid now belongs to a process started since (Windows
+    hands pids out again quickly, and its os.getppid() keeps naming a parent that is gone)."""
+    if started is not None:
+        now = process_started(pid)
+        if now is not None and abs(now - started) > 1e-3:
+            return True
     if os.name == "nt":  # there os.kill(pid, 0) would send CTRL_C_EVENT, not probe
         import psutil  # a ComfyUI requirement
         try:

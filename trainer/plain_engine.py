@@ -143,11 +143,11 @@ class PlainEngine:
         folder = Path(load_dir) / tag
         if not (folder / STATE_FILE).is_file():
             if (folder / DEEPSPEED_STATE_FILE).is_file():
-                raise ValueError(f"checkpoint {folder.name} was written by DeepSpeed's engine (this pack before "
-                                 "one-process runs trained without it); resume it with the version that wrote it, "
-                                 "or start a new run from its adapter (continue_from)")
-            raise ValueError(f"checkpoint {folder.name} holds no {STATE_FILE}")
-        state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=True)
+                state = self._from_deepspeed(folder)
+            else:
+                raise ValueError(f"checkpoint {folder.name} holds no {STATE_FILE}")
+        else:
+            state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=True)
         trained = dict(self.module.named_parameters())
         missing = [name for name, p in trained.items() if p.requires_grad and name not in state["module"]]
         if missing:
@@ -167,6 +167,29 @@ class PlainEngine:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.micro_steps, self.global_steps = state["micro_steps"], state["global_steps"]
         return str(folder), state["client_state"]
+
+    def _from_deepspeed(self, folder: Path) -> dict:
+        """A checkpoint DeepSpeed's one-process engine wrote (a run started before one-process runs trained
+        without it), in this engine's form: its trained weights, optimizer (bf16: the fp32 masters and the wrapped
+        optimizer's state), scheduler, step count and client state. DeepSpeed's file is a pickle with its config
+        in it; like DeepSpeed, this reads the private copy whose every byte checkpoint.load_checkpoint checked
+        against the signed digests."""
+        saved = torch.load(folder / DEEPSPEED_STATE_FILE, map_location="cpu", weights_only=False)
+        optimizer, masters = saved.get("optimizer"), None
+        if isinstance(optimizer, dict) and "optimizer_state_dict" in optimizer:  # its bf16 / fp16 wrapper
+            masters = [t for group in optimizer.get("fp32_groups", []) for t in group]
+            optimizer = optimizer["optimizer_state_dict"]
+        if optimizer is None or (self.masters is not None) != (masters is not None):
+            raise ValueError(f"checkpoint {folder.name} was written by DeepSpeed's engine in another layout or "
+                             "precision; resume it with the settings it was trained with")
+        own = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+               "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps",
+               "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version"}
+        steps = int(saved["global_steps"])
+        return {"module": saved["module"], "masters": masters, "optimizer": optimizer,
+                "lr_scheduler": saved.get("lr_scheduler"), "global_steps": steps,
+                "micro_steps": steps * self.grad_accum,
+                "client_state": {k: v for k, v in saved.items() if k not in own and not k.startswith("ds_")}}
 
 
 class GradientClipping:
