@@ -50,6 +50,23 @@ def test_optimizers_are_refused_where_deepspeed_would_make_them_train_differentl
     assert optimizer in str(err.value) and f"zero_stage {zero_stage}" in str(err.value)
 
 
+def test_a_factored_optimizer_trains_factored_in_bf16_in_one_process(prepared):
+    """One process trains without DeepSpeed: its fp32 master copies keep each weight's shape, so Adafactor keeps
+    its row and column factors in bf16 too (refused there while DeepSpeed flattened them); ZeRO still refuses it."""
+    from conftest import run_trainer
+    spec_with("adafactor", "bf16").validate()
+    with pytest.raises(RunSpecError, match=r"train\.optimizer: adafactor"):
+        spec_with("adafactor", "bf16", zero_stage=1).validate()
+    spec = prepared(train__optimizer="adafactor", train__precision="bf16", train__steps=2, train__save_every=1,
+                    train__eval_quantiles=[0.5], train__learning_rate=1e-3)
+    proc = run_trainer(spec)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    state = torch.load(spec.parent / "checkpoints" / "step_000001" / "plain_engine.pt", weights_only=True)
+    per_param = list(state["optimizer"]["state"].values())
+    assert per_param and any("exp_avg_sq_row" in s for s in per_param)  # 2-D LoRA weights, factored
+    assert all(t.dtype == torch.float32 for t in state["masters"])
+
+
 @requires_deepspeed
 def test_ema_is_refused_where_processes_hold_slices_of_the_weights():
     for kwargs, message in (({"zero_stage": 3}, r"train\.ema_decay: ZeRO-3 \(distributed\.zero_stage 3\)"),

@@ -499,11 +499,13 @@ class RunSpec:
              "ZeRO-3 (distributed.zero_stage 3) partitions the weights across processes; use stage 0-2 with EMA")
         need(not t.ema_decay or d.pipeline_stages <= 1, "train.ema_decay",
              "pipeline stages (distributed.pipeline_stages) hold a share of the layers each; EMA needs one stage")
-        need(t.optimizer not in FACTORED_OPTIMIZERS or (d.zero_stage == 0 and t.precision == "fp32"),
+        # one process without DeepSpeed (plain_engine) hands it fp32 master copies of the weights' own shapes
+        need(t.optimizer not in FACTORED_OPTIMIZERS
+             or (d.zero_stage == 0 and (t.precision == "fp32" or not d.needs_deepspeed)),
              "train.optimizer", f"{t.optimizer} factors the second moment of each weight matrix, but DeepSpeed "
              f"hands it flattened 1-D copies under ZeRO (distributed.zero_stage {d.zero_stage}) and in bf16 "
-             f"(train.precision {t.precision}), where it would silently train unfactored; use fp32 with "
-             "distributed.zero_stage 0, or another optimizer")
+             f"on several processes (train.precision {t.precision}), where it would silently train unfactored; "
+             "use one process, or fp32 with distributed.zero_stage 0, or another optimizer")
         need(t.optimizer != "prodigy" or (d.zero_stage == 0 and d.pipeline_stages <= 1), "train.optimizer",
              f"prodigy estimates one step size from all the weights, but ZeRO (distributed.zero_stage "
              f"{d.zero_stage}) and pipeline stages ({d.pipeline_stages}) give each process a share of them, so "
