@@ -204,7 +204,7 @@ def test_a_refused_spec_leaves_no_half_written_run_folder(tmp_path):
     with pytest.raises(RunSpecError, match="train.optimizer"):
         prepare_run(runs_root=runs, name="refused", model=ModelSpec(path=str(tmp_path / "m.safetensors")),
                     dataset=dataset, cache_root=tmp_path / "cache", lora_path=tmp_path / "out.safetensors",
-                    train=TrainSpec(optimizer="adafactor", precision="bf16"))
+                    train=TrainSpec(optimizer="adamw_schedulefree", precision="bf16"))
     assert list(runs.iterdir()) == []
     kept = tmp_path / "mine"  # a folder the caller made is left as it was
     kept.mkdir()
@@ -212,5 +212,5 @@ def test_a_refused_spec_leaves_no_half_written_run_folder(tmp_path):
     with pytest.raises(RunSpecError):
         prepare_run(runs_root=runs, name="refused", model=ModelSpec(path=str(tmp_path / "m.safetensors")),
                     dataset=dataset, cache_root=tmp_path / "cache", lora_path=tmp_path / "out.safetensors",
-                    train=TrainSpec(optimizer="adafactor", precision="bf16"), run_dir=kept)
+                    train=TrainSpec(optimizer="adamw_schedulefree", precision="bf16"), run_dir=kept)
     assert (kept / "notes.txt").read_text() == "keep"
