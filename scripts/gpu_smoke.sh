@@ -7,7 +7,8 @@
 #   env      versions, the GPU, and whether ComfyUI, DeepSpeed and diffusers import
 #   e2e      the trainer program end to end on the embedded default (tiny SD1.5), 64 px and 512 px, on the GPU
 #   fp8      a tiny SD1.5 UNet as UNETLoader fp8_e4m3fn and fp8_e4m3fn_fast: LoRA training, then the evaluate task
-#   tests:F  pytest on the files F (INGRAPH_SKIP_DISTILL_QUALITY=1 INGRAPH_SKIP_CHROMA_GRAPH=1), junit XML to $OUT
+#   bench    bench/gpu.py $BENCH_ARGS (the Train node vs TrainLoraNode vs a bare loop, through a ComfyUI server on the GPU)
+#   tests:F  pytest on the files F (the GPU tier: "tests:-m gpu tests/test_gpu.py") (INGRAPH_SKIP_DISTILL_QUALITY=1 INGRAPH_SKIP_CHROMA_GRAPH=1), junit XML to $OUT
 # Code runs from .gpu/repo (a fixed `git archive HEAD`), never from the live tree.
 set -uo pipefail
 ROOT="$(pwd)"
@@ -214,6 +215,13 @@ EOF
   done
 }
 
+stage_bench() {
+  stamp "bench/gpu.py ${BENCH_ARGS:-}"
+  # shellcheck disable=SC2086
+  (cd "$REPO" && timeout -k 10 "${BENCH_TIMEOUT:-420}" $PY bench/gpu.py --work "$W/bench" ${BENCH_ARGS:-})
+  stamp "bench exit $?"
+}
+
 stage_tests() {  # FILES...
   local n; n=$(ls "$OUTD"/junit*.xml 2>/dev/null | wc -l)
   stamp "pytest $*"
@@ -225,7 +233,7 @@ stage_tests() {  # FILES...
 for stage in "$@"; do
   case "$stage" in
     tests:*) read -ra files <<< "${stage#tests:}"; stage_tests "${files[@]}" 2>&1 | tee -a "$OUTD/tests.log" ;;
-    install|env|e2e|fp8) "stage_$stage" 2>&1 | tee -a "$OUTD/$stage.log"
+    install|env|e2e|fp8|bench) "stage_$stage" 2>&1 | tee -a "$OUTD/$stage.log"
       [ "$stage" = install ] && [ ! -f /tmp/site/.ingraph-installed ] && { stamp "install failed"; exit 1; } ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac

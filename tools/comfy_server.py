@@ -31,7 +31,7 @@ class ComfyServer:
 
     def __init__(self, base_dir: str | Path, *, port: int | None = None, python: str = sys.executable,
                  pack_name: str = "InGraph-Trainer", with_pack: bool = True, extra_args: tuple = (),
-                 extra_env: dict | None = None):
+                 extra_env: dict | None = None, cpu: bool = True):
         self.base_dir = Path(base_dir)
         self.port = port or free_port()
         self.python = python
@@ -39,6 +39,7 @@ class ComfyServer:
         self.with_pack = with_pack
         self.extra_args = list(extra_args)
         self.extra_env = dict(extra_env or {})
+        self.cpu = cpu  # --cpu: the suite's servers never take a GPU; bench/gpu.py's does
         self.proc: subprocess.Popen | None = None
         self.log_path = self.base_dir / "comfyui.log"
 
@@ -52,7 +53,7 @@ class ComfyServer:
         return path
 
     def command(self) -> list[str]:
-        return [self.python, str(comfyui_path() / "main.py"), "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
+        return [self.python, str(comfyui_path() / "main.py"), *(["--cpu"] if self.cpu else []), "--listen", "127.0.0.1", "--port", str(self.port),
                 "--disable-auto-launch", "--disable-api-nodes", "--database-url", "sqlite:///:memory:",
                 "--base-directory", str(self.base_dir), *self.extra_args]
 

@@ -55,3 +55,14 @@ def training_device():
         return torch.device("cuda", index)
     import comfy.model_management
     return comfy.model_management.get_torch_device()
+
+
+def device_memory(device) -> dict | None:
+    """The run's device memory so far (bytes): the allocator's peak, what it reserved at most, and the card's
+    total; None on the CPU. The memory plan's measurement on a GPU."""
+    if getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+    return {"peak_allocated": torch.cuda.max_memory_allocated(device),
+            "peak_reserved": torch.cuda.max_memory_reserved(device),
+            "total": torch.cuda.get_device_properties(device).total_memory}

@@ -14,7 +14,7 @@ from .comfy_env import import_comfy
 from .config import RunSpec
 from .batch_mix import StepBatches, build_training_data, prior_report
 from .data import load_cached_dataset, step_loader
-from .device import training_device
+from .device import device_memory, training_device
 from .distributed import data_parallel_size, deepspeed_config, uses_deepspeed, world_size
 from .ema import build_average, exported_weights
 from .events import EVENTS_FILE, read_events
@@ -138,7 +138,8 @@ class Trainer(TrainingTask):
                          eval_before=eval_before["loss"] if eval_before else None, eval_after=eval_after["loss"],
                          best_eval_step=self.best.get("step"), best_eval_loss=self.best.get("loss"),
                          mean_step_s=self.control.mean_step_s(),
-                         data_wait_s=round(self.data_wait, 4), wall_s=time.time() - self.started_at)
+                         data_wait_s=round(self.data_wait, 4), wall_s=time.time() - self.started_at,
+                         device_memory=device_memory(self.layout.device))
         return adapter
 
     def announce(self, start_step: int, resumed_from):
@@ -147,6 +148,7 @@ class Trainer(TrainingTask):
         prior, prior_warning = prior_report(self.dataset, self.sampler)
         self.events.emit("started", run_dir=str(self.run_dir), total=t.steps, start_step=start_step,
                          world_size=world_size(), data_parallel=data_parallel_size(spec), precision=t.precision,
+                         device=str(self.layout.device),
                          pipeline_stages=d.pipeline_stages, block_swap=d.block_swap, family=family.name,
                          prediction=family.prediction, objective={"loss": t.loss, "min_snr_gamma": t.min_snr_gamma},
                          adapted_modules=len(self.targets), trainable_params=sum(p.numel() for p in self.params),
