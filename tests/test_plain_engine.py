@@ -1,7 +1,10 @@
 """One process trains in plain PyTorch (trainer/plain_engine.py), with DeepSpeed's numbers and without DeepSpeed.
 
 The comparison runs take DeepSpeed's engine through INGRAPH_TRAINER_ENGINE=deepspeed (what one-process runs used
-before); both are the trainer program on the same spec."""
+before); both are the trainer program on the same spec. "Bit for bit" holds on a CPU. On a GPU, two fp32 runs of the
+same spec already differ (attention's backward adds in any order; seen on an H200: 3e-5 relative by step 2, while bf16
+runs repeated exactly), so there the comparisons hold to GPU_RTOL, far below what a lost generator or optimizer state
+changes (1e-2 and more)."""
 from __future__ import annotations
 
 import subprocess
@@ -15,6 +18,21 @@ from conftest import REPO, read_events, requires_deepspeed, run_trainer
 from ingraph_trainer.trainer.config import deepspeed_installed
 
 pytestmark = pytest.mark.comfyui
+ON_GPU = torch.cuda.is_available()  # the trainer's children compute on it (asked through NVML: no context here)
+GPU_RTOL = 2e-4
+
+
+def same_numbers(a: list, b: list) -> bool:
+    """Equal on a CPU; within GPU_RTOL of each other on a GPU (see above)."""
+    if not ON_GPU:
+        return a == b
+    return len(a) == len(b) and all((x is None and y is None) or abs(x - y) <= GPU_RTOL * abs(y) for x, y in zip(a, b))
+
+
+def same_tensors(a: dict, b: dict) -> bool:
+    if not ON_GPU:
+        return all(torch.equal(a[k], b[k]) for k in b)
+    return all(torch.allclose(a[k], b[k], rtol=1e-3, atol=5e-5) for k in b)
 
 # the fixed 5-step fp32 run: accumulation 2 (the loss scaling and the boundary), clipping on (the default 1.0,
 # and low enough here to clip), a warm-up and a linear schedule (the scheduler's steps), a checkpoint at step 2
@@ -43,14 +61,14 @@ def fp32_pair(prepared):
 @requires_deepspeed
 def test_fp32_one_process_run_is_bit_identical_to_deepspeeds_engine(fp32_pair):
     (plain, plain_lora, plain_events), (ds, ds_lora, _) = fp32_pair["plain"], fp32_pair["deepspeed"]
-    assert [s["loss"] for s in plain] == [s["loss"] for s in ds]
-    assert [s["grad_norm"] for s in plain] == [s["grad_norm"] for s in ds]
+    assert same_numbers([s["loss"] for s in plain], [s["loss"] for s in ds])
+    assert same_numbers([s["grad_norm"] for s in plain], [s["grad_norm"] for s in ds])
     assert [s["lr"] for s in plain] == [s["lr"] for s in ds]
     assert max(s["grad_norm"] for s in plain) > FIXED_FP32["train__max_grad_norm"]  # clipping took part
     assert plain_lora.keys() == ds_lora.keys() and plain_lora
-    assert all(torch.equal(plain_lora[k], ds_lora[k]) for k in plain_lora)
+    assert same_tensors(plain_lora, ds_lora)
     finished = plain_events[-1]
-    assert finished["eval_after"] == fp32_pair["deepspeed"][2][-1]["eval_after"]
+    assert same_numbers([finished["eval_after"]], [fp32_pair["deepspeed"][2][-1]["eval_after"]])
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +125,9 @@ def test_stop_then_resume_on_the_plain_engine_matches_uninterrupted(prepared, fp
     assert started[-1]["start_step"] == 2
     resumed = {e["step"]: e["loss"] for e in events if e["type"] == "step"}
     reference = {s["step"]: s["loss"] for s in uninterrupted[0]}
-    assert resumed == reference
+    assert resumed.keys() == reference.keys() and same_numbers(list(resumed.values()), list(reference.values()))
     lora, reference_lora = load_file(spec.parent / "lora.safetensors"), uninterrupted[1]
-    assert all(torch.equal(lora[k], reference_lora[k]) for k in reference_lora)
+    assert same_tensors(lora, reference_lora)
 
 
 def test_a_one_process_run_imports_no_deepspeed(prepared):
@@ -139,7 +157,8 @@ def test_a_run_checkpointed_by_deepspeeds_engine_resumes_on_the_plain_engine(pre
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = read_events(spec.parent)
     assert [e["start_step"] for e in events if e["type"] == "started"][-1] == 2
-    assert {e["step"]: e["loss"] for e in events if e["type"] == "step"} == \
-        {s["step"]: s["loss"] for s in fp32_pair["plain"][0]}
+    resumed = {e["step"]: e["loss"] for e in events if e["type"] == "step"}
+    reference = {s["step"]: s["loss"] for s in fp32_pair["plain"][0]}
+    assert resumed.keys() == reference.keys() and same_numbers(list(resumed.values()), list(reference.values()))
     lora, reference = load_file(spec.parent / "lora.safetensors"), fp32_pair["plain"][1]
-    assert all(torch.equal(lora[k], reference[k]) for k in reference)
+    assert same_tensors(lora, reference)
