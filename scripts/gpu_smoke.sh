@@ -8,7 +8,8 @@
 #   e2e      the trainer program end to end on the embedded default (tiny SD1.5), 64 px and 512 px, on the GPU
 #   fp8      a tiny SD1.5 UNet as UNETLoader fp8_e4m3fn and fp8_e4m3fn_fast: LoRA training, then the evaluate task
 #   bench    bench/gpu.py $BENCH_ARGS (the Train node vs TrainLoraNode vs a bare loop, through a ComfyUI server on the GPU)
-#   tests:F  pytest on the files F (the GPU tier: "tests:-m gpu tests/test_gpu.py") (INGRAPH_SKIP_DISTILL_QUALITY=1 INGRAPH_SKIP_CHROMA_GRAPH=1), junit XML to $OUT
+#   tests:F  pytest on the files F (the GPU tier: "tests:-m gpu tests/test_gpu.py"); F is split on spaces, so a -k
+#            expression of several words goes in PYTEST_K (INGRAPH_SKIP_DISTILL_QUALITY=1 INGRAPH_SKIP_CHROMA_GRAPH=1), junit XML to $OUT
 # Code runs from .gpu/repo (a fixed `git archive HEAD`), never from the live tree.
 set -uo pipefail
 ROOT="$(pwd)"
@@ -226,7 +227,7 @@ stage_tests() {  # FILES...
   local n; n=$(ls "$OUTD"/junit*.xml 2>/dev/null | wc -l)
   stamp "pytest $*"
   (cd "$REPO" && timeout -k 10 "${TESTS_TIMEOUT:-420}" $PY -m pytest -v -rfE -p no:cacheprovider --timeout 300 \
-     --junitxml="$OUTD/junit$n.xml" "$@")
+     --junitxml="$OUTD/junit$n.xml" ${PYTEST_K:+-k "$PYTEST_K"} "$@")
   stamp "pytest exit $?"
 }
 
