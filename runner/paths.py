@@ -10,8 +10,20 @@ def _output_root() -> Path:
     return Path(folder_paths.get_output_directory()) / "ingraph"
 
 
+DATA_DIR_ENV = "INGRAPH_DATA_DIR"
+
+
+def data_root() -> Path:
+    """The pack's files that no client may read or replace: the dataset cache and the model copies it materialises.
+    Any client reads output/ (GET /view) and writes it (POST /upload/image with type=output), so they live beside it,
+    in ComfyUI's base directory (`--base-directory`, else ComfyUI's own folder), which ComfyUI serves nothing from;
+    or where the operator's environment variable INGRAPH_DATA_DIR says (no node input can move it)."""
+    import folder_paths
+    return Path(os.environ.get(DATA_DIR_ENV) or Path(folder_paths.base_path) / "ingraph_data")
+
+
 def cache_root() -> Path:
-    return Path(os.environ.get("INGRAPH_CACHE_DIR") or _output_root() / "cache")
+    return Path(os.environ.get("INGRAPH_CACHE_DIR") or data_root() / "cache")
 
 
 def runs_root() -> Path:
@@ -23,7 +35,7 @@ def evals_root() -> Path:
 
 
 def models_root() -> Path:
-    return _output_root() / "models"
+    return data_root() / "models"
 
 
 def comfyui_root() -> str:

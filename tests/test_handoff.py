@@ -3,6 +3,7 @@ ComfyUI gives the device up before the trainer starts (runner/model_source.py, r
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import time
@@ -186,8 +187,26 @@ def write_upstream_lora(checkpoint: Path, path: Path, rank: int = 2):
     save_file(tensors, str(path))
 
 
+def assert_out_of_clients_reach(comfy, client, model_copy: Path, manifest: Path):
+    """The materialised copy (possibly a user's private merge) and the dataset cache live in the pack's data folder,
+    which no ComfyUI route serves: a client can neither download them (GET /view) nor plant replacements
+    (POST /upload/image with type=output), as it could while they lived under output/ingraph/."""
+    import urllib.error
+    data = comfy.base_dir / "ingraph_data"
+    cache_db = json.loads(manifest.read_text())["cache_root"]
+    assert model_copy.is_file() and model_copy.parent == data / "models"
+    assert Path(cache_db) == data / "cache" and (data / "cache" / "cache.sqlite").is_file()
+    assert not (comfy.base_dir / "output" / "ingraph" / "models").exists()
+    assert not (comfy.base_dir / "output" / "ingraph" / "cache").exists()
+    for subfolder, name in (("../ingraph_data/models", model_copy.name), ("../ingraph_data/cache", "cache.sqlite"),
+                            ("ingraph/models", model_copy.name), ("ingraph/cache", "cache.sqlite")):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            client.get(f"/view?type=output&subfolder={subfolder}&filename={name}")
+        assert refused.value.code in (400, 403, 404), (subfolder, refused.value.code)
+
+
 def model_store_bytes(comfy) -> dict:
-    root = comfy.base_dir / "output" / "ingraph" / "models"
+    root = comfy.base_dir / "ingraph_data" / "models"
     return {p.name: p.stat().st_size for p in root.glob("*.safetensors")} if root.is_dir() else {}
 
 
@@ -237,6 +256,7 @@ def test_loader_chain_hands_off_files_and_an_undescribable_node_is_materialised(
     run_id = next(m["data"]["run_id"] for m in outcome.messages if m.get("type") == "ingraph.event")
     spec = tomllib.loads((comfy.base_dir / "output" / "ingraph" / "runs" / run_id / "run.toml").read_text())
     assert Path(spec["model"]["path"]).name in written and spec["model"]["lora_paths"] == []
+    assert_out_of_clients_reach(comfy, client, Path(spec["model"]["path"]), Path(spec["data"]["manifest"]))
     starts = re.findall(r"ComfyUI holds (\d+) loaded model\(s\) as the trainer starts \(the trained model: (\w+)",
                         log)
     assert starts == [("0", "not")] * 3, starts  # two Train runs and one Evaluate
