@@ -46,14 +46,21 @@ def check_prior_dataset(dataset, prior_dataset):
         raise ValueError("Train LoRA: " + "; ".join(problems))
 
 
-def refuse_foreign_file(path, overwrite: bool, title: str = "Train LoRA"):
-    """A file the user put in models/ (no pack metadata) is replaced only when they say so."""
+def refuse_foreign_file(path, overwrite: bool, title: str = "Train LoRA", full: bool = False):
+    """A file the user put in models/ (no pack metadata) is replaced only when they say so (a copy is kept then:
+    trainer/result.py keep_a_copy); a full fine-tune never replaces one (it could be any base model)."""
     from ..trainer.adapters import written_by_pack
     from .paths import lora_name_of
     path = Path(path)
-    if path.exists() and not overwrite and not written_by_pack(path):
+    if not path.exists() or written_by_pack(path):
+        return
+    if full:
+        raise ValueError(f"{title}: {lora_name_of(path, 'diffusion_models')} already exists and was not written by "
+                         "InGraph Trainer; a full fine-tune never replaces such a file (overwrite applies to "
+                         "adapters only): choose another output_name")
+    if not overwrite:
         raise ValueError(f"{title}: {lora_name_of(path)} already exists and was not written by InGraph Trainer; "
-                         "choose another output_name, or turn on overwrite to replace it")
+                         "choose another output_name, or turn on overwrite to replace it (a copy is kept)")
 
 
 def trained_model_of(model, path: str, file_format: str, full: bool):
@@ -127,7 +134,7 @@ def run_trainer_node(model, dataset, *, task: str, title: str, adapter: AdapterS
     name = new_lora_name[: -len(".safetensors")]
     resume_from = resolve_resume_choice(paths.runs_root(), resume or "off", name, task)
     if resume_from is None:
-        refuse_foreign_file(lora_path, overwrite, title)
+        refuse_foreign_file(lora_path, overwrite, title, full=adapter.kind == "full")
     elif trainer_running(resume_from[0]):  # two trainers would write the same checkpoints
         raise ValueError(f"{title}: run {resume_from[0].name} is still training (queued elsewhere or "
                          "by another server); stop it before resuming it")
@@ -158,7 +165,8 @@ def run_trainer_node(model, dataset, *, task: str, title: str, adapter: AdapterS
                                          adjust=adjust, **prepare)
     saved = load_run_spec(spec_path)  # what the trainer will run, for a new run and a resumed one alike
     if resume_from is not None:
-        refuse_foreign_file(saved.output.lora_path, overwrite or saved.output.overwrite, title)
+        refuse_foreign_file(saved.output.lora_path, overwrite or saved.output.overwrite, title,
+                            full=saved.adapter.kind == "full")
     lora_name = paths.lora_name_of(saved.output.lora_path, paths.output_folder(saved.adapter.kind))
     write_owner(run_dir, node_id)
     on_event = on_run(run_dir.name, saved.train.steps)
@@ -166,7 +174,9 @@ def run_trainer_node(model, dataset, *, task: str, title: str, adapter: AdapterS
                              processes=saved.distributed.processes, hostfile=saved.distributed.hostfile).start()
     log.info("InGraph Trainer: run %s started (pid %d), log: %s", run_dir.name, process.pid, process.log_path)
     result = watch_run(process, on_event, check_interrupt)
-    log.info("InGraph Trainer: run %s finished; written to %s", run_dir.name, result.adapter_path)
+    log.info("InGraph Trainer: run %s finished; written to %s%s", run_dir.name, result.adapter_path,
+             f" (the file it replaced is kept as {result.finished['replaced_kept']})"
+             if result.finished.get("replaced_kept") else "")
 
     full = saved.adapter.kind == "full"
     trained = trained_model_of(model, result.adapter_path, saved.output.format, full=full)

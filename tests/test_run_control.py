@@ -110,6 +110,21 @@ def test_a_users_own_lora_of_the_same_name_survives(comfy, client):
     assert own.read_bytes() == before
     assert (set(runs.iterdir()) if runs.is_dir() else set()) == runs_before  # refused before anything was written
 
+    # overwrite on: the user's file is replaced, and a copy of it is kept beside it (named in the log)
+    loras = own.parent
+    outcome = client.follow(client.queue(training_only("users_own", 2, overwrite=True)), timeout=120)
+    assert outcome.ok, outcome.error
+    first_result = own.read_bytes()
+    assert first_result != before
+    kept = sorted(loras.glob("users_own.bak-*.safetensors"))
+    assert len(kept) == 1 and kept[0].read_bytes() == before
+    assert f"(the file it replaced is kept as {kept[0]})" in comfy.log_text()
+    # the pack's own earlier result, replaced by the next run of that name: kept once, as .previous
+    outcome = client.follow(client.queue(training_only("users_own", 2, seed=1)), timeout=120)
+    assert outcome.ok, outcome.error
+    assert (loras / "users_own.previous.safetensors").read_bytes() == first_result != own.read_bytes()
+    assert sorted(loras.glob("users_own.bak-*.safetensors")) == kept and kept[0].read_bytes() == before
+
 
 def assert_server_responsive(comfy):
     """ComfyUI answers /system_stats and /queue within 0.2 s (p95 of 50) while a trainer runs beside it."""

@@ -368,9 +368,9 @@ class Distiller(TrainingTask):
         loader.close()
         self.health.close()
         with averaged_weights(self.optimizer):
-            adapter = write_result(self.spec, self.generator_family, self.params, self.generator, self.is_rank0,
-                                   len(self.dataset.unique), step, self.started_at)
-        self.events.emit("finished", adapter=adapter, steps=step, stopped=stopped, final_loss=losses.get("loss"),
+            adapter, replaced_kept = write_result(self.spec, self.generator_family, self.params, self.generator,
+                                                  self.is_rank0, len(self.dataset.unique), step, self.started_at)
+        self.events.emit("finished", adapter=adapter, replaced_kept=replaced_kept, steps=step, stopped=stopped, final_loss=losses.get("loss"),
                          eval_before=None, eval_after=None, best_eval_step=None, best_eval_loss=None,
                          mean_step_s=self.control.mean_step_s(), data_wait_s=0.0,
                          peak_rss_per_rank=peak_rss_per_rank(), wall_s=time.time() - self.started_at)

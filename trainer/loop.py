@@ -132,9 +132,9 @@ class Trainer(TrainingTask):
         eval_after = self.evaluate(step)
         self.health.close()
         with averaged_weights(self.optimizer), exported_weights(self.spec, self.ema):
-            adapter = write_result(self.spec, self.family, self.params, self.layout, self.is_rank0,
-                                   len(self.dataset.unique), step, self.started_at)
-        self.events.emit("finished", adapter=adapter, steps=step, stopped=stopped, final_loss=loss,
+            adapter, replaced_kept = write_result(self.spec, self.family, self.params, self.layout, self.is_rank0,
+                                                  len(self.dataset.unique), step, self.started_at)
+        self.events.emit("finished", adapter=adapter, replaced_kept=replaced_kept, steps=step, stopped=stopped, final_loss=loss,
                          eval_before=eval_before["loss"] if eval_before else None, eval_after=eval_after["loss"],
                          best_eval_step=self.best.get("step"), best_eval_loss=self.best.get("loss"),
                          mean_step_s=self.control.mean_step_s(),

@@ -9,9 +9,41 @@ from . import export
 from .adapters import PACK_METADATA_KEY, comfy_adapter_state_dict, kohya_metadata, save_adapter_atomic, written_by_pack
 
 
+PREVIOUS_SUFFIX = ".previous"  # the pack's own earlier result of that name, one kept
+
+
+def keep_a_copy(target: Path) -> Path | None:
+    """Before a result replaces a file, a copy of that file stays beside it: `<name>.previous.safetensors` for the
+    pack's own earlier result (one, the last replaced), `<name>.bak-<time>.safetensors` for a file the pack did not
+    write (replaced because `overwrite` is on; the pack never deletes these). A hard link where the file system has
+    them (no bytes copied), else a copy; the target itself stays in place until the atomic write replaces it.
+    Returns the copy, or None where there was nothing to replace."""
+    import os
+    import shutil
+    import time
+    if not target.is_file():
+        return None
+    stem = target.name[: -len(".safetensors")] if target.name.endswith(".safetensors") else target.stem
+    if written_by_pack(target):
+        copy = target.with_name(f"{stem}{PREVIOUS_SUFFIX}.safetensors")
+        copy.unlink(missing_ok=True)
+    else:
+        copy = target.with_name(f"{stem}.bak-{time.strftime('%Y%m%d-%H%M%S')}.safetensors")
+        n = 1
+        while copy.exists():
+            n += 1
+            copy = target.with_name(f"{stem}.bak-{time.strftime('%Y%m%d-%H%M%S')}-{n}.safetensors")
+    try:
+        os.link(target, copy)
+    except OSError:
+        shutil.copy2(target, copy)
+    return copy
+
+
 def write_result(spec, family, params, layout, is_rank0: bool, num_images: int, steps_done: int,
-                 started_at: float) -> str | None:
-    """The written file's path on rank 0 (None elsewhere). Collective: every rank calls it."""
+                 started_at: float) -> tuple[str | None, str | None]:
+    """(the written file's path, the copy kept of the file it replaced, if any) on rank 0; (None, None) elsewhere.
+    Collective: every rank calls it."""
     a, run_dir = spec.adapter, Path(spec.run_dir)
     if a.kind == "full":
         tensors = {}
@@ -33,11 +65,13 @@ def write_result(spec, family, params, layout, is_rank0: bool, num_images: int, 
                                  if spec.output.format != "comfyui" else {})
         meta = kohya_metadata(spec, family, num_images, steps_done, started_at)
     if not is_rank0:
-        return None
+        return None, None
     target = Path(spec.output.lora_path)
-    if target.exists() and not spec.output.overwrite and not written_by_pack(target):
+    # a full fine-tune's target could be any base model: overwrite never applies to it
+    if target.exists() and (a.kind == "full" or not spec.output.overwrite) and not written_by_pack(target):
         # a file of the user's appeared there during the run: never replaced silently, and the result is kept
         kept = save_adapter_atomic(run_dir / target.name, tensors, meta)
         raise FileExistsError(f"{target} exists and was not written by InGraph Trainer, so it was left alone; "
                               f"this run's result is in {kept} (turn on overwrite to replace such a file)")
-    return str(save_adapter_atomic(target, tensors, meta))
+    kept = keep_a_copy(target)
+    return str(save_adapter_atomic(target, tensors, meta)), str(kept) if kept else None
