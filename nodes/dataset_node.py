@@ -18,7 +18,9 @@ class LoadTrainingImages(io.ComfyNode):
                         "are kept; pixels are read when the latents are cached.",
             inputs=[
                 io.String.Input("folder", default="training_images",
-                                tooltip="Folder of images: a sub-folder of ComfyUI's input directory, or an absolute path."),
+                                tooltip="Folder of images: a sub-folder of ComfyUI's input directory (or an "
+                                        "absolute path inside a folder the server's operator allows with "
+                                        "INGRAPH_DATASET_ROOTS)."),
                 io.Int.Input("resolution", default=512, min=64, max=4096, step=8,
                              tooltip="Training size: with bucketing, images keep their aspect ratio at about "
                                      "this many pixels squared; without, they are cropped to this square."),
@@ -110,7 +112,8 @@ class LoadTrainingImages(io.ComfyNode):
                                     background=parse_background(transparent_background or "#ffffff"),
                                     masks=masks, caption_dropout=caption_dropout, caption_variants=caption_variants,
                                     keep_tags=keep_tags, frame_buckets=frame_buckets, fps=fps, clip_mode=clip_mode,
-                                    reference_folder=resolve_input_folder(reference_folder) if reference_folder
+                                    reference_folder=resolve_input_folder(reference_folder, "reference_folder")
+                                    if reference_folder
                                     else None)
         return io.NodeOutput(dataset)
 
@@ -125,7 +128,7 @@ class LoadTrainingImages(io.ComfyNode):
                                  listing(e.path, depth - 1) if depth and e.is_dir() else ())
                                 for e in os.scandir(path)))
         try:
-            refs = listing(resolve_input_folder(reference_folder)) if reference_folder else ()
+            refs = listing(resolve_input_folder(reference_folder, "reference_folder")) if reference_folder else ()
             return listing(resolve_input_folder(folder)), refs
-        except OSError:
+        except (OSError, ValueError):  # execute names the problem
             return float("nan")

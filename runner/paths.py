@@ -43,11 +43,31 @@ def comfyui_root() -> str:
     return str(Path(folder_paths.__file__).resolve().parent)
 
 
-def resolve_input_folder(folder: str) -> Path:
-    """An absolute path as given; anything else relative to ComfyUI's input directory."""
+DATASET_ROOTS_ENV = "INGRAPH_DATASET_ROOTS"  # more folders datasets may come from (os.pathsep between them)
+
+
+def dataset_roots() -> list[Path]:
+    """Where a dataset folder may be: ComfyUI's input directory, and the roots the server's operator lists in
+    INGRAPH_DATASET_ROOTS (the environment: no client can set it)."""
+    import folder_paths
+    listed = [p for p in os.environ.get(DATASET_ROOTS_ENV, "").split(os.pathsep) if p.strip()]
+    return [Path(os.path.abspath(p)) for p in (folder_paths.get_input_directory(), *listed)]
+
+
+def resolve_input_folder(folder: str, input_name: str = "folder") -> Path:
+    """A folder relative to ComfyUI's input directory, or an absolute one inside an allowed root (dataset_roots).
+    Anything else is refused naming the input: any client can queue a graph, and a dataset's images and captions come
+    back to every client through the run's files and the cache. The check is on the path as written (".." folded),
+    so a folder a local user linked into input/ still trains."""
     import folder_paths
     path = Path(folder.strip()).expanduser()
-    return path if path.is_absolute() else Path(folder_paths.get_input_directory()) / path
+    path = Path(os.path.abspath(path if path.is_absolute() else Path(folder_paths.get_input_directory()) / path))
+    roots = dataset_roots()
+    if not any(path == root or path.is_relative_to(root) for root in roots):
+        raise ValueError(f"{input_name} {folder.strip()!r} is outside ComfyUI's input folder: datasets come from "
+                         f"input/ and its sub-folders, or from a folder the server's operator lists in "
+                         f"{DATASET_ROOTS_ENV}")
+    return path
 
 
 def output_folder(adapter_kind: str) -> str:

@@ -134,8 +134,22 @@ def test_bad_inputs_fail_the_node_naming_the_culprit_and_write_no_lora(comfy, cl
         assert outcome.error["node_id"] == "2"
         assert re.search(needle, outcome.error["exception_message"]), outcome.error["exception_message"]
         assert not (loras / f"{name}.safetensors").exists()
+        return outcome.error["exception_message"]
 
     fails_with({"folder": "no_such_folder"}, r"no_such_folder does not exist", "bad1")
+    # any client can queue a graph: a folder outside input/ (and the operator's INGRAPH_DATASET_ROOTS) is refused
+    # before anything in it is listed or read
+    outside = tmp_path / "private"
+    outside.mkdir()
+    (outside / "secret_name.png").write_bytes((comfy.base_dir / "input" / "ingraph_example" /
+                                               "item_000.png").read_bytes())
+    for inputs in ({"folder": str(outside)}, {"folder": "../output"},
+                   {"folder": "bad_sets/../../models", "missing_caption": "use default caption"},
+                   {"reference_folder": str(outside)}):
+        name = next(iter(inputs))
+        message = fails_with(inputs, rf"{name} '.*' is outside ComfyUI's input folder: datasets come from input/",
+                             "bad0")
+        assert "secret_name" not in message
     (folder / "empty").mkdir()
     fails_with({"folder": "bad_sets/empty"}, r"empty contains no images", "bad2")
     corrupt = folder / "corrupt"

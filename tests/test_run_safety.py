@@ -214,3 +214,22 @@ def test_a_refused_spec_leaves_no_half_written_run_folder(tmp_path):
                     dataset=dataset, cache_root=tmp_path / "cache", lora_path=tmp_path / "out.safetensors",
                     train=TrainSpec(optimizer="adamw_schedulefree", precision="bf16"), run_dir=kept)
     assert (kept / "notes.txt").read_text() == "keep"
+
+
+def test_dataset_folders_come_from_input_or_the_operators_roots(tmp_path, monkeypatch):
+    """The rule behind Load Training Images' folder inputs: input/ and its sub-folders, plus INGRAPH_DATASET_ROOTS;
+    '..' cannot climb out; a relative folder is input/'s."""
+    paths = importlib.import_module("ingraph_trainer.runner.paths")
+    inputs, allowed, other = (tmp_path / name for name in ("input", "datasets", "elsewhere"))
+    monkeypatch.setitem(sys.modules, "folder_paths", types.SimpleNamespace(get_input_directory=lambda: str(inputs)))
+    monkeypatch.delenv(paths.DATASET_ROOTS_ENV, raising=False)
+    assert paths.resolve_input_folder("cats") == inputs / "cats"
+    assert paths.resolve_input_folder(f"  {inputs / 'dogs'} ") == inputs / "dogs"
+    for refused in ("../elsewhere", str(other), str(allowed / "set"), "cats/../../elsewhere"):
+        with pytest.raises(ValueError, match=r"reference_folder '.*' is outside ComfyUI's input folder.*"
+                                             + paths.DATASET_ROOTS_ENV):
+            paths.resolve_input_folder(refused, "reference_folder")
+    monkeypatch.setenv(paths.DATASET_ROOTS_ENV, os.pathsep.join([str(allowed), str(tmp_path / "more")]))
+    assert paths.resolve_input_folder(str(allowed / "set")) == allowed / "set"
+    with pytest.raises(ValueError, match="outside"):
+        paths.resolve_input_folder(str(other))
