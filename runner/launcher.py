@@ -114,6 +114,25 @@ class TrainerProcess:
         return "\n".join(text.splitlines()[-lines:])
 
 
+def check_local_processes(processes: int) -> list[str]:
+    """The GPUs a run of `processes` ranks on this machine takes (this ComfyUI's CUDA_VISIBLE_DEVICES, [] where
+    unset); more ranks than the machine's GPUs (or, without a GPU, its CPU cores) are refused naming
+    distributed.processes: any client can queue a graph, and each rank is a whole trainer process."""
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if visible:
+        if len(visible) < processes:
+            raise ValueError(f"distributed.processes: {processes} processes, but this ComfyUI sees {len(visible)} "
+                             f"GPU(s) (CUDA_VISIBLE_DEVICES={','.join(visible)})")
+        return visible
+    import torch
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    limit, what = (gpus, "GPU(s)") if gpus else (os.cpu_count() or 1, "CPU cores and no GPU")
+    if processes > limit:
+        raise ValueError(f"distributed.processes: {processes} processes, but this machine has {limit} {what}; "
+                         f"at most {limit} (several machines: give a hostfile)")
+    return []
+
+
 def deepspeed_launch_command(python: str, processes: int, hostfile: str = "", master_port: int | None = None):
     """The `deepspeed` launcher (the same command a user runs on a cluster), as a module of this Python."""
     import socket
@@ -126,10 +145,7 @@ def deepspeed_launch_command(python: str, processes: int, hostfile: str = "", ma
         return cmd + ["--hostfile", hostfile]
     # the GPUs this ComfyUI was given (CUDA_VISIBLE_DEVICES, which its --cuda-device sets): DeepSpeed's runner drops
     # the variable when given --num_gpus and would train on GPUs 0..N-1 instead
-    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    if visible and len(visible) < processes:
-        raise ValueError(f"distributed.processes: {processes} processes, but this ComfyUI sees {len(visible)} "
-                         f"GPU(s) (CUDA_VISIBLE_DEVICES={','.join(visible)})")
+    visible = check_local_processes(processes)
     gpus = ["--include", "localhost:" + ",".join(visible[:processes])] if visible else ["--num_gpus", str(processes)]
     return cmd + gpus + ["--master_addr", "127.0.0.1"]
 

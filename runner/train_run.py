@@ -25,6 +25,12 @@ def check_family_settings(model, prediction: str, train, adapter, file_format: s
     `title`: the node the error names."""
     from ..trainer.config import DistributedSpec, OutputSpec, RunSpec
     from ..trainer.models import UnsupportedSetting, family_for
+    from .launcher import check_local_processes
+    if distributed is not None and distributed.processes > 1 and not distributed.hostfile:
+        try:
+            check_local_processes(distributed.processes)
+        except ValueError as exc:
+            raise ValueError(f"{title}: {exc}") from None
     family = family_for(model.model, prediction=prediction)
     try:
         family.check_settings(RunSpec(train=train, adapter=adapter, output=OutputSpec(format=file_format),

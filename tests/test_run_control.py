@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from conftest import (CHECKPOINT_NAME, IMAGE_FOLDER, ONE_IMAGE_FOLDER, REPO, evaluate_on_one_image, load_workflow,
-                      wait_first_step)
+                      requires_deepspeed, wait_first_step)
 from tools.comfy_server import ComfyServer
 
 pytestmark = pytest.mark.comfyui
@@ -93,6 +93,22 @@ def test_hostfile_of_the_server_environment_is_refused_and_never_echoed(comfy, c
                 json.dumps(client.get("/internal/logs/raw"))]
     for text in readable:
         assert ENV_CANARY not in text and "INGRAPH_TEST_CANARY" not in text
+
+
+@requires_deepspeed  # without it, the DeepSpeed Settings node refuses several processes first (its install command)
+def test_more_processes_than_the_machine_has_are_refused_before_any_starts(comfy, client):
+    wf = training_only("too_many_ranks", 3)
+    processes = (os.cpu_count() or 1) + 3  # the suite's servers run with --cpu and no GPU
+    wf["20"] = {"class_type": "InGraphDeepSpeedSettings",
+                "inputs": {"processes": processes, "zero_stage": "0", "offload_optimizer": False, "hostfile": ""}}
+    wf["6"]["inputs"]["distributed"] = ["20", 0]
+    runs = comfy.base_dir / "output" / "ingraph" / "runs"
+    runs_before = set(runs.iterdir()) if runs.is_dir() else set()
+    outcome = client.follow(client.queue(wf), timeout=60)
+    assert outcome.status == "execution_error"
+    assert f"distributed.processes: {processes} processes, but this machine has {os.cpu_count()} CPU cores" in \
+        outcome.error["exception_message"]
+    assert (set(runs.iterdir()) if runs.is_dir() else set()) == runs_before
 
 
 def test_a_users_own_lora_of_the_same_name_survives(comfy, client):

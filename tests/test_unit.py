@@ -521,9 +521,22 @@ def test_the_launch_keeps_to_the_gpus_comfyui_was_given(monkeypatch):
     with pytest.raises(ValueError, match=r"distributed.processes: 4 processes, but this ComfyUI sees 3 GPU"):
         deepspeed_launch_command("python", 4, master_port=1234)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # a CPU machine, or every GPU: as before
+    import os
+    import torch
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cmd = deepspeed_launch_command("python", 2, master_port=1234)
     assert cmd[cmd.index("--num_gpus") + 1] == "2" and "--include" not in cmd
-    cmd = deepspeed_launch_command("python", 2, "hosts", master_port=1234)  # several machines: the hostfile says
+    # any client can queue a graph: no more ranks than the machine's GPUs, or its cores without one (finding 7)
+    with pytest.raises(ValueError, match=r"distributed.processes: 5 processes, but this machine has 2 CPU cores "
+                                         r"and no GPU; at most 2"):
+        deepspeed_launch_command("python", 5, master_port=1234)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert deepspeed_launch_command("python", 8, master_port=1234)[-3] == "8"
+    with pytest.raises(ValueError, match=r"9 processes, but this machine has 8 GPU\(s\); at most 8"):
+        deepspeed_launch_command("python", 9, master_port=1234)
+    cmd = deepspeed_launch_command("python", 64, "hosts", master_port=1234)  # several machines: the hostfile says
     assert cmd[cmd.index("--hostfile") + 1] == "hosts" and "--include" not in cmd
 
 
