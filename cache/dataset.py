@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .buckets import BucketSettings, bucket_for, crop_box
+from .files import read_regular_file
 from .video import CLIP_MODES, DEFAULT_FRAME_BUCKETS, NO_IMAGES, VIDEO_EXTENSIONS, ClipError, clip_spans, \
     frame_sequence, parse_frame_buckets, probe_clip
 
@@ -190,11 +191,14 @@ def caption_file_of(source: Path) -> Path:
     return source.parent / f"{source.name}.txt" if source.is_dir() else source.with_suffix(".txt")
 
 
+MAX_CAPTION_BYTES = 1 << 20  # far beyond any text encoder's context (T5: 512 tokens; LLM encoders a few thousand)
+
+
 def _read_caption(image: Path, prefix: str, missing: str, default_caption: str) -> str:
     caption_file = caption_file_of(image)
     try:
         # utf-8-sig: editors on Windows start files with a byte-order mark that must not reach the caption
-        text = caption_file.read_text(encoding="utf-8-sig").strip()
+        text = read_regular_file(caption_file, MAX_CAPTION_BYTES).decode("utf-8-sig").strip()
     except FileNotFoundError:
         if os.path.islink(caption_file):
             raise DatasetError(f"caption file {shown(caption_file)} is a broken symlink") from None

@@ -73,3 +73,25 @@ def atomic_write_bytes(path: str | Path, data: bytes, mode: int = FILE_MODE) -> 
 
 def atomic_write_text(path: str | Path, text: str, mode: int = FILE_MODE) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"), mode)
+
+
+def read_regular_file(path: str | Path, limit: int) -> bytes:
+    """A small file's bytes, read only if it is a regular file (never a FIFO or device, which would block or never
+    end: opened non-blocking, checked before reading) of at most `limit` bytes. OSError naming why otherwise
+    (FileNotFoundError where it is absent)."""
+    import stat
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    fd = os.open(path, flags)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(0, "not a regular file")
+        if info.st_size > limit:
+            raise OSError(0, f"{info.st_size} bytes; at most {limit}")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(limit + 1)
+        if len(data) > limit:  # grew since the check
+            raise OSError(0, f"more than {limit} bytes")
+        return data
+    finally:
+        os.close(fd)

@@ -443,6 +443,36 @@ def test_caption_bom_is_stripped(tmp_path):
     assert dataset_mod.scan_image_folder(tmp_path, resolution=64).items[0].caption == "a cat"
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="skipped: no named pipes on this system")
+def test_a_caption_that_is_a_pipe_or_too_large_is_an_error_not_a_hang(tmp_path):
+    """Any client's graph can name a folder: a caption that is a named pipe would block ComfyUI's only executor (and
+    /interrupt cannot end a blocked read); a huge one would be read and tokenised whole (issue 28, finding 10)."""
+    import threading
+    from PIL import Image
+    Image.new("RGB", (64, 64)).save(tmp_path / "a.png")
+    os.mkfifo(tmp_path / "a.txt")
+    outcome = {}
+
+    def scan():
+        try:
+            dataset_mod.scan_image_folder(tmp_path, resolution=64)
+        except Exception as exc:  # noqa: BLE001  (the outcome is checked below)
+            outcome["error"] = exc
+    reader = threading.Thread(target=scan, daemon=True)
+    reader.start()
+    reader.join(timeout=20)
+    if reader.is_alive():  # unblock the stuck open so the thread can end, then fail
+        with open(tmp_path / "a.txt", "w"):
+            pass
+        pytest.fail("reading a named pipe as a caption blocked")
+    assert isinstance(outcome.get("error"), dataset_mod.DatasetError)
+    assert "cannot read caption file" in str(outcome["error"]) and "a.txt: not a regular file" in str(outcome["error"])
+    os.unlink(tmp_path / "a.txt")
+    (tmp_path / "a.txt").write_bytes(b"x" * (dataset_mod.MAX_CAPTION_BYTES + 1))
+    with pytest.raises(dataset_mod.DatasetError, match=rf"a.txt: {dataset_mod.MAX_CAPTION_BYTES + 1} bytes; at most"):
+        dataset_mod.scan_image_folder(tmp_path, resolution=64)
+
+
 def test_symlink_loops_and_non_utf8_names_are_errors_naming_the_file(tmp_path):
     from PIL import Image
     Image.new("RGB", (64, 64)).save(tmp_path / "ok.png")
