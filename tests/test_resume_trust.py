@@ -154,6 +154,14 @@ def test_a_checkpoint_copied_into_another_run_or_tag_is_refused(tmp_path):
     assert runs.resolve_resume_choice(root, "latest", "mine") == (own, "step_000002")
     shutil.copytree(own / "checkpoints" / "step_000002", own / "checkpoints" / "step_000007")
     assert runs.complete_checkpoints(own) == ["step_000002"]
+    # only the checkpoint (its mark and files, every digest right) planted into another signed run of the same
+    # name: that run does not take it as its own (issue 28, finding 5)
+    victim = make_run(root, "20260103-000000-mine-cccc", "mine", tags=())
+    shutil.copytree(own / "checkpoints" / "step_000002", victim / "checkpoints" / "step_000002")
+    assert runs.complete_checkpoints(victim) == []
+    with pytest.raises(ckpt.UntrustedCheckpoint, match=r"signed for run '20260101-000000-mine-aaaa', not this run "
+                                                        r"'20260103-000000-mine-cccc'"):
+        ckpt.verify_checkpoint(victim / "checkpoints" / "step_000002")
 
 
 def test_keep_last_keeps_the_newest_complete_checkpoints(tmp_path):

@@ -64,7 +64,15 @@ def _folder_files(path: Path) -> dict[str, int]:
 def write_mark(path: Path, step: int):
     """Signs what the folder holds now: run once every rank has written its files."""
     files = {rel: {"size": size, "sha256": file_sha256(path / rel)} for rel, size in sorted(_folder_files(path).items())}
-    write_signed_json(path / COMPLETE_MARK, {"version": MARK_VERSION, "step": step, "files": files})
+    # bound to its run (the run folder's name, a unique id): a signed checkpoint copied into another run's folder
+    # is not that run's
+    write_signed_json(path / COMPLETE_MARK, {"version": MARK_VERSION, "step": step, "files": files,
+                                             "run": _run_of(path)})
+
+
+def _run_of(path: Path) -> str:
+    """The run a checkpoint folder (<run>/checkpoints/<tag>) belongs to."""
+    return Path(path).resolve().parent.parent.name
 
 
 def verify_checkpoint(path: Path, tag: str | None = None, digests: bool = True) -> dict:
@@ -82,6 +90,10 @@ def verify_checkpoint(path: Path, tag: str | None = None, digests: bool = True) 
             or not all(isinstance(e, dict) for e in files.values()) or not isinstance(step, int) \
             or tag_for(step) != (tag or path.name):
         raise UntrustedCheckpoint(f"checkpoint {path}: its COMPLETE mark does not describe this checkpoint")
+    # marks written before they named their run carry no "run" (the HMAC covers the body: none can be removed)
+    if "run" in mark and mark["run"] != _run_of(path):
+        raise UntrustedCheckpoint(f"checkpoint {path}: its COMPLETE mark was signed for run {mark['run']!r}, not "
+                                  f"this run {_run_of(path)!r}")
     present = _folder_files(path)
     if present.keys() != files.keys():
         extra, missing = sorted(present.keys() - files.keys()), sorted(files.keys() - present.keys())
