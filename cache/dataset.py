@@ -13,8 +13,8 @@ from pathlib import Path
 
 from .buckets import BucketSettings, bucket_for, crop_box
 from .files import read_regular_file
-from .video import CLIP_MODES, DEFAULT_FRAME_BUCKETS, NO_IMAGES, VIDEO_EXTENSIONS, ClipError, clip_spans, \
-    frame_sequence, parse_frame_buckets, probe_clip
+from .video import CLIP_MODES, DEFAULT_FRAME_BUCKETS, NO_IMAGES, VIDEO_EXTENSIONS, ClipError, check_frame_count, \
+    clip_spans, frame_sequence, parse_frame_buckets, probe_clip
 
 log = logging.getLogger("ingraph_trainer")
 
@@ -402,12 +402,13 @@ def scan_image_folder(folder: str | Path, *, resolution: int | None = None, buck
     for clip in clips:
         try:
             info = probe_clip(clip, IMAGE_EXTENSIONS)
+            n_frames = check_frame_count(clip, info, clip_rate(clip, fps))
         except ClipError as exc:
             raise DatasetError(str(exc)) from None
         # a clip's mask is one image for all its frames (name.mask.png, the frame size); videos have no alpha
         mask = _mask_source(clip, (info.width, info.height), masks, mask_files.get(keys[clip]), "") \
             if masks == "mask files" else ""
-        spans = clip_spans(info.frame_count(clip_rate(clip, fps)), frame_counts, clip_mode)
+        spans = clip_spans(n_frames, frame_counts, clip_mode)
         if not spans:
             too_short.append(clip.name)
             continue

@@ -168,6 +168,7 @@ def probe_clip(path: str | Path, image_extensions=()) -> ClipInfo:
         raise ClipError(f"cannot read video {path}: {exc.__class__.__name__}: {exc}") from None
     if not pts or not width or not height:
         raise ClipError(f"video {path} has no frames")
+    check_frame_pixels(path, width, height)
     if rotation in (90, 270):
         width, height = height, width
     times = tuple((p - pts[0]) * base for p in pts)
@@ -175,6 +176,31 @@ def probe_clip(path: str | Path, image_extensions=()) -> ClipInfo:
     gaps = [b - a for a, b in zip(times, times[1:]) if b > a]
     frame_s = (1.0 / rate) if rate else (sorted(gaps)[len(gaps) // 2] if gaps else 1.0)
     return ClipInfo(width, height, times, frame_s, pts[0], base, rotation)
+
+
+# a clip resampled to the dataset's fps repeats a source frame at most this many times (a 1 fps slideshow at 16 fps):
+# timestamps that claim more are not believed (2 frames 100,000 s apart became 1.6 million items)
+MAX_FRAME_REPEAT = 16
+
+
+def check_frame_pixels(path, width: int, height: int):
+    """The image library's decompression-bomb limit, for a video's frames too (PIL refuses the same picture as a
+    PNG; a 292 kB GIF of 14000x14000 frames took 3 GB)."""
+    from PIL import Image
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit and width * height > limit:
+        raise ClipError(f"video {path}: its {width}x{height} frames exceed the {limit}-pixel limit for images")
+
+
+def check_frame_count(path, info: "ClipInfo", fps: float) -> int:
+    """The clip's frame count at fps, refused naming the clip where its timestamps claim far more frames than the
+    file holds."""
+    n = info.frame_count(fps)
+    held = len(info.times)
+    if n > MAX_FRAME_REPEAT * (held + 1):
+        raise ClipError(f"clip {path}: its timestamps span {n} frames at {fps:g} fps, but it holds {held} "
+                        f"frame(s); re-encode it, or lower fps")
+    return n
 
 
 def upright_rotation(degrees) -> int:

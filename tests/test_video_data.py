@@ -674,3 +674,36 @@ def test_wan_trains_on_clips_and_an_image_through_the_graph(comfy, client, tools
     base, trained = sample(None, "wan_video_base"), sample("wan_video.safetensors", "wan_video_lora")
     assert base.shape == trained.shape == (1, 16, 5, SIDE // 8, SIDE // 8)
     assert (base - trained).abs().max() > 1e-6, "the LoRA did not change the video"
+
+
+def test_a_clip_whose_timestamps_claim_more_frames_than_it_holds_is_refused(tmp_path):
+    """Issue 28, finding 6: 2 frames 100,000 s apart became 1,600,001 items at 16 fps (0.5 GB of ComfyUI's memory
+    in 7 s; a longer gap, every client loses the server). Items come from the frames the file holds."""
+    import av
+    with av.open(str(tmp_path / "bomb.mp4"), "w") as container:
+        stream = container.add_stream("libx264", rate=8)
+        stream.width = stream.height = SIDE
+        stream.pix_fmt = "yuv420p"
+        for pts in (0, 8 * 100_000):
+            frame = av.VideoFrame.from_ndarray(np.zeros((SIDE, SIDE, 3), dtype=np.uint8), format="rgb24")
+            frame.pts = pts
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    assert len(probe_clip(tmp_path / "bomb.mp4").times) == 2 and (tmp_path / "bomb.mp4").stat().st_size < 4096
+    with pytest.raises(DatasetError, match=r"bomb.mp4: its timestamps span \d{7} frames at 16 fps, but it holds 2"):
+        scan(tmp_path, frame_buckets="1", fps=16)
+    # an honest slow clip (2 fps shown at 16 fps: each frame 8 times) still trains
+    (tmp_path / "bomb.mp4").unlink()
+    write_video(tmp_path / "slow.mp4", frames=4, fps=2)
+    assert scan(tmp_path, frame_buckets="1, 17", fps=16).items
+
+
+def test_a_clips_frames_are_held_to_the_image_pixel_limit(tmp_path, monkeypatch):
+    """Issue 28, finding 8: PIL refuses a 14000x14000 PNG, but clip decoding skipped that limit (a 292 kB GIF of
+    such frames took 3 GB). The limit lowered here to this test's 64x64 frames."""
+    from PIL import Image
+    write_video(tmp_path / "big.gif", frames=3, codec="gif")
+    assert scan(tmp_path, frame_buckets="1").items
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", SIDE * SIDE - 1)
+    with pytest.raises(DatasetError, match=r"big.gif: its 64x64 frames exceed the 4095-pixel limit"):
+        scan(tmp_path, frame_buckets="1")
