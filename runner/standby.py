@@ -159,14 +159,42 @@ def discard():
         standby.stop()
 
 
-def prime_for_prompt(json_data: dict) -> dict:
-    """ComfyUI's on-prompt hook: a queued prompt that will launch a trainer gets a standby warming up."""
+QUEUED_WAIT_S = 60.0  # how long after a training prompt arrives its validation may take before it is queued
+
+
+def prime_for_prompt(json_data: dict, queue=None, wait_s: float = QUEUED_WAIT_S) -> dict:
+    """ComfyUI's on-prompt hook: a training prompt gets a standby warming up once ComfyUI has validated and queued
+    it. The hook runs before validation, and a rejected prompt (any client can send one) must start nothing: a
+    standby is a trainer process (~0.8 GB, and a CUDA context on a GPU) that lives for minutes. So the prompt gets
+    its id here (ComfyUI keeps a client's own), and a thread primes once that id is in ComfyUI's queue."""
     prompt = json_data.get("prompt") if isinstance(json_data, dict) else None
     if isinstance(prompt, dict) and any(isinstance(node, dict) and node.get("class_type") in TRAINER_NODES
                                         for node in prompt.values()):
-        from . import paths
-        prime(sys.executable, trainer_environment(paths.comfyui_root()))
+        if queue is None:
+            from server import PromptServer
+            queue = PromptServer.instance.prompt_queue
+        if not isinstance(json_data.get("prompt_id"), str):
+            import uuid
+            json_data["prompt_id"] = str(uuid.uuid4())  # canonical: ComfyUI 0.33 refuses any other form
+        threading.Thread(target=_prime_once_queued, args=(queue, json_data["prompt_id"], wait_s),
+                         name="ingraph-standby-wait", daemon=True).start()
     return json_data
+
+
+def _prime_once_queued(queue, prompt_id: str, wait_s: float):
+    import time
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            running, queued = queue.get_current_queue_volatile()
+        except Exception as exc:  # noqa: BLE001  (a ComfyUI without this method: no standby, runs start cold)
+            log.debug("InGraph Trainer: no standby (%s)", exc)
+            return
+        if any(len(item) > 1 and item[1] == prompt_id for item in (*running, *queued)):
+            from . import paths
+            prime(sys.executable, trainer_environment(paths.comfyui_root()))
+            return
+        time.sleep(0.05)
 
 
 def register_prompt_hook():

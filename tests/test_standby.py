@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -141,6 +142,7 @@ def test_multi_process_runs_start_through_deepspeed_not_the_standby(tmp_path, mo
 
     monkeypatch.setattr(standby, "_waiting", Waiting())
     monkeypatch.setattr(standby, "prime", lambda *a: started.append("prime"))
+    monkeypatch.setattr(launcher, "check_local_processes", lambda processes: [])  # (it asks NVML through Popen)
     monkeypatch.setattr(launcher.subprocess, "Popen",
                         lambda cmd, **kw: started.append(cmd) or type("P", (), {"pid": 1})())
     process = launcher.TrainerProcess(tmp_path, tmp_path / "run.toml", processes=2, watch_parent=False).start()
@@ -155,10 +157,30 @@ def test_standbys_start_only_for_training_prompts_and_never_when_switched_off(mo
     monkeypatch.setattr(standby, "prime", lambda python, env: primed.append(env["COMFYUI_PATH"]))
     paths = importlib.import_module("ingraph_trainer.runner.paths")
     monkeypatch.setattr(paths, "comfyui_root", lambda: "/comfy")
-    standby.prime_for_prompt({"prompt": {"1": {"class_type": "CheckpointLoaderSimple"}}})
+
+    class Queue:  # ComfyUI's prompt queue: (number, prompt_id, prompt, ...) items, running and waiting
+        items = []
+
+        def get_current_queue_volatile(self):
+            return [], list(self.items)
+
+    def wait_for_the_hook():
+        for thread in [t for t in threading.enumerate() if t.name == "ingraph-standby-wait"]:
+            thread.join(timeout=10)
+    queue = Queue()
+    assert standby.prime_for_prompt({"prompt": {"1": {"class_type": "CheckpointLoaderSimple"}}}, queue) == \
+        {"prompt": {"1": {"class_type": "CheckpointLoaderSimple"}}}
+    training = {"1": {"class_type": "CheckpointLoaderSimple"}, "2": {"class_type": "InGraphTrainLoRA"}}
+    # validation refused it (it never reaches the queue): any client can send such a prompt, and it starts nothing
+    rejected = standby.prime_for_prompt({"prompt": training}, queue, wait_s=0.3)
+    assert isinstance(rejected["prompt_id"], str) and len(rejected["prompt_id"]) == 36
+    wait_for_the_hook()
     assert primed == []
-    standby.prime_for_prompt({"prompt": {"1": {"class_type": "CheckpointLoaderSimple"},
-                                         "2": {"class_type": "InGraphTrainLoRA"}}})
+    # validated and queued (a client's own id kept): primed
+    own_id = "0b7e4c5e-36b1-4a43-9a61-2f5a3b9f0c11"
+    queue.items = [(1, own_id, training, {}, [])]
+    assert standby.prime_for_prompt({"prompt": training, "prompt_id": own_id}, queue)["prompt_id"] == own_id
+    wait_for_the_hook()
     assert primed == ["/comfy"]
     monkeypatch.undo()
     monkeypatch.setenv(standby.ENABLE_ENV, "0")
