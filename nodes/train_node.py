@@ -91,11 +91,12 @@ class TrainLoRA(io.ComfyNode):
                                           "when not connected."),
                 Dataset.Input("eval_dataset", optional=True,
                               tooltip="Held-out images (cached like the training set) whose loss at fixed timestep "
-                                      "quantiles is measured before the first step, every eval_every steps and at "
-                                      "the end. Not connected: the training images are evaluated."),
+                                      "quantiles is measured after the last step (every eval_every steps, and "
+                                      "before the first with eval_before): eval_items of them, the same ones every "
+                                      "time. Not connected: the training images are evaluated."),
                 io.Int.Input("eval_every", default=0, min=0, max=1_000_000, optional=True,
-                             tooltip="Evaluate every N steps (0 = before the first and after the last step only). "
-                                     "The best step by evaluation loss is kept in the run record."),
+                             tooltip="Evaluate every N steps (0 = after the last step only). The best step by "
+                                     "evaluation loss is kept in the run record."),
                 Previews.Input("previews", optional=True,
                                tooltip="Sample Previews settings: images rendered on the current weights during "
                                        "training, shown in this node."),
@@ -162,7 +163,19 @@ class TrainLoRA(io.ComfyNode):
                                 tooltip="Points of the noise schedule (0 = clean, 1 = pure noise) where evaluation "
                                         "measures the loss, with fixed noise. Each costs a forward pass per "
                                         "evaluated image at every evaluation: on a large model, fewer (e.g. 0.5) "
-                                        "is faster. An Evaluate node given the same values measures the same."),
+                                        "is faster. An Evaluate node given the same values measures the same. "
+                                        "Empty: no evaluation."),
+                io.Int.Input("eval_items", default=8, min=0, max=1_000_000, optional=True,
+                             tooltip="How many items are evaluated: a fixed subset of the eval dataset (or of the "
+                                     "training images), drawn with the seed, the same at every evaluation and on "
+                                     "a resume. Each evaluation costs one forward pass per item and quantile. "
+                                     "0: no evaluation (no eval points on the chart)."),
+                io.Boolean.Input("eval_before", default=False, optional=True,
+                                 tooltip="Also evaluate before the first step (a baseline for the chart). An "
+                                         "Evaluate node on the input MODEL measures the same."),
+                io.Boolean.Input("eval_after_stop", default=False, optional=True,
+                                 tooltip="Evaluate after a run ended by Stop too. Off: Stop ends the run as soon as "
+                                         "the step in flight, the checkpoint and the LoRA are written."),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The input MODEL with the trained LoRA applied."),
@@ -183,7 +196,7 @@ class TrainLoRA(io.ComfyNode):
         try:
             lora_output_path(output_name)
             if eval_quantiles is not None:  # None: not given (a workflow saved before it), or linked
-                parse_quantiles(eval_quantiles, "eval_quantiles")
+                parse_quantiles(eval_quantiles, "eval_quantiles", allow_empty=True)
         except ValueError as exc:
             return str(exc)
         return True
@@ -195,7 +208,8 @@ class TrainLoRA(io.ComfyNode):
                 previews=None, file_format="ComfyUI", loss="MSE", min_snr_gamma=0.0, timestep_sampling="uniform",
                 flow_shift=1.0, guidance=1.0, overwrite=False, keep_last=3, ema_decay=0.0, ema_start_step=0,
                 save_ema=False, prior_dataset=None, prior_weight=1.0, prior_fraction=0.5,
-                base_precision="as loaded", eval_quantiles=DEFAULT_EVAL_QUANTILES_TEXT) -> io.NodeOutput:
+                base_precision="as loaded", eval_quantiles=DEFAULT_EVAL_QUANTILES_TEXT, eval_items=8,
+                eval_before=False, eval_after_stop=False) -> io.NodeOutput:
         import comfy.model_management
 
         from ..runner.evaluation_run import parse_quantiles
@@ -218,7 +232,9 @@ class TrainLoRA(io.ComfyNode):
                           flow_shift=float(flow_shift or 1.0), guidance=float(1.0 if guidance is None else guidance),
                           keep_last=3 if keep_last is None else int(keep_last),
                           ema_decay=float(ema_decay or 0.0), ema_start_step=int(ema_start_step or 0),
-                          eval_quantiles=parse_quantiles(eval_quantiles, "eval_quantiles"))
+                          eval_quantiles=parse_quantiles(eval_quantiles, "eval_quantiles", allow_empty=True),
+                          eval_items=8 if eval_items is None else int(eval_items), eval_before=bool(eval_before),
+                          eval_after_stop=bool(eval_after_stop))
         node_id = cls.hidden.unique_id
         outcome = train_lora(model, dataset, adapter=adapter, train=train, output_name=output_name,
                              resume=resume or "off", distributed=distributed, eval_dataset=eval_dataset,

@@ -6,8 +6,9 @@ from typing import Callable
 from ..trainer.config import DistributedSpec, TrainSpec
 
 
-def parse_quantiles(text: str, name: str = "quantiles") -> list[float]:
-    """'0.1, 0.5 0.9' → [0.1, 0.5, 0.9]; the error names the input (`name`) and the bad value."""
+def parse_quantiles(text: str, name: str = "quantiles", allow_empty: bool = False) -> list[float]:
+    """'0.1, 0.5 0.9' → [0.1, 0.5, 0.9]; the error names the input (`name`) and the bad value. `allow_empty`: an
+    empty text is [] (the Train node: no evaluation)."""
     values = []
     for part in text.replace(",", " ").split():
         try:
@@ -17,7 +18,7 @@ def parse_quantiles(text: str, name: str = "quantiles") -> list[float]:
         if not 0.0 < q < 1.0:
             raise ValueError(f"{name}: {part} is not between 0 and 1")
         values.append(q)
-    if not values:
+    if not values and not allow_empty:
         raise ValueError(f"{name}: give at least one value between 0 and 1, e.g. 0.1, 0.5, 0.9")
     return sorted(set(values))
 

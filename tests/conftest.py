@@ -400,7 +400,8 @@ def prepared(tmp_path_factory, assets, tools):
 # a 3-step LoRA whose file format is the point (tests/test_export_formats.py reads each back with diffusers,
 # tests/test_trainer_program.py starts a run from the kohya one)
 FORMAT_RUN = dict(train__steps=3, train__learning_rate=1e-2, train__precision="fp32", adapter__rank=4,
-                  adapter__alpha=8.0, adapter__targets="attention_ff", train__eval_quantiles=[0.5])
+                  adapter__alpha=8.0, adapter__targets="attention_ff", train__eval_quantiles=[0.5],
+                  train__eval_before=True)
 
 
 @pytest.fixture(scope="session")

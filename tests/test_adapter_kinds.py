@@ -27,7 +27,7 @@ def test_adapter_kind_loads_in_comfyui_and_reproduces_the_trainer(kind, comfy, c
     wf = {k: v for k, v in load_workflow().items() if k in {"1", "2", "3", "4", "5", "6"}}
     wf["5"]["inputs"].update(kind=kind, rank=4, alpha=4.0, targets="all linear layers")
     wf["6"]["inputs"].update(steps=3, learning_rate=1e-2, precision="fp32", output_name=f"kinds/{kind.lower()}",
-                             batch_size=2)
+                             batch_size=2, eval_before=True)
     wf["9"] = {"class_type": "InGraphEvaluate",
                "inputs": {"model": ["6", 0], "dataset": evaluate_on_one_image(wf, quantiles=FIVE_QUANTILES),
                           "quantiles": FIVE_QUANTILES, "seed": 0, "batch_size": 2, "precision": "fp32"}}
@@ -53,7 +53,8 @@ def test_adapter_kind_loads_in_comfyui_and_reproduces_the_trainer(kind, comfy, c
 def test_full_fine_tune_loads_through_unet_loader_and_reproduces_the_trained_weights(comfy, client):
     wf = {k: v for k, v in load_workflow().items() if k in {"1", "2", "3", "4", "5", "6"}}
     wf["5"]["inputs"]["kind"] = "Full fine-tune"
-    wf["6"]["inputs"].update(steps=3, learning_rate=1e-4, precision="fp32", output_name="full/ft_test", batch_size=2)
+    wf["6"]["inputs"].update(steps=3, learning_rate=1e-4, precision="fp32", output_name="full/ft_test", batch_size=2,
+                             eval_before=True)
     evaluate = {"dataset": evaluate_on_one_image(wf, quantiles=FIVE_QUANTILES), "quantiles": FIVE_QUANTILES, "seed": 0,
                 "batch_size": 2, "precision": "fp32"}
     wf["9"] = {"class_type": "InGraphEvaluate", "inputs": {"model": ["6", 0], **evaluate}}

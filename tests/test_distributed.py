@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.comfyui, requires_deepspeed]
 TRAINER = str(REPO / "trainer" / "__main__.py")
 COMMON = dict(train__steps=5, train__batch_size=2, train__precision="fp32", train__seed=3,
               train__lr_schedule="linear", train__warmup_steps=1, train__save_every=2,
-              train__eval_quantiles=[0.5], train__learning_rate=1e-3)
+              train__eval_quantiles=[0.5], train__learning_rate=1e-3, train__eval_before=True)
 
 
 def launch(spec: Path, processes: int, *extra, timeout=300) -> subprocess.CompletedProcess:

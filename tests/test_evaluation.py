@@ -69,7 +69,9 @@ def test_training_evaluates_and_previews_at_the_configured_steps(workflow_run, c
     inputs = wf[TRAIN]["inputs"]
     steps, every = inputs["steps"], inputs["eval_every"]
     evals = [d["event"] for d in events_of(outcome, "eval") if d["node"] == TRAIN]
-    assert [e["step"] for e in evals] == list(range(0, steps + 1, every))
+    # before the first step only when asked (eval_before): the Evaluate node on the base gives that baseline
+    assert [e["step"] for e in evals] == list(range(0 if inputs.get("eval_before") else every, steps + 1, every))
+    assert all(e["items"] == min(inputs.get("eval_items", 8), 8) for e in evals)  # 8 example images
     samples = [d for d in events_of(outcome, "sample") if d["node"] == TRAIN]
     sample_every = wf["6"]["inputs"]["every"]
     assert [d["event"]["step"] for d in samples] == list(range(sample_every, steps + 1, sample_every))
@@ -119,3 +121,41 @@ def test_previews_do_not_change_training(prepared):
         assert [e["loss"] for e in a if e["type"] == kind] == [e["loss"] for e in b if e["type"] == kind]
     assert sorted(p.name for p in (with_previews.parent / "samples").iterdir()) == \
         ["step000003_0.png", "step000003_1.png", "step000004_0.png", "step000004_1.png"]
+
+
+def test_evaluation_off_gives_no_eval_points_and_a_whole_result(prepared):
+    """eval_items 0, or no quantiles: no evaluation at all, and the run's result and events are well formed."""
+    common = dict(train__steps=2, train__precision="fp32", train__eval_every=1, train__eval_before=True)
+    specs = [prepared(**common, train__eval_items=0), prepared(**common, train__eval_quantiles=[])]
+    proc = run_trainers_forked(*specs)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for spec in specs:
+        events = read_events(spec.parent)
+        assert [e["type"] for e in events if e["type"] in ("started", "step", "finished")] == \
+            ["started", "step", "step", "finished"]
+        assert not [e for e in events if e["type"] == "eval"]
+        started, finished = events[0], events[-1]
+        assert started["eval_items"] == 0
+        assert finished["eval_before"] is finished["eval_after"] is finished["best_eval_step"] is None
+        assert (spec.parent / "lora.safetensors").is_file()
+
+
+def test_a_fixed_subset_is_evaluated_the_same_on_a_resume(prepared):
+    """eval_items of the 8 images, drawn with the seed: every evaluation of the run, and of its resume, measures the
+    same items with the same noise (the losses agree to the bit at every evaluated step)."""
+    from conftest import run_trainer
+    common = dict(train__steps=4, train__precision="fp32", train__eval_every=2, train__save_every=2,
+                  train__eval_items=3, train__eval_quantiles=[0.5], train__seed=5)
+    whole = prepared(**common)
+    assert run_trainer(whole).returncode == 0
+    evals = {e["step"]: e for e in read_events(whole.parent) if e["type"] == "eval"}
+    assert sorted(evals) == [2, 4] and all(e["items"] == 3 for e in evals.values())
+    assert read_events(whole.parent)[0]["eval_items"] == 3
+    resumed = prepared(**common)
+    assert run_trainer(resumed, kill_on="checkpoint").returncode != 0
+    assert run_trainer(resumed, "--resume", "latest").returncode == 0
+    again = {e["step"]: e["loss"] for e in read_events(resumed.parent) if e["type"] == "eval"}
+    assert again == {step: e["loss"] for step, e in evals.items()}
+    everything = prepared(**dict(common, train__eval_items=8))  # all 8: another figure, so the subset is a subset
+    assert run_trainer(everything).returncode == 0
+    assert [e["loss"] for e in read_events(everything.parent) if e["type"] == "eval"][-1] != evals[4]["loss"]

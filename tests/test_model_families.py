@@ -161,7 +161,7 @@ def test_training_from_scratch_reduces_loss(family_models, client):
                                                          "seed": 0, "clip": ["3", 0]}}
     outcome = client.run(training_graph("sd3", "scratch_sd3", model=model, text_family="flux", kind="Full fine-tune",
                                         steps=12, learning_rate=2e-3, timestep_sampling="logit-normal",
-                                        eval_quantiles=DEFAULT_EVAL_QUANTILES_TEXT), timeout=600)
+                                        eval_quantiles=DEFAULT_EVAL_QUANTILES_TEXT, eval_before=True), timeout=600)
     assert outcome.ok, outcome.error
     finished = next(e for e in run_events(outcome) if e["type"] == "finished")
     assert finished["eval_after"] < 0.8 * finished["eval_before"], finished

@@ -38,7 +38,7 @@ def same_tensors(a: dict, b: dict) -> bool:
 # and low enough here to clip), a warm-up and a linear schedule (the scheduler's steps), a checkpoint at step 2
 FIXED_FP32 = dict(train__steps=5, train__batch_size=2, train__grad_accum=2, train__precision="fp32", train__seed=3,
                   train__lr_schedule="linear", train__warmup_steps=1, train__save_every=2, train__max_grad_norm=0.05,
-                  train__eval_quantiles=[0.5], train__learning_rate=1e-3)
+                  train__eval_quantiles=[0.5], train__learning_rate=1e-3, train__eval_before=True)
 
 
 def trained(spec, engine: str):

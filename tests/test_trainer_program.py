@@ -141,7 +141,7 @@ def test_tensorboard_has_the_health_metrics(two_step_run):
 def test_8bit_adamw_with_optimizer_offload_under_zero1(prepared):
     spec = prepared(train__steps=4, train__precision="fp32", train__optimizer="adamw8bit",
                     distributed__zero_stage=1, distributed__offload_optimizer=True, train__learning_rate=1e-3,
-                    **ONE_QUANTILE)
+                    train__eval_before=True, **ONE_QUANTILE)
     proc = run_trainer(spec)
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = read_events(spec.parent)
@@ -158,7 +158,7 @@ def test_continue_from_an_adapter_file_starts_where_it_ended(prepared, trained_i
     ended = next(e for e in read_events(first.parent) if e["type"] == "finished")
     second = prepared(train__steps=1, train__precision="fp32", adapter__rank=4, adapter__alpha=4.0,
                       adapter__targets=FORMAT_RUN["adapter__targets"], adapter__init_from=ended["adapter"],
-                      train__eval_quantiles=FORMAT_RUN["train__eval_quantiles"])
+                      train__eval_quantiles=FORMAT_RUN["train__eval_quantiles"], train__eval_before=True)
     proc = run_trainer(second)
     assert proc.returncode == 0, proc.stderr[-3000:]
     began = next(e for e in read_events(second.parent) if e["type"] == "eval")

@@ -206,10 +206,18 @@ class TrainSpec:
     save_every: int = 0  # 0: only the final adapter
     keep_last: int = 3  # complete checkpoints kept (the oldest go first); 0 = keep all
     eval_quantiles: list = field(default_factory=lambda: list(DEFAULT_EVAL_QUANTILES))
-    eval_every: int = 0  # 0: evaluate before the first step and after the last only
+    eval_every: int = 0  # 0: evaluate after the last step only (and before the first with eval_before)
+    eval_items: int = 8  # items evaluated: a fixed subset of the eval set, seeded by `seed`; 0: no evaluation
+    eval_before: bool = False  # also evaluate before the first step (a baseline; the Evaluate node gives one too)
+    eval_after_stop: bool = False  # evaluate after a run ended by Stop too (it ends sooner without)
     resume: str = ""  # "": fresh run; "latest": newest complete checkpoint; or a checkpoint tag
     ema_decay: float = 0.0  # exponential moving average of the trained weights (0 = off; 0.999 is usual)
     ema_start_step: int = 0  # until this step the average copies the weights; it averages from the next one
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether a training run evaluates at all (eval_items 0 or no quantiles: it does not)."""
+        return self.eval_items > 0 and bool(self.eval_quantiles)
 
 
 @dataclass
@@ -465,8 +473,11 @@ class RunSpec:
             need(not weights or weights.lower().endswith(".safetensors"), where,
                  f"must be a .safetensors file (got {Path(weights).name!r})")
         need(t.eval_every >= 0, "train.eval_every", f"must be 0 or more (got {t.eval_every})")
-        need(bool(t.eval_quantiles) and all(isinstance(q, (int, float)) and 0.0 < q < 1.0 for q in t.eval_quantiles),
-             "train.eval_quantiles", "must be a non-empty list of values in (0, 1)")
+        need(isinstance(t.eval_quantiles, list) and (bool(t.eval_quantiles) or self.task != "evaluate")
+             and all(isinstance(q, (int, float)) and 0.0 < q < 1.0 for q in t.eval_quantiles),
+             "train.eval_quantiles", "must be a list of values in (0, 1) (empty: no evaluation)")
+        need(isinstance(t.eval_items, int) and t.eval_items >= 0, "train.eval_items",
+             f"must be 0 (no evaluation) or more (got {t.eval_items!r})")
         need(self.task == "evaluate" or bool(self.output.lora_path), "output.lora_path", "is required")
         need(self.output.format in ADAPTER_FORMATS, "output.format",
              f"must be one of {ADAPTER_FORMATS} (got {self.output.format!r})")

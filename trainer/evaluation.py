@@ -45,6 +45,16 @@ def eval_noise(shape, items: list[int], seed: int) -> torch.Tensor:
     return torch.stack([torch.randn(shape, generator=seeded_generator(seed, EVAL_NOISE_STREAM, i)) for i in items])
 
 
+def eval_subset(items: list[int], count: int, seed: int) -> list[int]:
+    """The items a training run evaluates: all of them up to `count`, else a fixed subset drawn with the run's seed
+    (the same on every resume, every rank and every evaluation, so the figures compare), in dataset order."""
+    import random
+    items = list(items)
+    if count >= len(items):
+        return items
+    return sorted(random.Random(seed).sample(items, count), key=items.index)
+
+
 def evaluate(module, dataset: CachedDataset, indices: list[int], quantiles: list[float], seed: int,
              batch_size: int, device) -> dict:
     """{"loss": mean over quantiles, "quantiles": {"0.1": loss, ...}}. Every rank must call it."""

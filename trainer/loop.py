@@ -17,6 +17,7 @@ from .data import load_cached_dataset, step_loader
 from .device import device_memory, training_device
 from .distributed import data_parallel_size, deepspeed_config, uses_deepspeed, world_size
 from .ema import build_average, exported_weights
+from .evaluation import eval_subset
 from .events import EVENTS_FILE, read_events
 from .export import diffusers_module_names
 from .layouts import choose_engine, choose_layout
@@ -72,6 +73,8 @@ class Trainer(TrainingTask):
         self.dataset, self.sampler = build_training_data(spec.data, self.global_batch, t.seed, family,
                                                          d.pipeline_stages)
         self.eval_dataset = load_cached_dataset(spec.data.eval_manifest) if spec.data.eval_manifest else self.dataset
+        self.eval_items = eval_subset(self.eval_dataset.unique, spec.train.eval_items, spec.train.seed) \
+            if spec.train.evaluates else []
         torch.manual_seed(t.seed)  # adapter initialisation
         if a.kind == "full":
             refuse_fp8_full_fine_tune(family.diffusion_model, spec.model.path)
@@ -107,7 +110,7 @@ class Trainer(TrainingTask):
         t = self.spec.train
         start_step, resumed_from = self.control.resume(self.started_at)
         self.announce(start_step, resumed_from)
-        eval_before = self.evaluate(start_step) if start_step == 0 else None
+        eval_before = self.evaluate(start_step) if start_step == 0 and t.eval_before and t.evaluates else None
         prefetch = step_loader(self.batches, self.layout.device)
         stopped, self.data_wait, loss = False, 0.0, None
         for step in range(start_step + 1, t.steps + 1):  # `step`: the steps done once this one is
@@ -121,7 +124,7 @@ class Trainer(TrainingTask):
             grad_norm = float(grad_norm) if grad_norm is not None else None
             check_finite(step, loss, grad_norm)  # every rank sees the same global values: all stop together
             self.report_step(step, start_step, batch, loss, lr, grad_norm, time.perf_counter() - t0)
-            if t.eval_every and step % t.eval_every == 0 and step < t.steps:
+            if t.evaluates and t.eval_every and step % t.eval_every == 0 and step < t.steps:
                 self.evaluate(step)
             if self.control.after_step(step):  # previews, stop, checkpoint
                 stopped = True
@@ -129,13 +132,15 @@ class Trainer(TrainingTask):
         else:
             step = t.steps
         prefetch.close()
-        eval_after = self.evaluate(step)
+        # after a Stop the user wants the run to end: its evaluation only when asked for (eval_after_stop)
+        eval_after = self.evaluate(step) if t.evaluates and (not stopped or t.eval_after_stop) else None
         self.health.close()
         with averaged_weights(self.optimizer), exported_weights(self.spec, self.ema):
             adapter, replaced_kept = write_result(self.spec, self.family, self.params, self.layout, self.is_rank0,
                                                   len(self.dataset.unique), step, self.started_at)
         self.events.emit("finished", adapter=adapter, replaced_kept=replaced_kept, steps=step, stopped=stopped, final_loss=loss,
-                         eval_before=eval_before["loss"] if eval_before else None, eval_after=eval_after["loss"],
+                         eval_before=eval_before["loss"] if eval_before else None,
+                         eval_after=eval_after["loss"] if eval_after else None,
                          best_eval_step=self.best.get("step"), best_eval_loss=self.best.get("loss"),
                          mean_step_s=self.control.mean_step_s(),
                          data_wait_s=round(self.data_wait, 4), wall_s=time.time() - self.started_at,
@@ -153,7 +158,7 @@ class Trainer(TrainingTask):
                          prediction=family.prediction, objective={"loss": t.loss, "min_snr_gamma": t.min_snr_gamma},
                          adapted_modules=len(self.targets), trainable_params=sum(p.numel() for p in self.params),
                          dataset_items=len(self.dataset.unique), samples=len(self.dataset),
-                         eval_items=len(self.eval_dataset.unique), base_weight_bytes=family.base_weight_bytes(),
+                         eval_items=len(self.eval_items), base_weight_bytes=family.base_weight_bytes(),
                          load_memory=self.load_memory,
                          resumed_from=str(resumed_from) if resumed_from else None, **prior)
         if prior_warning:
@@ -167,8 +172,7 @@ class Trainer(TrainingTask):
         t = self.spec.train
 
         def held_out():
-            return self.layout.evaluate(self.eval_dataset, self.eval_dataset.unique, t.eval_quantiles, t.seed,
-                                        t.batch_size)
+            return self.layout.evaluate(self.eval_dataset, self.eval_items, t.eval_quantiles, t.seed, t.batch_size)
         with averaged_weights(self.optimizer):
             result = held_out()
         if self.ema is not None:  # the same items and noise, on the average of the weights

@@ -61,8 +61,9 @@ class RunControl:
             self.events.emit("sample", step=step, images=images, prompts=self.spec.samples.prompts)
         stop_requested = self.stops.requested(self.layout.device)
         if self.checkpointer.due(step, t.steps, stop_requested):
+            began = time.perf_counter()
             path = self.checkpointer.save(step, {"step": step, "seed": t.seed})
-            self.events.emit("checkpoint", step=step, path=str(path))
+            self.events.emit("checkpoint", step=step, path=str(path), write_s=round(time.perf_counter() - began, 3))
         if stop_requested:
             self.stops.consume()
         return stop_requested and step < t.steps
