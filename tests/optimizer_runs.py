@@ -61,6 +61,7 @@ def main(argv):
         spec.train.learning_rate = 1.0 if optimizer == "prodigy" else 1e-3  # Prodigy's lr scales its estimate
         if ema:
             spec.train.ema_decay, spec.train.ema_start_step, spec.output.weights = 0.5, 1, "ema"
+            spec.train.eval_before = True  # the test compares the average with the weights at step 0
         spec.validate(f"{optimizer} run")
         first = train(spec)
         first_file = tensors_digest(Path(spec.output.lora_path))

@@ -44,6 +44,7 @@ def trained(comfy):
     # fp32: bf16 convolutions are several times slower on CPU, and precision is not what these tests check (the
     # shipped bf16 setting still trains in the interrupt and killed-trainer tests)
     wf = training_workflow("test_trained", precision="fp32")
+    wf["6"]["inputs"]["eval_before"] = True  # test_training_learns compares with the loss before step 1
     outcome = client.run(wf, timeout=600)
     client.close()
     assert outcome.ok, (outcome.status, outcome.error, comfy.log_tail())

@@ -49,7 +49,7 @@ def adapters_agree(a: Path, b: Path):
 
 
 FULL_FINE_TUNE = dict(train__steps=3, train__batch_size=2, train__precision="fp32", train__learning_rate=1e-4,
-                      train__eval_quantiles=[0.5], adapter__kind="full")
+                      train__eval_quantiles=[0.5], adapter__kind="full", train__eval_before=True)
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,7 @@ def test_two_steps_write_events_and_a_comfy_format_adapter(two_step_run):
     run_dir = spec.parent
     events = read_events(run_dir)
     kinds = [e["type"] for e in events]
-    assert kinds == ["started", "eval", "step", "step", "eval", "finished"]
+    assert kinds == ["started", "step", "step", "eval", "finished"]  # no evaluation before step 1 (eval_before)
     steps = [e for e in events if e["type"] == "step"]
     for e in steps:
         assert {"step", "total", "loss", "lr", "grad_norm", "samples_per_s", "eta_s"} <= set(e)
