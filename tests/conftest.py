@@ -542,3 +542,16 @@ def _comfyui_not_training_after_the_test():
     management = sys.modules.get("comfy.model_management")
     if management is not None and hasattr(management, "in_training"):
         management.in_training = False
+
+
+def small_server(assets, base_dir, **server_args) -> ComfyServer:
+    """A ComfyUI server of a test's own (not the session's), started and ready, holding the tiny checkpoint, the
+    example images and the one-image folder: for tests that kill, fake or otherwise spoil their server."""
+    server = ComfyServer(base_dir, **server_args)
+    (server.dir("models", "checkpoints") / CHECKPOINT_NAME).symlink_to(assets["checkpoint"])
+    images, one = server.dir("input", IMAGE_FOLDER), server.dir("input", ONE_IMAGE_FOLDER)
+    for f in assets["images"].iterdir():
+        (images / f.name).write_bytes(f.read_bytes())
+    for f in sorted(assets["images"].iterdir())[:2]:
+        (one / f.name).write_bytes(f.read_bytes())
+    return server.start().wait_ready(180)

@@ -114,20 +114,28 @@ def test_stop_then_resume_on_the_plain_engine_matches_uninterrupted(prepared, fp
     random state) resumes exactly."""
     uninterrupted = fp32_pair["plain"] if precision == "fp32" else bf16_run
     spec = prepared(**dict(FIXED_FP32, train__precision=precision))
-    first = run_trainer(spec, kill_on="checkpoint")
+    killed_at_step_2_then_resumed(spec, "plain_engine.pt")
+    assert_same_run(spec, uninterrupted)
+
+
+def killed_at_step_2_then_resumed(spec, checkpoint_file: str, env: dict | None = None):
+    """The run killed once its step-2 checkpoint (holding `checkpoint_file`) is written, then resumed (`env`: the
+    first run's variables)."""
+    first = run_trainer(spec, kill_on="checkpoint", env=env)
     assert first.returncode != 0
     saved = sorted((spec.parent / "checkpoints").glob("step_*"))
-    assert [p.name for p in saved] == ["step_000002"] and (saved[0] / "plain_engine.pt").is_file()
+    assert [p.name for p in saved] == ["step_000002"] and (saved[0] / checkpoint_file).is_file()
     proc = run_trainer(spec, "--resume", "latest")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    events = read_events(spec.parent)
-    started = [e for e in events if e["type"] == "started"]
-    assert started[-1]["start_step"] == 2
-    resumed = {e["step"]: e["loss"] for e in events if e["type"] == "step"}
+    assert [e["start_step"] for e in read_events(spec.parent) if e["type"] == "started"][-1] == 2
+
+
+def assert_same_run(spec, uninterrupted):
+    """The run's step losses (the resumed part appended to the first) and adapter are the uninterrupted run's."""
+    resumed = {e["step"]: e["loss"] for e in read_events(spec.parent) if e["type"] == "step"}
     reference = {s["step"]: s["loss"] for s in uninterrupted[0]}
     assert resumed.keys() == reference.keys() and same_numbers(list(resumed.values()), list(reference.values()))
-    lora, reference_lora = load_file(spec.parent / "lora.safetensors"), uninterrupted[1]
-    assert same_tensors(lora, reference_lora)
+    assert same_tensors(load_file(spec.parent / "lora.safetensors"), uninterrupted[1])
 
 
 def test_a_one_process_run_imports_no_deepspeed(prepared):
@@ -149,16 +157,5 @@ def test_a_run_checkpointed_by_deepspeeds_engine_resumes_on_the_plain_engine(pre
     """A one-process run started before this engine (DeepSpeed's files in its checkpoint) resumes on it, bit for bit
     the run the plain engine trains uninterrupted."""
     spec = prepared(**FIXED_FP32)
-    first = run_trainer(spec, kill_on="checkpoint", env={"INGRAPH_TRAINER_ENGINE": "deepspeed"})
-    assert first.returncode != 0
-    saved = sorted((spec.parent / "checkpoints").glob("step_*"))
-    assert [p.name for p in saved] == ["step_000002"] and (saved[0] / "mp_rank_00_model_states.pt").is_file()
-    proc = run_trainer(spec, "--resume", "latest")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    events = read_events(spec.parent)
-    assert [e["start_step"] for e in events if e["type"] == "started"][-1] == 2
-    resumed = {e["step"]: e["loss"] for e in events if e["type"] == "step"}
-    reference = {s["step"]: s["loss"] for s in fp32_pair["plain"][0]}
-    assert resumed.keys() == reference.keys() and same_numbers(list(resumed.values()), list(reference.values()))
-    lora, reference = load_file(spec.parent / "lora.safetensors"), fp32_pair["plain"][1]
-    assert same_tensors(lora, reference)
+    killed_at_step_2_then_resumed(spec, "mp_rank_00_model_states.pt", env={"INGRAPH_TRAINER_ENGINE": "deepspeed"})
+    assert_same_run(spec, fp32_pair["plain"])

@@ -12,9 +12,7 @@ import urllib.request
 
 import pytest
 
-from conftest import (CHECKPOINT_NAME, IMAGE_FOLDER, ONE_IMAGE_FOLDER, REPO, evaluate_on_one_image, load_workflow,
-                      requires_deepspeed, wait_first_step)
-from tools.comfy_server import ComfyServer
+from conftest import REPO, evaluate_on_one_image, load_workflow, requires_deepspeed, small_server, wait_first_step
 
 pytestmark = pytest.mark.comfyui
 
@@ -226,14 +224,7 @@ class socket_closed_port:
 
 
 def test_trainer_exits_within_10s_when_comfyui_dies(assets, tmp_path):
-    server = ComfyServer(tmp_path / "dying", pack_name="ingraph_trainer")
-    (server.dir("models", "checkpoints") / CHECKPOINT_NAME).symlink_to(assets["checkpoint"])
-    images, one = server.dir("input", IMAGE_FOLDER), server.dir("input", ONE_IMAGE_FOLDER)
-    for f in assets["images"].iterdir():
-        (images / f.name).write_bytes(f.read_bytes())
-    for f in sorted(assets["images"].iterdir())[:2]:
-        (one / f.name).write_bytes(f.read_bytes())
-    server.start().wait_ready(180)
+    server = small_server(assets, tmp_path / "dying", pack_name="ingraph_trainer")
     from client.api import ComfyClient
     client = ComfyClient(server.address)
     try:

@@ -126,21 +126,13 @@ def test_memory_probes_on_windows_come_from_psutil(monkeypatch):
 def test_through_a_comfyui_server_on_windows_a_run_succeeds_and_cancel_leaves_no_process(assets, tmp_path):
     """A ComfyUI server (and every trainer it starts) whose platform module sees Windows (tests/windows_view):
     a one-process run from the graph trains and the node succeeds; a second run, cancelled, leaves no process."""
-    from tools.comfy_server import ComfyServer
     from client.api import ComfyClient
-    from conftest import CHECKPOINT_NAME, IMAGE_FOLDER, ONE_IMAGE_FOLDER, REPO, wait_first_step
+    from conftest import REPO, small_server, wait_first_step
     from test_run_control import training_only
     mark = tmp_path / "windows_processes"
-    server = ComfyServer(tmp_path / "windows", pack_name="ingraph_trainer", extra_env={
+    server = small_server(assets, tmp_path / "windows", pack_name="ingraph_trainer", extra_env={
         "PYTHONPATH": str(REPO / "tests" / "windows_view"), "INGRAPH_FAKE_WINDOWS": "1",
         "INGRAPH_FAKE_WINDOWS_MARK": str(mark), standby.ENABLE_ENV: "1"})
-    (server.dir("models", "checkpoints") / CHECKPOINT_NAME).symlink_to(assets["checkpoint"])
-    images, one = server.dir("input", IMAGE_FOLDER), server.dir("input", ONE_IMAGE_FOLDER)
-    for f in assets["images"].iterdir():
-        (images / f.name).write_bytes(f.read_bytes())
-    for f in sorted(assets["images"].iterdir())[:2]:
-        (one / f.name).write_bytes(f.read_bytes())
-    server.start().wait_ready(180)
     client = ComfyClient(server.address)
     try:
         outcome = client.follow(client.queue(training_only("windows_run", 3)), timeout=300)
