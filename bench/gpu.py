@@ -17,7 +17,9 @@ What it prints per case: s/step (ours: the median of the trainer's step_time_s p
 the trainer's torch.cuda.max_memory_allocated in its finished event; bare: this process's; and for every case the
 driver's figure, the GPU's memory.used peak above its idle level sampled every 0.2 s through nvidia-smi), and model
 FLOPs utilisation (the UNet's forward+backward FLOPs at this batch, counted once with torch's FlopCounterMode, over
-s/step and the card's dense bf16 peak). The last lines are the ratios against the bare loop and TrainLoraNode.
+s/step and the card's dense bf16 peak; the bare loop's count stands for every case, so LoKr's and the fp8 base's
+MFU are approximate). The last lines are the ratios against the bare loop and TrainLoraNode. The driver's figure reads
+GPU 0 (nvidia-smi's numbering): run the bench with one visible GPU.
 The published figure to beat (SimpleTuner, SDXL LoKr at 1024², H100): 0.61 s/step in 13 GiB; SDXL is not built here
 yet (tools/realsize_models.py writes its UNet, not the text encoders a graph needs).
 """
@@ -45,8 +47,8 @@ from tools.comfy_server import ComfyServer, comfyui_available, comfyui_path  # n
 CKPT = "gpu_bench.safetensors"
 IMAGES = "gpu_bench_images"
 # dense bf16 tensor-core peaks (FLOP/s), by a substring of torch.cuda.get_device_name()
-BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "RTX 4090": 165e12,
-             "RTX 5090": 209e12, "RTX 3090": 71e12, "A10": 125e12}
+BF16_PEAK = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
+             "RTX 4090": 165e12, "RTX 5090": 209e12, "RTX 3090": 71e12, "A10G": 70e12, "A10": 125e12}
 
 
 class DriverMemory:
@@ -75,7 +77,9 @@ class DriverMemory:
                 self._peak = max(self._peak, used)
 
     def reset(self):
-        self._peak = self.read() or 0
+        """A case starts: its figure is the peak above the level now (what an earlier case left loaded excluded)."""
+        self.idle = self.read() if self.available else None
+        self._peak = self.idle or 0
 
     def peak_gib(self) -> float | None:
         if not self.available or self.idle is None:
@@ -339,7 +343,8 @@ def main(argv=None):
     if "bare" in cases:  # first, alone on the card
         results["bare"] = bare_loop(opts, checkpoint)
     driver = DriverMemory()
-    server = ComfyServer(base, cpu=peak_flops is None and name.startswith("CPU"))
+    # no standby trainers: each holds a CUDA context that the driver figures would count
+    server = ComfyServer(base, cpu=peak_flops is None and name.startswith("CPU"), extra_env={"INGRAPH_STANDBY": "0"})
     server.start()
     try:
         server.wait_ready(300)

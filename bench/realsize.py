@@ -183,7 +183,7 @@ class Monitor:
 def classify(path: Path, size: int, base_dir: Path) -> str:
     """'weights:<what>', 'adapter', 'cache', or 'other'."""
     rel = path.relative_to(base_dir).as_posix()
-    if "/ingraph/cache/" in f"/{rel}":
+    if "/ingraph_data/cache/" in f"/{rel}" or "/ingraph/cache/" in f"/{rel}":  # the latter: earlier versions
         return "cache"
     if path.name.endswith(WEIGHT_SUFFIXES) or size >= LARGE_FILE:
         keys = safetensors_keys(path)

@@ -29,6 +29,10 @@ class Evaluate(io.ComfyNode):
                                tooltip="fp32: exact, comparable across machines; bf16: half the memory."),
                 Distributed.Input("distributed", optional=True,
                                   tooltip="DeepSpeed settings: evaluate on several processes (GPUs)."),
+                io.Int.Input("items", default=8, min=1, max=1_000_000, optional=True,
+                             tooltip="How many of the dataset's items are evaluated: a fixed subset drawn with the "
+                                     "seed, the same items a Train node with the same seed and eval_items "
+                                     "evaluates on this dataset. Each costs a forward pass per quantile."),
             ],
             outputs=[
                 io.Float.Output(display_name="mean_loss", tooltip="Mean of the per-quantile losses."),
@@ -48,12 +52,14 @@ class Evaluate(io.ComfyNode):
         return True
 
     @classmethod
-    def execute(cls, model, dataset, quantiles, seed, batch_size, precision, distributed=None) -> io.NodeOutput:
+    def execute(cls, model, dataset, quantiles, seed, batch_size, precision, distributed=None,
+                items=8) -> io.NodeOutput:
         import comfy.model_management
         from ..runner.evaluation_run import evaluate_model, parse_quantiles, quantile_table
         from ..runner.loss_chart import chart_tensor, render_quantile_chart
         dataset.require_cached("dataset")
         result = evaluate_model(model, dataset, quantiles=parse_quantiles(quantiles), seed=seed, batch_size=batch_size,
+                                items=8 if items is None else int(items),
                                 precision=precision, distributed=distributed, on_event=lambda event: None,
                                 check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted,
                                 prompt=cls.hidden.prompt, node_id=cls.hidden.unique_id)

@@ -24,7 +24,7 @@ def parse_quantiles(text: str, name: str = "quantiles", allow_empty: bool = Fals
 
 
 def evaluate_model(model, dataset, *, quantiles: list[float], seed: int, batch_size: int, precision: str,
-                   distributed: DistributedSpec | None, on_event: Callable[[dict], None],
+                   distributed: DistributedSpec | None, on_event: Callable[[dict], None], items: int = 8,
                    check_interrupt: Callable[[], None], prompt: dict | None = None, node_id: str = "") -> dict:
     """{"loss", "quantiles": {"0.1": loss, ...}, "items"}: same inputs, same numbers, on any number of processes.
 
@@ -36,7 +36,8 @@ def evaluate_model(model, dataset, *, quantiles: list[float], seed: int, batch_s
     from .session import prepare_run, watch_run
 
     check_evaluation_references(model, dataset)
-    train = TrainSpec(steps=1, batch_size=batch_size, precision=precision, seed=seed, eval_quantiles=quantiles)
+    train = TrainSpec(steps=1, batch_size=batch_size, precision=precision, seed=seed, eval_quantiles=quantiles,
+                      eval_items=items)
     release_comfy_models(model)  # the GPU goes to the trainer (and a fallback reads the weights unpatched)
     hand_off = hand_off_model(model, prompt, node_id, "model", paths.models_root())
     run_dir, spec_path = prepare_run(runs_root=paths.evals_root(), name="eval", task="evaluate",

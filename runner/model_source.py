@@ -5,7 +5,7 @@ LoRA loaders between it and the consumer name their patches. `describe_model` wa
 node's input link back to the loader and returns that description (files by path, identified by size and
 mtime, never by hashing their contents); the trainer rebuilds the same weights with ComfyUI's own loading and
 patching code. Only a MODEL whose patches cannot be described that way is materialised: its patched weights are
-written once under output/ingraph/models, keyed by the upstream graph, and the copies are kept under a size cap,
+written once under the pack's data folder (ingraph_data/models, out of every client's reach), keyed by the upstream graph, and the copies are kept under a size cap,
 least-recently-used removed first.
 """
 from __future__ import annotations

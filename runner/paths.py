@@ -19,11 +19,12 @@ def data_root() -> Path:
     in ComfyUI's base directory (`--base-directory`, else ComfyUI's own folder), which ComfyUI serves nothing from;
     or where the operator's environment variable INGRAPH_DATA_DIR says (no node input can move it)."""
     import folder_paths
-    return Path(os.environ.get(DATA_DIR_ENV) or Path(folder_paths.base_path) / "ingraph_data")
+    # absolute: run specs name these paths, and the trainer runs in another working folder
+    return Path(os.path.abspath(os.environ.get(DATA_DIR_ENV) or Path(folder_paths.base_path) / "ingraph_data"))
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("INGRAPH_CACHE_DIR") or data_root() / "cache")
+    return Path(os.path.abspath(os.environ.get("INGRAPH_CACHE_DIR") or data_root() / "cache"))
 
 
 def runs_root() -> Path:

@@ -308,7 +308,7 @@ def load_workflow(name: str = "train_lora_api.json") -> dict:
 
 def evaluate_on_one_image(wf: dict, train: str = "6", dataset: str = "2", folder: str = ONE_IMAGE_FOLDER,
                           quantiles: str = SUITE_EVAL_QUANTILES) -> list:
-    """The Train node's evaluations (before the first step and after the last) on one image, not the 8 it trains
+    """The Train node's evaluations (after the last step, and before the first with eval_before) on one image, not the 8 it trains
     on, at `quantiles` (its eval_quantiles), for tests whose point is not the evaluation: a copy of the dataset
     chain from node `dataset` (Load Training Images → Cache Latents → Cache Text Embeddings) on `folder` (an image
     and its caption) as its eval_dataset. Returns that cached dataset's link (for an Evaluate node that must

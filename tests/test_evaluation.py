@@ -159,3 +159,11 @@ def test_a_fixed_subset_is_evaluated_the_same_on_a_resume(prepared):
     everything = prepared(**dict(common, train__eval_items=8))  # all 8: another figure, so the subset is a subset
     assert run_trainer(everything).returncode == 0
     assert [e["loss"] for e in read_events(everything.parent) if e["type"] == "eval"][-1] != evals[4]["loss"]
+    # the Evaluate node's task, same seed and item count, on the trained LoRA: the same items, the same figure
+    lora = read_events(whole.parent)[-1]["adapter"]
+    evaluate = prepared(task="evaluate", output__lora_path="", train__precision="fp32", train__seed=5,
+                        train__eval_items=3, train__eval_quantiles=[0.5], model__lora_paths=[lora],
+                        model__lora_strengths=[1.0], model__stamps=[])
+    assert run_trainer(evaluate).returncode == 0
+    result = read_events(evaluate.parent)[-1]["evaluation"]
+    assert result["items"] == 3 and result["loss"] == pytest.approx(evals[4]["loss"], rel=1e-6)

@@ -81,6 +81,8 @@ def test_an_fp8_base_trains_and_evaluates_with_its_lora_on_the_card(prepared, as
     spec = prepared(train__steps=3, train__batch_size=2, train__precision="bf16", adapter__rank=4,
                     adapter__alpha=4.0, train__eval_quantiles=[0.5], **model)
     events = trained(spec)
+    losses = [e["loss"] for e in events if e["type"] == "step"]
+    assert len(losses) == 3 and all(isinstance(l, float) and l == l for l in losses)
     lora = events[-1]["adapter"]
     assert lora and os.path.isfile(lora)
     evaluate = prepared(task="evaluate", output__lora_path="", train__batch_size=2, train__precision="bf16",

@@ -198,8 +198,7 @@ def assert_out_of_clients_reach(comfy, client, model_copy: Path, manifest: Path)
     assert Path(cache_db) == data / "cache" and (data / "cache" / "cache.sqlite").is_file()
     assert not (comfy.base_dir / "output" / "ingraph" / "models").exists()
     assert not (comfy.base_dir / "output" / "ingraph" / "cache").exists()
-    for subfolder, name in (("../ingraph_data/models", model_copy.name), ("../ingraph_data/cache", "cache.sqlite"),
-                            ("ingraph/models", model_copy.name), ("ingraph/cache", "cache.sqlite")):
+    for subfolder, name in (("ingraph/models", model_copy.name), ("ingraph/cache", "cache.sqlite")):
         with pytest.raises(urllib.error.HTTPError) as refused:
             client.get(f"/view?type=output&subfolder={subfolder}&filename={name}")
         assert refused.value.code in (400, 403, 404), (subfolder, refused.value.code)

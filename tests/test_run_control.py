@@ -102,8 +102,11 @@ def test_hostfile_of_the_server_environment_is_refused_and_never_echoed(comfy, c
 
 @requires_deepspeed  # without it, the DeepSpeed Settings node refuses several processes first (its install command)
 def test_more_processes_than_the_machine_has_are_refused_before_any_starts(comfy, client):
+    import torch
     wf = training_only("too_many_ranks", 3)
-    processes = (os.cpu_count() or 1) + 3  # the suite's servers run with --cpu and no GPU
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0  # (NVML: no context here)
+    limit = gpus or os.cpu_count() or 1
+    processes = limit + 3
     wf["20"] = {"class_type": "InGraphDeepSpeedSettings",
                 "inputs": {"processes": processes, "zero_stage": "0", "offload_optimizer": False, "hostfile": ""}}
     wf["6"]["inputs"]["distributed"] = ["20", 0]
@@ -111,7 +114,7 @@ def test_more_processes_than_the_machine_has_are_refused_before_any_starts(comfy
     runs_before = set(runs.iterdir()) if runs.is_dir() else set()
     outcome = client.follow(client.queue(wf), timeout=60)
     assert outcome.status == "execution_error"
-    assert f"distributed.processes: {processes} processes, but this machine has {os.cpu_count()} CPU cores" in \
+    assert f"distributed.processes: {processes} processes, but this machine has {limit} " in \
         outcome.error["exception_message"]
     assert (set(runs.iterdir()) if runs.is_dir() else set()) == runs_before
 

@@ -52,7 +52,8 @@ def eval_subset(items: list[int], count: int, seed: int) -> list[int]:
     items = list(items)
     if count >= len(items):
         return items
-    return sorted(random.Random(seed).sample(items, count), key=items.index)
+    chosen = set(random.Random(seed).sample(items, count))
+    return [item for item in items if item in chosen]
 
 
 def evaluate(module, dataset: CachedDataset, indices: list[int], quantiles: list[float], seed: int,
@@ -130,9 +131,12 @@ def run_evaluation(spec, events) -> dict:
     module = TrainingModule(family).to(device=device, dtype=dtype)
     family.diffusion_model.requires_grad_(False)
     events.emit("started", run_dir=spec.run_dir, total=0, start_step=0, world_size=world_size(), family=family.name,
-                prediction=family.prediction, eval_items=len(dataset.unique), task="evaluate")
+                prediction=family.prediction, eval_items=min(spec.train.eval_items, len(dataset.unique)),
+                task="evaluate")
     t = spec.train
-    result = evaluate(module, dataset, dataset.unique, t.eval_quantiles, t.seed, t.batch_size, device)
+    # the items a training run with this seed and eval_items evaluates on this dataset: the figures compare
+    result = evaluate(module, dataset, eval_subset(dataset.unique, max(t.eval_items, 1), t.seed), t.eval_quantiles,
+                      t.seed, t.batch_size, device)
     events.emit("eval", step=0, **result)
     events.emit("finished", adapter=None, steps=0, stopped=False, task="evaluate", evaluation=result,
                 wall_s=time.time() - started)
