@@ -200,6 +200,11 @@ def describe_model(prompt: dict | None, link, model=None, resolve=_folder_file) 
         if not agrees:
             node = prompt.get(str(link[0]), {})
             raise Undescribable(link[0], node.get("class_type", "?"), "the MODEL's patches differ from the prompt's")
+        if not isinstance(last, tuple) and not _file_holds_the_base(source, model, patches):
+            node = prompt.get(str(link[0]), {})
+            raise Undescribable(link[0], node.get("class_type", "?"),
+                                f"{os.path.basename(source.path)} on disk is not what the MODEL holds (rewritten "
+                                "since ComfyUI loaded it)")
         if last == "lora":
             stale = next((path for path, _ in source.loras if not _file_is_in_patches(path, patches)), None)
             if stale is not None:
@@ -208,6 +213,47 @@ def describe_model(prompt: dict | None, link, model=None, resolve=_folder_file) 
                                     f"{os.path.basename(stale)} on disk is not what the MODEL holds (rewritten "
                                     "since ComfyUI loaded it)")
     return source
+
+
+BASE_PROBES = 4  # weights compared between a base file and the live MODEL
+BASE_PROBE_ELEMENTS = 4096  # strided elements of each
+BASE_SAME_COSINE = 0.999  # the same weights after any cast ComfyUI applies (fp8 rounding: ~0.9995 and up)
+
+
+def _file_holds_the_base(source: "ModelSource", model, patches: dict | None) -> bool:
+    """Whether the base file on disk holds the weights the live MODEL was loaded with. ComfyUI keeps a loader's
+    output cached while the file under its name is rewritten (a re-download), and the trainer would rebuild from the
+    new file. Compares a strided sample of a few weights the MODEL holds unpatched (ComfyUI's copies are unpatched
+    once released) with the file's tensors of the same name, by cosine similarity (the MODEL may hold them cast, to
+    fp8 or bf16). True where nothing can be compared (renamed keys, quantized or offloaded weights)."""
+    import torch
+    from safetensors import safe_open
+    try:
+        live = dict(model.model.diffusion_model.named_parameters())
+    except AttributeError:
+        return True
+    prefix = "model.diffusion_model." if source.format == "checkpoint" else ""
+    try:
+        with safe_open(source.path, "pt") as f:
+            keys = set(f.keys())
+            names = [n for n, p in live.items() if prefix + n in keys and p.dim() >= 2 and p.numel() >= 1024
+                     and f"diffusion_model.{n}" not in (patches or {}) and p.device.type != "meta"]
+            step = max(1, len(names) // BASE_PROBES)
+            for name in names[::step][:BASE_PROBES]:
+                held = live[name].detach().reshape(-1)
+                stride = max(1, held.numel() // BASE_PROBE_ELEMENTS)
+                a = held[::stride].float().cpu()
+                on_disk = f.get_tensor(prefix + name).reshape(-1)[::stride].float()
+                if a.shape != on_disk.shape or not torch.isfinite(on_disk).all():
+                    return False
+                if a.abs().max() == 0 and on_disk.abs().max() == 0:
+                    continue
+                if torch.nn.functional.cosine_similarity(a, on_disk, dim=0) < BASE_SAME_COSINE:
+                    return False
+    except (OSError, RuntimeError, TypeError, ValueError) as exc:  # a quantized layout, an unreadable file
+        log.debug("InGraph Trainer: base file check skipped for %s (%s)", source.path, exc)
+        return True
+    return True
 
 
 def _patch_tensors(patches: dict):

@@ -320,3 +320,35 @@ def test_a_stale_partial_copy_is_removed_and_a_fresh_one_kept(tmp_path):
     keep.write_bytes(b"x")
     ms.evict_materialised(tmp_path, keep=keep, cap_bytes=10**9)
     assert not stale.exists() and fresh.exists() and keep.exists()
+
+
+def test_a_base_file_rewritten_since_comfyui_loaded_it_is_not_described(tmp_path):
+    """Issue 28, finding 9: ComfyUI's loader output stays cached while models/checkpoints/x.safetensors is replaced
+    (a re-download); the trainer would rebuild from the new file and train silently on other weights. The walk
+    compares a sample of the live MODEL's weights with the file's: the same weights pass (also held in fp8, as
+    UNETLoader's weight_dtype keeps them), other weights make the MODEL undescribable, so it is materialised."""
+    import types
+    import torch
+    from safetensors.torch import save_file
+    base = tmp_path / "checkpoints" / "base.safetensors"
+    base.parent.mkdir()
+    generator = torch.Generator().manual_seed(0)
+    weights = {f"blocks.{i}.weight": torch.randn(64, 64, generator=generator) for i in range(6)}
+    save_file({f"model.diffusion_model.{k}": v.half() for k, v in weights.items()}, str(base))
+    prompt = {"1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "base.safetensors"}}}
+    resolve = lambda folder, name: str(base)  # noqa: E731
+
+    def live(dtype):
+        net = torch.nn.Module()
+        net.blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64, bias=False) for _ in range(6))
+        for i, block in enumerate(net.blocks):
+            block.weight = torch.nn.Parameter(weights[f"blocks.{i}.weight"].to(dtype), requires_grad=False)
+        model = FakeModel()
+        model.model = types.SimpleNamespace(diffusion_model=net)
+        return model
+    for dtype in (torch.float16, torch.bfloat16, torch.float8_e4m3fn):
+        assert ms.describe_model(prompt, ["1", 0], live(dtype), resolve).path == str(base)
+    save_file({f"model.diffusion_model.{k}": torch.randn(64, 64, generator=generator).half() for k in weights},
+              str(base))  # re-downloaded: other weights under the same name
+    with pytest.raises(ms.Undescribable, match=r"base\.safetensors on disk is not what the MODEL holds"):
+        ms.describe_model(prompt, ["1", 0], live(torch.float16), resolve)
