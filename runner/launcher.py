@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ..trainer.events import EventReader
-from ..trainer.os_support import kill_processes, own_process_group, signal_tree, tree_of
+from ..trainer.os_support import kill_processes, own_process_group, signal_tree, tree_of, usable_cpus
 from ..trainer.layout import EVENTS_FILE, LOG_FILE, PID_FILE
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
@@ -126,7 +126,7 @@ def check_local_processes(processes: int) -> list[str]:
         return visible
     import torch
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    limit, what = (gpus, "GPU(s)") if gpus else (os.cpu_count() or 1, "CPU cores and no GPU")
+    limit, what = (gpus, "GPU(s)") if gpus else (usable_cpus(), "CPU cores and no GPU")
     if processes > limit:
         raise ValueError(f"distributed.processes: {processes} processes, but this machine has {limit} {what}; "
                          f"at most {limit} (several machines: give a hostfile)")

@@ -105,7 +105,8 @@ def test_more_processes_than_the_machine_has_are_refused_before_any_starts(comfy
     import torch
     wf = training_only("too_many_ranks", 3)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0  # (NVML: no context here)
-    limit = gpus or os.cpu_count() or 1
+    from ingraph_trainer.trainer.os_support import usable_cpus
+    limit = gpus or usable_cpus()
     processes = limit + 3
     wf["20"] = {"class_type": "InGraphDeepSpeedSettings",
                 "inputs": {"processes": processes, "zero_stage": "0", "offload_optimizer": False, "hostfile": ""}}

@@ -521,9 +521,9 @@ def test_the_launch_keeps_to_the_gpus_comfyui_was_given(monkeypatch):
     with pytest.raises(ValueError, match=r"distributed.processes: 4 processes, but this ComfyUI sees 3 GPU"):
         deepspeed_launch_command("python", 4, master_port=1234)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # a CPU machine, or every GPU: as before
-    import os
     import torch
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    from ingraph_trainer.runner import launcher
+    monkeypatch.setattr(launcher, "usable_cpus", lambda: 2)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cmd = deepspeed_launch_command("python", 2, master_port=1234)
     assert cmd[cmd.index("--num_gpus") + 1] == "2" and "--include" not in cmd

@@ -72,7 +72,7 @@ def write_mark(path: Path, step: int):
 
 def _run_of(path: Path) -> str:
     """The run a checkpoint folder (<run>/checkpoints/<tag>) belongs to."""
-    return Path(path).resolve().parent.parent.name
+    return Path(os.path.abspath(path)).parent.parent.name  # as named: a linked checkpoints folder is still the run's
 
 
 def verify_checkpoint(path: Path, tag: str | None = None, digests: bool = True) -> dict:

@@ -71,6 +71,16 @@ def kill_processes(processes: list) -> None:
             pass
 
 
+def usable_cpus() -> int:
+    """The CPU cores this process may run on (its affinity and cgroup set, where the system says; else all)."""
+    if hasattr(os, "sched_getaffinity"):
+        try:
+            return len(os.sched_getaffinity(0)) or 1
+        except OSError:
+            pass
+    return os.cpu_count() or 1
+
+
 def host_memory() -> tuple[int | None, int | None]:
     """(resident bytes now, the process's peak so far): Linux's VmRSS and VmHWM, Windows' working set and peak
     working set (psutil); None for what the system does not tell."""
