@@ -570,3 +570,31 @@ def test_block_swap_on_the_plain_engine_never_puts_the_swapped_weights_on_the_de
     assert blocks[0].weight.dtype == blocks[0].adapter.dtype == torch.bfloat16  # cast by the swap, as by the engine
     expected = {p.data_ptr() for b in blocks for name, p in b.named_parameters()} - host_weights
     assert len(moved) == len(expected) == 5 and set(moved) == expected
+
+
+def test_previews_keep_the_training_model_on_its_device_and_out_of_comfyuis_list(monkeypatch):
+    """Issue 29, item 6: sampling hands the training model's patcher to ComfyUI's memory manager, which on a nearly
+    full card offloads its smallest modules (the LoRA leaves) mid-run. While a preview samples, the patcher's offload
+    device is the trainer's device; afterwards ComfyUI's list holds neither it nor the VAE, which is unloaded."""
+    import types
+    from tools.prepare_run import _bootstrap
+    _bootstrap()
+    import comfy.model_management as mm
+    from ingraph_trainer.trainer import sampling
+    unloaded = []
+
+    class Loaded:  # comfy.model_management.LoadedModel, as far as the previews use it
+        def __init__(self, model):
+            self.model = model
+
+        def model_unload(self):
+            unloaded.append(self.model)
+    training, vae = types.SimpleNamespace(load_device="cuda:1", offload_device="cpu"), types.SimpleNamespace()
+    other = Loaded(types.SimpleNamespace())
+    monkeypatch.setattr(mm, "current_loaded_models", [other])
+    with sampling.on_the_trainers_device(training):
+        assert training.offload_device == "cuda:1"  # what free_memory would offload to: the device itself
+        mm.current_loaded_models += [Loaded(training), Loaded(vae)]  # what ComfyUI's sampling and decode add
+        sampling.forget_loaded(vae, unload=True)
+    assert training.offload_device == "cpu"
+    assert mm.current_loaded_models == [other] and unloaded == [vae]

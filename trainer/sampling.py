@@ -45,6 +45,30 @@ def sample_latent(patcher, positive, negative, seed: int, *, steps: int, cfg: fl
                                disable_pbar=True)
 
 
+@contextlib.contextmanager
+def on_the_trainers_device(patcher):
+    """ComfyUI samples through the training model's own patcher, and its memory manager then counts that model as
+    one it loaded: on a nearly full card the VAE decode's free_memory would move its smallest modules (the LoRA
+    leaves) to the offload device in the middle of a run. While sampling, the patcher's offload device is its load
+    device (the trainer's), so nothing it holds leaves the device; afterwards ComfyUI's list no longer holds it."""
+    offload = patcher.offload_device
+    patcher.offload_device = patcher.load_device
+    try:
+        yield
+    finally:
+        patcher.offload_device = offload
+        forget_loaded(patcher, unload=False)
+
+
+def forget_loaded(patcher, unload: bool):
+    """Takes `patcher` off ComfyUI's list of loaded models, first unloading it (to its offload device) if asked."""
+    import comfy.model_management as mm
+    for loaded in [m for m in mm.current_loaded_models if m.model is patcher]:
+        if unload:
+            loaded.model_unload()
+        mm.current_loaded_models.remove(loaded)
+
+
 def to_pixels(image: torch.Tensor):
     """A decoded image (H, W, C in [0, 1]) as uint8 numpy pixels for PIL."""
     return (image.clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
@@ -107,11 +131,18 @@ class PreviewSampler:
     def render(self, module, step: int) -> list[str]:
         """Samples every prompt; returns the images' paths relative to the run directory (rank 0 writes them)."""
         s = self.spec
-        with self._inference_weights(module):
+        with self._inference_weights(module), on_the_trainers_device(self.family.patcher):
             latents = [sample_latent(self.family.patcher, positive, self.negative, s.seed + n, steps=s.steps, cfg=s.cfg,
                                      sampler=s.sampler, scheduler=s.scheduler, width=s.width, height=s.height)
                        for n, positive in enumerate(self.positives)]
-            images = self.vae().decode(torch.cat(latents)) if self.write else None
+            if self.write:
+                vae = self.vae()
+                try:
+                    images = vae.decode(torch.cat(latents))
+                finally:  # the VAE holds device memory only for its decode
+                    forget_loaded(vae.patcher, unload=True)
+            else:
+                images = None
         names = image_names(step, len(self.positives))
         if self.write:
             from PIL import Image
