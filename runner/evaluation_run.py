@@ -44,8 +44,9 @@ def evaluate_model(model, dataset, *, quantiles: list[float], seed: int, batch_s
                                      model=hand_off.model_spec, dataset=dataset, cache_root=paths.cache_root(),
                                      train=train, distributed=distributed)
     d = distributed or DistributedSpec()
+    # prime_beside: a Train node after this Evaluate node (the shipped workflow's order) finds its standby warm
     process = TrainerProcess(run_dir, spec_path, comfyui_path=paths.comfyui_root(), processes=d.processes,
-                             hostfile=d.hostfile).start()
+                             hostfile=d.hostfile, prime_beside=True).start()
     result = watch_run(process, on_event, check_interrupt)
     return result.finished["evaluation"]
 

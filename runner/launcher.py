@@ -16,7 +16,9 @@ PACK_ROOT = Path(__file__).resolve().parent.parent
 class TrainerProcess:
     def __init__(self, run_dir: str | Path, spec_path: str | Path, python: str = sys.executable,
                  comfyui_path: str | None = None, resume: str | None = None, watch_parent: bool = True,
-                 processes: int = 1, hostfile: str = ""):
+                 processes: int = 1, hostfile: str = "", prime_beside: bool = False):
+        """`prime_beside`: the next standby starts with this run, not after it (an evaluation: short, and often
+        followed by a Train node in the same prompt, whose hand-off then finds a warm standby)."""
         self.run_dir = Path(run_dir)
         self.spec_path = Path(spec_path)
         self.python = python
@@ -25,6 +27,7 @@ class TrainerProcess:
         self.watch_parent = watch_parent
         self.processes = processes
         self.hostfile = hostfile
+        self.prime_beside = prime_beside
         self.proc: subprocess.Popen | None = None
         self.events = EventReader(self.run_dir / EVENTS_FILE)
         self.log_path = self.run_dir / LOG_FILE
@@ -66,7 +69,9 @@ class TrainerProcess:
         (self.run_dir / PID_FILE).write_text(str(self.proc.pid))
         # the next standby starts once this run ends, not beside it: its ComfyUI import opens a CUDA context,
         # memory this run's GPU would lose (a training prompt queued meanwhile starts one through the prompt hook)
-        self._prime_when_done = (self.python, env) if single else None
+        self._prime_when_done = (self.python, env) if single and not self.prime_beside else None
+        if single and self.prime_beside:
+            standby.prime(self.python, env)
         return self
 
     @property

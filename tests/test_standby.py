@@ -229,3 +229,10 @@ def test_the_next_standby_starts_when_a_run_ends_not_beside_it(tmp_path, monkeyp
     proc.rc = 0
     assert process.poll() == 0 and primed == ["prime"]
     assert process.poll() == 0 and primed == ["prime"]  # once
+    # an evaluation (the Evaluate node's run) is short, and a Train node often follows it: its standby starts now
+    primed.clear()
+    proc.rc = None
+    evaluation = launcher.TrainerProcess(tmp_path, tmp_path / "run.toml", watch_parent=False, prime_beside=True).start()
+    assert primed == ["prime"]
+    proc.rc = 0
+    assert evaluation.poll() == 0 and primed == ["prime"]
