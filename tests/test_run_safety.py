@@ -19,14 +19,19 @@ events = importlib.import_module("ingraph_trainer.trainer.events")
 hostfile = importlib.import_module("ingraph_trainer.trainer.hostfile")
 
 
-def test_hostfile_grammar_and_errors_by_line_number(tmp_path):
+def test_hostfile_grammar_and_errors_by_line_number(tmp_path, monkeypatch):
+    monkeypatch.setenv(hostfile.ALLOWED_HOSTS_ENV, "worker-1, worker-2.lan a")
     good = tmp_path / "hosts"
     good.write_text("# cluster\nworker-1 slots=4\n\n  worker-2.lan slots=2  \n")
     assert hostfile.parse_hostfile(good) == [("worker-1", 4), ("worker-2.lan", 2)]
     for text, needle in [("worker-1 slots=4\nsecret-value-42\n", "line 2: expected 'hostname slots=N'"),
                          ("a slots=1\na slots=2\n", "line 2: host already listed on line 1"),
                          ("a slots=0\n", "line 1: slots must be at least 1"),
-                         ("# nothing\n", "lists no hosts")]:
+                         ("# nothing\n", "lists no hosts"),
+                         # any client can give a hostfile: DeepSpeed would ssh to its hosts with the server's keys
+                         ("localhost slots=1\nattacker.example slots=1\n",
+                          f"line 2: not a machine the server's operator allows (this one, or one listed in "
+                          f"{hostfile.ALLOWED_HOSTS_ENV})")]:
         bad = tmp_path / "bad"
         bad.write_text(text)
         with pytest.raises(hostfile.HostfileError) as info:

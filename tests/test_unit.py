@@ -390,6 +390,7 @@ def test_distributed_layout_problems_are_one_list_for_the_node_and_the_spec(tmp_
                                  "(zero_stage is 2)"]
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("a slots=2\nb slots=2\n")  # with a hostfile the world size is the hostfile's, checked at start
+    monkeypatch.setenv("INGRAPH_ALLOWED_HOSTS", "a b")
     assert config.DistributedSpec(processes=3, pipeline_stages=2, hostfile=str(hosts)).problems() == []
     assert config.DistributedSpec(processes=4, pipeline_stages=2, zero_stage=1).problems() == []
 
