@@ -166,6 +166,29 @@ def test_continue_from_an_adapter_file_starts_where_it_ended(prepared, trained_i
     assert began["loss"] != pytest.approx(ended["eval_before"], rel=1e-4)  # not a fresh (zero) adapter
 
 
+def test_out_of_memory_at_step_3_names_the_step_and_what_would_fit_and_step_2_resumes(prepared):
+    """Issue 30: a device out of memory mid-run (raised on purpose here, as a full card raises it) ends the run with
+    an error that names the step and the settings that would lower the memory, cheapest first; the step-2
+    checkpoint stays intact and resumes."""
+    spec = prepared(train__steps=4, train__save_every=1, train__precision="fp32", adapter__rank=4,
+                    train__batch_size=2, **ONE_QUANTILE)
+    run_dir = spec.parent
+    proc = run_trainer(spec, env={"INGRAPH_OOM_AT_STEP": "3"}, patch="inject_oom")
+    events = read_events(run_dir)
+    assert [e["step"] for e in events if e["type"] == "step"] == [1, 2], proc.stderr[-3000:]
+    assert proc.returncode != 0
+    (error,) = [e for e in events if e["type"] == "error"]
+    assert error["message"] == (
+        "OutOfDeviceMemory: out of GPU memory at step 3: turn on gradient_checkpointing; or set base_precision to "
+        "fp8; or set block_swap (DeepSpeed Settings) to some of the model's blocks; or lower batch_size to 1 and "
+        "raise gradient_accumulation to 2 (the same batch); or train at a lower resolution. The last complete "
+        "checkpoint is intact."), error["message"]
+    assert (run_dir / "checkpoints" / "step_000002" / "COMPLETE").is_file()
+    resumed = run_trainer(spec, "--resume", "latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [e["step"] for e in read_events(run_dir)[len(events):] if e["type"] == "step"] == [3, 4]
+
+
 def test_nan_at_step_3_ends_the_run_and_step_2_resumes(prepared):
     spec = prepared(train__steps=4, train__save_every=1, train__precision="fp32", adapter__rank=4, **ONE_QUANTILE)
     run_dir = spec.parent

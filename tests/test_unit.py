@@ -599,3 +599,17 @@ def test_previews_keep_the_training_model_on_its_device_and_out_of_comfyuis_list
         sampling.forget_loaded(vae, unload=True)
     assert training.offload_device == "cpu"
     assert mm.current_loaded_models == [other] and unloaded == [vae]
+
+
+def test_the_out_of_memory_message_names_the_peak_and_only_settings_not_yet_used(monkeypatch):
+    """On a GPU the message gives the run's peak against the card; suggestions already taken are left out."""
+    from ingraph_trainer.trainer import device, memory
+    from ingraph_trainer.trainer.config import RunSpec
+    monkeypatch.setattr(device, "local_cuda_index", lambda: 0)
+    monkeypatch.setattr(device, "device_memory", lambda dev: {"peak_allocated": 10 * 2**30, "total": 24 * 2**30})
+    spec = RunSpec()
+    spec.train.gradient_checkpointing, spec.train.batch_size, spec.model.base_precision = True, 1, "fp8"
+    assert memory.out_of_memory_message(spec, 7) == (
+        "out of GPU memory at step 7 (peak 10.0 GiB of 24.0 GiB): set block_swap (DeepSpeed Settings) to some of "
+        "the model's blocks; or train at a lower resolution. The last complete checkpoint is intact.")
+    assert memory.out_of_memory_message(spec, 0).startswith("out of GPU memory while loading the model (peak")

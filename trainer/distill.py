@@ -353,6 +353,7 @@ class Distiller(TrainingTask):
         loader = step_loader(self.batches, self.device)
         stopped, losses = False, {}
         for step in range(start_step + 1, t.steps + 1):
+            self.step_in_flight = step
             t0 = time.perf_counter()
             batch = loader.get(step - 1, step if step < t.steps else None)
             lr = self.optimizer.param_groups[0]["lr"]

@@ -114,6 +114,7 @@ class Trainer(TrainingTask):
         prefetch = step_loader(self.batches, self.layout.device)
         stopped, self.data_wait, loss = False, 0.0, None
         for step in range(start_step + 1, t.steps + 1):  # `step`: the steps done once this one is
+            self.step_in_flight = step
             t0 = time.perf_counter()
             batch = prefetch.get(step - 1, step if step < t.steps else None)
             self.data_wait += time.perf_counter() - t0

@@ -30,10 +30,21 @@ class TrainingTask:
     def train(self):
         raise NotImplementedError
 
+    step_in_flight = 0  # the step being taken (0: while building), for the out-of-memory message
+
     def run(self):
+        import torch
         self.started_at = time.time()
-        self.build()
-        return self.train()
+        try:
+            self.build()
+            return self.train()
+        except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError: the same class
+            from .memory import out_of_memory_message
+            raise OutOfDeviceMemory(out_of_memory_message(self.spec, self.step_in_flight)) from None
+
+
+class OutOfDeviceMemory(RuntimeError):
+    """The device ran out of memory; the message names the step, the peak and what would fit."""
 
 
 class RunControl:
