@@ -9,6 +9,13 @@ Exit codes: 0 success, 1 execution error, 2 bad usage or workflow rejected, 3 in
 import sys
 from pathlib import Path
 
+try:
+    import websocket  # noqa: F401  (websocket-client, in the pack's requirements)
+except ImportError:  # another Python than ComfyUI's: one clear line, not a traceback
+    sys.exit(f"error: this Python ({sys.executable}) lacks websocket-client. Run the client with ComfyUI's Python "
+             "(ComfyUI/venv/bin/python; Windows: python_embeded\\python.exe in ComfyUI portable), or "
+             "`python -m pip install websocket-client`")
+
 if not __package__:
     here = Path(__file__).resolve().parent
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]

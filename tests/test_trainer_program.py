@@ -5,13 +5,14 @@ import json
 import math
 import re
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import read_events, requires_deepspeed, run_trainer, run_trainer_program
+from conftest import REPO, read_events, requires_deepspeed, run_trainer, run_trainer_program
 
 pytestmark = pytest.mark.comfyui
 
@@ -210,3 +211,37 @@ def test_nan_at_step_3_ends_the_run_and_step_2_resumes(prepared):
     assert [e["step"] for e in after if e["type"] == "step"] == [3, 4]
     assert all(math.isfinite(e["loss"]) for e in after if e["type"] == "step")
     assert (run_dir / "lora.safetensors").is_file()
+
+
+def test_by_hand_a_finished_run_is_not_trained_again_unasked_and_progress_is_printed(prepared):
+    """The standalone trainer (as a user types it): a finished run's spec is refused naming what to do; --again
+    trains it once more, printing its progress and where the result went, the earlier LoRA kept as .previous."""
+    spec = prepared(train__steps=2, train__precision="fp32", **ONE_QUANTILE)
+    assert run_trainer(spec).returncode == 0
+    first = (spec.parent / "lora.safetensors").read_bytes()
+    events_before = read_events(spec.parent)
+    refused = run_trainer_program(spec)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert f"error: {spec.parent} already finished (its result: {spec.parent / 'lora.safetensors'}); --resume " \
+           "latest continues it from its last checkpoint, --again trains it once more from the start" in refused.stderr
+    assert read_events(spec.parent) == events_before and (spec.parent / "lora.safetensors").read_bytes() == first
+    again = run_trainer_program(spec, "--again")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "step 1/2: loss " in again.stderr and "step 2/2: loss " in again.stderr
+    kept = spec.parent / "lora.previous.safetensors"
+    assert f"finished after 2 steps: {spec.parent / 'lora.safetensors'} (the file it replaced is kept as {kept})" \
+        in again.stderr
+    assert kept.read_bytes() == first
+
+
+def test_the_trainer_and_the_client_started_by_another_python_say_which_one_to_use(tmp_path):
+    import shutil
+    other = next((p for p in ("/usr/bin/python3", shutil.which("python3")) if p and subprocess.run(
+        [p, "-c", "import torch"], capture_output=True).returncode != 0), None)
+    if other is None:
+        pytest.skip("skipped: every python3 here has torch")
+    for program, needle in (("trainer", "has no torch. Run the trainer with ComfyUI's Python"),
+                            ("client", "lacks websocket-client. Run the client with ComfyUI's Python")):
+        proc = subprocess.run([other, str(REPO / program), "--help"], capture_output=True, text=True, timeout=60)
+        assert proc.returncode != 0 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1

@@ -10,6 +10,13 @@ from pathlib import Path
 
 PACKAGE = "ingraph_trainer"
 
+try:
+    import torch  # noqa: F401
+except ImportError:  # another Python than ComfyUI's: one clear line, not a traceback
+    sys.exit(f"error: this Python ({sys.executable}) has no torch. Run the trainer with ComfyUI's Python: "
+             "ComfyUI/venv/bin/python (Windows: ComfyUI\\venv\\Scripts\\python.exe, or python_embeded\\python.exe in "
+             "ComfyUI portable)")
+
 if not __package__:
     here = Path(__file__).resolve().parent
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]

@@ -32,10 +32,34 @@ def json_safe(value):
         return str(value)
 
 
+def event_line(event: dict) -> str | None:
+    """One terminal line for an event (the standalone trainer's progress); None for events not worth one."""
+    kind = event.get("type")
+    if kind == "started":
+        return f"started: {event.get('family')} model, {event.get('total')} steps from step " \
+               f"{event.get('start_step')}, {event.get('precision')} on {event.get('device')}"
+    if kind == "step":
+        loss = event.get("loss")
+        return f"step {event.get('step')}/{event.get('total')}: loss " + \
+            (f"{loss:.4f}" if isinstance(loss, float) else "n/a") + f", {event.get('step_time_s') or 0:.2f} s/step"
+    if kind == "eval":
+        return f"eval at step {event.get('step')}: loss {event.get('loss')}"
+    if kind == "checkpoint":
+        return f"checkpoint: {event.get('path')}"
+    if kind == "finished":
+        kept = f" (the file it replaced is kept as {event['replaced_kept']})" if event.get("replaced_kept") else ""
+        return f"finished after {event.get('steps')} steps: {event.get('adapter') or 'no file'}{kept}"
+    if kind in ("error", "log"):
+        return f"{kind}: {event.get('message')}"
+    return None
+
+
 class EventWriter:
-    def __init__(self, path: str | Path, enabled: bool = True):
+    def __init__(self, path: str | Path, enabled: bool = True, echo: bool = False):
+        """`echo`: each event also printed as one line on stderr (the standalone trainer's progress)."""
         self.path = Path(path)
         self.enabled = enabled
+        self.echo = echo
         self._file = open(self.path, "a", encoding="utf-8") if enabled else None
 
     def emit(self, type_: str, **fields) -> dict:
@@ -46,6 +70,11 @@ class EventWriter:
             self._file.write(json.dumps(event, allow_nan=False) + "\n")
             self._file.flush()
             os.fsync(self._file.fileno())
+        if self.echo:
+            import sys
+            line = event_line(event)
+            if line:
+                print(line, file=sys.stderr, flush=True)
         return event
 
     def close(self):

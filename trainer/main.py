@@ -91,6 +91,13 @@ def report_spec_error(config: str, exc: Exception):
         events.close()
 
 
+def finished_before(spec) -> dict | None:
+    """The run folder's last `finished` event, if a run of this spec finished there."""
+    from .events import read_events
+    events = [e for e in read_events(Path(spec.run_dir) / EVENTS_FILE) if e.get("type") == "finished"]
+    return events[-1] if events else None
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     hide_optional_modules()
@@ -109,6 +116,9 @@ def main(argv=None) -> int:
     parser.add_argument("--signed-run", action="store_true",
                         help="the spec must be the one this installation signed in its run folder (the launcher's "
                              "runs: their folders sit under ComfyUI's output/, which any client can write)")
+    parser.add_argument("--again", action="store_true",
+                        help="train a run that already finished once more, from the start (its earlier result is "
+                             "kept as <name>.previous.safetensors)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by deepspeed
     opts = parser.parse_args(argv)
     configure_logging()
@@ -120,6 +130,12 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         report_spec_error(opts.config, exc)
         return EXIT_BAD_SPEC
+    finished = finished_before(spec) if not opts.signed_run and opts.resume is None and not opts.again else None
+    if finished is not None:  # by hand, on a run that is done: never trained again (and its LoRA replaced) unasked
+        print(f"error: {spec.run_dir} already finished (its result: {finished.get('adapter')}); "
+              "--resume latest continues it from its last checkpoint, --again trains it once more from the start",
+              file=sys.stderr)
+        return EXIT_BAD_SPEC
     reveal_modules_for(spec)
 
     from .distributed import destroy, ensure_dist_env, rank
@@ -129,7 +145,8 @@ def main(argv=None) -> int:
     spec.train.precision = concrete_precision(spec.train.precision)  # "auto": this device's answer
     run_dir = Path(spec.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    events = EventWriter(run_dir / EVENTS_FILE, enabled=rank() == 0)
+    # by hand (not launched by ComfyUI): the events also go to the terminal, one line each
+    events = EventWriter(run_dir / EVENTS_FILE, enabled=rank() == 0, echo=not opts.signed_run and rank() == 0)
     start_parent_watchdog(opts.parent_pid, events, parent_host=opts.parent_host)
     try:
         if spec.task == "evaluate":
