@@ -133,6 +133,25 @@ def test_an_unassigned_standby_exits_when_its_launcher_dies(tmp_path):
         parent.kill()
 
 
+def test_a_standby_whose_launcher_is_gone_exits_before_its_imports(tmp_path):
+    """Issue 32: a standby started as its launcher ends (a main job that exited) spent seconds of CPU on imports
+    before it noticed. Python's import log says what it imported: not torch."""
+    import socket
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a launcher that has exited: its pid names no process (or another one, started later)
+    ours, theirs = socket.socketpair()
+    try:
+        proc = subprocess.run([sys.executable, "-X", "importtime", str(REPO / "trainer"), "--standby",
+                               "--parent-pid", str(gone.pid)], stdin=theirs, capture_output=True, text=True,
+                              timeout=120)
+    finally:
+        ours.close()
+        theirs.close()
+    imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    assert "argparse" in imported or "json" in imported  # the log is there
+    assert proc.returncode == 3 and "torch" not in imported, (proc.returncode, proc.stderr[-2000:])
+
+
 def test_multi_process_runs_start_through_deepspeed_not_the_standby(tmp_path, monkeypatch, fresh_standby):
     started = []
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 PACKAGE = "ingraph_trainer"
 
-try:
-    import torch  # noqa: F401
-except ImportError:  # another Python than ComfyUI's: one clear line, not a traceback
+import importlib.util  # noqa: E402
+
+if importlib.util.find_spec("torch") is None:  # another Python than ComfyUI's: one clear line, not a traceback
     sys.exit(f"error: this Python ({sys.executable}) has no torch. Run the trainer with ComfyUI's Python: "
              "ComfyUI/venv/bin/python (Windows: ComfyUI\\venv\\Scripts\\python.exe, or python_embeded\\python.exe in "
              "ComfyUI portable)")

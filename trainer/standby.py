@@ -24,17 +24,24 @@ MAX_MESSAGE = 1 << 20
 READY = b"ready\n"  # sent once the imports are done (the launcher may wait for it; it need not)
 
 
-def warm_up():
+def warm_up(wanted=lambda: True) -> bool:
     """The imports of every one-process run, in the order a run does them; bitsandbytes stays hidden (see
     main.py), and so does DeepSpeed: a one-process run trains without it (plain_engine.py), and the rare one that
-    needs it (ZeRO or optimizer offload in one process) imports it itself."""
+    needs it (ZeRO or optimizer offload in one process) imports it itself. Between its steps, `wanted()` says
+    whether the launcher still wants this standby; False: the rest is skipped (returns False)."""
+    if not wanted():
+        return False
     import torch  # noqa: F401
-
+    if not wanted():
+        return False
     from .comfy_env import import_comfy
     import_comfy()  # COMFYUI_PATH is the launching server's, set in this process's environment
+    if not wanted():
+        return False
     import peft  # noqa: F401
     import torch.utils.tensorboard  # noqa: F401  the health log's writer
     from . import evaluation, hostfile, loop, objectives, plain_engine, training_module  # noqa: F401
+    return True
 
 
 def wait_for_command(channel: socket.socket, parent_pid: int, idle_s: float) -> tuple[list[str], int] | None:
@@ -92,7 +99,9 @@ def serve(argv: list[str], run_main) -> int:
     parser.add_argument("--idle-s", type=float, default=900.0)
     opts = parser.parse_args(argv)
     channel = socket.socket(fileno=os.dup(0))
-    warm_up()
+    # a launcher gone already (a main job that ended, a server stopped) wants no standby: no seconds of imports
+    if not warm_up(lambda: opts.parent_pid <= 0 or not _parent_gone(opts.parent_pid)):
+        return EXIT_ORPHANED
     try:
         channel.sendall(READY)
     except OSError:
