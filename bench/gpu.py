@@ -153,32 +153,6 @@ def ours(client, driver, opts, label: str, wf: dict) -> dict:
     return result
 
 
-def first_step_at_least(client, prompt_id: str, at_least: int, timeout: float) -> dict:
-    """Reads the prompt's websocket messages until a training step numbered `at_least` or more; returns its run id
-    and the first step number seen."""
-    import websocket
-    deadline, first = time.monotonic() + timeout, None
-    while time.monotonic() < deadline:
-        client._ws.settimeout(5)
-        try:
-            raw = client._ws.recv()
-        except websocket.WebSocketTimeoutException:
-            continue
-        if isinstance(raw, bytes):
-            continue
-        message = json.loads(raw)
-        data = message.get("data") or {}
-        if data.get("prompt_id") not in (None, prompt_id):
-            continue
-        if message.get("type") == "ingraph.event" and data["event"]["type"] == "step":
-            first = data["event"]["step"] if first is None else first
-            if data["event"]["step"] >= at_least:
-                return {"run_id": data["run_id"], "first_step": first}
-        if message.get("type") in ("execution_error", "execution_success", "execution_interrupted"):
-            raise RuntimeError(f"the prompt ended before step {at_least}: {json.dumps(message)[:2000]}")
-    raise RuntimeError(f"no step {at_least} in {timeout} s")
-
-
 def stop_and_resume(client, driver, opts) -> dict:
     """A long run stopped after a few steps, resumed with resume=latest, stopped again."""
     name = "gpu_bench_stop"
@@ -186,9 +160,9 @@ def stop_and_resume(client, driver, opts) -> dict:
     for round_, resume in ((1, "off"), (2, "latest")):
         wf = train_graph(opts, name, steps=100000, resume=resume, previews=False)
         prompt_id = client.queue(wf)
-        data = first_step_at_least(client, prompt_id, (found.get("stopped_at") or 0) + 5, opts.timeout)
+        data, first = client.wait_for_step(prompt_id, (found.get("stopped_at") or 0) + 5, opts.timeout)
         if round_ == 2:
-            found["resumed_first"] = data["first_step"]
+            found["resumed_first"] = first
         t0 = time.monotonic()
         assert client.post(f"/ingraph/runs/{data['run_id']}/stop")["stop_requested"] is True
         outcome = client.follow(prompt_id, timeout=opts.timeout)

@@ -124,5 +124,32 @@ class ComfyClient:
                 break
         return outcome
 
+    def wait_for_step(self, prompt_id: str, at_least: int = 0, timeout: float = 240.0) -> tuple[dict, int]:
+        """Follows the prompt's websocket messages until a training step numbered `at_least` or more: (that
+        ingraph.event message's data, the first step number seen). RuntimeError if the prompt ends first, or after
+        `timeout` seconds."""
+        import websocket
+        self.connect()
+        deadline, first = time.monotonic() + timeout, None
+        while time.monotonic() < deadline:
+            self._ws.settimeout(5)
+            try:
+                raw = self._ws.recv()
+            except websocket.WebSocketTimeoutException:
+                continue
+            if isinstance(raw, bytes):
+                continue
+            message = json.loads(raw)
+            data = message.get("data") or {}
+            if data.get("prompt_id") not in (None, prompt_id):
+                continue
+            if message.get("type") == "ingraph.event" and data["event"]["type"] == "step":
+                first = data["event"]["step"] if first is None else first
+                if data["event"]["step"] >= at_least:
+                    return data, first
+            if message.get("type") in TERMINAL:
+                raise RuntimeError(f"the prompt ended before training step {at_least}: {json.dumps(message)[:2000]}")
+        raise RuntimeError(f"no training step {at_least} within {timeout} s")
+
     def run(self, prompt: dict, timeout: float = 600.0, on_message=None) -> Outcome:
         return self.follow(self.queue(prompt), timeout, on_message)

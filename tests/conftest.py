@@ -513,25 +513,7 @@ def read_events(run_dir: Path) -> list[dict]:
 def wait_first_step(client, prompt_id: str, timeout: float = 240, at_least: int = 0) -> dict:
     """Follows websocket messages until the prompt's first training step (or its first step numbered
     `at_least` or more); returns that ingraph.event's data."""
-    import time
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        client._ws.settimeout(5)
-        try:
-            raw = client._ws.recv()
-        except Exception:
-            continue
-        if isinstance(raw, bytes):
-            continue
-        m = json.loads(raw)
-        data = m.get("data") or {}
-        if data.get("prompt_id") not in (None, prompt_id):
-            continue
-        if m.get("type") == "ingraph.event" and data["event"]["type"] == "step" and data["event"]["step"] >= at_least:
-            return data
-        if m.get("type") in ("execution_error", "execution_success", "execution_interrupted"):
-            raise AssertionError(f"prompt ended before training: {m}")
-    raise AssertionError("no step event")
+    return client.wait_for_step(prompt_id, at_least, timeout)[0]
 
 
 @pytest.fixture(autouse=True)
