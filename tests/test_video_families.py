@@ -34,12 +34,6 @@ WAN_TINY = dict(dim=128, ffn_dim=256, num_layers=1)
 # the family against ComfyUI's own sampler path: the same computation to rounding. ComfyUI 0.33's path rounds a few
 # elements differently (seen: at most 1.7e-6 on 2-5 of 3072-9216 elements; a wrong input moves them by ~1e-1)
 SAME = dict(rtol=1e-5, atol=1e-5) if ON_COMFYUI_033 else dict(rtol=1e-6, atol=1e-6)
-# known to fail on ComfyUI 0.33 (strict: a fix makes them fail until the mark goes): its HunyuanVideo forward and its
-# LTX-Video input processing changed, and the pack's family files have not followed yet
-NOT_YET_ON_033 = pytest.mark.xfail(ON_COMFYUI_033, strict=True, reason="ComfyUI 0.33 changed HunyuanVideo's forward "
-                                   "(its pipeline layers differ, a block adds in place under autograd) and LTX-Video's "
-                                   "input processing; the families have not followed yet")
-
 VIDEO_MODELS = {
     "tiny_wan21_t2v": ("WanFamily", dict(WAN_TINY), "WAN21_T2V", "wan", "t2v", 16, "wan"),
     "tiny_wan21_i2v": ("WanFamily", dict(WAN_TINY, variant="i2v_2.1"), "WAN21_I2V", "wan", "i2v_2.1", 16, "wan"),
@@ -115,7 +109,6 @@ def conditioning_of(batch, **extras) -> list:
     return [[batch.cond[:1], {**values, **extras}]]
 
 
-@NOT_YET_ON_033
 def test_comfyui_detects_each_tiny_video_model_and_the_family_loss_is_comfyuis(video_model_files):
     """Each file loads through UNETLoader's code as its family (ComfyUI's own detection picks the supported_models
     class), the trainer picks the family and variant, adapters target linear layers of the blocks it checkpoints,
@@ -259,7 +252,6 @@ def test_wan22_ti2v_takes_the_start_image_as_the_latents_first_frame(video_model
     assert (loss - plain).abs().max() > 1e-4, "the start image did not reach the model"
 
 
-@NOT_YET_ON_033
 def test_pipeline_layers_compute_what_the_model_computes_and_i2v_refuses_them(video_model_files):
     """HunyuanVideo's and LTX-Video's pipeline layers (and Wan text-to-video's), run in sequence on a 3-frame
     non-square latent, give the family's own loss bit for bit (HunyuanVideo also with no single blocks, the streams
@@ -292,6 +284,8 @@ def test_pipeline_layers_compute_what_the_model_computes_and_i2v_refuses_them(vi
 
 REFERENCE_FOLDER = "ingraph_family_start"  # the family images, each with a start image (name.ref.png) beside it
 VAE_CHANNELS = {16: "tiny_taesd16.safetensors", 48: "tiny_taesd48.safetensors", 128: "tiny_taesd128.safetensors"}
+if ON_COMFYUI_033:  # its 128-channel TAESD is Flux.2's (32 channels, 2x2 packed), which VAELoader knows by name only
+    VAE_CHANNELS[128] = "taef2"
 
 
 @pytest.fixture(scope="module")
@@ -311,6 +305,12 @@ def video_models_in_server(comfy, video_model_files):
         shutil.copy(path, unets / path.name)
     for channels, name in VAE_CHANNELS.items():
         taesd = init_weights(TAESD(latent_channels=channels), 2)
+        if name == "taef2":  # VAELoader's image TAE: an encoder and a decoder file in vae_approx
+            for part in ("encoder", "decoder"):
+                _save({k.removeprefix(f"taesd_{part}."): v for k, v in taesd.state_dict().items()
+                       if k.startswith(f"taesd_{part}.")},
+                      comfy.dir("models", "vae_approx") / f"taef2_{part}.safetensors")
+            continue
         _save({k: v for k, v in taesd.state_dict().items() if k.startswith(("taesd_encoder.", "taesd_decoder."))},
               vaes / name)
     plain, with_start = comfy.dir("input", FAMILY_FOLDER), comfy.dir("input", REFERENCE_FOLDER)
@@ -341,7 +341,6 @@ def video_sampling_graph(stem: str, lora_name: str | None, prefix: str) -> dict:
 GRAPH_MODELS = [stem for stem in VIDEO_MODELS if stem != "tiny_wan21_t2v"]
 
 
-@NOT_YET_ON_033
 def test_every_video_family_trains_in_one_graph_and_loads_in_lora_loader(video_models_in_server, client):
     """One prompt trains each tiny video model 2 steps (fp32) through the graph: the Wan image-to-video models on
     images with a start image beside each (name.ref.png, handed to the model as WanImageToVideo does), the others

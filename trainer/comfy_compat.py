@@ -13,6 +13,9 @@ place: the next ComfyUI change that breaks the pack is fixed here.
   the setting that makes a layer dequantize its weight for each matmul instead of quantizing the input.
 - ComfyUI's training switch (0.33's `model_management.in_training`, which its own TrainLoraNode sets): without it
   0.33's DiTs apply rotary embeddings with comfy-kitchen kernels that have no backward (`enter_training`).
+- Model code whose structure changed: HunyuanVideo's joint sequence order (`joint_sequence_text_first`) and how
+  LTX-Video prepares its inputs and positions (`ltx_rope_split_mode`), read from the model itself, for the pipeline
+  layers that rebuild its forward.
 - Which version is installed (`comfyui_version`), for the rare decision that needs it.
 """
 from __future__ import annotations
@@ -31,9 +34,6 @@ LEGACY_DIT_FIELDS = {
     "ChromaParams": {"txt_ids_dims": [], "vec_in_dim": None},
     "HunyuanVideoParams": {"use_cond_type_embedding": False, "vision_in_dim": None, "meanflow_sum": False},
 }
-# families whose ComfyUI 0.33 code the pack's family files have not followed yet: refused at queue time there
-NOT_YET_ON_033 = {"hunyuan_video": "its blocks add a residual in place under autograd and its forward changed",
-                  "ltxv": "its input processing changed"}
 
 _WRAP_LOCK = threading.RLock()
 
@@ -138,10 +138,21 @@ def quantized_layouts(model) -> dict[str, str]:
     return found
 
 
-def running_comfyui_version() -> tuple[int, ...]:
-    """The version of the ComfyUI whose `comfy` package this process imported."""
-    import comfy.model_management
-    return comfyui_version(Path(comfy.model_management.__file__).resolve().parent.parent)
+def joint_sequence_text_first(hunyuan_model) -> bool:
+    """Whether HunyuanVideo's joint sequence (and its positions) puts the text tokens before the image's: 0.3.64
+    built its double blocks flipped (image first), 0.33 joins text first."""
+    blocks = hunyuan_model.double_blocks
+    return not getattr(blocks[0], "flipped_img_txt", False) if len(blocks) else True
+
+
+def ltx_rope_split_mode(ltx_model):
+    """How an LTX model's blocks take their positions. 0.33's LTX models prepare their inputs in steps
+    (`_process_input` and the `_prepare_*` methods) and hand the blocks (rotation matrix, split mode): this gives
+    the split mode, constant per model. None for 0.3.64's, whose blocks take (cos, sin)."""
+    if not hasattr(ltx_model, "_prepare_positional_embeddings"):
+        return None
+    from comfy.ldm.lightricks.model import LTXRopeType
+    return ltx_model.split_positional_embedding == LTXRopeType.SPLIT
 
 
 def layout_problem(layout: str, device) -> str | None:

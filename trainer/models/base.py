@@ -105,7 +105,6 @@ class ModelFamily:
         """Raises UnsupportedSetting for run settings this family cannot honour (checked by the node and
         again by the trainer, so a hand-written spec gets the same message)."""
         t = spec.train
-        self.check_comfyui_version()
         self.check_quantized_weights(spec)
         if self.prediction != "flow" and t.flow_shift != 1.0:
             raise UnsupportedSetting(f"train.flow_shift: {self.display_name} is not a flow-matching model "
@@ -115,13 +114,6 @@ class ModelFamily:
         if spec.output.format == "diffusers" and not self.diffusers_format:
             raise UnsupportedSetting(f"output.format: the diffusers layout is for SD1.x/SD2.x/SDXL UNets, not "
                                      f"{self.display_name}; use comfyui or kohya")
-
-    def check_comfyui_version(self) -> None:
-        """A family whose ComfyUI 0.33 code the family file has not followed yet is refused there, naming it."""
-        from ..comfy_compat import NOT_YET_ON_033, running_comfyui_version
-        if self.name in NOT_YET_ON_033 and running_comfyui_version() >= (0, 33):
-            raise UnsupportedSetting(f"model: {self.display_name} is not trained on ComfyUI 0.33 yet "
-                                     f"({NOT_YET_ON_033[self.name]}); train it on ComfyUI 0.3.64")
 
     def check_quantized_weights(self, spec) -> None:
         """A model loaded from a quantized file (ComfyUI 0.33's layouts) trains a LoRA, on a device that runs its
@@ -312,6 +304,18 @@ class _OutOfPlaceAdd(torch.Tensor):
 
     def __iadd__(self, other):
         return torch.add(self, other)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # ComfyUI 0.33's LTX-Video block normalises its residual and then adds into that same tensor in place
+        # (x.addcmul_), a call __iadd__ cannot see: the norm gets a copy to save, so the add changes nothing it saved
+        if func in _NORMS and args and isinstance(args[0], _OutOfPlaceAdd) and args[0].requires_grad \
+                and torch.is_grad_enabled():
+            args = (args[0].clone(), *args[1:])
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+_NORMS = {torch.nn.functional.rms_norm, torch.rms_norm}
 
 
 def residuals_out_of_place(blocks) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..comfy_compat import joint_sequence_text_first
 from .base import (Batch, ModelFamily, StageInput, UnsupportedSetting, ends_here, init_weights,
                    residuals_out_of_place)
 
@@ -47,7 +48,8 @@ class HunyuanVideoFamily(ModelFamily):
     def pipeline_layers(self):
         model = self.diffusion_model
         return [HunyuanVideoBegin(self), *(HunyuanVideoDoubleBlock(b) for b in model.double_blocks),
-                *(HunyuanVideoSingleBlock(b, first=n == 0) for n, b in enumerate(model.single_blocks)),
+                *(HunyuanVideoSingleBlock(b, first=n == 0, text_first=joint_sequence_text_first(model))
+                  for n, b in enumerate(model.single_blocks)),
                 HunyuanVideoEnd(self)]
 
     def extra_cond_inputs(self, batch: Batch, x_noisy: torch.Tensor) -> dict:
@@ -98,14 +100,15 @@ class HunyuanVideoBegin(StageInput):
         if self.guidance_in is not None and guidance is not None:
             vec = vec + self.guidance_in(timestep_embedding(guidance, 256).to(img.dtype))
         txt = self.txt_in(context, timestep, None, transformer_options={})
-        pe = model.pe_embedder(torch.cat((img_ids, txt_ids), dim=1))
+        ids = (txt_ids, img_ids) if joint_sequence_text_first(model) else (img_ids, txt_ids)
+        pe = model.pe_embedder(torch.cat(ids, dim=1))
         return (*self.sendable(img, txt, vec, pe), torch.tensor(x_in.shape[1:], device=x_in.device))
 
 
-def _joined(inputs):
+def _joined(inputs, text_first: bool):
     """Double-block tuples (img, txt, vec, pe, shape) become single-block ones (img+txt, vec, pe, shape)."""
     img, txt, vec, pe, shape = inputs
-    return (torch.cat((img, txt), 1), vec, pe, shape)
+    return (torch.cat((txt, img) if text_first else (img, txt), 1), vec, pe, shape)
 
 
 class HunyuanVideoDoubleBlock(torch.nn.Module):
@@ -121,12 +124,12 @@ class HunyuanVideoDoubleBlock(torch.nn.Module):
 
 
 class HunyuanVideoSingleBlock(torch.nn.Module):
-    def __init__(self, block, first: bool):
+    def __init__(self, block, first: bool, text_first: bool):
         super().__init__()
-        self.block, self.first = block, first
+        self.block, self.first, self.text_first = block, first, text_first
 
     def forward(self, inputs):
-        img, vec, pe, shape = _joined(inputs) if self.first else inputs
+        img, vec, pe, shape = _joined(inputs, self.text_first) if self.first else inputs
         img = self.block(img, vec=vec, pe=pe, attn_mask=None, modulation_dims=None, transformer_options={})
         return (img, vec, pe, shape)
 
@@ -137,12 +140,15 @@ class HunyuanVideoEnd(torch.nn.Module):
         model = family.diffusion_model
         self.final_layer, self.patch_size, self.out_channels = model.final_layer, model.patch_size, model.out_channels
         self.join = len(model.single_blocks) == 0  # else the first single block joined the streams
+        self.text_first = joint_sequence_text_first(model)
 
     def forward(self, inputs):
-        img, vec, pe, shape = _joined(inputs) if self.join else inputs
+        img, vec, pe, shape = _joined(inputs, self.text_first) if self.join else inputs
         channels, frames, height, width = shape.tolist()
         grid = [frames // self.patch_size[0], height // self.patch_size[1], width // self.patch_size[2]]
-        img = self.final_layer(img[:, :grid[0] * grid[1] * grid[2]], vec, modulation_dims=None)
+        tokens = grid[0] * grid[1] * grid[2]
+        img = img[:, img.shape[1] - tokens:] if self.text_first else img[:, :tokens]
+        img = self.final_layer(img, vec, modulation_dims=None)
         img = img.reshape([img.shape[0]] + grid + [self.out_channels] + list(self.patch_size))
         img = img.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(img.shape[0], self.out_channels, frames, height, width)
         return ends_here(img, pe)

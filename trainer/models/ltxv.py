@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import Batch, ModelFamily, StageInput, ends_here, init_weights, residuals_out_of_place
+from ..comfy_compat import ltx_rope_split_mode
+from .base import (Batch, ModelFamily, StageInput, UnsupportedSetting, ends_here, init_weights,
+                   residuals_out_of_place)
 
 ATTENTION = (r"transformer_blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_out\.0)$",)
 FEED_FORWARD = (r"transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)$",)
@@ -34,7 +36,9 @@ class LTXVFamily(ModelFamily):
         return list(self.diffusion_model.transformer_blocks)
 
     def pipeline_layers(self):
-        return [LTXVBegin(self), *(LTXVBlock(b) for b in self.diffusion_model.transformer_blocks), LTXVEnd(self)]
+        split_mode = ltx_rope_split_mode(self.diffusion_model)
+        return [LTXVBegin(self), *(LTXVBlock(b, split_mode) for b in self.diffusion_model.transformer_blocks),
+                LTXVEnd(self)]
 
     def extra_cond_inputs(self, batch: Batch, x_noisy: torch.Tensor) -> dict:
         # T5's attention mask, as ComfyUI's LTX-Video text encoder returns it beside the embedding and
@@ -61,8 +65,9 @@ class LTXVFamily(ModelFamily):
 
 class LTXVBegin(StageInput):
     """Stage input: noise the batch, patchify, place, embed time and text (LTXVModel._forward up to the blocks).
-    Tuple out: (x, context, timestep, embedded_timestep, pe cos, pe sin, shape) with shape = the latent's
-    (C, T, H, W). No text attention mask crosses the stages (batch_mix refuses a dataset with one)."""
+    Tuple out: (x, context, timestep, embedded_timestep, *positions, shape) with shape = the latent's
+    (C, T, H, W) and positions the tensors of the blocks' pe (see comfy_compat.ltx_rope_split_mode). No text
+    attention mask crosses the stages (batch_mix refuses a dataset with one)."""
 
     def __init__(self, family):
         super().__init__(family)
@@ -71,9 +76,11 @@ class LTXVBegin(StageInput):
         self.caption_projection = model.caption_projection
 
     def forward(self, inputs):
-        from comfy.ldm.lightricks.model import latent_to_pixel_coords, precompute_freqs_cis
         model = self.family.diffusion_model
         x_in, timestep, kwargs = self.model_inputs(inputs)
+        if ltx_rope_split_mode(model) is not None:
+            return self.in_steps(model, x_in, timestep, kwargs)
+        from comfy.ldm.lightricks.model import latent_to_pixel_coords, precompute_freqs_cis
         x, latent_coords = model.patchifier.patchify(x_in)
         pixel_coords = latent_to_pixel_coords(latent_coords=latent_coords, scale_factors=model.vae_scale_factors,
                                               causal_fix=model.causal_temporal_positioning)
@@ -91,17 +98,30 @@ class LTXVBegin(StageInput):
         return (*self.sendable(x, context, timestep, embedded_timestep, cos, sin),
                 torch.tensor(x_in.shape[1:], device=x.device))
 
+    def in_steps(self, model, x_in, timestep, kwargs):
+        """ComfyUI 0.33's own steps (LTXBaseModel._forward), with no keyframes and no text mask."""
+        if getattr(model, "prompt_adaln_single", None) is not None:
+            raise UnsupportedSetting("distributed.pipeline_stages: this LTX model's cross-attention takes a prompt "
+                                     "timestep, which pipeline stages do not carry; use ZeRO instead")
+        batch_size = x_in.shape[0]
+        x, pixel_coords, _ = model._process_input(x_in, None, None)
+        timestep, embedded_timestep, _ = model._prepare_timestep(timestep, batch_size, x_in.dtype)
+        context, _ = model._prepare_context(kwargs["context"], batch_size, x)
+        rotation, _ = model._prepare_positional_embeddings(pixel_coords, kwargs.get("frame_rate", 25), x_in.dtype)
+        return (*self.sendable(x, context, timestep, embedded_timestep, rotation),
+                torch.tensor(x_in.shape[1:], device=x.device))
+
 
 class LTXVBlock(torch.nn.Module):
-    def __init__(self, block):
+    def __init__(self, block, split_mode):
         super().__init__()
-        self.block = block
+        self.block, self.split_mode = block, split_mode
 
     def forward(self, inputs):
-        x, context, timestep, embedded_timestep, cos, sin, shape = inputs
-        x = self.block(x, context=context, attention_mask=None, timestep=timestep, pe=(cos, sin),
-                       transformer_options={})
-        return (x, context, timestep, embedded_timestep, cos, sin, shape)
+        x, context, timestep, embedded_timestep, *positions, shape = inputs
+        pe = tuple(positions) if self.split_mode is None else (positions[0], self.split_mode)
+        x = self.block(x, context=context, attention_mask=None, timestep=timestep, pe=pe, transformer_options={})
+        return (x, context, timestep, embedded_timestep, *positions, shape)
 
 
 class LTXVEnd(torch.nn.Module):
@@ -113,7 +133,7 @@ class LTXVEnd(torch.nn.Module):
 
     def forward(self, inputs):
         import math
-        x, context, timestep, embedded_timestep, cos, sin, shape = inputs
+        x, context, timestep, embedded_timestep, *positions, shape = inputs
         channels, frames, height, width = shape.tolist()
         scale_shift = self.scale_shift_table[None, None].to(device=x.device, dtype=x.dtype) \
             + embedded_timestep[:, :, None]
@@ -121,4 +141,4 @@ class LTXVEnd(torch.nn.Module):
         x = self.proj_out(self.norm_out(x) * (1 + scale) + shift)
         x = self.patchifier.unpatchify(latents=x, output_height=height, output_width=width, output_num_frames=frames,
                                        out_channels=channels // math.prod(self.patchifier.patch_size))
-        return ends_here(x, context, timestep, cos, sin)
+        return ends_here(x, context, timestep, *positions)
