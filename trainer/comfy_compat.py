@@ -16,6 +16,7 @@ place: the next ComfyUI change that breaks the pack is fixed here.
 - Model code whose structure changed: HunyuanVideo's joint sequence order (`joint_sequence_text_first`) and how
   LTX-Video prepares its inputs and positions (`ltx_rope_split_mode`), read from the model itself, for the pipeline
   layers that rebuild its forward.
+- A layer's weight as its forward casts it (`cast_weight`), for a backward pass that casts it again.
 - Which version is installed (`comfyui_version`), for the rare decision that needs it.
 """
 from __future__ import annotations
@@ -136,6 +137,14 @@ def quantized_layouts(model) -> dict[str, str]:
         if layout and layout not in found:
             found[layout] = name
     return found
+
+
+def cast_weight(layer, dtype, device):
+    """A ComfyUI layer's weight as its forward computes with it: moved, cast to `dtype` (a scaled or quantized
+    weight dequantized) and passed through its weight functions. Both versions' `cast_bias_weight` return (weight,
+    bias) when not asked for an offload stream."""
+    import comfy.ops
+    return comfy.ops.cast_bias_weight(layer, dtype=dtype, device=device, bias_dtype=dtype)[0]
 
 
 def joint_sequence_text_first(hunyuan_model) -> bool:

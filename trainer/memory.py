@@ -34,6 +34,62 @@ def enable_gradient_checkpointing(blocks):
         block.forward = checkpointed
 
 
+class _CastAgain:
+    """What a saved cast copy of a frozen low-precision weight (or a view of it, such as the transpose a matmul
+    saves) is replaced by: the layer, cast again in backward, and the view's place in that copy."""
+    __slots__ = ("layer", "dtype", "device", "size", "stride", "offset")
+
+    def __init__(self, layer, saved: torch.Tensor):
+        self.layer, self.dtype, self.device = layer, saved.dtype, saved.device
+        self.size, self.stride, self.offset = saved.size(), saved.stride(), saved.storage_offset()
+
+    def tensor(self) -> torch.Tensor:
+        from .comfy_compat import cast_weight
+        weight = cast_weight(self.layer, self.dtype, self.device).contiguous()
+        return weight.as_strided(self.size, self.stride, self.offset)
+
+
+def keep_fp8_weights_for_backward(model: torch.nn.Module, skip=()) -> int:
+    """A frozen fp8 layer computes with a full-precision copy of its weight (ComfyUI's cast), and autograd keeps
+    that copy for the backward pass: an fp8 base then held more device memory than a bf16 one (measured on an H200,
+    issue 30). In these layers the saved copy is dropped and the weight cast again when the backward pass needs
+    it: an fp8 base's saved bytes are at most a bf16 base's. Layers under `skip` (blocks whose forward is
+    checkpointed: checkpointing saves nothing of theirs) are left alone, since saved-tensor hooks do not nest.
+    Returns the number of layers changed."""
+    from .adapters import FP8_DTYPES
+    from .comfy_compat import is_quantized
+    skipped = {id(m) for block in skip for m in block.modules()}
+    changed = 0
+    for layer in model.modules():
+        weight = getattr(layer, "weight", None)
+        if (id(layer) in skipped or not isinstance(weight, torch.nn.Parameter) or weight.requires_grad
+                or weight.dtype not in FP8_DTYPES or is_quantized(weight) or not hasattr(layer, "weight_function")
+                or getattr(layer, "_ingraph_casts_again", False)):
+            continue
+
+        def pack(t, _layer=layer):
+            w = _layer.weight
+            if (t.is_floating_point() and t.dtype != w.dtype and not t.requires_grad and t.numel() == w.numel()
+                    and t.untyped_storage().nbytes() == w.numel() * t.element_size()):
+                return _CastAgain(_layer, t)  # the weight's cast copy, or a view of it: all a frozen layer saves
+            return t
+
+        def unpack(saved):
+            return saved.tensor() if isinstance(saved, _CastAgain) else saved
+
+        forward = layer.forward
+
+        def casts_again(*args, _forward=forward, _pack=pack, **kwargs):
+            if not torch.is_grad_enabled():
+                return _forward(*args, **kwargs)
+            with torch.autograd.graph.saved_tensors_hooks(_pack, unpack):
+                return _forward(*args, **kwargs)
+        layer.forward = casts_again
+        layer._ingraph_casts_again = True
+        changed += 1
+    return changed
+
+
 def enable_block_swap(blocks, device, dtype=None):
     """diffusion-pipe's block swap for adapter training: these blocks' frozen weights live in CPU memory and
     visit the device only while the block runs, in the forward pass and again when the backward pass
@@ -80,6 +136,7 @@ def memory_savers(family, spec) -> list:
         raise ValueError(f"distributed.block_swap: this model has {len(blocks)} blocks (got {d.block_swap})")
     if t.gradient_checkpointing:
         enable_gradient_checkpointing(blocks[d.block_swap:])
+    keep_fp8_weights_for_backward(family.diffusion_model, skip=blocks)
     return blocks[:d.block_swap]
 
 
