@@ -61,6 +61,22 @@ def test_spec_rejects_rank_below_one_and_unknown_fields():
         config.spec_from_dict(data)
 
 
+def test_every_family_is_a_valid_model_family_in_a_spec():
+    """model.family takes each family trainer/models has (the spec's own list once lacked five of them, so a
+    hand-written run.toml for Chroma was refused); anything else is refused naming them."""
+    models = importlib.import_module("ingraph_trainer.trainer.models")
+    names = [cls.name for cls in models.FAMILIES]
+    assert {"hunyuan_video", "ltxv", "qwen_image", "chroma", "lumina2"} <= set(names)
+    for name in ["auto", *names]:
+        data = valid_spec_dict()
+        data["model"]["family"] = name
+        assert config.spec_from_dict(data).model.family == name
+    data = valid_spec_dict()
+    data["model"]["family"] = "sdxl_turbo"
+    with pytest.raises(config.RunSpecError, match=r"model\.family: must be one of auto, sd_unet, .*chroma.*sdxl_turbo"):
+        config.spec_from_dict(data)
+
+
 def test_load_run_spec_names_the_file(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("version = [")

@@ -121,7 +121,6 @@ PRECISIONS = choice_values(PRECISION_CHOICES)
 LOSSES = choice_values(LOSS_CHOICES)
 OUTPUT_WEIGHTS = choice_values(OUTPUT_WEIGHTS_CHOICES)
 PREDICTIONS = ("auto", "epsilon", "v_prediction", "flow")
-FAMILY_NAMES = ("auto", "sd_unet", "sdxl", "sd3", "flux", "wan", "generic")  # trainer/models (auto: detected)
 TIMESTEP_SAMPLING = choice_values(TIMESTEP_SAMPLING_CHOICES)
 TASKS = ("train", "evaluate", "distill")  # distill: DMD2 few-step distillation (trainer/distill.py)
 DISTILL_STUDENT_KINDS = ("lora", "full")  # adapter kinds a distilled student trains as
@@ -136,6 +135,12 @@ BASE_PRECISION_CHOICES = (  # the frozen base weights in the trainer
 )
 BASE_PRECISIONS = choice_values(BASE_PRECISION_CHOICES)
 VAE_FORMATS = ("vae", "checkpoint")  # samples.vae_path: a VAE file (VAELoader) or the VAE inside a checkpoint
+
+
+def family_names() -> tuple[str, ...]:
+    """model.family's values: auto (detected) or a family's name, read from trainer/models' own list."""
+    from .models import FAMILIES
+    return ("auto", *(cls.name for cls in FAMILIES))
 
 
 class RunSpecError(ValueError):
@@ -423,7 +428,7 @@ class RunSpec:
              "model in its own precision (weight_dtype default, base_precision as_loaded)")
         need(self.samples.vae_format in VAE_FORMATS, "samples.vae_format",
              f"must be one of {VAE_FORMATS} (got {self.samples.vae_format!r})")
-        need(self.model.family in FAMILY_NAMES, "model.family", f"must be one of {FAMILY_NAMES} "
+        need(self.model.family in family_names(), "model.family", f"must be one of {', '.join(family_names())} "
              f"(got {self.model.family!r})")
         need(bool(self.data.manifest), "data.manifest", "is required")
         dd = self.data
