@@ -14,7 +14,6 @@ from typing import NamedTuple
 
 import torch
 
-from ..cache.store import load_checked
 from .data import StepSampler, seeded_generator, stack_conds, stack_references, stack_text_masks
 
 # generator streams (data.py uses 1, 2 and 4, evaluation 3): one per kind of draw, so adding one changes no other
@@ -99,7 +98,7 @@ def training_batch(dataset, indices: list[int], draw: TextDraw | None = None, sh
     latents, texts, masks, shards, sources = [], [], [], [], []
     for n, i in enumerate(indices):
         part, j = locate(dataset, i)
-        shard = load_checked(part.root, "latent", part.latent_keys[j], part.latent_shas[j])
+        shard = part.latent_shard(j)
         latents.append(shard["latent"])
         shards.append(shard)
         sources.append(part.sources[j])
@@ -199,7 +198,7 @@ class MixedDataset:
         if not self.reference_slots:
             return None
         located = [self.locate(i) for i in indices]
-        shards = [load_checked(part.root, "latent", part.latent_keys[j], part.latent_shas[j]) for part, j in located]
+        shards = [part.latent_shard(j) for part, j in located]
         return stack_references(shards, self.reference_slots, [part.sources[j] for part, j in located])
 
     def text_masks(self, indices: list[int]):
