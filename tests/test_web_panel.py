@@ -160,3 +160,51 @@ def test_panel_shows_rising_steps_and_a_loss_chart(comfy, tmp_path):
         finally:
             (ARTIFACTS / "web_console.log").write_text("\n".join(console))
             browser.close()
+
+
+STARTING_GRAPHS = sorted(p.stem for p in (REPO / "example_workflows").glob("start_*.json"))
+
+
+def test_the_starting_graphs_open_in_the_frontend_with_no_node_over_another(comfy):
+    """Each starting graph (tools/starting_graphs.py), opened in the installed frontend in Chromium at 100 %
+    zoom: every node as the frontend sizes it (its widgets, the Train node's panel) is clear of every other, and
+    no node is missing. A screenshot of each, the whole graph in view, goes to test-artifacts/."""
+    from playwright.sync_api import sync_playwright
+    assert len(STARTING_GRAPHS) == 5, STARTING_GRAPHS
+    settings = comfy.dir("user", "default") / "comfy.settings.json"  # a returning user: no template dialog
+    settings.write_text(json.dumps({"Comfy.TutorialCompleted": True}))
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1920, "height": 1080})
+            page.goto(f"http://{comfy.address}/", wait_until="domcontentloaded", timeout=60_000)
+            page.wait_for_function("() => window.app && window.app.graph && window.app.extensionManager",
+                                   timeout=60_000)
+            page.keyboard.press("Escape")
+            for name in STARTING_GRAPHS:
+                workflow = json.loads((REPO / "example_workflows" / f"{name}.json").read_text())
+                page.evaluate("async (wf) => { await window.app.loadGraphData(wf); }", workflow)
+                page.wait_for_selector(".ingraph-panel", state="attached", timeout=30_000)
+                time.sleep(0.5)  # the frontend sizes nodes as it draws them
+                boxes = page.evaluate("""() => window.app.graph._nodes.map(n => {
+                    const size = n.computeSize ? n.computeSize() : n.size;
+                    const title = window.LiteGraph ? window.LiteGraph.NODE_TITLE_HEIGHT : 30;
+                    return { title: n.title, x: n.pos[0], y: n.pos[1] - title,
+                             w: Math.max(n.size[0], size[0]), h: Math.max(n.size[1], size[1]) + title }; })""")
+                assert len(boxes) == len(workflow["nodes"]), (name, [b["title"] for b in boxes])
+                overlaps = [(a["title"], b["title"]) for i, a in enumerate(boxes) for b in boxes[i + 1:]
+                            if a["x"] < b["x"] + b["w"] and b["x"] < a["x"] + a["w"]
+                            and a["y"] < b["y"] + b["h"] and b["y"] < a["y"] + a["h"]]
+                assert not overlaps, (name, overlaps, boxes)
+                page.evaluate("""() => { const c = window.app.canvas, nodes = window.app.graph._nodes;
+                    const left = Math.min(...nodes.map(n => n.pos[0])) - 20;
+                    const top = Math.min(...nodes.map(n => n.pos[1])) - 60;
+                    const right = Math.max(...nodes.map(n => n.pos[0] + n.size[0])) + 20;
+                    const bottom = Math.max(...nodes.map(n => n.pos[1] + n.size[1])) + 20;
+                    c.ds.scale = Math.min(1.0, 1920 / (right - left), 1080 / (bottom - top));
+                    c.ds.offset[0] = -left; c.ds.offset[1] = -top; c.setDirty(true, true); }""")
+                time.sleep(0.5)
+                page.screenshot(path=str(ARTIFACTS / f"{name}.png"))
+        finally:
+            browser.close()
