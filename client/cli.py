@@ -12,16 +12,27 @@ from .api import ComfyClient, PromptRejected
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TIMEOUT, EXIT_UNREACHABLE = 0, 1, 2, 3, 4, 5
 
 
+def node_titles(workflow: dict) -> dict[str, str]:
+    """Each node's name as the user sees it in the graph: its title, else its type."""
+    return {str(node_id): (node.get("_meta") or {}).get("title") or node.get("class_type", "?")
+            for node_id, node in workflow.items() if isinstance(node, dict)}
+
+
 class TerminalProgress:
-    def __init__(self, stream=sys.stderr):
+    def __init__(self, stream=sys.stderr, titles: dict[str, str] | None = None):
         self.stream = stream
         self.tty = stream.isatty()
+        self.titles = titles or {}
         self.artifacts: list[str] = []
+
+    def named(self, node_id) -> str:
+        title = self.titles.get(str(node_id))
+        return f'"{title}" (node {node_id})' if title else f"node {node_id}"
 
     def __call__(self, message: dict):
         kind, data = message.get("type"), message.get("data") or {}
         if kind == "executing" and data.get("node"):
-            self._line(f"node {data['node']} running")
+            self._line(f"{self.named(data['node'])} running")
         elif kind == "ingraph.event":
             self._event(data.get("event", {}), data.get("run_id", ""))
         elif kind == "executed":
@@ -34,14 +45,16 @@ class TerminalProgress:
         kind = event.get("type")
         if kind == "started":
             self._line(f"run {run_id}: {event.get('total')} steps, {event.get('trainable_params')} trainable parameters")
+            if event.get("run_dir"):
+                self.artifacts.append(f"run folder (loss chart, samples, events): {event['run_dir']}")
         elif kind == "step":
             step, total = event["step"], event["total"]
             width = 30
             bar = "#" * int(width * step / max(total, 1))
             text = (f"[{bar:<{width}}] {step}/{total} loss {event['loss']:.4f} lr {event['lr']:.2e} "
                     f"{event['samples_per_s']:.1f} samples/s eta {event['eta_s']:.0f}s")
-            if self.tty:
-                self.stream.write("\r" + text + ("\n" if step == total else ""))
+            if self.tty:  # over the last line, the rest of it cleared (a shorter line left its end behind)
+                self.stream.write("\r" + text + "\x1b[K" + ("\n" if step == total else ""))
                 self.stream.flush()
             elif step == total or step % max(1, total // 20) == 0:
                 self._line(text)
@@ -71,7 +84,7 @@ def run_command(opts) -> int:
               file=sys.stderr)
         return EXIT_USAGE
     client = ComfyClient(opts.server)
-    progress = TerminalProgress()
+    progress = TerminalProgress(titles=node_titles(workflow))
     try:
         prompt_id = client.queue(workflow)
         print(f"queued {prompt_id} on {opts.server}", file=sys.stderr)
@@ -95,7 +108,7 @@ def run_command(opts) -> int:
         print(f"timed out after {opts.timeout} s (the prompt may still be running)", file=sys.stderr)
         return EXIT_TIMEOUT
     err = outcome.error or {}
-    print(f"failed in node {err.get('node_id')} ({err.get('node_type')}): {err.get('exception_message')}",
+    print(f"failed in {progress.named(err.get('node_id'))}, a {err.get('node_type')}: {err.get('exception_message')}",
           file=sys.stderr)
     return EXIT_FAILED
 

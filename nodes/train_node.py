@@ -213,7 +213,7 @@ class TrainLoRA(io.ComfyNode):
         import comfy.model_management
 
         from ..runner.evaluation_run import parse_quantiles
-        from ..runner.loss_chart import chart_tensor, render_loss_chart
+        from ..runner.loss_chart import chart_tensor, render_loss_chart, save_loss_chart
         from ..runner.train_run import train_lora
 
         dataset.require_cached("dataset")
@@ -248,5 +248,6 @@ class TrainLoRA(io.ComfyNode):
                              base_precision=choice_value(BASE_PRECISION_CHOICES, base_precision or "as loaded",
                                                          "base_precision"))
         result = outcome.result
-        chart = chart_tensor(render_loss_chart(result.steps, result.losses, result.evals))
-        return io.NodeOutput(outcome.model, outcome.lora_name, chart)
+        chart = render_loss_chart(result.steps, result.losses, result.evals)
+        save_loss_chart(chart, result.run_dir)
+        return io.NodeOutput(outcome.model, outcome.lora_name, chart_tensor(chart))

@@ -1,6 +1,8 @@
 """The loss chart the Train node outputs: raw and smoothed training loss, plus evaluation points."""
 from __future__ import annotations
 
+from pathlib import Path
+
 
 def smooth(values: list[float], beta: float = 0.9) -> list[float]:
     """Debiased exponential moving average (TensorBoard's smoothing)."""
@@ -47,6 +49,19 @@ def render_loss_chart(steps: list[int], losses: list[float], evals: list[tuple[i
     draw.text((left + pw - 40, height - 28), f"step {max_step}", fill=(200, 200, 200))
     draw.text((left + 8, 4), "loss (raw, smoothed)   o eval", fill=(220, 220, 220))
     return img
+
+
+LOSS_CHART_FILE = "loss_chart.png"  # in the run's folder: ComfyUI empties temp/, where PreviewImage puts it
+
+
+def save_loss_chart(img, run_dir) -> Path:
+    """The chart as a PNG in the run's folder, written whole or not at all."""
+    import io
+
+    from ..cache.files import atomic_write_bytes
+    data = io.BytesIO()
+    img.save(data, format="PNG")
+    return atomic_write_bytes(Path(run_dir) / LOSS_CHART_FILE, data.getvalue())
 
 
 def chart_tensor(img):

@@ -63,6 +63,19 @@ def test_api_workflow_trains_with_progress_for_the_train_node(trained):
     assert {"7", "13"} <= executed  # the loss chart and the sample from the trained MODEL were produced
 
 
+def test_the_loss_chart_and_the_sample_last_under_output(trained, comfy):
+    """ComfyUI empties temp/ at every start: the loss chart is also kept in the run's folder, and the shipped
+    graph saves its sample (SaveImage) to output/."""
+    outcome, wf = trained
+    run_dir = Path(ingraph_events(outcome, "started")[0]["run_dir"])
+    output = (comfy.base_dir / "output").resolve()
+    chart = run_dir / "loss_chart.png"
+    assert chart.resolve().is_relative_to(output) and chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = [i for d in outcome.of_type("executed") if d["node"] == "13" for i in d["output"]["images"]]
+    assert saved and all(i["type"] == "output" for i in saved), saved
+    assert (output / saved[0]["subfolder"] / saved[0]["filename"]).is_file()
+
+
 def test_comfyui_holds_no_loaded_model_as_the_trainer_starts(trained, comfy):
     """The graph's VAE and CLIP were loaded to cache the dataset; the Train node unloads them and the model it
     trains before the trainer starts, on each ComfyUI (0.33 keeps the current workflow's models loaded)."""

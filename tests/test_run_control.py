@@ -175,6 +175,8 @@ def test_headless_client_exit_codes(comfy, tmp_path):
     proc = run_client("run", str(ok), "--server", comfy.address)
     assert proc.returncode == 0, proc.stderr
     assert "client_ok.safetensors" in proc.stdout and "3/3" in proc.stderr
+    # nodes by the titles the graph gives them, and where the run's chart and events are kept
+    assert '"Train LoRA" (node 6) running' in proc.stderr and "run folder (loss chart" in proc.stdout, proc.stderr
 
     bad = tmp_path / "bad.json"
     wf = training_only("client_bad", 3)
@@ -182,6 +184,7 @@ def test_headless_client_exit_codes(comfy, tmp_path):
     bad.write_text(json.dumps(wf))
     proc = run_client("run", str(bad), "--server", comfy.address)
     assert proc.returncode == 1 and "does_not_exist" in proc.stderr
+    assert 'failed in "Load Training Images" (node 2)' in proc.stderr, proc.stderr
 
     rejected = tmp_path / "rejected.json"
     wf = training_only("client_rejected", 3)

@@ -17,8 +17,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from client.api import ComfyClient  # noqa: E402
-from client.cli import TerminalProgress  # noqa: E402
+from client.cli import TerminalProgress, node_titles  # noqa: E402
 from tools.comfy_server import ComfyServer, comfyui_available, comfyui_path  # noqa: E402
+from runner.loss_chart import LOSS_CHART_FILE  # noqa: E402
 from tools.embedded_default import build_checkpoint, build_images  # noqa: E402
 
 CHECKPOINT_NAME = "ingraph_tiny_sd15.safetensors"
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
     with server:
         print(f"ComfyUI ready in {time.monotonic() - t0:.1f} s; queueing {WORKFLOW.name}", flush=True)
         client = ComfyClient(server.address)
-        outcome = client.run(workflow, timeout=3600, on_message=TerminalProgress(sys.stdout))
+        outcome = client.run(workflow, timeout=3600, on_message=TerminalProgress(sys.stdout, node_titles(workflow)))
         client.close()
         if not outcome.ok:
             err = outcome.error or {}
@@ -65,8 +66,13 @@ def main(argv=None) -> int:
             return 1
         lora_name = workflow["6"]["inputs"]["output_name"] + ".safetensors"
         lora_path = base / "models" / "loras" / lora_name
+        run_dir = next(Path(m["data"]["event"]["run_dir"]) for m in outcome.messages
+                       if m.get("type") == "ingraph.event" and m["data"]["event"].get("type") == "started")
+        samples = sorted((base / "output").glob(f"{workflow['13']['inputs']['filename_prefix']}_*.png"))
         print(f"\nLoRA written to {lora_path}")
-        print(f"loss chart and a sample image are in {base / 'temp'}")
+        print(f"run folder (events, checkpoints, TensorBoard): {run_dir}")
+        print(f"loss chart: {run_dir / LOSS_CHART_FILE}")
+        print(f"sample with the trained LoRA: {samples[-1] if samples else 'none saved'}")
     return 0 if lora_path.is_file() else 1
 
 
