@@ -64,7 +64,7 @@ from .data import seeded_generator, stack_conds, step_loader
 from .distributed import data_parallel_size, deepspeed_config, world_size
 from .layouts import ParallelLayout, WholeModel, choose_engine, global_sum, grad_norm
 from .loop import check_finite, refuse_fp8_full_fine_tune
-from .memory import enable_gradient_checkpointing, load_peak
+from .memory import checkpointed_with_fp8_kept, load_peak
 from .metrics import HealthLog
 from .models import Batch, load_family
 from .optim import averaged_weights, build_optimizer, build_scheduler
@@ -293,8 +293,7 @@ class Distiller(TrainingTask):
                              "distil it on items without a start image")
         self.targets = generator.adapter_targets(spec.adapter.targets) if spec.adapter.kind != "full" else []
         self.params = self.trainable(generator, t.seed)
-        if t.gradient_checkpointing:
-            enable_gradient_checkpointing(generator.checkpoint_blocks())
+        checkpointed_with_fp8_kept(generator, t.gradient_checkpointing)
         self.generator = Network(spec, Denoiser(generator), self.params)
         self.optimizer = build_optimizer(spec, self.params)
         self.generator.initialize(deepspeed, self.optimizer, build_scheduler(spec, self.optimizer), config)
@@ -305,8 +304,7 @@ class Distiller(TrainingTask):
         for _ in range(dd.student_steps if dd.fake_score_per_step else 1):
             fake = self.load(t.precision)
             fake_params = self.trainable(fake, t.seed + 1)
-            if t.gradient_checkpointing:
-                enable_gradient_checkpointing(fake.checkpoint_blocks())
+            checkpointed_with_fp8_kept(fake, t.gradient_checkpointing)
             head = None
             if dd.gan_weight > 0:  # one fake score only (DistillSpec.problems)
                 torch.manual_seed(t.seed + 2)

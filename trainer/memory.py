@@ -140,6 +140,14 @@ def memory_savers(family, spec) -> list:
     return blocks[:d.block_swap]
 
 
+def checkpointed_with_fp8_kept(family, checkpointing: bool) -> None:
+    """A network of a distillation run: its blocks checkpointed where asked, and its fp8 layers outside them
+    cast again for the backward pass (keep_fp8_weights_for_backward)."""
+    blocks = family.checkpoint_blocks() if checkpointing else []
+    enable_gradient_checkpointing(blocks)
+    keep_fp8_weights_for_backward(family.diffusion_model, skip=blocks)
+
+
 def memory_suggestions(spec) -> list[str]:
     """What would lower a run's device memory, cheapest in speed first, among the settings it does not use yet."""
     t, a, d, m = spec.train, spec.adapter, spec.distributed, spec.model
