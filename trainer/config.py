@@ -137,12 +137,6 @@ BASE_PRECISIONS = choice_values(BASE_PRECISION_CHOICES)
 VAE_FORMATS = ("vae", "checkpoint")  # samples.vae_path: a VAE file (VAELoader) or the VAE inside a checkpoint
 
 
-def family_names() -> tuple[str, ...]:
-    """model.family's values: auto (detected) or a family's name, read from trainer/models' own list."""
-    from .models import FAMILIES
-    return ("auto", *(cls.name for cls in FAMILIES))
-
-
 class RunSpecError(ValueError):
     """A run spec that cannot be used; the message names the file and the field."""
 
@@ -428,8 +422,6 @@ class RunSpec:
              "model in its own precision (weight_dtype default, base_precision as_loaded)")
         need(self.samples.vae_format in VAE_FORMATS, "samples.vae_format",
              f"must be one of {VAE_FORMATS} (got {self.samples.vae_format!r})")
-        need(self.model.family in family_names(), "model.family", f"must be one of {', '.join(family_names())} "
-             f"(got {self.model.family!r})")
         need(bool(self.data.manifest), "data.manifest", "is required")
         dd = self.data
         need(0.0 <= dd.caption_dropout < 1.0, "data.caption_dropout", f"must be in [0, 1) (got {dd.caption_dropout})")
