@@ -23,6 +23,7 @@ class TerminalProgress:
         self.stream = stream
         self.tty = stream.isatty()
         self.titles = titles or {}
+        self._drawn = 0  # length of the progress line a terminal shows now
         self.artifacts: list[str] = []
 
     def named(self, node_id) -> str:
@@ -53,8 +54,9 @@ class TerminalProgress:
             bar = "#" * int(width * step / max(total, 1))
             text = (f"[{bar:<{width}}] {step}/{total} loss {event['loss']:.4f} lr {event['lr']:.2e} "
                     f"{event['samples_per_s']:.1f} samples/s eta {event['eta_s']:.0f}s")
-            if self.tty:  # over the last line, the rest of it cleared (a shorter line left its end behind)
-                self.stream.write("\r" + text + "\x1b[K" + ("\n" if step == total else ""))
+            if self.tty:  # over the last line, padded to its length (a shorter line left its end behind: "0ss")
+                self.stream.write("\r" + text.ljust(self._drawn) + ("\n" if step == total else ""))
+                self._drawn = 0 if step == total else len(text)
                 self.stream.flush()
             elif step == total or step % max(1, total // 20) == 0:
                 self._line(text)
@@ -69,6 +71,9 @@ class TerminalProgress:
             self._line(f"trainer error: {event.get('message')}")
 
     def _line(self, text: str):
+        if self._drawn:  # below the progress line, not on it
+            self.stream.write("\n")
+            self._drawn = 0
         self.stream.write(text + "\n")
         self.stream.flush()
 

@@ -249,5 +249,8 @@ class TrainLoRA(io.ComfyNode):
                                                          "base_precision"))
         result = outcome.result
         chart = render_loss_chart(result.steps, result.losses, result.evals)
-        save_loss_chart(chart, result.run_dir)
+        try:
+            save_loss_chart(chart, result.run_dir)
+        except OSError as exc:  # the LoRA is written: a chart that cannot be kept does not fail the run
+            logging.warning("InGraph Trainer: the loss chart was not kept in %s: %s", result.run_dir, exc)
         return io.NodeOutput(outcome.model, outcome.lora_name, chart_tensor(chart))

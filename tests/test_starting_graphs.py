@@ -110,7 +110,7 @@ def with_tiny_stand_ins(name: str, graph: dict) -> dict:
         # the 48-channel stand-in VAE is an image TAESD, which cannot decode the video latent a preview makes
         # (the real graph's Wan 2.2 VAE does); there is no tiny Wan 2.2 video VAE
         del graph["8"], graph["9"]["inputs"]["previews"]
-    graph["9"]["inputs"].update(steps=1, batch_size=1, save_every=0, output_name=name, eval_items=0)
+    graph["9"]["inputs"].update(steps=1, save_every=0, output_name=name, eval_items=0)
     return graph
 
 

@@ -656,3 +656,28 @@ def test_verified_shards_are_read_once_while_they_fit_their_memory_budget(monkey
     for key in ("a", "b", "a", "c", "b"):
         memo.get((key,), lambda key=key: load_checked("/c", "latent", key, ""))
     assert [key for _, key in reads] == ["a", "b", "c", "b"]  # "a" kept by its second use; "b" went for "c"
+
+
+def test_the_clients_progress_line_leaves_nothing_of_a_longer_one_and_names_nodes_by_title():
+    """On a terminal each step's line is written over the last: a shorter one is padded to the last one's length
+    ("eta 10s" then "eta 0s" showed "eta 0ss"), and a message in between goes below it. Nodes are named by their
+    titles."""
+    import io
+    from client.cli import TerminalProgress, node_titles
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    out = Terminal()
+    progress = TerminalProgress(out, node_titles({"6": {"class_type": "InGraphTrainLoRA",
+                                                        "_meta": {"title": "Train LoRA"}}}))
+    step = {"type": "step", "total": 3, "loss": 0.5, "lr": 1e-4, "samples_per_s": 2.0}
+    for n, eta in ((1, 10.0), (2, 0.0)):
+        progress({"type": "ingraph.event", "data": {"event": {**step, "step": n, "eta_s": eta}}})
+    progress({"type": "executing", "data": {"node": "6"}})
+    empty, first, second = out.getvalue().split("\r")
+    assert empty == ""
+    assert first.endswith("eta 10s") and second.startswith(first[:10])
+    line, below = second.split("\n", 1)
+    assert len(line) == len(first) and line.rstrip().endswith("eta 0s"), (first, line)
+    assert below == '"Train LoRA" (node 6) running\n'

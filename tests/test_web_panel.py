@@ -184,7 +184,11 @@ def test_the_starting_graphs_open_in_the_frontend_with_no_node_over_another(comf
             page.keyboard.press("Escape")
             for name in STARTING_GRAPHS:
                 workflow = json.loads((REPO / "example_workflows" / f"{name}.json").read_text())
+                page.evaluate("() => window.app.graph.clear()")  # the last graph's panel goes with its node
+                page.wait_for_selector(".ingraph-panel", state="detached", timeout=30_000)
                 page.evaluate("async (wf) => { await window.app.loadGraphData(wf); }", workflow)
+                page.wait_for_function(f"() => window.app.graph._nodes.length === {len(workflow['nodes'])}",
+                                       timeout=30_000)
                 page.wait_for_selector(".ingraph-panel", state="attached", timeout=30_000)
                 time.sleep(0.5)  # the frontend sizes nodes as it draws them
                 boxes = page.evaluate("""() => window.app.graph._nodes.map(n => {

@@ -49,13 +49,51 @@ class _CastAgain:
         return weight.as_strided(self.size, self.stride, self.offset)
 
 
+_WEIGHTED_OPS = {torch.nn.functional.linear, torch.nn.functional.conv1d, torch.nn.functional.conv2d,
+                 torch.nn.functional.conv3d}
+
+
+class _WeightArguments(torch.overrides.TorchFunctionMode):
+    """Notes the storage of each weight a layer's forward hands to a matmul or convolution: what autograd saves
+    from that storage is the weight's cast copy, and nothing else a layer saves (a norm's statistics of the same
+    size, say) can be taken for it."""
+
+    def __init__(self, storages: set):
+        super().__init__()
+        self.storages = storages
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _WEIGHTED_OPS:
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            if isinstance(weight, torch.Tensor) and not weight.requires_grad:
+                self.storages.add(weight.untyped_storage().data_ptr())
+        return func(*args, **kwargs)
+
+
+def pack_for_backward(layer, storages: set, saved: torch.Tensor):
+    """A frozen fp8 layer's saved tensor: its weight's cast copy becomes a _CastAgain, anything else stays. The
+    first copy of each layer is checked against the cast done again (the same values, or the layer keeps its
+    copies: a scaled weight, a path this does not know)."""
+    if saved.untyped_storage().data_ptr() not in storages or saved.requires_grad:
+        return saved
+    again = _CastAgain(layer, saved)
+    checked = getattr(layer, "_ingraph_cast_again_checked", None)
+    if checked is None:
+        with torch.no_grad():
+            checked = torch.equal(again.tensor(), saved)
+        layer._ingraph_cast_again_checked = checked
+    return again if checked else saved
+
+
 def keep_fp8_weights_for_backward(model: torch.nn.Module, skip=()) -> int:
     """A frozen fp8 layer computes with a full-precision copy of its weight (ComfyUI's cast), and autograd keeps
     that copy for the backward pass: an fp8 base then held more device memory than a bf16 one (measured on an H200,
     issue 30). In these layers the saved copy is dropped and the weight cast again when the backward pass needs
     it: an fp8 base's saved bytes are at most a bf16 base's. Layers under `skip` (blocks whose forward is
-    checkpointed: checkpointing saves nothing of theirs) are left alone, since saved-tensor hooks do not nest.
-    Returns the number of layers changed."""
+    checkpointed: checkpointing saves nothing of theirs) are left alone, since saved-tensor hooks do not nest, and
+    so are layers ComfyUI 0.33 places with dynamic VRAM (their cast follows its own prefetching). Returns the
+    number of layers changed."""
     from .adapters import FP8_DTYPES
     from .comfy_compat import is_quantized
     skipped = {id(m) for block in skip for m in block.modules()}
@@ -64,25 +102,18 @@ def keep_fp8_weights_for_backward(model: torch.nn.Module, skip=()) -> int:
         weight = getattr(layer, "weight", None)
         if (id(layer) in skipped or not isinstance(weight, torch.nn.Parameter) or weight.requires_grad
                 or weight.dtype not in FP8_DTYPES or is_quantized(weight) or not hasattr(layer, "weight_function")
-                or getattr(layer, "_ingraph_casts_again", False)):
+                or hasattr(layer, "_v") or getattr(layer, "_ingraph_casts_again", False)):
             continue
-
-        def pack(t, _layer=layer):
-            w = _layer.weight
-            if (t.is_floating_point() and t.dtype != w.dtype and not t.requires_grad and t.numel() == w.numel()
-                    and t.untyped_storage().nbytes() == w.numel() * t.element_size()):
-                return _CastAgain(_layer, t)  # the weight's cast copy, or a view of it: all a frozen layer saves
-            return t
-
-        def unpack(saved):
-            return saved.tensor() if isinstance(saved, _CastAgain) else saved
-
         forward = layer.forward
 
-        def casts_again(*args, _forward=forward, _pack=pack, **kwargs):
+        def casts_again(*args, _forward=forward, _layer=layer, **kwargs):
             if not torch.is_grad_enabled():
                 return _forward(*args, **kwargs)
-            with torch.autograd.graph.saved_tensors_hooks(_pack, unpack):
+            storages = set()
+            with torch.autograd.graph.saved_tensors_hooks(
+                    lambda t: pack_for_backward(_layer, storages, t),
+                    lambda saved: saved.tensor() if isinstance(saved, _CastAgain) else saved), \
+                    _WeightArguments(storages):
                 return _forward(*args, **kwargs)
         layer.forward = casts_again
         layer._ingraph_casts_again = True

@@ -303,16 +303,23 @@ class _OutOfPlaceAdd(torch.Tensor):
     saved for the backward pass, which autograd refuses. Everything else behaves as a plain tensor."""
 
     def __iadd__(self, other):
-        return torch.add(self, other)
+        return _residual(torch.add(self, other))
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         # ComfyUI 0.33's LTX-Video block normalises its residual and then adds into that same tensor in place
-        # (x.addcmul_), a call __iadd__ cannot see: the norm gets a copy to save, so the add changes nothing it saved
-        if func in _NORMS and args and isinstance(args[0], _OutOfPlaceAdd) and args[0].requires_grad \
+        # (x.addcmul_), a call __iadd__ cannot see: the norm gets a copy of the residual to save, so the add changes
+        # nothing it saved. Only the residual stream (the block's input, each sum __iadd__ made): tensors computed
+        # from it are of this class too (a query a norm normalises, say), and copying those would cost memory
+        if func in _NORMS and args and getattr(args[0], "_ingraph_residual", False) and args[0].requires_grad \
                 and torch.is_grad_enabled():
             args = (args[0].clone(), *args[1:])
         return super().__torch_function__(func, types, args, kwargs)
+
+
+def _residual(tensor: torch.Tensor) -> torch.Tensor:
+    tensor._ingraph_residual = True
+    return tensor
 
 
 _NORMS = {torch.nn.functional.rms_norm, torch.rms_norm}
@@ -333,10 +340,10 @@ def residuals_out_of_place(blocks) -> None:
         forward = block.forward
 
         def wrapped(*args, _forward=forward, **kwargs):
-            args = tuple(a.as_subclass(_OutOfPlaceAdd) if isinstance(a, torch.Tensor) and a.is_floating_point()
-                         else a for a in args)
-            kwargs = {k: v.as_subclass(_OutOfPlaceAdd) if k in ("img", "txt", "x") and isinstance(v, torch.Tensor)
-                      else v for k, v in kwargs.items()}
+            args = tuple(_residual(a.as_subclass(_OutOfPlaceAdd)) if isinstance(a, torch.Tensor)
+                         and a.is_floating_point() else a for a in args)
+            kwargs = {k: _residual(v.as_subclass(_OutOfPlaceAdd)) if k in ("img", "txt", "x")
+                      and isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
             return plain(_forward(*args, **kwargs))
         block.forward = wrapped
         block._ingraph_out_of_place = True
