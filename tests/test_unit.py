@@ -634,8 +634,8 @@ def test_the_out_of_memory_message_names_the_peak_and_only_settings_not_yet_used
 
 def test_verified_shards_are_read_once_while_they_fit_their_memory_budget(monkeypatch):
     """The trainer reads and hashes each cached shard once per run while it fits (ShardMemo), not at every epoch
-    (0.3 ms an item a step on the tiny SD1.5); past the byte budget the least recently used shard goes, and the
-    next read verifies it again."""
+    (0.3 ms an item a step on the tiny SD1.5), one memo per process whatever the datasets; past the byte budget
+    the least recently used shard goes, and the next read verifies it again."""
     import torch
     data = importlib.import_module("ingraph_trainer.trainer.data")
     reads = []
@@ -644,6 +644,8 @@ def test_verified_shards_are_read_once_while_they_fit_their_memory_budget(monkey
         reads.append((kind, key))
         return {"latent": torch.zeros(256)}  # 1 KiB
     monkeypatch.setattr(data, "load_checked", load_checked)
+    monkeypatch.setattr(data, "LATENT_MEMO", data.ShardMemo(512 << 20))
+    monkeypatch.setattr(data, "TEXT_MEMO", data.ShardMemo(256 << 20))
     ds = data.CachedDataset(root="/c", latent_keys=["a", "b", "c"], latent_shas=["1", "2", "3"],
                             text_keys=["t"] * 3, text_shas=["9"] * 3, buckets=[(8, 8)] * 3,
                             sources=["a.png", "b.png", "c.png"], unique=[0, 1, 2])

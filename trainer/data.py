@@ -45,8 +45,9 @@ class ShardMemo:
         return value
 
 
-LATENT_MEMO_BYTES = 512 << 20  # per process: some 8,000 SD1.5 latents at 512², or a few hundred video clips'
-TEXT_MEMO_BYTES = 256 << 20  # some 2,000 CLIP-L captions, or 64 T5-XXL ones at 512 tokens
+# one of each per process, whatever the datasets (training, evaluation, prior images): some 8,000 SD1.5 latents at
+# 512² or a few hundred video clips'; some 2,000 CLIP-L captions or 64 T5-XXL ones at 512 tokens
+LATENT_MEMO, TEXT_MEMO = ShardMemo(512 << 20), ShardMemo(256 << 20)
 
 
 @dataclass
@@ -68,13 +69,10 @@ class CachedDataset:
     def __len__(self):
         return len(self.latent_keys)
 
-    def __post_init__(self):
-        self._latents, self._texts = ShardMemo(LATENT_MEMO_BYTES), ShardMemo(TEXT_MEMO_BYTES)
-
     def latent_shard(self, i: int) -> dict:
         """Item i's latent shard (its latent, and its mask and references where it has them), verified."""
         key, sha = self.latent_keys[i], self.latent_shas[i]
-        return self._latents.get((key, sha), lambda: load_checked(self.root, "latent", key, sha))
+        return LATENT_MEMO.get((self.root, key, sha), lambda: load_checked(self.root, "latent", key, sha))
 
     def latent(self, i: int) -> torch.Tensor:
         return self.latent_shard(i)["latent"]
@@ -84,7 +82,7 @@ class CachedDataset:
 
     def text_entry(self, key: str, sha: str) -> dict:
         """A text embedding by its cache key (a caption, a shuffled variant, the empty caption), verified."""
-        return self._texts.get((key, sha), lambda: load_checked(self.root, "text", key, sha))
+        return TEXT_MEMO.get((self.root, key, sha), lambda: load_checked(self.root, "text", key, sha))
 
     def references(self, indices: list[int]) -> list[torch.Tensor] | None:
         """The items' reference latents, one [B, C, (T,) h, w] tensor per slot (Batch.references), or None."""
