@@ -683,3 +683,36 @@ def test_the_clients_progress_line_leaves_nothing_of_a_longer_one_and_names_node
     line, below = second.split("\n", 1)
     assert len(line) == len(first) and line.rstrip().endswith("eta 0s"), (first, line)
     assert below == '"Train LoRA" (node 6) running\n'
+
+
+def test_block_swap_keeps_the_swapped_blocks_frozen_weights_off_the_device():
+    """Issue 30's guard, one process (the plain engine): with N blocks swapped, the bytes the engine's move puts
+    on the device are the model's less those blocks' frozen weights (they stay in host memory and visit the
+    device only while their block runs), and a forward and backward pass leave them there. The device here is
+    "meta", which computes shapes only; the same calls run on a GPU."""
+    import torch
+    memory = importlib.import_module("ingraph_trainer.trainer.memory")
+    plain_engine = importlib.import_module("ingraph_trainer.trainer.plain_engine")
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(4)]
+    model = torch.nn.Sequential(*blocks)
+    model.requires_grad_(False)
+    for block in blocks:  # a trainable weight in every block
+        block.register_parameter("adapter", torch.nn.Parameter(torch.zeros(64)))
+        block.register_forward_pre_hook(lambda module, args: (args[0] + module.adapter,))
+
+    def nbytes(params):
+        return sum(p.numel() * p.element_size() for p in params)
+    total = nbytes(model.parameters())
+    swapped = nbytes(p for block in blocks[:2] for p in block.parameters() if not p.requires_grad)
+    device = torch.device("meta")
+    memory.enable_block_swap(blocks[:2], device)
+    plain_engine.move_to_device(model, device)
+    on_device = [p for p in model.parameters() if p.device == device]
+    assert nbytes(on_device) == total - swapped > 0
+    assert all(p.device.type == "cpu" for block in blocks[:2] for p in block.parameters() if not p.requires_grad)
+    # the trainable weights are on the device (moving to "meta" makes new Parameter objects, where a GPU keeps them)
+    assert all(block.adapter.device == device for block in blocks)
+    model(torch.zeros(2, 64, device=device)).sum().backward()
+    assert nbytes(p for p in model.parameters() if p.device == device) == total - swapped
+    assert all(block.adapter.grad is not None and block.adapter.grad.device == device for block in blocks)
