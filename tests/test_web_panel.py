@@ -206,8 +206,10 @@ def test_the_starting_graphs_open_in_the_frontend_with_no_node_over_another(comf
                     const top = Math.min(...nodes.map(n => n.pos[1])) - 60;
                     const right = Math.max(...nodes.map(n => n.pos[0] + n.size[0])) + 20;
                     const bottom = Math.max(...nodes.map(n => n.pos[1] + n.size[1])) + 20;
-                    c.ds.scale = Math.min(1.0, 1920 / (right - left), 1080 / (bottom - top));
-                    c.ds.offset[0] = -left; c.ds.offset[1] = -top; c.setDirty(true, true); }""")
+                    const scale = Math.min(1.0, 1750 / (right - left), 900 / (bottom - top));
+                    c.ds.scale = scale;  // the graph's corner below the menu bar and beside the side bar
+                    c.ds.offset[0] = 70 / scale - left; c.ds.offset[1] = 110 / scale - top;
+                    c.setDirty(true, true); }""")
                 time.sleep(0.5)
                 page.screenshot(path=str(ARTIFACTS / f"{name}.png"))
         finally:
