@@ -160,13 +160,20 @@ def discard():
 
 
 QUEUED_WAIT_S = 60.0  # how long after a training prompt arrives its validation may take before it is queued
+MAX_PENDING = 32  # training prompts waiting to be queued that the watcher follows (a flood keeps the newest)
+_pending: dict[str, float] = {}  # prompt id -> when to stop waiting for it (time.monotonic)
+_pending_lock = threading.Lock()
+_watcher: threading.Thread | None = None
 
 
 def prime_for_prompt(json_data: dict, queue=None, wait_s: float = QUEUED_WAIT_S) -> dict:
     """ComfyUI's on-prompt hook: a training prompt gets a standby warming up once ComfyUI has validated and queued
     it. The hook runs before validation, and a rejected prompt (any client can send one) must start nothing: a
     standby is a trainer process (~0.8 GB, and a CUDA context on a GPU) that lives for minutes. So the prompt gets
-    its id here (ComfyUI keeps a client's own), and a thread primes once that id is in ComfyUI's queue."""
+    its id here (ComfyUI keeps a client's own), and one watcher thread, whatever the number of prompts, primes once
+    any of the ids it follows is in ComfyUI's queue."""
+    global _watcher
+    import time
     prompt = json_data.get("prompt") if isinstance(json_data, dict) else None
     if isinstance(prompt, dict) and any(isinstance(node, dict) and node.get("class_type") in TRAINER_NODES
                                         for node in prompt.values()):
@@ -176,24 +183,46 @@ def prime_for_prompt(json_data: dict, queue=None, wait_s: float = QUEUED_WAIT_S)
         if not isinstance(json_data.get("prompt_id"), str):
             import uuid
             json_data["prompt_id"] = str(uuid.uuid4())  # canonical: ComfyUI 0.33 refuses any other form
-        threading.Thread(target=_prime_once_queued, args=(queue, json_data["prompt_id"], wait_s),
-                         name="ingraph-standby-wait", daemon=True).start()
+        with _pending_lock:
+            _pending[json_data["prompt_id"]] = time.monotonic() + wait_s
+            while len(_pending) > MAX_PENDING:
+                del _pending[next(iter(_pending))]  # the oldest
+            if _watcher is None:
+                _watcher = threading.Thread(target=_prime_once_queued, args=(queue,), name="ingraph-standby-wait",
+                                            daemon=True)
+                _watcher.start()
     return json_data
 
 
-def _prime_once_queued(queue, prompt_id: str, wait_s: float):
+def _prime_once_queued(queue):
+    """The watcher: polls ComfyUI's queue for the pending ids, primes when one is there, leaves when none is
+    pending any more."""
+    global _watcher
     import time
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
+    while True:
+        with _pending_lock:
+            now = time.monotonic()
+            for prompt_id in [p for p, until in _pending.items() if until < now]:
+                del _pending[prompt_id]
+            if not _pending:
+                _watcher = None
+                return
+            waiting = set(_pending)
         try:
             running, queued = queue.get_current_queue_volatile()
         except Exception as exc:  # noqa: BLE001  (a ComfyUI without this method: no standby, runs start cold)
             log.debug("InGraph Trainer: no standby (%s)", exc)
+            with _pending_lock:
+                _pending.clear()
+                _watcher = None
             return
-        if any(len(item) > 1 and item[1] == prompt_id for item in (*running, *queued)):
+        found = {item[1] for item in (*running, *queued) if len(item) > 1} & waiting
+        if found:
+            with _pending_lock:
+                for prompt_id in found:
+                    _pending.pop(prompt_id, None)
             from . import paths
             prime(sys.executable, trainer_environment(paths.comfyui_root()))
-            return
         time.sleep(0.05)
 
 

@@ -195,6 +195,13 @@ def test_standbys_start_only_for_training_prompts_and_never_when_switched_off(mo
     assert isinstance(rejected["prompt_id"], str) and len(rejected["prompt_id"]) == 36
     wait_for_the_hook()
     assert primed == []
+    # a flood of such prompts: one watcher thread follows the newest MAX_PENDING of them, and leaves with them
+    for _ in range(200):
+        standby.prime_for_prompt({"prompt": training}, queue, wait_s=0.3)
+    assert len([t for t in threading.enumerate() if t.name == "ingraph-standby-wait"]) == 1
+    assert len(standby._pending) == standby.MAX_PENDING
+    wait_for_the_hook()
+    assert primed == [] and not standby._pending and standby._watcher is None
     # validated and queued (a client's own id kept): primed
     own_id = "0b7e4c5e-36b1-4a43-9a61-2f5a3b9f0c11"
     queue.items = [(1, own_id, training, {}, [])]
