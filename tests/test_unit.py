@@ -76,6 +76,8 @@ def test_every_family_is_a_valid_model_family_in_a_spec():
             assert models.family_class(None, name).name == name
     with pytest.raises(ValueError, match=r"model\.family: 'sdxl_turbo' is not one of auto, sd_unet, .*chroma"):
         models.family_class(None, "sdxl_turbo")
+    with pytest.raises(ValueError, match=r"model\.family: 'unet3' is not one of auto"):  # before any file is read
+        models.load_family(config.ModelSpec(path="/nowhere/model.safetensors", family="unet3"))
 
 
 def test_load_run_spec_names_the_file(tmp_path):
@@ -369,7 +371,6 @@ def test_flow_matching_timesteps_shift_and_logit_normal():
     ("train", {"flow_shift": 0.0}, "train.flow_shift"),
     ("train", {"timestep_sampling": "beta"}, "train.timestep_sampling"),
     ("train", {"logit_std": 0.0}, "train.logit_std"),
-    ("model", {"family": "unet3"}, "model.family"),
     ("model", {"prediction": "x0"}, "model.prediction"),
     ("distributed", {"processes": 2, "pipeline_stages": 2, "zero_stage": 2}, "ZeRO stage 0 or 1"),
     ("distributed", {"pipeline_stages": 0}, "distributed.pipeline_stages"),

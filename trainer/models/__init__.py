@@ -41,10 +41,17 @@ def prediction_from_sampling(sampling) -> str:
 
 
 def family_class(base_model, family: str = "auto") -> type[ModelFamily]:
+    check_family_name(family)
     for cls in FAMILIES:
         if (family == "auto" and cls.matches(base_model)) or family == cls.name:
             return cls
-    raise ValueError(f"model.family: {family!r} is not one of auto, {', '.join(c.name for c in FAMILIES)}")
+    raise ValueError("model.family: no family takes this model (the generic one takes any)")
+
+
+def check_family_name(family: str) -> None:
+    """model.family's one rule (the spec's own list of names once drifted from this one): auto or a family's name."""
+    if family != "auto" and family not in {cls.name for cls in FAMILIES}:
+        raise ValueError(f"model.family: {family!r} is not one of auto, {', '.join(c.name for c in FAMILIES)}")
 
 
 def family_for(base_model, family: str = "auto", prediction: str = "auto", patcher=None) -> ModelFamily:
@@ -174,6 +181,7 @@ def load_family(model, family: str = "auto", prediction: str = "auto", *, precis
     `precision` is train.precision: the dtype the base is held and computed in (fp8 bases: computed in)."""
     import torch
     model = _as_model_spec(model, family, prediction)
+    check_family_name(model.family)  # before the load, which can take minutes
     patcher = load_base_model(model, precision)
     result = family_for(patcher.model, model.family, model.prediction, patcher)
     if precision is not None:
