@@ -16,12 +16,13 @@ if [ ! -f "$COMFYUI_PATH/main.py" ]; then
     || echo "setup: could not get ComfyUI; set COMFYUI_PATH to an install. ComfyUI tests will be skipped." >&2
 fi
 
-# Debian's Chromium for the browser test of the web extension (playwright drives it; no browser download)
-if [ "${INGRAPH_BROWSER:-1}" = "1" ] && ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
+# Debian's Chromium for the browser tests of the web extension (playwright drives it; no browser download), only
+# when asked (INGRAPH_BROWSER=1): training needs no browser, and those tests skip with one line without one
+if [ "${INGRAPH_BROWSER:-0}" = "1" ] && ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
    && [ "$(id -u)" = "0" ]; then
-  echo "setup: installing Debian's chromium" >&2
+  echo "setup: installing Debian's chromium (INGRAPH_BROWSER=1)" >&2
   apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; } \
-    || echo "setup: could not install chromium; the browser test will fail" >&2
+    || echo "setup: could not install chromium; the browser tests will skip" >&2
 fi
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
@@ -39,11 +40,19 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && { [ -z "$newer_reqs" ] 
   exit 0
 fi
 
-# torch first, pinned: anything unpinned would pull a multi-GB CUDA build
+# torch first, pinned: anything unpinned would pull a multi-GB CUDA build. INGRAPH_TORCH_INDEX picks the package
+# index torch comes from (https://download.pytorch.org/whl/cpu: a CPU build, about 0.2 GB, no nvidia-* packages)
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-  echo "setup: installing $TORCH_PINS" >&2
+  gpu="no NVIDIA GPU found"
+  { command -v nvidia-smi >/dev/null 2>&1 || [ -e /proc/driver/nvidia/version ]; } && gpu="an NVIDIA GPU found"
+  echo "setup: installing $TORCH_PINS${INGRAPH_TORCH_INDEX:+ from $INGRAPH_TORCH_INDEX} ($gpu). With the default" \
+       "index this is the CUDA build: about 3 GB to download, and the whole environment about 7 GB on disk" >&2
+  if [ "$gpu" = "no NVIDIA GPU found" ] && [ -z "${INGRAPH_TORCH_INDEX:-}" ]; then
+    echo "setup: without a GPU, INGRAPH_TORCH_INDEX=https://download.pytorch.org/whl/cpu installs the CPU build" \
+         "instead (where that index is reachable)" >&2
+  fi
   # shellcheck disable=SC2086
-  "${PIP[@]}" $TORCH_PINS
+  "${PIP[@]}" ${INGRAPH_TORCH_INDEX:+--index-url "$INGRAPH_TORCH_INDEX"} $TORCH_PINS
 fi
 constraints="$VENV/.torch-constraints.txt"
 "$VENV/bin/python" -m pip freeze | grep -E '^(torch|torchvision|nvidia-[a-z0-9-]+|triton)==' > "$constraints" || true
