@@ -66,8 +66,8 @@ def main(argv=None) -> int:
             return 1
         lora_name = workflow["6"]["inputs"]["output_name"] + ".safetensors"
         lora_path = base / "models" / "loras" / lora_name
-        run_dir = next(Path(m["data"]["event"]["run_dir"]) for m in outcome.messages
-                       if m.get("type") == "ingraph.event" and m["data"]["event"].get("type") == "started")
+        run_dir = next(Path(d["event"]["run_dir"]) for d in outcome.of_type("ingraph.event")
+                       if d["event"].get("type") == "started")
         samples = sorted((base / "output").glob(f"{workflow['13']['inputs']['filename_prefix']}_*.png"))
         print(f"\nLoRA written to {lora_path}")
         print(f"run folder (events, checkpoints, TensorBoard): {run_dir}")
