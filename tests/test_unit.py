@@ -104,6 +104,16 @@ def test_event_reader_returns_only_complete_lines(tmp_path):
         writer.emit("bogus")
 
 
+
+def test_the_event_that_ends_a_run_is_the_files_last_line(tmp_path):
+    """The parent watchdog writes the orphan error from its own thread while steps go on until os._exit."""
+    path = tmp_path / "events.jsonl"
+    writer = events.EventWriter(path)
+    writer.emit("step", step=1)
+    writer.emit("error", last=True, message="parent process 1 exited")
+    writer.emit("step", step=2)  # the training thread, a moment later
+    assert [e["type"] for e in events.read_events(path)] == ["step", "error"]
+
 def _png(path, colour=(200, 10, 10)):
     from PIL import Image
     Image.new("RGB", (64, 64), colour).save(path)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -61,16 +62,25 @@ class EventWriter:
         self.enabled = enabled
         self.echo = echo
         self._file = open(self.path, "a", encoding="utf-8") if enabled else None
+        # The watchdog thread writes too: one line at a time, and nothing after the line that ends the run.
+        self._lock = threading.Lock()
+        self._sealed = False
 
-    def emit(self, type_: str, **fields) -> dict:
+    def emit(self, type_: str, last: bool = False, **fields) -> dict:
+        """`last`: this event ends the stream; the training thread's later events are dropped (its process is
+        about to exit), so a reader never sees a step after the error that ended the run."""
         if type_ not in EVENT_TYPES:
             raise ValueError(f"unknown event type {type_!r}")
         event = json_safe({"v": EVENT_VERSION, "type": type_, "time": round(time.time(), 3), **fields})
-        if self._file is not None:
-            self._file.write(json.dumps(event, allow_nan=False) + "\n")
-            self._file.flush()  # readers (the runner, a second server) see it now; a killed trainer loses nothing
-            if type_ != "step":  # durable through a power cut too; a step a second is not worth a disk flush
-                os.fsync(self._file.fileno())  # each (milliseconds on some Windows disks)
+        with self._lock:
+            if self._sealed:
+                return event
+            self._sealed = last
+            if self._file is not None:
+                self._file.write(json.dumps(event, allow_nan=False) + "\n")
+                self._file.flush()  # readers (the runner, a second server) see it now; a killed trainer loses nothing
+                if type_ != "step":  # durable through a power cut too; a step a second is not worth a disk flush
+                    os.fsync(self._file.fileno())  # each (milliseconds on some Windows disks)
         if self.echo:
             import sys
             line = event_line(event)

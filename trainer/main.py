@@ -55,7 +55,7 @@ def start_parent_watchdog(parent_pid: int, events: EventWriter, interval: float 
         while True:
             time.sleep(interval)
             if (direct_child and os.getppid() != parent_pid) or process_gone(parent_pid, started):
-                events.emit("error", message=f"parent process {parent_pid} exited; trainer stopping")
+                events.emit("error", last=True, message=f"parent process {parent_pid} exited; trainer stopping")
                 os._exit(EXIT_ORPHANED)
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
