@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..trainer.events import EventReader
 from ..trainer.os_support import kill_processes, own_process_group, signal_tree, tree_of, usable_cpus
-from ..trainer.layout import EVENTS_FILE, LOG_FILE, PID_FILE
+from ..trainer.layout import EVENTS_FILE, LOG_FILE, PID_FILE, STOP_FILE
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,8 +67,10 @@ class TrainerProcess:
                 self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                              cwd=PACK_ROOT, env=env, **own_process_group())
         (self.run_dir / PID_FILE).write_text(str(self.proc.pid))
-        # the next standby starts once this run ends, not beside it: its ComfyUI import opens a CUDA context,
-        # memory this run's GPU would lose (a training prompt queued meanwhile starts one through the prompt hook)
+        # the next standby starts once this run's training is over (its last step, or a Stop), not beside it: its
+        # ComfyUI import opens a CUDA context, memory the training steps would lose; the final evaluation and the
+        # export leave it time to warm, so a run queued right after finds it ready (a training prompt queued
+        # meanwhile starts one through the prompt hook)
         self._prime_when_done = (self.python, env) if single and not self.prime_beside else None
         if single and self.prime_beside:
             standby.prime(self.python, env)
@@ -80,15 +82,24 @@ class TrainerProcess:
 
     def poll(self) -> int | None:
         rc = self.proc.poll()
-        if rc is not None and self._prime_when_done:
-            from . import standby
-            python, env = self._prime_when_done
-            self._prime_when_done = None
-            standby.prime(python, env)  # for the next run in the queue
+        if rc is not None:
+            self._prime_next()
         return rc
 
     def poll_events(self) -> list[dict]:
-        return self.events.poll()
+        events = self.events.poll()
+        if self._prime_when_done and (any(e.get("type") == "step" and e.get("step") == e.get("total") for e in events)
+                                      or (self.run_dir / STOP_FILE).exists()):
+            self._prime_next()
+        return events
+
+    def _prime_next(self):
+        """The standby for the next run in the queue, once per run."""
+        if self._prime_when_done:
+            from . import standby
+            python, env = self._prime_when_done
+            self._prime_when_done = None
+            standby.prime(python, env)
 
     def terminate(self, grace_s: float = 2.0) -> int:
         """Asks the run's whole process tree to stop, kills it after `grace_s`; returns once the leader is reaped

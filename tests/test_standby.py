@@ -237,7 +237,7 @@ def test_bitsandbytes_is_imported_only_by_runs_with_8bit_adamw():
     assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-2000:]
 
 
-def test_the_next_standby_starts_when_a_run_ends_not_beside_it(tmp_path, monkeypatch, fresh_standby):
+def test_the_next_standby_starts_when_training_is_over_not_beside_it(tmp_path, monkeypatch, fresh_standby):
     """A standby's ComfyUI import opens a CUDA context: started beside a run it would take that run's GPU memory."""
     primed = []
     monkeypatch.setattr(standby, "take", lambda *a: None)
@@ -250,11 +250,29 @@ def test_the_next_standby_starts_when_a_run_ends_not_beside_it(tmp_path, monkeyp
             return self.rc
     proc = Running()
     monkeypatch.setattr(launcher.subprocess, "Popen", lambda cmd, **kw: proc)
+    from ingraph_trainer.trainer.events import EventWriter
+    from ingraph_trainer.trainer.layout import STOP_FILE
     process = launcher.TrainerProcess(tmp_path, tmp_path / "run.toml", watch_parent=False).start()
-    assert process.poll() is None and primed == []  # training: no standby beside it
+    events = EventWriter(tmp_path / "events.jsonl")
+    events.emit("step", step=1, total=2)
+    assert process.poll_events() and process.poll() is None and primed == []  # training: no standby beside it
     proc.rc = 0
     assert process.poll() == 0 and primed == ["prime"]
     assert process.poll() == 0 and primed == ["prime"]  # once
+    # the final evaluation and the export come after the last step: the next run's standby warms meanwhile
+    for finish in ("last step", "stop"):
+        primed.clear()
+        proc.rc = None
+        process = launcher.TrainerProcess(tmp_path, tmp_path / "run.toml", watch_parent=False).start()
+        if finish == "stop":
+            (tmp_path / STOP_FILE).touch()
+        else:
+            events.emit("step", step=2, total=2)
+        assert [e["step"] for e in process.poll_events()] == ([] if finish == "stop" else [2])
+        assert process.poll() is None and primed == ["prime"], finish
+        proc.rc = 0
+        assert process.poll() == 0 and primed == ["prime"], finish
+        (tmp_path / STOP_FILE).unlink(missing_ok=True)
     # an evaluation (the Evaluate node's run) is short, and a Train node often follows it: its standby starts now
     primed.clear()
     proc.rc = None
