@@ -12,8 +12,8 @@ log = logging.getLogger("ingraph_trainer")
 
 def _encode(encode, label: str, dataset, encoder) -> io.NodeOutput:
     """Runs one encoder over the dataset into the cache, with ComfyUI's progress bar (and its interrupt)."""
-    import comfy.utils
-    bar = comfy.utils.ProgressBar(len(dataset))
+    from ..trainer.comfy_compat import progress_bar
+    bar = progress_bar(len(dataset))
     store = CacheStore(cache_root())
     try:
         with store.caching_pass():  # a prune meanwhile keeps what this pass reads and writes until it is recorded

@@ -48,7 +48,6 @@ class Compare(io.ComfyNode):
     @classmethod
     def execute(cls, base_model, trained_model, clip, vae, prompts, negative_prompt, seeds, steps, cfg, sampler_name,
                 scheduler, width, height, labels) -> io.NodeOutput:
-        import comfy.utils
         from ..runner.compare import compare_grid, parse_prompts, parse_seeds
         from ..runner.loss_chart import chart_tensor
         names = [n.strip() for n in labels.split(",")] + ["base", "trained"]
@@ -56,7 +55,8 @@ class Compare(io.ComfyNode):
         if base_label == trained_label:
             trained_label += " (2)"
         texts, seed_list = parse_prompts(prompts), parse_seeds(seeds)
-        bar = comfy.utils.ProgressBar(2 * len(texts) * len(seed_list))
+        from ..trainer.comfy_compat import progress_bar
+        bar = progress_bar(2 * len(texts) * len(seed_list))
         grid = compare_grid({base_label: base_model, trained_label: trained_model}, clip, vae, texts, negative_prompt,
                             seed_list, steps=steps, cfg=cfg, sampler=sampler_name, scheduler=scheduler, width=width,
                             height=height, on_image=lambda: bar.update(1))

@@ -147,7 +147,7 @@ class Distill(io.ComfyNode):
                 previews=None, student_timesteps="", fake_score_per_step=DEFAULTS.fake_score_per_step,
                 min_t=DEFAULTS.min_t, max_t=DEFAULTS.max_t, overwrite=False,
                 keep_last=3, gradient_accumulation=1, gradient_checkpointing=False) -> io.NodeOutput:
-        import comfy.model_management
+        from ..trainer.comfy_compat import raise_if_interrupted
 
         from ..runner.distill_run import check_student_adapter, distill_model, parse_student_timesteps
 
@@ -172,5 +172,5 @@ class Distill(io.ComfyNode):
                                 output_name=output_name, resume=resume or "off", distributed=distributed,
                                 previews=previews, overwrite=bool(overwrite), prompt=cls.hidden.prompt,
                                 node_id=node_id, on_run=progress_relay(node_id),
-                                check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted)
+                                check_interrupt=raise_if_interrupted)
         return io.NodeOutput(outcome.model, outcome.lora_name)

@@ -54,14 +54,14 @@ class Evaluate(io.ComfyNode):
     @classmethod
     def execute(cls, model, dataset, quantiles, seed, batch_size, precision, distributed=None,
                 items=8) -> io.NodeOutput:
-        import comfy.model_management
+        from ..trainer.comfy_compat import raise_if_interrupted
         from ..runner.evaluation_run import evaluate_model, parse_quantiles, quantile_table
         from ..runner.loss_chart import chart_tensor, render_quantile_chart
         dataset.require_cached("dataset")
         result = evaluate_model(model, dataset, quantiles=parse_quantiles(quantiles), seed=seed, batch_size=batch_size,
                                 items=8 if items is None else int(items),
                                 precision=precision, distributed=distributed, on_event=lambda event: None,
-                                check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted,
+                                check_interrupt=raise_if_interrupted,
                                 prompt=cls.hidden.prompt, node_id=cls.hidden.unique_id)
         table = quantile_table({"loss": result})
         chart = chart_tensor(render_quantile_chart({"model": result}))

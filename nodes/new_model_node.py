@@ -37,7 +37,7 @@ class NewModel(io.ComfyNode):
 
     @classmethod
     def execute(cls, family, size, seed, clip=None) -> io.NodeOutput:
-        import comfy.sd
+        from ..trainer.comfy_compat import model_from_state_dict
         from ..trainer.models import SCRATCH_FAMILIES, UnsupportedSetting
         if family not in FAMILY_LABELS:
             raise ValueError(f"family: {family!r} is not one of {list(FAMILY_LABELS)}")
@@ -54,7 +54,7 @@ class NewModel(io.ComfyNode):
             except UnsupportedSetting as exc:
                 raise ValueError(f"New Model ({family}): {exc}") from None
         state = builder.scratch_state_dict(seed, **dims)
-        model = comfy.sd.load_diffusion_model_state_dict(state)
+        model = model_from_state_dict(state)
         if model is None:
             raise RuntimeError(f"ComfyUI did not recognise the new {family} model (a ComfyUI version mismatch?)")
         return io.NodeOutput(model)

@@ -4,8 +4,8 @@ from .types import CATEGORY, Previews
 
 
 def _sampler_options():
-    import comfy.samplers
-    return list(comfy.samplers.KSampler.SAMPLERS), list(comfy.samplers.KSampler.SCHEDULERS)
+    from ..trainer.comfy_compat import sampler_and_scheduler_names
+    return sampler_and_scheduler_names()
 
 
 class SamplePreviews(io.ComfyNode):

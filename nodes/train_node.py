@@ -24,10 +24,10 @@ def _send(event: dict, node_id: str, run_id: str):
 def progress_relay(node_id: str):
     """The `on_run(run id, steps)` of runner.train_run for node `node_id`: each event moves ComfyUI's progress bar
     (a step event) and goes to the browser as an ingraph.event (the panel in web/ follows it)."""
-    import comfy.utils
+    from ..trainer.comfy_compat import progress_bar
 
     def on_run(run_id: str, total_steps: int):
-        bar = comfy.utils.ProgressBar(total_steps, node_id=node_id)
+        bar = progress_bar(total_steps, node_id=node_id)
 
         def on_event(event):
             if event["type"] == "step":
@@ -210,7 +210,7 @@ class TrainLoRA(io.ComfyNode):
                 save_ema=False, prior_dataset=None, prior_weight=1.0, prior_fraction=0.5,
                 base_precision="as loaded", eval_quantiles=DEFAULT_EVAL_QUANTILES_TEXT, eval_items=8,
                 eval_before=False, eval_after_stop=False) -> io.NodeOutput:
-        import comfy.model_management
+        from ..trainer.comfy_compat import raise_if_interrupted
 
         from ..runner.evaluation_run import parse_quantiles
         from ..runner.loss_chart import chart_tensor, render_loss_chart, save_loss_chart
@@ -241,7 +241,7 @@ class TrainLoRA(io.ComfyNode):
                              previews=previews, file_format=choice_value(ADAPTER_FORMAT_CHOICES, file_format or "ComfyUI", "file_format"),
                              overwrite=bool(overwrite), output_weights="ema" if save_ema else "trained",
                              prompt=cls.hidden.prompt, node_id=node_id, on_run=progress_relay(node_id),
-                             check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted,
+                             check_interrupt=raise_if_interrupted,
                              prior_dataset=prior_dataset,
                              prior_weight=float(1.0 if prior_weight is None else prior_weight),
                              prior_fraction=float(prior_fraction or 0.5),

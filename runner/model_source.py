@@ -324,10 +324,9 @@ def input_link(prompt: dict | None, node_id, input_name: str):
 def release_comfy_models(trained_model=None) -> int:
     """Unloads ComfyUI's loaded models (diffusion model, encoders) and empties its cache, so the trainer gets the
     whole device; weights go back to their offload device, unpatched. Returns how many loaded models remain."""
-    import comfy.model_management as mm
-    mm.unload_all_models()
-    mm.soft_empty_cache(True)
-    remaining = list(mm.current_loaded_models)
+    from ..trainer.comfy_compat import loaded_models, unload_all_models
+    unload_all_models()
+    remaining = loaded_models()
     holds_trained = trained_model is not None and any(
         getattr(loaded, "model", None) is not None and loaded.model.model is trained_model.model
         for loaded in remaining)
@@ -392,10 +391,7 @@ def patched_state_dict(model) -> dict:
     """The MODEL's diffusion-model weights with its patches applied, computed tensor by tensor on the CPU the way
     ComfyUI's ModelPatcher.patch_weight_to_device does, without loading the model onto the device or changing it.
     Call release_comfy_models first: a model ComfyUI holds loaded may carry its patches in place."""
-    import torch
-    import comfy.float
-    import comfy.lora
-    from comfy.model_patcher import get_key_weight, string_to_seed
+    from ..trainer.comfy_compat import patched_weight
     if getattr(model.model, "current_weight_patches_uuid", None) is not None:
         model.unpatch_model()  # patched in place and still loaded: restore the originals before reading them
     state = {}
@@ -404,14 +400,7 @@ def patched_state_dict(model) -> dict:
         if key not in model.patches:
             state[name] = tensor.detach()
             continue
-        weight, set_func, convert_func = get_key_weight(model.model, key)
-        temp = weight.detach().to("cpu", torch.float32, copy=True)
-        if convert_func is not None:
-            temp = convert_func(temp, inplace=True)
-        out = comfy.lora.calculate_weight(model.patches[key], temp, key)
-        # a weight stored through set_func (scaled fp8) keeps its exact value; others round as ComfyUI does
-        state[name] = out if set_func is not None else comfy.float.stochastic_rounding(
-            out, weight.dtype, seed=string_to_seed(key))
+        state[name] = patched_weight(model, key, model.patches[key])
     return state
 
 

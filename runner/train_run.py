@@ -71,18 +71,16 @@ def refuse_foreign_file(path, overwrite: bool, title: str = "Train LoRA", full: 
 
 def trained_model_of(model, path: str, file_format: str, full: bool):
     """The input MODEL with the result applied the way ComfyUI's loaders apply it (lazily: nothing loads now)."""
-    import comfy.sd
-    import comfy.utils
+    from ..trainer.comfy_compat import load_tensors, with_lora
     from ..trainer.export import comfyui_readable, diffusers_module_names
-    tensors = comfy.utils.load_torch_file(path, safe_load=True)
+    tensors = load_tensors(path)
     if full:  # every weight replaced; the MODEL's own options (sampling, patches on top) are kept
         trained = model.clone()
         trained.add_patches({f"diffusion_model.{k}": ("set", (v,)) for k, v in tensors.items()}, 1.0, 0.0)
         return trained
     if file_format == "diffusers":
         tensors = comfyui_readable(tensors, diffusers_module_names(model.model))
-    trained, _ = comfy.sd.load_lora_for_models(model, None, tensors, 1.0, 0.0)
-    return trained
+    return with_lora(model, tensors)
 
 
 def with_output_weights(spec, weights: str):

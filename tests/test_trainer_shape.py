@@ -267,3 +267,24 @@ def test_bootstrap_keeps_comfyuis_nodes_module_ahead_of_the_packs_nodes_package(
     found = importlib.machinery.PathFinder.find_spec("nodes", sys.path)
     assert found is not None and Path(found.origin) == comfyui_path() / "nodes.py", found
     assert sys.path.count(str(comfyui_path())) == 1
+
+
+def test_comfyui_is_called_through_comfy_compat_alone():
+    """The next ComfyUI change is fixed in one module: outside trainer/comfy_compat.py (and comfy_env.py, which puts
+    ComfyUI on the path), only the family files of trainer/models/ import comfy.* (they build ComfyUI's own model
+    classes, one file per family); the nodes use comfy_api, ComfyUI's versioned node interface."""
+    import ast
+    root = Path(conftest.REPO)
+    allowed = {"trainer/comfy_compat.py", "trainer/comfy_env.py"}
+    found = []
+    for folder in ("nodes", "runner", "cache", "trainer", "client"):
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            if rel in allowed or rel.startswith("trainer/models/"):
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+                found += [f"{rel}:{node.lineno} {n}" for n in names if n == "comfy" or n.startswith("comfy.")]
+    assert not found, found
+    assert (root / "trainer" / "models" / "__init__.py").is_file()  # the exemption names a real folder

@@ -107,20 +107,20 @@ def comfyui_dora_norm() -> str:
     Cached: one call of a few microseconds per process."""
     from .comfy_env import import_comfy
     import_comfy()  # the trainer has it already; a process that writes or reads a file without a model may not
-    import comfy.weight_adapter.base as comfy_adapter_base
-    decompose = comfy_adapter_base.weight_decompose  # read at call time: the one ComfyUI has now
+    from .comfy_compat import weight_decompose
+    decompose, source = weight_decompose()  # read at call time: the one ComfyUI has now
     weight = torch.tensor([[3.0, 4.0], [0.0, 2.0]])  # row norms 5 and 2
     try:
         merged = decompose(torch.ones(2, 1), weight.clone(), weight.clone(), 1.0, 1.0, torch.float32, lambda d: d)
         row_norms = merged.float().norm(dim=1)
     except Exception as exc:  # noqa: BLE001 - any failure means the probe no longer fits ComfyUI
-        raise RuntimeError(f"DoRA export: ComfyUI's weight_decompose ({comfy_adapter_base.__file__}) could not be "
+        raise RuntimeError(f"DoRA export: ComfyUI's weight_decompose ({source}) could not be "
                            f"probed ({type(exc).__name__}: {exc}); its signature changed, so the ComfyUI layout's "
                            "dora_scale convention is unknown (the kohya layout is not affected)") from None
     for norm, expected in ((DORA_NORM_BASE, 2.0), (DORA_NORM_UPDATED, 1.0)):
         if torch.allclose(row_norms, torch.full_like(row_norms, expected), rtol=1e-4):
             return norm
-    raise RuntimeError(f"DoRA export: ComfyUI's weight_decompose ({comfy_adapter_base.__file__}) divides dora_scale "
+    raise RuntimeError(f"DoRA export: ComfyUI's weight_decompose ({source}) divides dora_scale "
                        f"by neither |W| nor |W + dW| (rows of a doubled weight came back with norms "
                        f"{row_norms.tolist()}, expected all 2 or all 1), so no ComfyUI-layout DoRA file can be written "
                        "that it reads as trained; export in the kohya layout instead")

@@ -194,3 +194,132 @@ def enter_training() -> None:
     import comfy.model_management
     if hasattr(comfy.model_management, "in_training"):
         comfy.model_management.in_training = True
+
+
+# --- every other call the pack makes into comfy.* (model files aside: trainer/models/ builds ComfyUI's own model
+# classes, one file per family) ---------------------------------------------------------------------------------
+
+def progress_bar(total: int, node_id: str | None = None):
+    """ComfyUI's progress bar of the node running (or of `node_id`): `.update(n)`, `.update_absolute(value, total)`."""
+    import comfy.utils
+    return comfy.utils.ProgressBar(total, node_id=node_id) if node_id is not None else comfy.utils.ProgressBar(total)
+
+
+def raise_if_interrupted() -> None:
+    """Raises ComfyUI's interrupt exception once the user pressed Cancel (or a client POSTed /interrupt)."""
+    import comfy.model_management
+    comfy.model_management.throw_exception_if_processing_interrupted()
+
+
+def sampler_and_scheduler_names() -> tuple[list[str], list[str]]:
+    """KSampler's sampler and scheduler choices in this ComfyUI."""
+    import comfy.samplers
+    return list(comfy.samplers.KSampler.SAMPLERS), list(comfy.samplers.KSampler.SCHEDULERS)
+
+
+def scheduler_sigmas(model_sampling, scheduler: str, steps: int):
+    """The sigmas KSampler visits for `steps` steps of `scheduler` (the last one, 0, included)."""
+    import comfy.samplers
+    return comfy.samplers.calculate_sigmas(model_sampling, scheduler, steps)
+
+
+def sample(patcher, latent, seed: int, steps: int, cfg: float, sampler: str, scheduler: str, positive, negative):
+    """What KSampler returns for an empty `latent` (its channels fixed to the model's, as KSampler does)."""
+    import comfy.sample
+    latent = comfy.sample.fix_empty_latent_channels(patcher, latent)
+    noise = comfy.sample.prepare_noise(latent, seed)
+    return comfy.sample.sample(patcher, noise, steps, cfg, sampler, scheduler, positive, negative, latent, seed=seed,
+                               disable_pbar=True)
+
+
+def torch_device():
+    """The device ComfyUI computes on."""
+    import comfy.model_management
+    return comfy.model_management.get_torch_device()
+
+
+def load_tensors(path: str) -> dict:
+    """A .safetensors (or pickle-free .pt) file's tensors, read as ComfyUI's loaders read them."""
+    import comfy.utils
+    return comfy.utils.load_torch_file(str(path), safe_load=True)
+
+
+def with_lora(patcher, tensors: dict, strength: float = 1.0):
+    """A clone of the MODEL with a LoRA's tensors applied, as LoraLoaderModelOnly applies them (lazily)."""
+    import comfy.sd
+    return comfy.sd.load_lora_for_models(patcher, None, tensors, strength, 0.0)[0]
+
+
+def load_model_file(path: str, from_checkpoint: bool, options: dict):
+    """The MODEL (a ModelPatcher; None where ComfyUI recognises none) of a checkpoint, as Load Checkpoint loads it
+    (no encoders, no VAE built), or of a diffusion-model file, as Load Diffusion Model does with `options`."""
+    import comfy.sd
+    if from_checkpoint:
+        return comfy.sd.load_checkpoint_guess_config(str(path), output_vae=False, output_clip=False,
+                                                     output_clipvision=False, model_options=options)[0]
+    return comfy.sd.load_diffusion_model(str(path), model_options=options)
+
+
+def load_vae_file(path: str, from_checkpoint: bool):
+    """The VAE of a VAE file (VAELoader) or inside a checkpoint (Load Checkpoint; nothing else of it built)."""
+    import comfy.sd
+    if from_checkpoint:
+        return comfy.sd.load_checkpoint_guess_config(str(path), output_vae=True, output_clip=False,
+                                                     output_clipvision=False, output_model=False)[2]
+    return comfy.sd.VAE(sd=load_tensors(path))
+
+
+def weight_decompose():
+    """(ComfyUI's DoRA weight decomposition as its LoRA loader calls it now, the file that defines it)."""
+    import comfy.weight_adapter.base as base
+    return base.weight_decompose, base.__file__
+
+
+def model_from_state_dict(state: dict):
+    """The MODEL ComfyUI's loader detects for a diffusion model's tensors (None where it recognises none)."""
+    import comfy.sd
+    return comfy.sd.load_diffusion_model_state_dict(state)
+
+
+def unet_to_diffusers(unet_config: dict) -> dict:
+    """ComfyUI's key map of a UNet: diffusers key → ldm key."""
+    import comfy.utils
+    return comfy.utils.unet_to_diffusers(unet_config)
+
+
+def loaded_models() -> list:
+    """The models ComfyUI holds loaded (its LoadedModel records)."""
+    import comfy.model_management as mm
+    return list(mm.current_loaded_models)
+
+
+def unload_all_models() -> None:
+    """Every model ComfyUI loaded goes back to its offload device, and its cache is emptied."""
+    import comfy.model_management as mm
+    mm.unload_all_models()
+    mm.soft_empty_cache(True)
+
+
+def forget_loaded(patcher, unload: bool) -> None:
+    """Takes `patcher` off ComfyUI's list of loaded models, first unloading it (to its offload device) if asked."""
+    import comfy.model_management as mm
+    for loaded in [m for m in mm.current_loaded_models if m.model is patcher]:
+        if unload:
+            loaded.model_unload()
+        mm.current_loaded_models.remove(loaded)
+
+
+def patched_weight(patcher, key: str, patches: list):
+    """The weight at `key` ("diffusion_model.<name>") with `patches` applied, computed on the CPU the way
+    ModelPatcher.patch_weight_to_device does, without loading the model or changing it."""
+    import torch
+    import comfy.float
+    import comfy.lora
+    from comfy.model_patcher import get_key_weight, string_to_seed
+    weight, set_func, convert_func = get_key_weight(patcher.model, key)
+    temp = weight.detach().to("cpu", torch.float32, copy=True)
+    if convert_func is not None:
+        temp = convert_func(temp, inplace=True)
+    out = comfy.lora.calculate_weight(patches, temp, key)
+    # a weight stored through set_func (scaled fp8) keeps its exact value; others round as ComfyUI does
+    return out if set_func is not None else comfy.float.stochastic_rounding(out, weight.dtype, seed=string_to_seed(key))

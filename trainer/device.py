@@ -53,8 +53,8 @@ def training_device():
     if os.environ.get("LOCAL_RANK") and index is not None:
         import torch
         return torch.device("cuda", index)
-    import comfy.model_management
-    return comfy.model_management.get_torch_device()
+    from .comfy_compat import torch_device
+    return torch_device()
 
 
 def device_memory(device) -> dict | None:

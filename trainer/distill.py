@@ -90,8 +90,8 @@ def student_sigmas(model_sampling, steps: int, timesteps: list) -> list[float]:
     if timesteps:
         return [float(model_sampling.sigma_max) if t >= 1.0 else float(model_sampling.percent_to_sigma(1.0 - t))
                 for t in timesteps]
-    import comfy.samplers
-    return [float(s) for s in comfy.samplers.calculate_sigmas(model_sampling, STUDENT_SCHEDULER, steps)[:-1]]
+    from .comfy_compat import scheduler_sigmas
+    return [float(s) for s in scheduler_sigmas(model_sampling, STUDENT_SCHEDULER, steps)[:-1]]
 
 
 def starts_at_max_noise(model_sampling, sigma: float) -> bool:

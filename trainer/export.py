@@ -61,10 +61,10 @@ def convert(tensors: dict[str, torch.Tensor], fmt: str, diffusers_names: dict[st
 def diffusers_module_names(base_model) -> dict[str, str]:
     """ComfyUI (ldm) module name → diffusers module name, from ComfyUI's own key map (UNets only: other
     families have none, and their kohya keys are their ComfyUI module names)."""
-    import comfy.utils
+    from .comfy_compat import unet_to_diffusers
     if "num_res_blocks" not in base_model.model_config.unet_config:
         return {}
-    mapping = comfy.utils.unet_to_diffusers(base_model.model_config.unet_config)
+    mapping = unet_to_diffusers(base_model.model_config.unet_config)
     return {ldm[: -len(".weight")]: diffusers[: -len(".weight")]
             for diffusers, ldm in mapping.items() if diffusers.endswith(".weight") and ldm.endswith(".weight")}
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from .comfy_compat import forget_loaded
 from .config import SampleSpec
 from .layout import SAMPLES_DIR
 
@@ -36,13 +37,10 @@ def conditioning_from(tensors: dict[str, torch.Tensor], prefix: str) -> list:
 def sample_latent(patcher, positive, negative, seed: int, *, steps: int, cfg: float, sampler: str, scheduler: str,
                   width: int, height: int) -> torch.Tensor:
     """One latent the way ComfyUI's Empty Latent Image + KSampler make it."""
-    import comfy.sample
+    from .comfy_compat import sample
     latent_format = patcher.get_model_object("latent_format")
     empty = torch.zeros((1, latent_format.latent_channels, height // 8, width // 8))
-    empty = comfy.sample.fix_empty_latent_channels(patcher, empty)
-    noise = comfy.sample.prepare_noise(empty, seed)
-    return comfy.sample.sample(patcher, noise, steps, cfg, sampler, scheduler, positive, negative, empty, seed=seed,
-                               disable_pbar=True)
+    return sample(patcher, empty, seed, steps, cfg, sampler, scheduler, positive, negative)
 
 
 @contextlib.contextmanager
@@ -58,15 +56,6 @@ def on_the_trainers_device(patcher):
     finally:
         patcher.offload_device = offload
         forget_loaded(patcher, unload=False)
-
-
-def forget_loaded(patcher, unload: bool):
-    """Takes `patcher` off ComfyUI's list of loaded models, first unloading it (to its offload device) if asked."""
-    import comfy.model_management as mm
-    for loaded in [m for m in mm.current_loaded_models if m.model is patcher]:
-        if unload:
-            loaded.model_unload()
-        mm.current_loaded_models.remove(loaded)
 
 
 def to_pixels(image: torch.Tensor):
@@ -85,14 +74,10 @@ def image_names(step: int, count: int) -> list[str]:
 def load_vae(spec: SampleSpec):
     """The previews' VAE as the graph loaded it: a VAE file (VAELoader) or the VAE inside a checkpoint (Load
     Checkpoint; its diffusion model and text encoders are not built)."""
-    import comfy.sd
-    import comfy.utils
-    if spec.vae_format == "checkpoint":
-        return comfy.sd.load_checkpoint_guess_config(spec.vae_path, output_vae=True, output_clip=False,
-                                                     output_clipvision=False, output_model=False)[2]
-    if spec.vae_format != "vae":
+    from .comfy_compat import load_vae_file
+    if spec.vae_format not in ("vae", "checkpoint"):
         raise ValueError(f"samples.vae_format: {spec.vae_format!r} is not one of vae, checkpoint")
-    return comfy.sd.VAE(sd=comfy.utils.load_torch_file(spec.vae_path, safe_load=True))
+    return load_vae_file(spec.vae_path, from_checkpoint=spec.vae_format == "checkpoint")
 
 
 class PreviewSampler:

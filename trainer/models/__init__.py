@@ -125,18 +125,14 @@ def load_base_model(model, precision: str | None = None):
     it (Load Checkpoint or Load Diffusion Model with its weight_dtype), then the upstream LoRAs applied in order
     with ComfyUI's own code and baked into the weights with ComfyUI's own patching code. The load peaks at about
     the weights held, not the weights plus the file (see loading.py)."""
-    import comfy.sd
+    from ..comfy_compat import load_model_file
     from .loading import released_after_copy
     check_stamps(model)
     options = base_storage_options(model, precision)
     if model.format not in ("checkpoint", "diffusion_model"):
         raise ValueError(f"model.format: {model.format!r} is not one of diffusion_model, checkpoint")
     with released_after_copy(model.path) as released:  # the file's pages leave memory as each tensor is copied
-        if model.format == "checkpoint":
-            patcher = comfy.sd.load_checkpoint_guess_config(model.path, output_vae=False, output_clip=False,
-                                                            output_clipvision=False, model_options=options)[0]
-        else:
-            patcher = comfy.sd.load_diffusion_model(model.path, model_options=options)
+        patcher = load_model_file(model.path, from_checkpoint=model.format == "checkpoint", options=options)
     logging.getLogger(__name__).debug("%s: %.1f MiB of the file's pages dropped once copied into the model",
                                       model.path, released["released_bytes"] / 2**20)
     if patcher is None:
@@ -151,10 +147,8 @@ def apply_lora(patcher, path: str, strength: float):
     """Exactly what Load LoRA / LoraLoaderModelOnly do with the file: the graph's MODEL holds what ComfyUI's loader
     made of it, keys it skips included (a Train node's diffusers-layout output, which the node converts before
     applying, is never described as a file: runner/model_source.trained_output_source)."""
-    import comfy.sd
-    import comfy.utils
-    tensors = comfy.utils.load_torch_file(path, safe_load=True)
-    return comfy.sd.load_lora_for_models(patcher, None, tensors, strength, 0.0)[0]
+    from ..comfy_compat import load_tensors, with_lora
+    return with_lora(patcher, load_tensors(path), strength)
 
 
 def bake_patches(patcher) -> None:
