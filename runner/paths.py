@@ -4,13 +4,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..trainer.layout import DATA_DIR_ENV, DATA_FOLDER  # noqa: F401  (DATA_DIR_ENV: the operator's setting)
+
 
 def _output_root() -> Path:
     import folder_paths
     return Path(folder_paths.get_output_directory()) / "ingraph"
-
-
-DATA_DIR_ENV = "INGRAPH_DATA_DIR"
 
 
 def data_root() -> Path:
@@ -20,7 +19,28 @@ def data_root() -> Path:
     or where the operator's environment variable INGRAPH_DATA_DIR says (no node input can move it)."""
     import folder_paths
     # absolute: run specs name these paths, and the trainer runs in another working folder
-    return Path(os.path.abspath(os.environ.get(DATA_DIR_ENV) or Path(folder_paths.base_path) / "ingraph_data"))
+    return Path(os.path.abspath(os.environ.get(DATA_DIR_ENV) or Path(folder_paths.base_path) / DATA_FOLDER))
+
+
+def use_data_folder_secret() -> Path:
+    """The secret that signs this server's runs: the file the operator names in INGRAPH_SECRET_FILE, else `secret`
+    in the data folder, so two servers sharing a home (and so ~/.config) do not trust each other's runs. Set for
+    this process and the trainers it starts. A server that signed with the home folder's secret before moves to
+    its data folder's the first time, re-signing the runs in its output folder that the old secret signed."""
+    from ..trainer.trust import SECRET_ENV, home_secret_path, installation_secret, migrate_runs
+    if os.environ.get(SECRET_ENV):
+        return Path(os.environ[SECRET_ENV])
+    path = data_root() / "secret"
+    first = not path.exists()
+    os.environ[SECRET_ENV] = str(path)
+    installation_secret(path)
+    if first and home_secret_path().is_file():
+        moved = migrate_runs([runs_root(), evals_root()], home_secret_path())
+        if moved:
+            import logging
+            logging.getLogger("ingraph_trainer").info(
+                "InGraph Trainer: %d run signature(s) moved to this server's own secret (%s)", moved, path)
+    return path
 
 
 def cache_root() -> Path:

@@ -117,6 +117,63 @@ def make_run(root: Path, run_id: str, output_name: str, tags=(2,)) -> Path:
     return run_dir
 
 
+
+def test_each_server_signs_with_its_data_folders_secret_and_moves_its_old_runs_there(tmp_path, monkeypatch):
+    """Two servers sharing a home (and so ~/.config) used to share one secret, and trust each other's runs. Each
+    now signs with the secret in its own data folder; a server's runs signed with the home folder's secret before
+    are re-signed once, and a run signed with that old secret afterwards (by the other server) is not trusted."""
+    from ingraph_trainer.runner import paths
+    monkeypatch.delenv(trust.SECRET_ENV)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "home_config"))
+    assert trust.secret_path() == tmp_path / "home_config" / "ingraph-trainer" / "secret"
+    runs_a, evals_a = tmp_path / "a" / "runs", tmp_path / "a" / "evals"
+    mine = make_run(runs_a, "mine", "mine")  # signed with the home folder's secret, as before
+    evaluation = make_run(evals_a, "eval", "eval", tags=())
+    monkeypatch.setenv(trust.SECRET_ENV, str(tmp_path / "attacker"))
+    planted = make_run(runs_a, "planted", "planted")
+    monkeypatch.delenv(trust.SECRET_ENV)
+
+    def server(name):
+        monkeypatch.delenv(trust.SECRET_ENV, raising=False)
+        monkeypatch.setattr(paths, "data_root", lambda: tmp_path / name / "ingraph_data")
+        monkeypatch.setattr(paths, "runs_root", lambda: tmp_path / name / "runs")
+        monkeypatch.setattr(paths, "evals_root", lambda: tmp_path / name / "evals")
+        return paths.use_data_folder_secret()
+    assert server("a") == tmp_path / "a" / "ingraph_data" / "secret"
+    assert trust.secret_path() == tmp_path / "a" / "ingraph_data" / "secret"  # the trainers it starts inherit it
+    assert (tmp_path / "a" / "ingraph_data" / "secret").stat().st_mode & 0o777 == 0o600
+    assert trust.run_is_trusted(mine, "run.toml") and trust.run_is_trusted(evaluation, "run.toml")
+    assert [p.name for p in ckpt.complete_checkpoints(mine)] == ["step_000002"]
+    assert not trust.run_is_trusted(planted, "run.toml") and ckpt.complete_checkpoints(planted) == []
+
+    monkeypatch.delenv(trust.SECRET_ENV)
+    late = make_run(runs_a, "late", "late")  # the home folder's secret, after the move: another server's
+    server("a")
+    assert not trust.run_is_trusted(late, "run.toml") and ckpt.complete_checkpoints(late) == []
+    server("b")  # a second server in the same home: its own secret, none of the first one's runs
+    assert trust.secret_path() == tmp_path / "b" / "ingraph_data" / "secret"
+    assert not trust.run_is_trusted(mine, "run.toml") and ckpt.complete_checkpoints(mine) == []
+
+
+def test_by_hand_the_trainer_signs_with_the_secret_of_its_comfyuis_server(tmp_path, monkeypatch):
+    """A Train node's run resumed by hand (README: the trainer on its own) verifies with the server's secret."""
+    from ingraph_trainer.trainer import main
+    comfyui = tmp_path / "ComfyUI"
+    (comfyui / "comfy").mkdir(parents=True)
+    (comfyui / "comfy" / "model_management.py").write_text("")
+    monkeypatch.setenv("COMFYUI_PATH", str(comfyui))
+    monkeypatch.delenv(trust.SECRET_ENV)
+    monkeypatch.delenv("INGRAPH_DATA_DIR", raising=False)
+    main.use_the_servers_secret()  # no server ever ran here: the home folder's
+    assert trust.SECRET_ENV not in __import__("os").environ
+    (comfyui / "ingraph_data").mkdir()
+    trust.installation_secret(comfyui / "ingraph_data" / "secret")
+    main.use_the_servers_secret()
+    assert trust.secret_path() == comfyui / "ingraph_data" / "secret"
+    monkeypatch.setenv(trust.SECRET_ENV, str(tmp_path / "operator"))  # the operator's choice stands
+    main.use_the_servers_secret()
+    assert trust.secret_path() == tmp_path / "operator"
+
 def test_a_planted_run_is_never_resumable(tmp_path, secret, monkeypatch, caplog):
     root = tmp_path / "runs"
     own = make_run(root, "20260101-000000-mine-aaaa", "mine")

@@ -14,7 +14,7 @@ import secrets
 import shutil
 from pathlib import Path
 
-from .layout import CHECKPOINTS_DIR
+from .layout import CHECKPOINTS_DIR, COMPLETE_MARK
 from .os_support import replace_file
 from ..cache.files import fsync_dir
 from ..cache.store import file_sha256
@@ -22,7 +22,6 @@ from .trust import TrustError, canonical, read_signed_json, write_signed_json
 
 # torch is imported where it is used: the ComfyUI side reads checkpoint state through this module
 
-COMPLETE_MARK = "COMPLETE"
 STATE_FILE = "trainer_state.json"
 MARK_VERSION = 1
 PARTIAL_PREFIX = ".partial-"  # a checkpoint being written, under a name no client can guess

@@ -60,6 +60,22 @@ def start_parent_watchdog(parent_pid: int, events: EventWriter, interval: float 
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
+def use_the_servers_secret():
+    """By hand, where the operator named no secret: the one this ComfyUI's server signs its runs with (its data
+    folder's, runner/paths.use_data_folder_secret), where there is one, so its runs resume; else the home folder's."""
+    from .comfy_env import comfyui_path
+    from .layout import DATA_DIR_ENV, DATA_FOLDER
+    from .trust import SECRET_ENV
+    if os.environ.get(SECRET_ENV):
+        return
+    try:
+        folder = Path(os.environ[DATA_DIR_ENV]) if os.environ.get(DATA_DIR_ENV) else comfyui_path() / DATA_FOLDER
+    except RuntimeError:  # no ComfyUI here: the run fails with that error later
+        return
+    if (folder / "secret").is_file():
+        os.environ[SECRET_ENV] = str(folder / "secret")
+
+
 def load_signed_spec(config: str):
     """The spec from one read of its bytes, whose signature rank 0 checks on exactly those bytes."""
     from .layout import SPEC_FILE
@@ -122,6 +138,8 @@ def main(argv=None) -> int:
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by deepspeed
     opts = parser.parse_args(argv)
     configure_logging()
+    if not opts.signed_run:
+        use_the_servers_secret()
     try:
         spec = load_signed_spec(opts.config) if opts.signed_run else load_run_spec(opts.config)
         if opts.resume is not None:  # the saved spec stays as it was given

@@ -2,10 +2,12 @@
 
 ComfyUI has no authentication and any client can write any bytes under output/ (POST /upload/image with
 type=output), so a run folder is trusted because it is signed, never because it is there. The secret lives
-outside every folder ComfyUI's routes can write (output/, input/, user/, temp/): by default
-~/.config/ingraph-trainer/secret ($XDG_CONFIG_HOME honoured), or the file named by $INGRAPH_SECRET_FILE.
-The ComfyUI side and the trainer read the same file; on several machines only rank 0 (the launching
-machine) signs and verifies, and broadcasts its verdict.
+outside every folder ComfyUI's routes can write (output/, input/, user/, temp/): the file named by
+$INGRAPH_SECRET_FILE, which a ComfyUI server sets to `secret` in its own data folder (runner/paths.py), so
+two servers that share a home do not trust each other's runs; without it (the trainer run by hand)
+~/.config/ingraph-trainer/secret ($XDG_CONFIG_HOME honoured), which servers before the data folder's secret
+used too (`migrate_runs` re-signs their runs). The ComfyUI side and the trainer read the same file; on several
+machines only rank 0 (the launching machine) signs and verifies, and broadcasts its verdict.
 
 Standard library only, besides the cache's file checksum (itself standard library): both sides import it.
 """
@@ -33,17 +35,20 @@ class TrustError(ValueError):
     """Something under output/ that this installation did not write, or changed after writing it."""
 
 
-def secret_path() -> Path:
-    configured = os.environ.get(SECRET_ENV)
-    if configured:
-        return Path(configured).expanduser()
+def home_secret_path() -> Path:
     config_home = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
     return Path(config_home) / "ingraph-trainer" / "secret"
 
 
-def installation_secret() -> bytes:
-    """The secret, created (mode 0600, atomically: concurrent first users agree on one) on first use."""
-    path = secret_path()
+def secret_path() -> Path:
+    configured = os.environ.get(SECRET_ENV)
+    return Path(configured).expanduser() if configured else home_secret_path()
+
+
+def installation_secret(path: Path | None = None) -> bytes:
+    """The secret (of `path`, else the one in use), created (mode 0600, atomically: concurrent first users agree
+    on one) on first use."""
+    path = secret_path() if path is None else path
     key = str(path)
     if key not in _cached:
         if not path.exists():
@@ -76,16 +81,13 @@ def canonical(obj) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
 
-def sign(payload: bytes) -> str:
-    return hmac.new(installation_secret(), payload, hashlib.sha256).hexdigest()
+def sign(payload: bytes, secret: bytes | None = None) -> str:
+    return hmac.new(installation_secret() if secret is None else secret, payload, hashlib.sha256).hexdigest()
 
 
-def signature_matches(payload: bytes, signature) -> bool:
-    return isinstance(signature, str) and hmac.compare_digest(sign(payload), signature)
-
-
-def read_signed_json(path: Path, max_bytes: int = 16 << 20) -> dict:
-    """A JSON object {..., "hmac": ...} whose HMAC (over the rest, canonical) verifies; else TrustError."""
+def read_signed_json(path: Path, max_bytes: int = 16 << 20, secret: bytes | None = None) -> dict:
+    """A JSON object {..., "hmac": ...} whose HMAC (over the rest, canonical) verifies with `secret` (else the
+    secret in use); else TrustError."""
     if path.is_symlink() or not path.is_file():
         raise TrustError(f"{path} is missing")
     if path.stat().st_size > max_bytes:
@@ -97,7 +99,8 @@ def read_signed_json(path: Path, max_bytes: int = 16 << 20) -> dict:
     if not isinstance(data, dict):
         raise TrustError(f"{path} is not a signature")
     body = {k: v for k, v in data.items() if k != "hmac"}
-    if not signature_matches(canonical(body), data.get("hmac")):
+    signature = data.get("hmac")
+    if not (isinstance(signature, str) and hmac.compare_digest(sign(canonical(body), secret), signature)):
         raise TrustError(f"{path} was not signed by this installation")
     return body
 
@@ -142,3 +145,26 @@ def run_is_trusted(run_dir: str | Path, required: str) -> bool:
         return True
     except (TrustError, OSError):
         return False
+
+
+def migrate_runs(roots: list[Path], old_secret: Path) -> int:
+    """Re-signs, with the secret in use, what `old_secret` signed under `roots` (each run folder's run.sig and its
+    checkpoints' COMPLETE marks): a server moving from the secret in the home folder to its data folder's keeps
+    its own runs resumable. Whatever does not verify with the old secret is left as it is. Returns how many
+    signatures were re-signed."""
+    from .layout import CHECKPOINTS_DIR, COMPLETE_MARK
+    old = installation_secret(old_secret)
+    moved = 0
+    for root in roots:
+        runs = sorted(p for p in Path(root).iterdir() if p.is_dir() and not p.is_symlink()) \
+            if Path(root).is_dir() else []
+        for run_dir in runs:
+            marks = [run_dir / RUN_SIGNATURE_FILE] + sorted((run_dir / CHECKPOINTS_DIR).glob(f"*/{COMPLETE_MARK}"))
+            for mark in marks:
+                try:
+                    body = read_signed_json(mark, secret=old)
+                except (TrustError, OSError):
+                    continue
+                write_signed_json(mark, body)
+                moved += 1
+    return moved
