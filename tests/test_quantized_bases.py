@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 
 import pytest
@@ -190,3 +191,101 @@ def test_a_quantized_unet_trains_from_the_graph(comfy, client, quantized):
     events = [m["data"]["event"] for m in outcome.messages if m.get("type") == "ingraph.event"]
     assert [e["step"] for e in events if e["type"] == "step"] == [1, 2, 3]
     assert (comfy.base_dir / "models" / "loras" / "quantized_graph.safetensors").is_file()
+
+
+# 4-bit layouts pack two values a byte, which ComfyUI's detection of an SD UNet reads as half its text width (it
+# refuses the file); users' 4-bit files are DiTs, whose widths ComfyUI reads elsewhere: a small Wan (every linear
+# layer's width a multiple of the layouts' blocks)
+FOUR_BIT_LAYOUTS = ("nvfp4", "convrot_w4a4", "asym_w4a8_int8")
+SMALL_WAN = dict(dim=256, ffn_dim=512, num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def four_bit_wans(tmp_path_factory):
+    """A small random Wan as an fp32 diffusion-model file and a copy in each 4-bit layout (ComfyUI's own code)."""
+    sys.path.insert(0, str(REPO))
+    from tools.prepare_run import _bootstrap
+    _bootstrap()
+    from ingraph_trainer.trainer.models.wan import WanFamily
+    from tools.embedded_default import save_safetensors
+    from tools.quantized_models import quantize_state
+    folder = tmp_path_factory.mktemp("four_bit")
+    state = WanFamily.scratch_state_dict(0, **SMALL_WAN)
+    save_safetensors(state, folder / "wan_fp32.safetensors")
+    files = {"fp32": folder / "wan_fp32.safetensors"}
+    for layout in FOUR_BIT_LAYOUTS:
+        quantized, count, skipped = quantize_state(state, layout)
+        assert count > 0 and skipped == 0, (layout, count, skipped)
+        files[layout] = folder / f"wan_{layout}.safetensors"
+        save_safetensors(quantized, files[layout])
+    return files
+
+
+def _train_lora_in_process(path, steps: int = STEPS):
+    """What the trainer does with a MODEL from this file, in this process: ComfyUI's loader, the family's checks
+    (under inference_mode, as ComfyUI runs a node), a LoRA on every linear layer, AdamW on the family's loss."""
+    import comfy.sd
+    from ingraph_trainer.trainer.adapters import inject_adapter
+    from ingraph_trainer.trainer.config import AdapterSpec, RunSpec
+    from ingraph_trainer.trainer.models import Batch, family_for
+    patcher = comfy.sd.load_diffusion_model(str(path), model_options={"dtype": torch.float32})
+    family = family_for(patcher.model, patcher=patcher)
+    with torch.inference_mode():
+        family.check_settings(RunSpec(adapter=AdapterSpec(kind="lora")))
+    family.prepare_for_training()
+    targets = family.adapter_targets("all_linear")
+    torch.manual_seed(0)
+    params = inject_adapter(family.diffusion_model, targets, "lora", 4, 4.0, 0.0)
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        batch = Batch(torch.randn(2, 16, 6, 10, generator=g), torch.randn(2, 8, 4096, generator=g), None,
+                      torch.randn(2, 16, 6, 10, generator=g), torch.rand(2, generator=g))
+        loss = family.loss(batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return family, targets, losses
+
+
+def test_a_lora_trains_on_4_bit_bases_and_loads_onto_comfyuis_4_bit_model(four_bit_wans, caplog):
+    """nvfp4, ConvRot w4a4 and asym w4a8 run on a CPU in ComfyUI 0.33 (comfy-kitchen's eager kernels): each trains
+    a LoRA with its base weights kept 4-bit, within 5 % of the fp32 file's loss, and the LoRA loads onto
+    ComfyUI's own 4-bit MODEL with every key and changes its output."""
+    import comfy.model_management
+    import comfy.sd
+    from ingraph_trainer.trainer.adapters import comfy_adapter_state_dict
+    from ingraph_trainer.trainer.comfy_compat import quantized_layouts, with_lora
+    reference, _, reference_losses = _train_lora_in_process(four_bit_wans["fp32"])
+    full_bytes = reference.base_weight_bytes()
+    mean_reference = sum(reference_losses) / STEPS
+    for layout in FOUR_BIT_LAYOUTS:
+        family, targets, losses = _train_lora_in_process(four_bit_wans[layout])
+        assert set(quantized_layouts(family.diffusion_model)) == {layout}
+        assert len(losses) == STEPS and all(math.isfinite(x) for x in losses)
+        mean = sum(losses) / STEPS
+        held = family.base_weight_bytes()
+        print(f"{layout}: base weights {held} bytes against fp32's {full_bytes} ({held / full_bytes:.3f}x); "
+              f"mean loss over {STEPS} steps {mean:.5f} against {mean_reference:.5f}")
+        assert held < 0.2 * full_bytes  # 4 bits and their scales a weight, against 32
+        assert abs(mean - mean_reference) <= 0.05 * mean_reference, (layout, losses, reference_losses)
+
+        lora = comfy_adapter_state_dict(family.diffusion_model, "lora", 4.0)
+        model = comfy.sd.load_diffusion_model(str(four_bit_wans[layout]))  # UNETLoader, weight_dtype default
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            patched = with_lora(model, lora)
+        assert not [r for r in caplog.records if "lora key not loaded" in r.getMessage()
+                    or "NOT LOADED" in r.getMessage()], caplog.text
+        assert len(patched.patches) == len(targets) > 0
+        g = torch.Generator().manual_seed(1)
+        x, context = torch.randn(1, 16, 1, 6, 10, generator=g), torch.randn(1, 8, 4096, generator=g)
+        outputs = []
+        for patcher in (model, patched):
+            comfy.model_management.load_models_gpu([patcher])
+            with torch.no_grad():
+                outputs.append(patcher.model.apply_model(x, torch.tensor([0.5]), c_crossattn=context).float())
+            comfy.model_management.unload_all_models()
+        assert torch.isfinite(outputs[1]).all() and (outputs[1] - outputs[0]).abs().max() > 1e-4, layout

@@ -123,10 +123,22 @@ def float_weight(tensor):
     return data.dequantize().float() if is_quantized(data) else data.float()
 
 
+class _Dequantized:
+    """An identity weight function. With one in a layer's `weight_function`, ComfyUI's cast always dequantizes the
+    weight: without it, a weight whose dtype already is the compute dtype (a file quantized from fp32, trained in
+    fp32) reaches F.linear quantized, and layouts whose matmul takes only a transposed weight (ConvRot w4a4) fail
+    in backward."""
+
+    def __call__(self, weight):
+        return weight
+
+
 def dequantize_per_matmul(module) -> None:
     """A quantized layer computes with its weight dequantized to the input's dtype for each matmul (ComfyUI's cast
     path), never with its input quantized: the gradient that reaches the adapter is the full-precision one."""
     module.comfy_force_cast_weights = True
+    if not any(isinstance(f, _Dequantized) for f in module.weight_function):
+        module.weight_function.append(_Dequantized())
 
 
 def quantized_layouts(model) -> dict[str, str]:
