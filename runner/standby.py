@@ -140,11 +140,14 @@ def take(python: str, env: dict[str, str]) -> Standby | None:
     global _waiting
     if not enabled():
         return None
+    global _last_taken
     with _lock:
         standby, _waiting = _waiting, None
     if standby is None:
         return None
     if standby.alive() and (standby.python, standby.env) == (python, env):
+        import time
+        _last_taken = time.monotonic()
         return standby
     standby.stop()
     return None
@@ -161,7 +164,8 @@ def discard():
 
 QUEUED_WAIT_S = 60.0  # how long after a training prompt arrives its validation may take before it is queued
 MAX_PENDING = 32  # training prompts waiting to be queued that the watcher follows (a flood keeps the newest)
-_pending: dict[str, float] = {}  # prompt id -> when to stop waiting for it (time.monotonic)
+_pending: dict[str, tuple[float, float]] = {}  # prompt id -> (when it came, when to stop waiting for it: monotonic)
+_last_taken = 0.0  # when a run last took the standby (time.monotonic)
 _pending_lock = threading.Lock()
 _watcher: threading.Thread | None = None
 
@@ -184,7 +188,8 @@ def prime_for_prompt(json_data: dict, queue=None, wait_s: float = QUEUED_WAIT_S)
             import uuid
             json_data["prompt_id"] = str(uuid.uuid4())  # canonical: ComfyUI 0.33 refuses any other form
         with _pending_lock:
-            _pending[json_data["prompt_id"]] = time.monotonic() + wait_s
+            now = time.monotonic()
+            _pending[json_data["prompt_id"]] = (now, now + wait_s)
             while len(_pending) > MAX_PENDING:
                 del _pending[next(iter(_pending))]  # the oldest
             if _watcher is None:
@@ -202,7 +207,7 @@ def _prime_once_queued(queue):
     while True:
         with _pending_lock:
             now = time.monotonic()
-            for prompt_id in [p for p, until in _pending.items() if until < now]:
+            for prompt_id in [p for p, (_, until) in _pending.items() if until < now]:
                 del _pending[prompt_id]
             if not _pending:
                 _watcher = None
@@ -219,10 +224,13 @@ def _prime_once_queued(queue):
         found = {item[1] for item in (*running, *queued) if len(item) > 1} & waiting
         if found:
             with _pending_lock:
-                for prompt_id in found:
-                    _pending.pop(prompt_id, None)
-            from . import paths
-            prime(sys.executable, trainer_environment(paths.comfyui_root()))
+                came = max(_pending.pop(prompt_id, (0.0, 0.0))[0] for prompt_id in found)
+            # a standby taken since the prompt came served it (its node ran before this poll saw it queued): one
+            # primed now would warm beside that run, taking its CPU (the run's model load took 3x as long) and, on a
+            # GPU, memory; that run primes the next standby itself at its last step
+            if _last_taken < came:
+                from . import paths
+                prime(sys.executable, trainer_environment(paths.comfyui_root()))
         time.sleep(0.05)
 
 

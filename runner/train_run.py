@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -83,6 +84,13 @@ def trained_model_of(model, path: str, file_format: str, full: bool):
     return with_lora(model, tensors)
 
 
+def timed(function, *args) -> float:
+    """Seconds `function(*args)` took."""
+    t0 = time.perf_counter()
+    function(*args)
+    return time.perf_counter() - t0
+
+
 def with_output_weights(spec, weights: str):
     """output.weights (trained or ema), which prepare_run has no argument for."""
     spec.output.weights = weights
@@ -134,6 +142,8 @@ def run_trainer_node(model, dataset, *, task: str, title: str, adapter: AdapterS
     from .session import prepare_run, watch_run
     from ..trainer.config import load_run_spec
 
+    began = time.perf_counter()
+    timings = {}  # what the node spends before the trainer starts, for the log (the hand-off's cost)
     lora_path, new_lora_name = paths.lora_output_path(output_name, paths.output_folder(adapter.kind))
     name = new_lora_name[: -len(".safetensors")]
     resume_from = resolve_resume_choice(paths.runs_root(), resume or "off", name, task)
@@ -146,7 +156,7 @@ def run_trainer_node(model, dataset, *, task: str, title: str, adapter: AdapterS
         run_dir, resume_tag = resume_from
         spec_path = run_dir / SPEC_FILE
         log.info("InGraph Trainer: resuming run %s from %s", run_dir.name, resume_tag)
-        release_comfy_models(model)
+        timings["releasing ComfyUI's models"] = timed(release_comfy_models, model)
         try:  # the output MODEL is the live input plus the result: described as such where the graph allows
             input_source = describe_model(prompt, input_link(prompt, node_id, "model"), model)
         except Undescribable:
@@ -157,8 +167,10 @@ def run_trainer_node(model, dataset, *, task: str, title: str, adapter: AdapterS
         resume_tag = None
         check_new_run(prediction_of(model))
         # the GPU goes to the trainer; and a fallback reads weights unpatched, as a loaded model may hold them patched
-        release_comfy_models(model)
+        timings["releasing ComfyUI's models"] = timed(release_comfy_models, model)
+        t0 = time.perf_counter()
         hand_off = hand_off_model(model, prompt, node_id, "model", paths.models_root())
+        timings["describing the model"] = time.perf_counter() - t0
         input_source = hand_off.source
         previews_vae = hand_off_vae(previews.vae, prompt, node_id, paths.models_root()) if previews else None
         model_spec = dataclasses.replace(hand_off.model_spec, base_precision=base_precision)
@@ -176,7 +188,9 @@ def run_trainer_node(model, dataset, *, task: str, title: str, adapter: AdapterS
     on_event = on_run(run_dir.name, saved.train.steps)
     process = TrainerProcess(run_dir, spec_path, comfyui_path=paths.comfyui_root(), resume=resume_tag,
                              processes=saved.distributed.processes, hostfile=saved.distributed.hostfile).start()
-    log.info("InGraph Trainer: run %s started (pid %d), log: %s", run_dir.name, process.pid, process.log_path)
+    log.info("InGraph Trainer: run %s started (pid %d, %s) %.2f s after the node began (%s), log: %s", run_dir.name,
+             process.pid, "a standby" if process.standby else "a new process", time.perf_counter() - began,
+             ", ".join(f"{what} {seconds:.2f} s" for what, seconds in timings.items()), process.log_path)
     result = watch_run(process, on_event, check_interrupt)
     log.info("InGraph Trainer: run %s finished; written to %s%s", run_dir.name, result.adapter_path,
              f" (the file it replaced is kept as {result.finished['replaced_kept']})"

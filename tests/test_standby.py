@@ -208,6 +208,23 @@ def test_standbys_start_only_for_training_prompts_and_never_when_switched_off(mo
     assert standby.prime_for_prompt({"prompt": training, "prompt_id": own_id}, queue)["prompt_id"] == own_id
     wait_for_the_hook()
     assert primed == ["/comfy"]
+    # its node took the ready standby before the watcher saw the prompt queued (an idle server runs it at once):
+    # nothing more is primed beside that run, which primes the next itself at its last step
+    primed.clear()
+    queue.items = []
+    late_id = "5f0c2a9e-8d41-4c1e-b7a3-0e6d2c9b4a10"
+    standby.prime_for_prompt({"prompt": training, "prompt_id": late_id}, queue)
+
+    class Ready:
+        python, env = "python", {"COMFYUI_PATH": "/comfy"}
+
+        def alive(self):
+            return True
+    monkeypatch.setattr(standby, "_waiting", Ready())
+    assert isinstance(standby.take("python", {"COMFYUI_PATH": "/comfy"}), Ready)
+    queue.items = [(2, late_id, training, {}, [])]
+    wait_for_the_hook()
+    assert primed == [] and not standby._pending
     monkeypatch.undo()
     monkeypatch.setenv(standby.ENABLE_ENV, "0")
     standby.prime(sys.executable, standby.trainer_environment(None))

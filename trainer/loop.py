@@ -64,8 +64,10 @@ class Trainer(TrainingTask):
         spec, t, a, d = self.spec, self.spec.train, self.spec.adapter, self.spec.distributed
         import_comfy()  # the launching server's ComfyUI, never the spec's
         self.load_memory: dict = {}
+        began = time.perf_counter()
         with load_peak(self.load_memory):
             self.family = family = load_family(spec.model, precision=spec.train.precision)
+        self.build_s = {"model": time.perf_counter() - began}  # where the start-up went (the started event)
         family.set_objective(t.loss, t.huber_delta, t.min_snr_gamma, t.flow_shift, t.guidance)
         family.check_settings(spec)
         self.global_batch = t.batch_size * t.grad_accum * data_parallel_size(spec)
@@ -75,6 +77,7 @@ class Trainer(TrainingTask):
         self.eval_dataset = load_cached_dataset(spec.data.eval_manifest) if spec.data.eval_manifest else self.dataset
         self.eval_items = eval_subset(self.eval_dataset.unique, spec.train.eval_items, spec.train.seed) \
             if spec.train.evaluates else []
+        self.build_s["data"] = time.perf_counter() - began - sum(self.build_s.values())
         torch.manual_seed(t.seed)  # adapter initialisation
         if a.kind == "full":
             refuse_fp8_full_fine_tune(family.diffusion_model, spec.model.path)
@@ -87,6 +90,7 @@ class Trainer(TrainingTask):
             if a.init_from:
                 load_adapter_weights(family.diffusion_model, a.kind, a.init_from,
                                      diffusers_module_names(family.base_model))
+        self.build_s["adapter"] = time.perf_counter() - began - sum(self.build_s.values())
         deepspeed = choose_engine(spec)  # before the model: pipeline stages need the process group
         swapped_blocks = memory_savers(family, spec)
         swap_first = bool(swapped_blocks) and not uses_deepspeed(spec)  # the plain engine leaves them on the host
@@ -105,6 +109,7 @@ class Trainer(TrainingTask):
         checkpointer = Checkpointer(layout, self.run_dir, t.save_every, t.keep_last, self.is_rank0,
                                     components={"ema": self.ema})
         self.control = RunControl(spec, self.events, layout, optimizer, checkpointer, self.is_rank0)
+        self.build_s["engine"] = time.perf_counter() - began - sum(self.build_s.values())
 
     def train(self):
         t = self.spec.train
@@ -160,7 +165,7 @@ class Trainer(TrainingTask):
                          adapted_modules=len(self.targets), trainable_params=sum(p.numel() for p in self.params),
                          dataset_items=len(self.dataset.unique), samples=len(self.dataset),
                          eval_items=len(self.eval_items), base_weight_bytes=family.base_weight_bytes(),
-                         load_memory=self.load_memory,
+                         load_memory=self.load_memory, build_s={k: round(v, 3) for k, v in self.build_s.items()},
                          resumed_from=str(resumed_from) if resumed_from else None, **prior)
         if prior_warning:
             self.events.emit("log", level="warning", message=prior_warning)
