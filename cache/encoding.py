@@ -134,45 +134,46 @@ def mask_digest(item, store: CacheStore) -> str:
 
 
 def text_key(caption: str, encoder: str, image: str = "") -> str:
-    """`image`: what identifies the image the encoder read beside the caption (text_image_key); a caption encoded
+    """`image`: what identifies the images the encoder read beside the caption (text_image_key); a caption encoded
     alone keeps the key it always had."""
     extra = {"image": image} if image else {}
     return content_key(kind="text", format=TEXT_FORMAT, caption=caption, encoder=encoder, **extra)
 
 
-# ComfyUI's edit text-encode nodes (TextEncodeQwenImageEdit) scale the source image to about this many pixels, its
-# aspect kept (area resampling), before the vision-language text encoder reads it
-VISION_PIXELS = 1024 * 1024
-VISION_FORMAT = 1  # how an item's reference becomes the encoder's image (vision_input); part of such a text key
+# Qwen-Image-Edit 2509 and later are conditioned at inference by TextEncodeQwenImageEditPlus: each source image
+# ("Picture N:" in the prompt, at most 3) scaled to about this many pixels, its aspect kept (area resampling), read
+# by Qwen2.5-VL beside the prompt
+VISION_PIXELS = 384 * 384
+MAX_SOURCE_IMAGES = 3
+IMAGE_TOKENS = "<|vision_start|><|image_pad|><|vision_end|>"
+VISION_FORMAT = 1  # how an item's references become the encoder's images (vision_input); part of such a text key
 
 
-def text_takes_images(clip) -> bool:
-    """Whether the graph's text encoder reads images beside the prompt: a vision-language encoder (Qwen-Image's
-    Qwen2.5-VL and its kind), whose tokenizer takes `images`, as TextEncodeQwenImageEdit hands it the source image."""
-    import inspect
-    tokenize = getattr(getattr(clip, "tokenizer", None), "tokenize_with_weights", None)
-    try:
-        return tokenize is not None and "images" in inspect.signature(tokenize).parameters
-    except (TypeError, ValueError):
-        return False
+def edit_prompt_template(clip) -> str | None:
+    """The template TextEncodeQwenImageEditPlus gives Qwen-Image's text encoder: its tokenizer's template for a
+    prompt with an image, the image tokens moved into the prompt. None for every other text encoder (whose edit
+    nodes, where they have any, hand it images otherwise)."""
+    template = getattr(getattr(clip, "tokenizer", None), "llama_template_images", None)  # QwenImageTokenizer's
+    return template.replace(IMAGE_TOKENS, "") if isinstance(template, str) and IMAGE_TOKENS in template else None
 
 
-def reads_its_source_image(item, takes_images: bool) -> bool:
-    """Whether an item's caption is encoded with its first reference (an edit pair's source image): an image item
-    with one, under an encoder that reads images. A clip's start image is the video model's input alone."""
-    return takes_images and bool(item.references) and not item.is_clip
+def reads_its_source_images(item, template: str | None) -> bool:
+    """Whether an item's caption is encoded with its references (an edit pair's source images): an image item with
+    some, under Qwen-Image's text encoder. A clip's start image is the video model's input alone."""
+    return template is not None and bool(item.references) and not item.is_clip
 
 
 def text_image_key(item, dataset: TrainingDataset, store: CacheStore) -> str:
-    """What identifies the image the encoder reads beside an item's caption: its first reference, fitted to the
-    item's bucket with the item's crop and flip (as its reference latent is), then scaled to VISION_PIXELS."""
-    return content_key(kind="vision_input", format=VISION_FORMAT, source=store.source_digest(item.references[0]),
+    """What identifies the images the encoder reads beside an item's caption: its references, fitted to the item's
+    bucket with the item's crop and flip (as its reference latents are), then scaled to VISION_PIXELS."""
+    return content_key(kind="vision_input", format=VISION_FORMAT,
+                       sources=[store.source_digest(r) for r in item.references[:MAX_SOURCE_IMAGES]],
                        target=source_digest(item, store), bucket=list(item.bucket), crop=dataset.buckets.crop,
                        flip=item.flip, background=list(dataset.background), pixels=VISION_PIXELS)
 
 
 def vision_input(reference):
-    """A reference image [1, H, W, 3] (0..1) as TextEncodeQwenImageEdit hands it to the text encoder: scaled to
+    """A reference image [1, H, W, 3] (0..1) as TextEncodeQwenImageEditPlus hands it to the text encoder: scaled to
     about VISION_PIXELS pixels with its aspect kept, by area (comfy.utils.common_upscale's "area", uncropped)."""
     import math
     import torch
@@ -180,6 +181,15 @@ def vision_input(reference):
     scale = math.sqrt(VISION_PIXELS / (samples.shape[3] * samples.shape[2]))
     size = (round(samples.shape[2] * scale), round(samples.shape[3] * scale))
     return torch.nn.functional.interpolate(samples, size=size, mode="area").movedim(1, -1)[:, :, :, :3]
+
+
+def edit_tokens(clip, caption: str, item, dataset: TrainingDataset, store: CacheStore, template: str):
+    """The caption with the item's source images, tokenized as TextEncodeQwenImageEditPlus does."""
+    images = [vision_input(load_reference_tensor(r, item, dataset.buckets.crop, source_digest(item, store),
+                                                 dataset.background))
+              for r in item.references[:MAX_SOURCE_IMAGES]]
+    pictures = "".join(f"Picture {n + 1}: {IMAGE_TOKENS}" for n in range(len(images)))
+    return clip.tokenize(pictures + caption, images=images, llama_template=template)
 
 
 def is_video_vae(vae) -> bool:
@@ -266,11 +276,11 @@ def encode_text(dataset: TrainingDataset, clip, store: CacheStore, progress: Pro
     dataset.caption_variants tag-shuffled variants, and the empty caption, which is
     what "no text" means to a ComfyUI text encoder: the graph's CLIP encoding "" (its padding and special
     tokens included, as CLIPTextEncode with an empty prompt gives). Counts are of distinct texts.
-    An edit pair's caption and its variants are encoded with its source image where the encoder reads images
-    (reads_its_source_image), as ComfyUI's edit text-encode node conditions the model at inference; the empty
+    Under Qwen-Image's text encoder an edit pair's caption and its variants are encoded with its source images
+    (reads_its_source_images), as TextEncodeQwenImageEditPlus conditions the model at inference; the empty
     caption of caption dropout stays text alone."""
     encoder = clip_identity(clip)
-    takes_images = text_takes_images(clip)
+    template = edit_prompt_template(clip)
     counts, done = [0, 0], {}
 
     def cached(caption: str, counted: bool = True, item=None) -> tuple[str, str]:
@@ -279,19 +289,15 @@ def encode_text(dataset: TrainingDataset, clip, store: CacheStore, progress: Pro
         if key not in done:
             entry = store.lookup(key)
             if entry is None:
-                if item is None:
-                    tokens = clip.tokenize(caption)
-                else:
-                    reference = load_reference_tensor(item.references[0], item, dataset.buckets.crop,
-                                                      source_digest(item, store), dataset.background)
-                    tokens = clip.tokenize(caption, images=[vision_input(reference)])
+                tokens = clip.tokenize(caption) if item is None else \
+                    edit_tokens(clip, caption, item, dataset, store, template)
                 out = clip.encode_from_tokens(tokens, return_pooled=True, return_dict=True)
                 tensors = {"cond": out["cond"][0].float()}
                 if out.get("pooled_output") is not None:
                     tensors["pooled"] = out["pooled_output"][0].float()
                 if hasattr(out.get("attention_mask"), "shape"):  # [1, tokens]: 1 on a token, 0 on padding
                     tensors["attention_mask"] = out["attention_mask"][0].long()
-                meta = {"caption": caption, **({"image": item.references[0]} if item is not None else {})}
+                meta = {"caption": caption, **({"images": list(item.references)} if item is not None else {})}
                 entry = store.put("text", key, tensors, meta)
                 counts[0] += counted
             else:
@@ -301,7 +307,7 @@ def encode_text(dataset: TrainingDataset, clip, store: CacheStore, progress: Pro
 
     items = []
     for n, item in enumerate(dataset.items):
-        with_image = item if reads_its_source_image(item, takes_images) else None
+        with_image = item if reads_its_source_images(item, template) else None
         text, text_sha = cached(item.caption, item=with_image)
         variants = tuple(cached(v, item=with_image) for v in caption_variants_of(item.caption, dataset.caption_variants,
                                                                                  dataset.keep_tags))

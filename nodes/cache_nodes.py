@@ -62,9 +62,9 @@ class CacheTextEmbeddings(io.ComfyNode):
             category=CATEGORY,
             is_output_node=True,
             description="Encodes each caption once with the graph's CLIP into the on-disk cache the trainer reads, "
-                        "with its tag-shuffled variants and, for caption dropout, the empty caption. A vision-language "
-                        "encoder (Qwen-Image's) reads an edit pair's source image beside its caption, as "
-                        "TextEncodeQwenImageEdit does at inference.",
+                        "with its tag-shuffled variants and, for caption dropout, the empty caption. Qwen-Image's text "
+                        "encoder reads an edit pair's source images beside its caption, as "
+                        "TextEncodeQwenImageEditPlus does at inference.",
             inputs=[
                 Dataset.Input("dataset", tooltip="Images and captions from Load Training Images or Cache Latents."),
                 io.Clip.Input("clip", tooltip="The text encoder of the model you train (e.g. from Load Checkpoint)."),

@@ -33,6 +33,7 @@ class TrainerProcess:
         self.log_path = self.run_dir / LOG_FILE
         self.standby = False  # whether a standby trainer took the run (runner/standby.py)
         self._prime_when_done: tuple | None = None  # (python, env) of the standby to start once this run ends
+        self.started_at = 0.0  # time.time() at start()
 
     @property
     def multi_process(self) -> bool:
@@ -53,7 +54,9 @@ class TrainerProcess:
         return cmd
 
     def start(self) -> "TrainerProcess":
+        import time
         from . import standby
+        self.started_at = time.time()
         self.events = EventReader(self.run_dir / EVENTS_FILE, from_end=True)
         env = standby.trainer_environment(self.comfyui_path)
         cmd = self.command()
@@ -89,9 +92,16 @@ class TrainerProcess:
     def poll_events(self) -> list[dict]:
         events = self.events.poll()
         if self._prime_when_done and (any(e.get("type") == "step" and e.get("step") == e.get("total") for e in events)
-                                      or (self.run_dir / STOP_FILE).exists()):
+                                      or self._stop_asked()):
             self._prime_next()
         return events
+
+    def _stop_asked(self) -> bool:
+        """A STOP written since this run started (one left from before is not a request to it: the trainer drops it)."""
+        try:
+            return (self.run_dir / STOP_FILE).stat().st_mtime >= self.started_at
+        except OSError:
+            return False
 
     def _prime_next(self):
         """The standby for the next run in the queue, once per run."""
@@ -116,6 +126,7 @@ class TrainerProcess:
                 break
             except subprocess.TimeoutExpired:
                 continue
+        self._prime_next()  # cancelled: the next prompt in the queue finds a standby
         return self.proc.returncode
 
     def log_tail(self, lines: int = 40) -> str:

@@ -30,16 +30,24 @@ def use_data_folder_secret() -> Path:
     from ..trainer.trust import SECRET_ENV, home_secret_path, installation_secret, migrate_runs
     if os.environ.get(SECRET_ENV):
         return Path(os.environ[SECRET_ENV])
+    import hashlib
+    import logging
+    log = logging.getLogger("ingraph_trainer")
     path = data_root() / "secret"
-    first = not path.exists()
     os.environ[SECRET_ENV] = str(path)
     installation_secret(path)
-    if first and home_secret_path().is_file():
-        moved = migrate_runs([runs_root(), evals_root()], home_secret_path())
+    # once per output folder, until it succeeds (a run signed with the home secret later is another server's)
+    done = path.with_name(f"secret.moved-{hashlib.sha256(str(runs_root()).encode()).hexdigest()[:16]}")
+    if home_secret_path().is_file() and not done.exists():
+        try:
+            moved = migrate_runs([runs_root(), evals_root()], home_secret_path())
+            done.write_text(f"{runs_root()}\n", encoding="utf-8")
+        except Exception as exc:  # noqa: BLE001  never stops the pack's load: tried again at the next start
+            log.warning("InGraph Trainer: the runs signed with %s were not all moved to %s yet (%s); tried again at "
+                        "the next start", home_secret_path(), path, exc)
+            return path
         if moved:
-            import logging
-            logging.getLogger("ingraph_trainer").info(
-                "InGraph Trainer: %d run signature(s) moved to this server's own secret (%s)", moved, path)
+            log.info("InGraph Trainer: %d run signature(s) moved to this server's own secret (%s)", moved, path)
     return path
 
 

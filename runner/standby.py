@@ -141,13 +141,13 @@ def take(python: str, env: dict[str, str]) -> Standby | None:
     if not enabled():
         return None
     global _last_taken
+    import time
     with _lock:
         standby, _waiting = _waiting, None
+        _last_taken = time.monotonic()  # this run started, from a standby or cold: none is primed beside it
     if standby is None:
         return None
     if standby.alive() and (standby.python, standby.env) == (python, env):
-        import time
-        _last_taken = time.monotonic()
         return standby
     standby.stop()
     return None

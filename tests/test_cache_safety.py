@@ -575,16 +575,16 @@ def test_prune_never_unlinks_a_shard_a_writer_is_committing(tmp_path, monkeypatc
     pruner.close()
 
 
-def test_an_edit_pairs_caption_is_encoded_with_its_source_image_by_an_encoder_that_reads_images(tmp_path):
-    """Qwen-Image-Edit is conditioned at inference by TextEncodeQwenImageEdit: the prompt and the source image
-    (scaled to about 1 MP) through Qwen2.5-VL. An edit LoRA trained on the caption alone learns another
-    conditioning. With an encoder whose tokenizer takes images, each pair's caption (and its tag-shuffled
-    variants) is encoded with its own source image; a text-only encoder, or an item with no source, keeps the
-    caption alone and the key it had."""
+def test_an_edit_pairs_caption_is_encoded_with_its_source_image_by_qwen_images_text_encoder(tmp_path):
+    """Qwen-Image-Edit (2509 and later) is conditioned at inference by TextEncodeQwenImageEditPlus: "Picture 1:"
+    and the source image (scaled to about 384x384) read by Qwen2.5-VL beside the prompt, in its own template. An
+    edit LoRA trained on the caption alone learns another conditioning. Under Qwen-Image's text encoder each pair's
+    caption (and its tag-shuffled variants) is encoded so; another text encoder, or an item with no source, keeps
+    the caption alone and the key it had."""
     import torch
     from PIL import Image
     from ingraph_trainer.cache.dataset import scan_image_folder
-    from ingraph_trainer.cache.encoding import VISION_PIXELS, encode_text, text_key
+    from ingraph_trainer.cache.encoding import IMAGE_TOKENS, VISION_PIXELS, encode_text, text_key
     from ingraph_trainer.cache.store import CacheStore
     pairs, plain = tmp_path / "pairs", tmp_path / "plain"
     for name, source in (("a", (10, 200, 10)), ("b", (200, 200, 10)), ("c", None)):
@@ -595,17 +595,16 @@ def test_an_edit_pairs_caption_is_encoded_with_its_source_image_by_an_encoder_th
         if source:
             Image.new("RGB", (64, 48), source).save(folder / f"{name}.ref.png")
 
-    class VisionTokenizer:  # the signature of Qwen-Image's tokenizer (comfy/text_encoders/qwen_image.py)
-        def tokenize_with_weights(self, text, return_word_ids=False, llama_template=None, images=[], **kwargs):
-            raise AssertionError("reached through CLIP.tokenize")
+    class QwenImageTokenizer:  # what ComfyUI's (comfy/text_encoders/qwen_image.py) holds
+        llama_template_images = f"<|im_start|>system\nEdit.<|im_end|>\n<|im_start|>user\n{IMAGE_TOKENS}{{}}<|im_end|>"
 
-    class VisionCLIP(fakes.FakeCLIP):
-        tokenizer = VisionTokenizer()
+    class QwenCLIP(fakes.FakeCLIP):
+        tokenizer = QwenImageTokenizer()
         seen: list = []
 
         def tokenize(self, text, **kwargs):
             images = kwargs.get("images", [])
-            self.seen.append((text, [tuple(i.shape) for i in images]))
+            self.seen.append((text, kwargs.get("llama_template"), [tuple(i.shape) for i in images]))
             return text, [tuple(float(c) for c in i[0, 0, 0, :3]) for i in images]
 
         def encode_from_tokens(self, tokens, return_pooled=True, return_dict=True):
@@ -616,23 +615,29 @@ def test_an_edit_pairs_caption_is_encoded_with_its_source_image_by_an_encoder_th
     dataset = scan_image_folder(pairs, resolution=64, caption_variants=2)
     assert [len(i.references) for i in dataset.items] == [1, 1]
     store = CacheStore(tmp_path / "cache")
-    cached, encoded, _ = encode_text(dataset, VisionCLIP(1), store)
+    cached, encoded, _ = encode_text(dataset, QwenCLIP(1), store)
     by_name = {Path(i.path).stem: i for i in cached.items}
     assert by_name["a"].text != by_name["b"].text  # one caption, two conditionings
-    with_image = [shapes for text, shapes in VisionCLIP.seen if shapes]
-    variants = {text for text, shapes in VisionCLIP.seen if shapes}
-    assert len(variants) > 1 and len(with_image) == 2 * len(variants) == encoded  # each text of a and of b
-    for [(batch, height, width, channels)] in with_image:  # the source on the item's square crop, at 1 MP
+    with_image = [seen for seen in QwenCLIP.seen if seen[2]]
+    texts = {text for text, _, _ in with_image}
+    assert len(texts) > 1 and len(with_image) == 2 * len(texts) == encoded  # each text of a and of b
+    for text, template, [(batch, height, width, channels)] in with_image:  # the source on the item's square crop
+        assert text.startswith(f"Picture 1: {IMAGE_TOKENS}") and template == \
+            "<|im_start|>system\nEdit.<|im_end|>\n<|im_start|>user\n{}<|im_end|>"
         assert (batch, channels) == (1, 3) and height == width and abs(height * width - VISION_PIXELS) < 2 * width
     from safetensors.torch import load_file
     embedding = load_file(str(store.lookup(by_name["a"].text).path))["cond"]
-    caption_alone = fakes.FakeCLIP(1).encode_from_tokens(by_name["a"].caption)["cond"][0]
-    torch.testing.assert_close(embedding, caption_alone + 1000 * (10 + 200 + 10) / 255)  # a's source reached it
-    no_source, _, _ = encode_text(scan_image_folder(plain, resolution=64), VisionCLIP(1), store)
+    alone = fakes.FakeCLIP(1).encode_from_tokens(f"Picture 1: {IMAGE_TOKENS}{by_name['a'].caption}")["cond"][0]
+    torch.testing.assert_close(embedding, alone + 1000 * (10 + 200 + 10) / 255)  # a's source reached it
+    no_source, _, _ = encode_text(scan_image_folder(plain, resolution=64), QwenCLIP(1), store)
     assert no_source.items[0].text == text_key("make it red, bright, glossy", cached.text_encoder)  # as before
 
-    VisionCLIP.seen.clear()
-    again, encoded, reused = encode_text(dataset, VisionCLIP(1), store)
-    assert encoded == 0 and VisionCLIP.seen == [] and [i.text for i in again.items] == [i.text for i in cached.items]
+    QwenCLIP.seen.clear()
+    again, encoded, reused = encode_text(dataset, QwenCLIP(1), store)
+    assert encoded == 0 and QwenCLIP.seen == [] and [i.text for i in again.items] == [i.text for i in cached.items]
+    (pairs / "a.ref.png").unlink()  # another source image: a new conditioning for a alone
+    Image.new("RGB", (64, 48), (0, 0, 255)).save(pairs / "a.ref.png")
+    changed, encoded, _ = encode_text(scan_image_folder(pairs, resolution=64, caption_variants=2), QwenCLIP(1), store)
+    assert changed.items[0].text != cached.items[0].text and changed.items[1].text == cached.items[1].text
     text_only, _, _ = encode_text(dataset, fakes.FakeCLIP(1), store)
     assert len({i.text for i in text_only.items}) == 1

@@ -223,7 +223,8 @@ def four_bit_wans(tmp_path_factory):
 
 def _train_lora_in_process(path, steps: int = STEPS):
     """What the trainer does with a MODEL from this file, in this process: ComfyUI's loader, the family's checks
-    (under inference_mode, as ComfyUI runs a node), a LoRA on every linear layer, AdamW on the family's loss."""
+    (under inference_mode, as ComfyUI runs a node), a LoRA on every linear layer, AdamW on the family's loss, and
+    half-way a preview's load of the model by ComfyUI."""
     import comfy.sd
     from ingraph_trainer.trainer.adapters import inject_adapter
     from ingraph_trainer.trainer.config import AdapterSpec, RunSpec
@@ -239,7 +240,12 @@ def _train_lora_in_process(path, steps: int = STEPS):
     optimizer = torch.optim.AdamW(params, lr=1e-3)
     g = torch.Generator().manual_seed(0)
     losses = []
-    for _ in range(steps):
+    for step in range(steps):
+        if step == steps // 2:  # a preview: ComfyUI loads the training model (ModelPatcher.load resets its layers)
+            import comfy.model_management
+            from ingraph_trainer.trainer.sampling import on_the_trainers_device
+            with on_the_trainers_device(family.patcher), torch.no_grad():
+                comfy.model_management.load_models_gpu([family.patcher])
         batch = Batch(torch.randn(2, 16, 6, 10, generator=g), torch.randn(2, 8, 4096, generator=g), None,
                       torch.randn(2, 16, 6, 10, generator=g), torch.rand(2, generator=g))
         loss = family.loss(batch)

@@ -139,6 +139,15 @@ def dequantize_per_matmul(module) -> None:
     module.comfy_force_cast_weights = True
     if not any(isinstance(f, _Dequantized) for f in module.weight_function):
         module.weight_function.append(_Dequantized())
+    module.ingraph_dequantized = True  # ComfyUI's loads reset the two above; this mark survives them
+
+
+def dequantize_per_matmul_again(model) -> None:
+    """After ComfyUI loaded the training model (a preview samples through its patcher): ModelPatcher.load resets
+    every layer's comfy_force_cast_weights and weight_function, so the trained quantized layers get them back."""
+    for module in model.modules() if hasattr(model, "modules") else ():
+        if getattr(module, "ingraph_dequantized", False):
+            dequantize_per_matmul(module)
 
 
 def quantized_layouts(model) -> dict[str, str]:

@@ -89,9 +89,10 @@ class EventWriter:
         return event
 
     def close(self):
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        with self._lock:  # the watchdog may be writing
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
 
 class EventReader:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .comfy_compat import forget_loaded
+from .comfy_compat import dequantize_per_matmul_again, forget_loaded
 from .config import SampleSpec
 from .layout import SAMPLES_DIR
 
@@ -56,6 +56,7 @@ def on_the_trainers_device(patcher):
     finally:
         patcher.offload_device = offload
         forget_loaded(patcher, unload=False)
+        dequantize_per_matmul_again(getattr(patcher, "model", None))
 
 
 def to_pixels(image: torch.Tensor):
