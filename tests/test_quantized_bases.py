@@ -99,16 +99,21 @@ def test_the_lora_loads_onto_comfyuis_quantized_model_and_changes_it(runs, quant
                 or "NOT LOADED" in r.getMessage()], caplog.text
     assert len(patched.patches) == runs[layout][0]["adapted_modules"] > 0
 
+    assert_lora_changes_output(model, patched, (1, 4, 8, 8), (1, 3, 768), layout)
+
+
+def assert_lora_changes_output(model, patched, latent_shape, text_shape, layout):
+    """ComfyUI's own MODEL and the same with the LoRA loaded give finite outputs that differ."""
+    import comfy.model_management
     g = torch.Generator().manual_seed(0)
-    x, context = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 3, 768, generator=g)
+    x, context = torch.randn(*latent_shape, generator=g), torch.randn(*text_shape, generator=g)
     outputs = []
     for patcher in (model, patched):
         comfy.model_management.load_models_gpu([patcher])
         with torch.no_grad():
             outputs.append(patcher.model.apply_model(x, torch.tensor([0.5]), c_crossattn=context).float())
         comfy.model_management.unload_all_models()
-    assert torch.isfinite(outputs[1]).all()
-    assert (outputs[1] - outputs[0]).abs().max() > 1e-4
+    assert torch.isfinite(outputs[1]).all() and (outputs[1] - outputs[0]).abs().max() > 1e-4, layout
 
 
 def _quantized_family(quantized, layout):
@@ -286,12 +291,4 @@ def test_a_lora_trains_on_4_bit_bases_and_loads_onto_comfyuis_4_bit_model(four_b
         assert not [r for r in caplog.records if "lora key not loaded" in r.getMessage()
                     or "NOT LOADED" in r.getMessage()], caplog.text
         assert len(patched.patches) == len(targets) > 0
-        g = torch.Generator().manual_seed(1)
-        x, context = torch.randn(1, 16, 1, 6, 10, generator=g), torch.randn(1, 8, 4096, generator=g)
-        outputs = []
-        for patcher in (model, patched):
-            comfy.model_management.load_models_gpu([patcher])
-            with torch.no_grad():
-                outputs.append(patcher.model.apply_model(x, torch.tensor([0.5]), c_crossattn=context).float())
-            comfy.model_management.unload_all_models()
-        assert torch.isfinite(outputs[1]).all() and (outputs[1] - outputs[0]).abs().max() > 1e-4, layout
+        assert_lora_changes_output(model, patched, (1, 16, 1, 6, 10), (1, 8, 4096), layout)
