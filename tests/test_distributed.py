@@ -102,6 +102,7 @@ def test_zero_stages_match_zero_0(prepared, two_process_zero0, stage):
     spec = prepared(**COMMON, distributed__processes=2, distributed__zero_stage=stage)
     launch(spec, 2)
     ref, got = step_losses(two_process_zero0), step_losses(spec.parent)
+    assert len(ref) == len(got) == 5  # the same steps, all of them, before they are compared
     assert max(abs(a - b) for a, b in zip(ref, got)) < 1e-5, (stage, ref, got)
     adapters_agree(two_process_zero0, spec.parent)
 
@@ -164,6 +165,7 @@ def test_two_machines_over_loopback_match_one_machine(prepared, two_process_zero
         outputs.append(out)
         assert agent.returncode == 0, out[-4000:]
     ref, got = step_losses(two_process_zero0), step_losses(spec.parent)
+    assert len(ref) == len(got) == 5
     assert max(abs(a - b) for a, b in zip(ref, got)) < 1e-5, (ref, got)
     adapters_agree(two_process_zero0, spec.parent)
 
@@ -272,6 +274,7 @@ def test_zero3_full_fine_tune_on_2_processes_matches_1_process(prepared, one_pro
     two = prepared(**FULL_FINE_TUNE, distributed__processes=2, distributed__zero_stage=3)
     launch(two, 2)
     ref, got = step_losses(one.parent), step_losses(two.parent)
+    assert len(ref) == len(got) == 3
     assert max(abs(a - b) for a, b in zip(ref, got)) < 1e-5, (ref, got)
     a, b = load_file(one.parent / "lora.safetensors"), load_file(two.parent / "lora.safetensors")
     assert set(a) == set(b) and all(a[k].shape == b[k].shape for k in a)  # whole tensors, not rank slices

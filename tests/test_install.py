@@ -65,9 +65,24 @@ def test_deepspeed_is_only_in_the_multi_gpu_extra():
     assert sorted(runtime) == sorted(project["dependencies"])  # the two lists of runtime requirements agree
 
 
+def readme_requirement_files() -> list[str]:
+    """The requirement files the README's install commands hand pip (`-r <folder>/<file>`), as files of the pack."""
+    import re
+    install = (REPO / "README.md").read_text(encoding="utf-8").split("## Install", 1)[1].split("\n## ", 1)[0]
+    return [re.split(r"[/\\]", path)[-1] for path in re.findall(r"pip install -r ([^\s`]+)", install)]
+
+
+def test_the_readmes_install_commands_name_the_packs_requirement_files():
+    named = readme_requirement_files()
+    assert named[:2] == ["requirements.txt", "requirements.txt"]  # Linux/macOS and Windows portable
+    assert "requirements-multi-gpu.txt" in named
+    assert all((REPO / name).is_file() for name in named), named
+
+
 def test_a_plain_install_pulls_in_no_deepspeed(tmp_path):
-    """The whole resolution, dependencies included, for this machine (Linux): DeepSpeed is not among them."""
-    report = resolve(tmp_path, ["-r", str(REPO / "requirements.txt")])
+    """The whole resolution, dependencies included, for this machine (Linux), of the file the README's install
+    command names: DeepSpeed is not among them."""
+    report = resolve(tmp_path, ["-r", str(REPO / readme_requirement_files()[0])])
     names = {item["metadata"]["name"].lower() for item in report["install"]}
     assert "diffusers" in names and "peft" in names
     assert "deepspeed" not in names

@@ -83,7 +83,6 @@ def test_the_lora_loads_onto_comfyuis_quantized_model_and_changes_it(runs, quant
     sys.path.insert(0, str(REPO))
     from tools.prepare_run import _bootstrap
     _bootstrap()
-    import comfy.model_management
     import folder_paths
     import nodes
     from ingraph_trainer.trainer.comfy_compat import is_quantized
@@ -265,7 +264,6 @@ def test_a_lora_trains_on_4_bit_bases_and_loads_onto_comfyuis_4_bit_model(four_b
     """nvfp4, ConvRot w4a4 and asym w4a8 run on a CPU in ComfyUI 0.33 (comfy-kitchen's eager kernels): each trains
     a LoRA with its base weights kept 4-bit, within 5 % of the fp32 file's loss, and the LoRA loads onto
     ComfyUI's own 4-bit MODEL with every key and changes its output."""
-    import comfy.model_management
     import comfy.sd
     from ingraph_trainer.trainer.adapters import comfy_adapter_state_dict
     from ingraph_trainer.trainer.comfy_compat import quantized_layouts, with_lora
