@@ -151,10 +151,13 @@ VISION_FORMAT = 1  # how an item's references become the encoder's images (visio
 
 def edit_prompt_template(clip) -> str | None:
     """The template TextEncodeQwenImageEditPlus gives Qwen-Image's text encoder: its tokenizer's template for a
-    prompt with an image, the image tokens moved into the prompt. None for every other text encoder (whose edit
-    nodes, where they have any, hand it images otherwise)."""
-    template = getattr(getattr(clip, "tokenizer", None), "llama_template_images", None)  # QwenImageTokenizer's
-    return template.replace(IMAGE_TOKENS, "") if isinstance(template, str) and IMAGE_TOKENS in template else None
+    prompt with an image, the image tokens moved into the prompt. None for every other text encoder, those whose
+    tokenizers derive from Qwen-Image's included (HunyuanImage, ...): their edit nodes hand it images otherwise."""
+    tokenizer = getattr(clip, "tokenizer", None)
+    template = getattr(tokenizer, "llama_template_images", None)
+    if type(tokenizer).__name__ != "QwenImageTokenizer" or not isinstance(template, str) or IMAGE_TOKENS not in template:
+        return None
+    return template.replace(IMAGE_TOKENS, "")
 
 
 def reads_its_source_images(item, template: str | None) -> bool:

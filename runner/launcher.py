@@ -63,6 +63,8 @@ class TrainerProcess:
         single = not self.multi_process
         with open(self.log_path, "ab") as log:
             ready = standby.take(self.python, env) if single else None
+            if not single:
+                standby.run_started()
             if ready is not None and ready.hand_off(cmd[2:], log.fileno()):  # same argv, minus python and script
                 self.proc, self.standby = ready.proc, True
             else:

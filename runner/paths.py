@@ -35,7 +35,11 @@ def use_data_folder_secret() -> Path:
     log = logging.getLogger("ingraph_trainer")
     path = data_root() / "secret"
     os.environ[SECRET_ENV] = str(path)
-    installation_secret(path)
+    try:
+        installation_secret(path)
+    except (OSError, ValueError) as exc:  # the pack still loads: each run then fails naming the file
+        log.error("InGraph Trainer: this server's secret %s cannot be used (%s)", path, exc)
+        return path
     # once per output folder, until it succeeds (a run signed with the home secret later is another server's)
     done = path.with_name(f"secret.moved-{hashlib.sha256(str(runs_root()).encode()).hexdigest()[:16]}")
     if home_secret_path().is_file() and not done.exists():

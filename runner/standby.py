@@ -135,16 +135,21 @@ def prime(python: str, env: dict[str, str]):
             log.warning("InGraph Trainer: no standby trainer (%s); runs start their own process", exc)
 
 
+def run_started() -> None:
+    """A run starts now (from a standby, cold, or on several processes): the prompt hook primes none beside it."""
+    global _last_taken
+    import time
+    _last_taken = time.monotonic()
+
+
 def take(python: str, env: dict[str, str]) -> Standby | None:
     """The ready standby when it matches (python, env) and still runs; None otherwise (the run starts cold)."""
     global _waiting
     if not enabled():
         return None
-    global _last_taken
-    import time
     with _lock:
         standby, _waiting = _waiting, None
-        _last_taken = time.monotonic()  # this run started, from a standby or cold: none is primed beside it
+    run_started()
     if standby is None:
         return None
     if standby.alive() and (standby.python, standby.env) == (python, env):
@@ -165,7 +170,7 @@ def discard():
 QUEUED_WAIT_S = 60.0  # how long after a training prompt arrives its validation may take before it is queued
 MAX_PENDING = 32  # training prompts waiting to be queued that the watcher follows (a flood keeps the newest)
 _pending: dict[str, tuple[float, float]] = {}  # prompt id -> (when it came, when to stop waiting for it: monotonic)
-_last_taken = 0.0  # when a run last took the standby (time.monotonic)
+_last_taken = 0.0  # when a run last started (time.monotonic; run_started)
 _pending_lock = threading.Lock()
 _watcher: threading.Thread | None = None
 

@@ -641,3 +641,12 @@ def test_an_edit_pairs_caption_is_encoded_with_its_source_image_by_qwen_images_t
     assert changed.items[0].text != cached.items[0].text and changed.items[1].text == cached.items[1].text
     text_only, _, _ = encode_text(dataset, fakes.FakeCLIP(1), store)
     assert len({i.text for i in text_only.items}) == 1
+
+    class HunyuanImageTokenizer(QwenImageTokenizer):  # derives Qwen-Image's template; its edit node differs
+        pass
+
+    class HunyuanImageCLIP(QwenCLIP):
+        tokenizer = HunyuanImageTokenizer()
+    QwenCLIP.seen.clear()
+    other, _, _ = encode_text(dataset, HunyuanImageCLIP(1), store)
+    assert len({i.text for i in other.items}) == 1 and not [seen for seen in QwenCLIP.seen if seen[2]]

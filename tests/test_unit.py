@@ -727,3 +727,28 @@ def test_block_swap_keeps_the_swapped_blocks_frozen_weights_off_the_device():
     model(torch.zeros(2, 64, device=device)).sum().backward()
     assert nbytes(p for p in model.parameters() if p.device == device) == total - swapped
     assert all(block.adapter.grad is not None and block.adapter.grad.device == device for block in blocks)
+
+
+def test_a_stop_left_before_a_standby_took_the_run_is_stale(tmp_path, monkeypatch):
+    """A STOP clicked during a run's export stays in its folder; the resume handed to a standby (whose process
+    began before that click) must not stop at its first step. A STOP written after the hand-off is a request."""
+    import os
+    import time
+    from ingraph_trainer.trainer import stop_requests
+    monkeypatch.setattr(stop_requests, "_RUN_STARTED_AT", None)
+    stop = tmp_path / "STOP"
+    stop.touch()
+    import psutil
+    began = psutil.Process().create_time() + 0.5  # after this process began: a cold trainer keeps it
+    assert began < time.time() - 0.5
+    os.utime(stop, (began, began))
+    requests = stop_requests.StopRequests(tmp_path, is_rank0=True)
+    requests.drop_stale(time.time())
+    assert stop.exists()  # a cold trainer: written during its start-up, so it is a request
+    stop_requests.mark_run_start()  # a standby takes the run now
+    requests.drop_stale(time.time())
+    assert not stop.exists()
+    stop.touch()
+    os.utime(stop, (time.time() + 1, time.time() + 1))  # the user's Stop during the run (file clocks are coarse)
+    requests.drop_stale(time.time())
+    assert stop.exists()

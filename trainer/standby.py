@@ -114,6 +114,8 @@ def serve(argv: list[str], run_main) -> int:
     take_over_output(log_fd)
     channel.close()
     print(f"ingraph-trainer: standby process {os.getpid()} (imports done at {warm_at}) takes this run", flush=True)
+    from .stop_requests import mark_run_start
+    mark_run_start()  # a STOP written before this moment (the previous run's, in a resumed run's folder) is stale
     sys.argv[1:] = run_argv
     return run_main(run_argv)
 

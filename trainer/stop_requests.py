@@ -9,6 +9,16 @@ from .distributed import world_size
 from .layout import STOP_FILE
 
 
+_RUN_STARTED_AT: float | None = None  # set by a standby when it takes a run (trainer/standby.py)
+
+
+def mark_run_start():
+    """This process's run starts now: a standby's imports were done long before its run came."""
+    global _RUN_STARTED_AT
+    import time
+    _RUN_STARTED_AT = time.time()
+
+
 class StopRequests:
     def __init__(self, run_dir: str | Path, is_rank0: bool):
         self.stop = Path(run_dir) / STOP_FILE
@@ -17,11 +27,14 @@ class StopRequests:
     def drop_stale(self, started_at: float):
         """A STOP left from before this process started (a stop that came as the last run ended, a run resumed
         by hand) is not a request to this run; one written during start-up is."""
-        try:
-            import psutil  # a ComfyUI requirement: when this process began, imports included
-            started_at = psutil.Process().create_time()
-        except Exception:  # noqa: BLE001 - the run's own start is the next best answer
-            pass
+        if _RUN_STARTED_AT is not None:  # a standby: its run began at the hand-off
+            started_at = _RUN_STARTED_AT
+        else:
+            try:
+                import psutil  # a ComfyUI requirement: when this process began, imports included
+                started_at = psutil.Process().create_time()
+            except Exception:  # noqa: BLE001 - the run's own start is the next best answer
+                pass
         try:
             if self.is_rank0 and self.stop.stat().st_mtime < started_at:
                 self.stop.unlink()
