@@ -499,7 +499,7 @@ def test_symlink_loops_and_non_utf8_names_are_errors_naming_the_file(tmp_path):
 
 # --- the real encoders and a trainer run on a cache pruned while it was filled ---------------------------------------
 
-REAL_PASS_IMAGES = 64  # enough for prune to run many times beside the real encoders
+REAL_PASS_IMAGES = 32  # enough for prune to run many times beside the real encoders
 
 
 @pytest.mark.comfyui
