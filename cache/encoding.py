@@ -286,8 +286,8 @@ def encode_text(dataset: TrainingDataset, clip, store: CacheStore, progress: Pro
     template = edit_prompt_template(clip)
     counts, done = [0, 0], {}
 
-    def cached(caption: str, counted: bool = True, item=None) -> tuple[str, str]:
-        image = text_image_key(item, dataset, store) if item is not None else ""
+    def cached(caption: str, counted: bool = True, item=None, image: str = "") -> tuple[str, str]:
+        """`item`, `image`: the edit pair whose source images the encoder reads, and their text_image_key."""
         key = text_key(caption, encoder, image)
         if key not in done:
             entry = store.lookup(key)
@@ -310,10 +310,11 @@ def encode_text(dataset: TrainingDataset, clip, store: CacheStore, progress: Pro
 
     items = []
     for n, item in enumerate(dataset.items):
-        with_image = item if reads_its_source_images(item, template) else None
-        text, text_sha = cached(item.caption, item=with_image)
-        variants = tuple(cached(v, item=with_image) for v in caption_variants_of(item.caption, dataset.caption_variants,
-                                                                                 dataset.keep_tags))
+        source = dict(item=item, image=text_image_key(item, dataset, store)) \
+            if reads_its_source_images(item, template) else {}  # once per item, for its caption and variants
+        text, text_sha = cached(item.caption, **source)
+        variants = tuple(cached(v, **source) for v in caption_variants_of(item.caption, dataset.caption_variants,
+                                                                          dataset.keep_tags))
         items.append(dataclasses.replace(item, text=text, text_sha=text_sha, text_variants=variants))
         if progress:
             progress(n + 1, len(dataset.items))

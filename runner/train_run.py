@@ -84,11 +84,11 @@ def trained_model_of(model, path: str, file_format: str, full: bool):
     return with_lora(model, tensors)
 
 
-def timed(function, *args) -> float:
-    """Seconds `function(*args)` took."""
+def timed(function, *args):
+    """(what `function(*args)` returned, the seconds it took)."""
     t0 = time.perf_counter()
-    function(*args)
-    return time.perf_counter() - t0
+    result = function(*args)
+    return result, time.perf_counter() - t0
 
 
 def with_output_weights(spec, weights: str):
@@ -156,7 +156,7 @@ def run_trainer_node(model, dataset, *, task: str, title: str, adapter: AdapterS
         run_dir, resume_tag = resume_from
         spec_path = run_dir / SPEC_FILE
         log.info("InGraph Trainer: resuming run %s from %s", run_dir.name, resume_tag)
-        timings["releasing ComfyUI's models"] = timed(release_comfy_models, model)
+        _, timings["releasing ComfyUI's models"] = timed(release_comfy_models, model)
         try:  # the output MODEL is the live input plus the result: described as such where the graph allows
             input_source = describe_model(prompt, input_link(prompt, node_id, "model"), model)
         except Undescribable:
@@ -167,10 +167,9 @@ def run_trainer_node(model, dataset, *, task: str, title: str, adapter: AdapterS
         resume_tag = None
         check_new_run(prediction_of(model))
         # the GPU goes to the trainer; and a fallback reads weights unpatched, as a loaded model may hold them patched
-        timings["releasing ComfyUI's models"] = timed(release_comfy_models, model)
-        t0 = time.perf_counter()
-        hand_off = hand_off_model(model, prompt, node_id, "model", paths.models_root())
-        timings["describing the model"] = time.perf_counter() - t0
+        _, timings["releasing ComfyUI's models"] = timed(release_comfy_models, model)
+        hand_off, timings["describing the model"] = timed(hand_off_model, model, prompt, node_id, "model",
+                                                          paths.models_root())
         input_source = hand_off.source
         previews_vae = hand_off_vae(previews.vae, prompt, node_id, paths.models_root()) if previews else None
         model_spec = dataclasses.replace(hand_off.model_spec, base_precision=base_precision)

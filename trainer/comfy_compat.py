@@ -223,7 +223,7 @@ def enter_training() -> None:
 def progress_bar(total: int, node_id: str | None = None):
     """ComfyUI's progress bar of the node running (or of `node_id`): `.update(n)`, `.update_absolute(value, total)`."""
     import comfy.utils
-    return comfy.utils.ProgressBar(total, node_id=node_id) if node_id is not None else comfy.utils.ProgressBar(total)
+    return comfy.utils.ProgressBar(total, node_id=node_id)
 
 
 def raise_if_interrupted() -> None:
