@@ -3,7 +3,7 @@ import logging
 from comfy_api.latest import io
 
 from ..trainer.config import (ADAPTER_FORMAT_CHOICES, BASE_PRECISION_CHOICES, DEFAULT_EVAL_QUANTILES_TEXT,
-                               LOSS_CHOICES, OPTIMIZER_CHOICES, PRECISION_CHOICES, SCHEDULE_CHOICES,
+                               LOSS_CHOICES, MEMORY_CHOICES, OPTIMIZER_CHOICES, PRECISION_CHOICES, SCHEDULE_CHOICES,
                                TIMESTEP_SAMPLING_CHOICES, TrainSpec, choice_labels, choice_value, choices_tooltip)
 from .inputs import output_file_inputs, precision_input
 from .types import CATEGORY, Adapter, Dataset, Distributed, Previews
@@ -176,6 +176,13 @@ class TrainLoRA(io.ComfyNode):
                 io.Boolean.Input("eval_after_stop", default=False, optional=True,
                                  tooltip="Evaluate after a run ended by Stop too. Off: Stop ends the run as soon as "
                                          "the step in flight, the checkpoint and the LoRA are written."),
+                io.Combo.Input("memory", options=choice_labels(MEMORY_CHOICES), default="auto", optional=True,
+                               tooltip="Before anything reaches the GPU the trainer plans the run's peak memory "
+                                       "(shown on the node) against the card's free memory. "
+                                       + choices_tooltip(MEMORY_CHOICES)),
+                io.Float.Input("memory_budget_gb", default=0.0, min=0.0, max=4096.0, step=0.5, optional=True,
+                               tooltip="GiB of device memory the run may fill (to leave room for other work on "
+                                       "the card); 0 = the card's free memory when the run starts."),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The input MODEL with the trained LoRA applied."),
@@ -209,7 +216,7 @@ class TrainLoRA(io.ComfyNode):
                 flow_shift=1.0, guidance=1.0, overwrite=False, keep_last=3, ema_decay=0.0, ema_start_step=0,
                 save_ema=False, prior_dataset=None, prior_weight=1.0, prior_fraction=0.5,
                 base_precision="as loaded", eval_quantiles=DEFAULT_EVAL_QUANTILES_TEXT, eval_items=8,
-                eval_before=False, eval_after_stop=False) -> io.NodeOutput:
+                eval_before=False, eval_after_stop=False, memory="auto", memory_budget_gb=0.0) -> io.NodeOutput:
         from ..trainer.comfy_compat import raise_if_interrupted
 
         from ..runner.evaluation_run import parse_quantiles
@@ -234,7 +241,9 @@ class TrainLoRA(io.ComfyNode):
                           ema_decay=float(ema_decay or 0.0), ema_start_step=int(ema_start_step or 0),
                           eval_quantiles=parse_quantiles(eval_quantiles, "eval_quantiles", allow_empty=True),
                           eval_items=8 if eval_items is None else int(eval_items), eval_before=bool(eval_before),
-                          eval_after_stop=bool(eval_after_stop))
+                          eval_after_stop=bool(eval_after_stop),
+                          memory=choice_value(MEMORY_CHOICES, memory or "auto", "memory"),
+                          memory_budget_gb=float(memory_budget_gb or 0.0))
         node_id = cls.hidden.unique_id
         outcome = train_lora(model, dataset, adapter=adapter, train=train, output_name=output_name,
                              resume=resume or "off", distributed=distributed, eval_dataset=eval_dataset,

@@ -138,6 +138,10 @@ def watch_run(process: TrainerProcess, on_event: Callable[[dict], None], check_i
                 result.adapter_path = event.get("adapter") or ""
             elif kind == "error":
                 error_event = event
+            elif kind == "started" and isinstance(event.get("memory_plan"), dict):
+                log.info("InGraph Trainer: run %s: %s", process.run_dir.name, event["memory_plan"].get("summary"))
+            elif kind == "log" and event.get("level") in ("warning", "error"):
+                log.warning("InGraph Trainer: run %s: %s", process.run_dir.name, event.get("message"))
             on_event(event)
 
     try:

@@ -99,7 +99,6 @@ def _one_step_saved_bytes(family, savers: bool, latent_hw: tuple[int, int], monk
     saves, so that hook's kept tensors are counted too."""
     from ingraph_trainer.trainer import memory
     from ingraph_trainer.trainer.adapters import inject_adapter
-    from ingraph_trainer.trainer.config import RunSpec
     from ingraph_trainer.trainer.models import Batch
     torch.manual_seed(0)
     params = inject_adapter(family.diffusion_model, family.adapter_targets("attention_ff"), "lora", 4, 4.0, 0.0)
@@ -107,7 +106,7 @@ def _one_step_saved_bytes(family, savers: bool, latent_hw: tuple[int, int], monk
         torch.nn.init.normal_(p, std=0.05)
     family.prepare_for_training()
     if savers:
-        memory.memory_savers(family, RunSpec())
+        memory.memory_savers(family, False, 0)
     g = torch.Generator().manual_seed(1)
     latents = torch.randn(2, 4, *latent_hw, generator=g)
     batch = Batch(latents, torch.randn(2, 77, 768, generator=g), None, torch.randn(latents.shape, generator=g),

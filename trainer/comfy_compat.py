@@ -259,6 +259,24 @@ def torch_device():
     return comfy.model_management.get_torch_device()
 
 
+@contextlib.contextmanager
+def free_memory_answers_for(asked, answer):
+    """Within: ComfyUI's free-memory query about device `asked` answers for device `answer` (the memory plan's
+    meta pass: ComfyUI chooses how to split attention by the free memory it is told)."""
+    import comfy.model_management as mm
+    real = mm.get_free_memory
+
+    def free_memory(dev=None, *args, **kwargs):
+        if dev is not None and getattr(dev, "type", dev) == asked.type:
+            dev = answer
+        return real(dev, *args, **kwargs)
+    mm.get_free_memory = free_memory
+    try:
+        yield
+    finally:
+        mm.get_free_memory = real
+
+
 def load_tensors(path: str) -> dict:
     """A .safetensors (or pickle-free .pt) file's tensors, read as ComfyUI's loaders read them."""
     import comfy.utils

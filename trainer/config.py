@@ -111,6 +111,12 @@ TIMESTEP_SAMPLING_CHOICES = (
     Choice("uniform", "uniform", "every noise level equally often."),
     Choice("logit_normal", "logit-normal", "more steps at mid noise (SD3's; train.logit_mean, train.logit_std)."),
 )
+MEMORY_CHOICES = (
+    Choice("auto", "auto", "the memory plan turns on gradient checkpointing, then block swap, only where the run "
+           "would not fit the device's free memory; a run nothing fits is refused before it starts."),
+    Choice("manual", "manual", "the settings as given; where the plan says they will not fit, the node warns and "
+           "the run starts anyway."),
+)
 
 TARGET_PRESETS = choice_values(TARGET_CHOICES)
 ADAPTER_KINDS = choice_values(ADAPTER_KIND_CHOICES)  # full: every weight of the diffusion model trains
@@ -119,6 +125,7 @@ OPTIMIZERS = choice_values(OPTIMIZER_CHOICES)
 SCHEDULES = choice_values(SCHEDULE_CHOICES)
 PRECISIONS = choice_values(PRECISION_CHOICES)
 LOSSES = choice_values(LOSS_CHOICES)
+MEMORY_MODES = choice_values(MEMORY_CHOICES)
 OUTPUT_WEIGHTS = choice_values(OUTPUT_WEIGHTS_CHOICES)
 PREDICTIONS = ("auto", "epsilon", "v_prediction", "flow")
 TIMESTEP_SAMPLING = choice_values(TIMESTEP_SAMPLING_CHOICES)
@@ -192,6 +199,10 @@ class TrainSpec:
     warmup_steps: int = 0
     precision: str = "bf16"
     gradient_checkpointing: bool = False
+    # "auto": the memory plan turns on checkpointing and block swap where the run would not fit the device, and
+    # refuses a run nothing fits (trainer/memory_plan.py); "manual": the settings as given, a warning at most
+    memory: str = "auto"
+    memory_budget_gb: float = 0.0  # the device memory a run may fill; 0: the device's free memory
     max_grad_norm: float = 1.0
     loss: str = "mse"  # or "huber" (robust to outliers); evaluation always uses MSE
     huber_delta: float = 0.1  # where the Huber loss turns from quadratic to linear
@@ -460,6 +471,9 @@ class RunSpec:
              f"must be a positive number (got {t.flow_shift})")
         need(t.guidance >= 0, "train.guidance", f"must be 0 or more (got {t.guidance})")
         need(t.precision in PRECISIONS, "train.precision", f"must be one of {PRECISIONS} (got {t.precision!r})")
+        need(t.memory in MEMORY_MODES, "train.memory", f"must be one of {MEMORY_MODES} (got {t.memory!r})")
+        need(t.memory_budget_gb >= 0 and math.isfinite(t.memory_budget_gb), "train.memory_budget_gb",
+             f"must be 0 (the device's free memory) or more (got {t.memory_budget_gb})")
         need(t.save_every >= 0, "train.save_every", f"must be 0 or more (got {t.save_every})")
         need(t.keep_last >= 0, "train.keep_last", f"must be 0 (keep all) or more (got {t.keep_last})")
         for where, weights in (("model.path", self.model.path), ("adapter.init_from", a.init_from),

@@ -23,16 +23,12 @@ from .export import diffusers_module_names
 from .layouts import choose_engine, choose_layout
 from .memory import enable_block_swap, load_peak, memory_savers
 from .metrics import HealthLog, param_norm, param_norm_due
-from .models import PRECISION_DTYPES, load_family
+from .memory_plan import low_precision_dtype, plan_memory
+from .models import load_family
 from .optim import averaged_weights, build_optimizer, build_scheduler
 from .result import write_result
 from .run_control import RunControl, TrainingTask
 from .sampling import PreviewSampler
-
-
-def low_precision_dtype(precision: str):
-    """The dtype the engine casts the model to (bf16, fp16); None for fp32."""
-    return None if precision == "fp32" else getattr(torch, PRECISION_DTYPES[precision])
 
 
 class TrainingDiverged(RuntimeError):
@@ -92,7 +88,10 @@ class Trainer(TrainingTask):
                                      diffusers_module_names(family.base_model))
         self.build_s["adapter"] = time.perf_counter() - began - sum(self.build_s.values())
         deepspeed = choose_engine(spec)  # before the model: pipeline stages need the process group
-        swapped_blocks = memory_savers(family, spec)
+        # before anything reaches the device: "auto"'s checkpointing and block swap, or the run refused
+        self.memory_plan = plan_memory(spec, family, self.dataset, training_device(), data_parallel_size(spec),
+                                       self.log)
+        swapped_blocks = memory_savers(family, self.memory_plan.checkpointing, self.memory_plan.block_swap)
         swap_first = bool(swapped_blocks) and not uses_deepspeed(spec)  # the plain engine leaves them on the host
         if swap_first:
             enable_block_swap(swapped_blocks, training_device(), low_precision_dtype(t.precision))
@@ -150,7 +149,7 @@ class Trainer(TrainingTask):
                          best_eval_step=self.best.get("step"), best_eval_loss=self.best.get("loss"),
                          mean_step_s=self.control.mean_step_s(),
                          data_wait_s=round(self.data_wait, 4), wall_s=time.time() - self.started_at,
-                         device_memory=device_memory(self.layout.device))
+                         device_memory=device_memory(self.layout.device), host_memory=self.host_memory())
         return adapter
 
     def announce(self, start_step: int, resumed_from):
@@ -160,7 +159,9 @@ class Trainer(TrainingTask):
         self.events.emit("started", run_dir=str(self.run_dir), total=t.steps, start_step=start_step,
                          world_size=world_size(), data_parallel=data_parallel_size(spec), precision=t.precision,
                          device=str(self.layout.device),
-                         pipeline_stages=d.pipeline_stages, block_swap=d.block_swap, family=family.name,
+                         pipeline_stages=d.pipeline_stages, block_swap=self.memory_plan.block_swap,
+                         gradient_checkpointing=self.memory_plan.checkpointing,
+                         memory_plan=self.memory_plan.as_event(), family=family.name,
                          prediction=family.prediction, objective={"loss": t.loss, "min_snr_gamma": t.min_snr_gamma},
                          adapted_modules=len(self.targets), trainable_params=sum(p.numel() for p in self.params),
                          dataset_items=len(self.dataset.unique), samples=len(self.dataset),

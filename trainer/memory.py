@@ -157,18 +157,18 @@ def enable_block_swap(blocks, device, dtype=None):
         block.forward = swapped
 
 
-def memory_savers(family, spec) -> list:
-    """Checkpoints the blocks the spec asks for; returns the blocks to swap (enable_block_swap: before the plain
-    engine moves the model to the device, which leaves them in host memory; after DeepSpeed's engine, which moves
-    everything; swapped blocks are checkpointed by the swap itself)."""
-    t, d = spec.train, spec.distributed
-    blocks = family.checkpoint_blocks() if (t.gradient_checkpointing or d.block_swap) else []
-    if d.block_swap > len(blocks):
-        raise ValueError(f"distributed.block_swap: this model has {len(blocks)} blocks (got {d.block_swap})")
-    if t.gradient_checkpointing:
-        enable_gradient_checkpointing(blocks[d.block_swap:])
+def memory_savers(family, checkpointing: bool, block_swap: int) -> list:
+    """Checkpoints the blocks asked for (the memory plan's choice, memory_plan.plan_memory); returns the blocks to
+    swap (enable_block_swap: before the plain engine moves the model to the device, which leaves them in host
+    memory; after DeepSpeed's engine, which moves everything; swapped blocks are checkpointed by the swap
+    itself). The memory plan assumes this order: the first `block_swap` blocks swapped, the rest checkpointed."""
+    blocks = family.checkpoint_blocks() if (checkpointing or block_swap) else []
+    if block_swap > len(blocks):
+        raise ValueError(f"distributed.block_swap: this model has {len(blocks)} blocks (got {block_swap})")
+    if checkpointing:
+        enable_gradient_checkpointing(blocks[block_swap:])
     keep_fp8_weights_for_backward(family.diffusion_model, skip=blocks)
-    return blocks[:d.block_swap]
+    return blocks[:block_swap]
 
 
 def checkpointed_with_fp8_kept(family, checkpointing: bool) -> None:

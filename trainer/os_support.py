@@ -100,6 +100,15 @@ def host_memory() -> tuple[int | None, int | None]:
     return found.get("VmRSS"), found.get("VmHWM")
 
 
+def available_memory() -> int | None:
+    """RAM the system can give without swapping (Linux's MemAvailable, Windows' available physical memory)."""
+    try:
+        import psutil  # a ComfyUI requirement
+        return int(psutil.virtual_memory().available)
+    except (ImportError, OSError):
+        return None
+
+
 def restart_memory_peak() -> None:
     """Restarts host_memory's peak where the system allows it (Linux: clear_refs 5)."""
     if windows():

@@ -31,6 +31,19 @@ class TrainingTask:
         raise NotImplementedError
 
     step_in_flight = 0  # the step being taken (0: while building), for the out-of-memory message
+    load_memory: dict = {}  # memory.load_peak's report of the model's load
+
+    def log(self, level: str, message: str) -> None:
+        self.events.emit("log", level=level, message=message)
+
+    def host_memory(self) -> dict:
+        """The run's host memory: the resident bytes when the model's load began and the peak since (the memory
+        plan's measurement on a CPU is their difference)."""
+        from .os_support import host_memory
+        before, peak = self.load_memory.get("rss_before"), host_memory()[1]
+        if before is None or peak is None:
+            return {}
+        return {"rss_before_load": before, "peak": peak, "rise": peak - before}
 
     def run(self):
         import torch

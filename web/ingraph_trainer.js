@@ -42,6 +42,7 @@ export class Panel {
       </div>
       <canvas data-role="chart" data-points="0" data-evals="0" data-fake="0" data-drawn="0" style="width:100%;flex:1;min-height:90px;background:#151518;border-radius:4px"></canvas>
       <div data-role="state" style="color:#aaa;white-space:nowrap;overflow:hidden;text-overflow:ellipsis"></div>
+      <div data-role="plan" style="color:#888;font-size:11px;white-space:nowrap;overflow:hidden;text-overflow:ellipsis"></div>
       <div data-role="samples" style="display:flex;gap:4px;overflow-x:auto"></div>`;
     this.$ = (role) => el.querySelector(`[data-role="${role}"]`);
     this.$("stop").addEventListener("click", () => this.stop());
@@ -56,6 +57,7 @@ export class Panel {
     this.loss.clear(); this.smooth.clear(); this.evals.clear(); this.smoother.clear(); this.fake.clear();
     this.samples = []; // [{key, src, title}] newest last
     this.message = ""; this.stepText = "starting";
+    this.plan = ""; // the memory plan of the run (its started event): what the device holds at the peak
     this.latest = null; // the newest step event
     this.invalidate();
   }
@@ -82,6 +84,7 @@ export class Panel {
       case "started":
         this.state = "running"; this.total = event.total;
         this.message = `run ${runId}` + (event.resumed_from ? ` (resumed at step ${event.start_step})` : "");
+        this.plan = typeof event.memory_plan?.summary === "string" ? event.memory_plan.summary : "";
         break;
       case "step": {
         if (typeof event.step !== "number" || (this.lastStep != null && event.step <= this.lastStep)) break; // replayed already
@@ -151,6 +154,7 @@ export class Panel {
     }
     this.$("fake-stat").style.display = this.latest && "fake_loss" in this.latest ? "" : "none";
     this.$("state").textContent = this.message;
+    this.$("plan").textContent = this.plan; this.$("plan").title = this.plan;
     const stop = this.$("stop");
     stop.disabled = this.state !== "running";
     stop.style.opacity = stop.disabled ? "0.4" : "1";

@@ -34,8 +34,8 @@ class SDUNetFamily(ModelFamily):
     def checkpoint_blocks(self):
         # ComfyUI's forward_timestep_embed calls a block's layers one by one, never the block's own forward
         unet = self.diffusion_model
-        return [layer for block in (*unet.input_blocks, *(unet.middle_block or []), *unet.output_blocks)
-                for layer in block]
+        middle = [unet.middle_block] if unet.middle_block is not None else []  # one block: a list of layers
+        return [layer for block in (*unet.input_blocks, *middle, *unet.output_blocks) for layer in block]
 
     def pipeline_layers(self):
         unet = self.diffusion_model

@@ -1,0 +1,118 @@
+"""Issue 30's memory plan: the activations it measures on the meta device are what autograd really saves, "auto"
+turns on checkpointing where the run would not fit its budget (and its measured peak then fits), a run that
+nothing fits is refused before its first step naming the numbers, and "manual" warns and runs."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, read_events, run_trainer
+from test_fp8 import tiny_unet  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.comfyui
+
+ONE_QUANTILE = dict(train__eval_quantiles=[0.5], train__eval_items=1)
+GiB = 2 ** 30
+
+
+@pytest.mark.parametrize("latent_hw", [(16, 16), (24, 16)])
+def test_the_meta_pass_counts_exactly_what_a_real_forward_saves(tiny_unet, latent_hw):  # noqa: F811
+    """The plan's activations come from a forward pass on the meta device (no memory). The same pass on real
+    tensors, with an adapter, saves those bytes for backward (weights apart), block by block."""
+    sys.path.insert(0, str(REPO))
+    from tools.prepare_run import _bootstrap
+    _bootstrap()
+    from ingraph_trainer.trainer.adapters import inject_adapter
+    from ingraph_trainer.trainer.config import ModelSpec
+    from ingraph_trainer.trainer.memory_plan import activation_profile
+    from ingraph_trainer.trainer.models import Batch, load_family
+    family = load_family(ModelSpec(path=str(tiny_unet)), precision="bf16")
+    torch.manual_seed(0)
+    inject_adapter(family.diffusion_model, family.adapter_targets("attention_ff"), "lora", 4, 4.0, 0.0)
+    family.prepare_for_training()
+    g = torch.Generator().manual_seed(1)
+    latents = torch.randn(2, 4, *latent_hw, generator=g)
+    batch = Batch(latents, torch.randn(2, 77, 768, generator=g), None, torch.randn(latents.shape, generator=g),
+                  torch.tensor([0.3, 0.7]))
+    with torch.no_grad():
+        inputs = family.model_inputs(batch)
+    blocks = family.checkpoint_blocks()
+    profile = activation_profile(family, inputs, blocks, torch.bfloat16, torch.device("cpu"))
+
+    weights = {p.untyped_storage().data_ptr() for p in family.diffusion_model.parameters()}
+    saved, current, kept = {}, [None], []  # kept: no saved storage is freed and its address reused meanwhile
+    index = {id(b): i for i, b in enumerate(blocks)}
+    hooks = [b.register_forward_pre_hook(lambda m, a: current.__setitem__(0, index[id(m)])) for b in blocks]
+    hooks += [b.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)) for b in blocks]
+
+    def count(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in weights and key not in saved:
+            saved[key] = (t.untyped_storage().nbytes(), current[0])
+            kept.append(t)
+        return t
+    x, timestep, kwargs = inputs
+    with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+        family.diffusion_model(x.to(torch.bfloat16), timestep, transformer_options={}, **kwargs)
+    for hook in hooks:
+        hook.remove()
+    per_block = [sum(size for size, b in saved.values() if b == i) for i in range(len(blocks))]
+    outside = sum(size for size, b in saved.values() if b is None)
+    assert sum(per_block) > 0 and len(blocks) > 4  # the precondition: blocks that save something
+    # the same tensors; a layer norm's fp32 statistics are the one difference seen: ATen's CPU kernel gives them
+    # a storage of half the size their shape has on the meta device (1 KB against 2 KB per norm)
+    assert len(profile.saved) == len(per_block)
+    assert all(abs(m - r) <= 0.005 * r + 8192 for m, r in zip(profile.saved, per_block)), (profile.saved, per_block)
+    assert abs(profile.outside - outside) <= 0.005 * outside + 8192, (profile.outside, outside)
+    assert all(n > 0 for n in profile.inputs)
+
+
+def _plan_run(prepared, **overrides):
+    spec = prepared(train__steps=2, train__precision="fp32", adapter__rank=4, **ONE_QUANTILE, **overrides)
+    proc = run_trainer(spec)
+    events = read_events(spec.parent)
+    return proc, events, spec
+
+
+def test_auto_checkpoints_to_fit_a_budget_manual_warns_and_nothing_fitting_is_refused(prepared):
+    """Three runs of one tiny model on simulated budgets (train.memory_budget_gb):
+    - "manual" on a budget far too small: a warning naming the numbers, then the run as given, which finishes;
+    - "auto" on a budget just under that plan: gradient checkpointing is turned on (the started event and a log
+      line say so), and the run's measured peak above its baseline fits the budget;
+    - "auto" on a budget nothing fits: refused before any step, the error naming the need, the budget and what
+      would fit."""
+    proc, events, _ = _plan_run(prepared, train__memory="manual", train__memory_budget_gb=0.01)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (started,) = [e for e in events if e["type"] == "started"]
+    plan = started["memory_plan"]
+    assert started["gradient_checkpointing"] is False and plan["gradient_checkpointing"] is False
+    warnings = [e["message"] for e in events if e["type"] == "log" and e["level"] == "warning"]
+    assert any(m.startswith("not enough memory: the run needs") and "0.0 GiB may be used" in m for m in warnings), \
+        warnings
+    given = plan["host_peak"]
+    measured_given = next(e for e in events if e["type"] == "finished")["host_memory"]["rise"]
+
+    budget_gb = (given - 1) / GiB
+    proc, events, _ = _plan_run(prepared, train__memory_budget_gb=budget_gb)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (started,) = [e for e in events if e["type"] == "started"]
+    assert started["gradient_checkpointing"] is True, started["memory_plan"]
+    assert started["memory_plan"]["host_peak"] <= budget_gb * GiB < given
+    notes = [e["message"] for e in events if e["type"] == "log"]
+    assert any(m.startswith("memory auto: gradient checkpointing on") for m in notes), notes
+    measured = next(e for e in events if e["type"] == "finished")["host_memory"]["rise"]
+    print(f"\nplan as given {given / 2**20:.1f} MiB (measured {measured_given / 2**20:.1f}); auto with checkpointing "
+          f"{started['memory_plan']['host_peak'] / 2**20:.1f} MiB (measured {measured / 2**20:.1f}) on a budget of "
+          f"{budget_gb * 1024:.1f} MiB")
+    assert measured <= budget_gb * GiB
+
+    proc, events, _ = _plan_run(prepared, train__memory_budget_gb=0.01)
+    assert proc.returncode != 0
+    assert not [e for e in events if e["type"] in ("started", "step")]
+    (error,) = [e for e in events if e["type"] == "error"]
+    assert error["message"].startswith("MemoryPlanRefused: not enough memory: the run needs "), error["message"]
+    assert "GiB on the CPU" in error["message"] and "0.0 GiB may be used: " in error["message"]
+    assert "turn on gradient_checkpointing" not in error["message"]  # auto already tried it
+    assert "Nothing was moved to the device" in error["message"]

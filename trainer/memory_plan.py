@@ -1,0 +1,391 @@
+"""The memory plan: a run's peak device memory and host RAM, predicted before the engine puts anything on the
+device, from the model's own modules and one forward pass run on the meta device (shapes only, no memory, about
+a second for SD1.5); the settings "auto" chooses to fit; and the refusal, naming the numbers, when nothing does.
+
+What a step holds at its peak, the way the trainer lays it out:
+- the frozen weights that stay on the device, in the precision the engine gives them (fp8 stays fp8), plus, with
+  block swap, the swapped block on its visit (its frozen weights live in host memory);
+- the trained weights, their gradients, the optimizer's fp32 master copies (bf16 and fp16 training) and its
+  state (per optimizer, OPTIMIZER_STATE_BYTES);
+- the activations autograd saves, measured per block on the meta device at the largest item's size and the
+  micro-batch: with checkpointing, a checkpointed block keeps only its inputs, and one block's activations live
+  again while the backward pass recomputes it;
+- the backward pass's working set: the gradients of one block's activations while they flow through it
+  (calibrated against measured peaks, bench/memory_plan.py).
+A weight handed to a matmul or convolution (a parameter, or ComfyUI's cast copy of an fp8 one, which
+memory.keep_fp8_weights_for_backward does not keep) is a weight, never an activation.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+GiB = 2 ** 30
+
+
+def low_precision_dtype(precision: str):
+    """The dtype the engine casts the model to (bf16, fp16); None for fp32."""
+    from .models import PRECISION_DTYPES
+    return None if precision == "fp32" else getattr(torch, PRECISION_DTYPES[precision])
+
+# bytes of optimizer state per trained parameter (fp32 moments; 8-bit AdamW's two 1-byte moments; the factored
+# optimizers keep one fp32 moment and row/column statistics, which are small)
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2, "prodigy": 16, "adafactor": 4, "came": 4, "lion": 4,
+                         "adamw_schedulefree": 8}
+MARGIN = 0.9  # of the free memory, a plan may use (the allocator's fragmentation, the CUDA context's growth)
+# x the largest block's saved activations: the gradients flowing back through it and the block's own scratch
+# (fitted on the full SD1.5 UNet at 512 px with and without checkpointing, bench/memory_plan.py)
+BACKWARD_WORKING_SET = 2.5
+HOST_RUNTIME = 128 * 2 ** 20  # a CPU run's own allocations beside the model's (the dataset, autograd's records)
+
+
+@dataclass
+class ActivationProfile:
+    """What one forward pass saves for backward, in bytes: outside the blocks, and per block (its saved
+    activations, and the inputs it is called with: all a checkpointed block keeps)."""
+    outside: int
+    saved: list[int]
+    inputs: list[int]
+    loss: int = 0  # the loss's own tensors (the output, its target and their difference, in fp32)
+
+    def held(self, checkpointed: int) -> int:
+        """Saved bytes at the end of the forward pass with blocks [swap:] ... checkpointed: the first
+        `checkpointed` entries of the block list keep their inputs only."""
+        kept = sum(self.inputs[:checkpointed]) + sum(self.saved[checkpointed:])
+        return self.outside + self.loss + kept
+
+    def recomputed(self, checkpointed: int) -> int:
+        """The largest block's activations alive again in backward (checkpointed blocks only)."""
+        return max(self.saved[:checkpointed], default=0)
+
+    def working_set(self) -> int:
+        return int(BACKWARD_WORKING_SET * max(self.saved, default=0))
+
+
+@dataclass
+class MemoryPlan:
+    device: str  # "cuda" or "cpu"
+    checkpointing: bool
+    block_swap: int
+    parts: dict  # name -> bytes on the device at the peak
+    host_parts: dict  # name -> bytes of host RAM the run holds besides (swapped weights)
+    budget: int | None  # bytes the device may hold (free memory x MARGIN, or the spec's budget); None: unknown
+    notes: list = field(default_factory=list)
+
+    @property
+    def device_peak(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def host_peak(self) -> int:
+        """On a CPU the device is the host: everything counts once."""
+        return sum(self.host_parts.values()) + (self.device_peak if self.device == "cpu" else 0)
+
+    @property
+    def peak(self) -> int:
+        """What the budget bounds: the device's peak; on a CPU, everything the run holds."""
+        return self.host_peak if self.device == "cpu" else self.device_peak
+
+    def fits(self) -> bool:
+        return self.budget is None or self.peak <= self.budget
+
+    def summary(self) -> str:
+        where = "GPU" if self.device == "cuda" else "CPU"
+        parts = ", ".join(f"{name} {size / GiB:.2f}" for name, size in self.parts.items() if size)
+        budget = f" of {self.budget / GiB:.2f} GiB allowed" if self.budget is not None else ""
+        swapped = f"; {self.host_parts.get('swapped weights', 0) / GiB:.2f} GiB of weights swapped to host " \
+                  f"memory ({self.block_swap} blocks)" if self.block_swap else ""
+        return (f"memory plan: {self.peak / GiB:.2f} GiB on the {where}{budget} ({parts} GiB); "
+                f"gradient checkpointing {'on' if self.checkpointing else 'off'}{swapped}")
+
+    def as_event(self) -> dict:
+        return {"summary": self.summary(), "device": self.device, "device_peak": self.device_peak, "host_peak": self.host_peak,
+                "budget": self.budget, "parts": dict(self.parts), "host_parts": dict(self.host_parts),
+                "gradient_checkpointing": self.checkpointing, "block_swap": self.block_swap}
+
+
+class MemoryPlanRefused(ValueError):
+    """The run needs more memory than the device (or the spec's budget) has, with every setting it may change."""
+
+
+def _storage_key(t: torch.Tensor):
+    return t.untyped_storage()._cdata  # one StorageImpl per storage, on meta too (where data_ptr is 0)
+
+
+class _WeightOperands(torch.overrides.TorchFunctionMode):
+    """Notes the storage of every weight a matmul or convolution is handed (see memory._WeightArguments)."""
+
+    def __init__(self, keys: set):
+        super().__init__()
+        self.keys = keys
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from .memory import _WEIGHTED_OPS
+        kwargs = kwargs or {}
+        if func in _WEIGHTED_OPS:
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            if isinstance(weight, torch.Tensor):
+                self.keys.add(_storage_key(weight))
+        return func(*args, **kwargs)
+
+
+def _meta(value):
+    if isinstance(value, torch.Tensor):
+        return torch.empty_like(value, device="meta").requires_grad_(value.requires_grad)
+    if isinstance(value, dict):
+        return {k: _meta(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_meta(v) for v in value)
+    return value
+
+
+def _tensor_bytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+@contextlib.contextmanager
+def _attention_as_on(device):
+    """ComfyUI picks its attention split by the device's free memory; on the meta device it would ask CUDA.
+    Within: the meta device's free memory is the training device's, so the meta pass takes the same path."""
+    from .comfy_compat import free_memory_answers_for
+    with free_memory_answers_for(torch.device("meta"), device):
+        yield
+
+
+def activation_profile(family, model_inputs, blocks, compute_dtype, device) -> ActivationProfile:
+    """Runs the diffusion model once on the meta device with these inputs (x, timestep, kwargs, as
+    family.model_inputs makes them) and the trained/frozen pattern of the real weights, in `compute_dtype`
+    (the engine's precision; fp8 and integer weights stay as they are), counting what autograd saves."""
+    model = family.diffusion_model
+    weights = {}
+    for name, p in [*model.named_parameters(), *model.named_buffers()]:
+        dtype = compute_dtype if (compute_dtype is not None and p.is_floating_point() and p.element_size() > 1) \
+            else p.dtype
+        weights[name] = torch.empty(p.shape, dtype=dtype, device="meta").requires_grad_(p.requires_grad)
+    weight_keys = {_storage_key(t) for t in weights.values()}
+    saved: dict = {}  # storage -> (bytes, block index or None)
+    current = [None]
+    inputs = [0] * len(blocks)
+
+    def pack(t):
+        key = _storage_key(t)
+        if key not in saved:
+            saved[key] = (t.untyped_storage().nbytes(), current[0])
+        return t
+
+    hooks = []
+    for i, block in enumerate(blocks):
+        def enter(module, args, kwargs, _i=i):
+            current[0] = _i
+            inputs[_i] = max(inputs[_i], _tensor_bytes(args) + _tensor_bytes(kwargs))
+
+        def leave(module, args, output):
+            current[0] = None
+        hooks.append(block.register_forward_pre_hook(enter, with_kwargs=True))
+        hooks.append(block.register_forward_hook(leave))
+    x, timestep, kwargs = _meta(model_inputs)
+    if compute_dtype is not None and x.is_floating_point():
+        x = x.to(compute_dtype)
+    operands: set = set()
+    try:
+        with _attention_as_on(device), _WeightOperands(operands), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = torch.func.functional_call(model, weights, (x, timestep), {"transformer_options": {}, **kwargs},
+                                             strict=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    per_block = [0] * len(blocks)
+    outside = 0
+    for key, (size, block) in saved.items():
+        if key in weight_keys or key in operands:
+            continue
+        if block is None:
+            outside += size
+        else:
+            per_block[block] += size
+    return ActivationProfile(outside, per_block, inputs, loss=3 * out.numel() * 4)
+
+
+def _held_bytes(tensor: torch.Tensor, compute_dtype) -> int:
+    """A frozen tensor's bytes once the engine has cast it (floats wider than a byte to the training precision;
+    fp8, integers and ComfyUI's quantized layouts stay as they are)."""
+    from .comfy_compat import is_quantized, tensor_bytes
+    if is_quantized(tensor):
+        return tensor_bytes(tensor)
+    if compute_dtype is not None and tensor.is_floating_point() and tensor.element_size() > 1:
+        return tensor.numel() * torch.empty((), dtype=compute_dtype).element_size()
+    return tensor.numel() * tensor.element_size()
+
+
+@dataclass
+class ModelBytes:
+    frozen: int  # frozen weights and buffers, as the engine holds them
+    frozen_per_block: list[int]  # of the checkpoint blocks, in order
+    trained: int  # trained parameters (numel x their dtype once cast)
+    trained_count: int
+
+
+def model_bytes(model, blocks, compute_dtype) -> ModelBytes:
+    seen = set()
+
+    def frozen_in(module) -> int:
+        total = 0
+        for t in [*module.parameters(), *module.buffers()]:
+            key = _storage_key(t)
+            if t.requires_grad or key in seen:
+                continue
+            seen.add(key)
+            total += _held_bytes(t, compute_dtype)
+        return total
+    per_block = [frozen_in(block) for block in blocks]
+    rest = frozen_in(model)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    element = torch.empty((), dtype=compute_dtype).element_size() if compute_dtype is not None else None
+    trained_bytes = sum(p.numel() * (element or p.element_size()) for p in trained)
+    return ModelBytes(rest + sum(per_block), per_block, trained_bytes, sum(p.numel() for p in trained))
+
+
+def plan_for(spec, weights: ModelBytes, profile: ActivationProfile, checkpointing: bool, block_swap: int,
+             device_type: str, budget: int | None) -> MemoryPlan:
+    t = spec.train
+    low_precision = t.precision in ("bf16", "fp16")
+    n = len(profile.saved)
+    swapped = sum(weights.frozen_per_block[:block_swap])
+    checkpointed = n if checkpointing else block_swap  # swapped blocks are checkpointed by the swap itself
+    # the checkpointed blocks are the first ones (memory_savers checkpoints blocks[swap:], swaps blocks[:swap])
+    parts = {
+        "weights": weights.frozen - (swapped if device_type == "cuda" else 0),
+        "swapped block": 2 * max(weights.frozen_per_block[:block_swap], default=0) if device_type == "cuda" else 0,
+        "trained": weights.trained,
+        "gradients": weights.trained,
+        "master weights": 4 * weights.trained_count if low_precision else 0,
+        "optimizer": OPTIMIZER_STATE_BYTES.get(t.optimizer, 8) * weights.trained_count,
+        "activations": profile.held(checkpointed) + profile.recomputed(checkpointed),
+        "backward": profile.working_set(),
+    }
+    host = {"swapped weights": swapped} if device_type == "cuda" else {"runtime": HOST_RUNTIME}
+    return MemoryPlan(device_type, checkpointing, block_swap, parts, host, budget)
+
+
+def swap_allowed(spec) -> bool:
+    """Where block swap may be chosen (the spec's own rules: adapter training, one stage, ZeRO at most 2)."""
+    d = spec.distributed
+    return spec.adapter.kind != "full" and d.pipeline_stages <= 1 and d.zero_stage <= 2
+
+
+def choose(spec, weights: ModelBytes, profile: ActivationProfile, device_type: str, budget: int | None):
+    """The plan of the spec's own settings ("manual"), or ("auto") the cheapest in speed that fits the budget:
+    as given, then with checkpointing, then with checkpointing and 1, 2, ... swapped blocks (on a GPU). With
+    nothing fitting, the plan of the most frugal setting tried, so the refusal can say what it would need."""
+    t, d = spec.train, spec.distributed
+    given = plan_for(spec, weights, profile, t.gradient_checkpointing, d.block_swap, device_type, budget)
+    if t.memory != "auto" or given.fits():
+        return given
+    tried = [plan_for(spec, weights, profile, True, d.block_swap, device_type, budget)]
+    if device_type == "cuda" and swap_allowed(spec):
+        tried += [plan_for(spec, weights, profile, True, k, device_type, budget)
+                  for k in range(d.block_swap + 1, len(profile.saved) + 1)]
+    for plan in tried:
+        if plan.fits():
+            plan.notes.append(f"memory auto: gradient checkpointing on"
+                              + (f", block_swap {plan.block_swap}" if plan.block_swap != d.block_swap else "")
+                              + f" (as given the run needs {given.peak / GiB:.2f} GiB)")
+            return plan
+    return min(tried, key=lambda p: p.peak)
+
+
+def refusal(spec, plan: MemoryPlan, weights: ModelBytes, profile: ActivationProfile) -> str:
+    """"needs X GiB on the GPU; Y GiB is free (budget): <what would fit>"."""
+    from .memory import memory_suggestions
+    where = "GPU" if plan.device == "cuda" else "CPU"
+    what = [s for s in memory_suggestions(spec)
+            if "block_swap" not in s and not (plan.checkpointing and "gradient_checkpointing" in s)]
+    if plan.device == "cuda" and swap_allowed(spec):
+        more = [k for k in range(len(profile.saved) + 1)
+                if plan_for(spec, weights, profile, True, k, plan.device, plan.budget).fits()]
+        if more:
+            what.insert(0, f"set gradient_checkpointing on and block_swap to {more[0]} or more")
+    return (f"not enough memory: the run needs {plan.peak / GiB:.1f} GiB on the {where} "
+            f"({', '.join(f'{k} {v / GiB:.1f}' for k, v in plan.parts.items() if v)} GiB) and "
+            f"{plan.budget / GiB:.1f} GiB may be used: " + "; or ".join(what) + ". Nothing was moved to the "
+            "device; memory 'manual' runs the settings as given.")
+
+
+def device_budget(spec, device, held: int) -> int | None:
+    """The bytes the plan may fill: train.memory_budget_gb where set (tests simulate a card with it); else the
+    device's free memory x MARGIN; on a CPU the RAM available now x MARGIN plus `held`, what this process already
+    holds of the model (the plan counts the loaded weights)."""
+    if spec.train.memory_budget_gb:
+        return int(spec.train.memory_budget_gb * GiB)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * MARGIN)
+    from .os_support import available_memory
+    available = available_memory()
+    return None if available is None else int(available * MARGIN) + held
+
+
+def largest_item_inputs(family, dataset, batch_size: int):
+    """family.model_inputs of a micro-batch of the dataset's largest item (by latent size), repeated: the
+    step whose activations are largest. No random draw is made (the run's streams stay as they are)."""
+    from .batch_mix import training_batch
+    from .models import Batch
+    sizes = [torch.Size(b).numel() for b in dataset.buckets]
+    largest = max(range(len(sizes)), key=sizes.__getitem__)
+    b = training_batch(dataset, [largest] * batch_size)
+    zeros = torch.zeros_like(b.latents)
+    batch = Batch(b.latents, b.cond, b.pooled, zeros, torch.full((batch_size,), 0.5), b.mask,
+                  b.references, b.text_mask)
+    with torch.no_grad():
+        return family.model_inputs(batch)
+
+
+def plan_memory(spec, family, dataset, device, data_parallel: int, log) -> MemoryPlan:
+    """The run's memory plan, with "auto"'s choice of checkpointing and block swap; refuses (MemoryPlanRefused)
+    an "auto" run nothing fits, and warns of a "manual" one. `log(level, message)` reports "auto"'s choices and the
+    warnings to the node; the plan itself goes out in the started event (as_event)."""
+    t, d = spec.train, spec.distributed
+    compute_dtype = low_precision_dtype(t.precision)
+    blocks = family.checkpoint_blocks()
+    weights = model_bytes(family.diffusion_model, blocks, compute_dtype)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            profile = activation_profile(family, largest_item_inputs(family, dataset, t.batch_size), blocks,
+                                         compute_dtype, device)
+    except Exception as e:  # a model whose forward the meta device cannot run: plan the weights alone
+        log("warning", f"memory plan: activations not measured ({type(e).__name__}: {e}); the plan counts "
+                       f"weights and optimizer state only")
+        profile = ActivationProfile(0, [0] * len(blocks), [0] * len(blocks))
+    weights = _shared_out(weights, d.zero_stage, data_parallel, d.pipeline_stages)
+    budget = device_budget(spec, device, weights.frozen if device.type == "cpu" else 0)
+    plan = choose(spec, weights, profile, device.type, budget)
+    for note in plan.notes:
+        log("info", note)
+    if not plan.fits():
+        message = refusal(spec, plan, weights, profile)
+        if t.memory == "auto":
+            raise MemoryPlanRefused(message)
+        log("warning", message)
+    return plan
+
+
+def _shared_out(weights: ModelBytes, zero_stage: int, data_parallel: int, stages: int) -> ModelBytes:
+    """One process's share: ZeRO-3 partitions the weights over the data-parallel processes, pipeline stages
+    split the blocks (evenly, as an estimate). ZeRO 1 and 2's optimizer and gradient partitions are not
+    modelled: their plan is one process's whole (an overestimate)."""
+    if zero_stage >= 3 and data_parallel > 1:
+        return ModelBytes(weights.frozen // data_parallel, [b // data_parallel for b in weights.frozen_per_block],
+                          weights.trained // data_parallel, weights.trained_count // data_parallel)
+    if stages > 1:
+        return ModelBytes(weights.frozen // stages, weights.frozen_per_block, weights.trained // stages,
+                          weights.trained_count // stages)
+    return weights
