@@ -116,3 +116,45 @@ def test_auto_checkpoints_to_fit_a_budget_manual_warns_and_nothing_fitting_is_re
     assert "GiB on the CPU" in error["message"] and "0.0 GiB may be used: " in error["message"]
     assert "turn on gradient_checkpointing" not in error["message"]  # auto already tried it
     assert "Nothing was moved to the device" in error["message"]
+
+
+def test_on_a_gpu_auto_swaps_the_fewest_blocks_that_fit_and_the_refusal_names_the_count():
+    """The decision on a card, from the plan's figures alone (no GPU here): checkpointing first, then the fewest
+    swapped blocks that fit; "manual" keeps the settings; a budget nothing fits names the swap that would."""
+    from ingraph_trainer.trainer.config import RunSpec
+    from ingraph_trainer.trainer.memory_plan import ActivationProfile, ModelBytes, choose, refusal
+    blocks = 10
+    weights = ModelBytes(frozen=12 * GiB, frozen_per_block=[1 * GiB] * blocks, trained=GiB // 100,
+                         trained_count=GiB // 200)
+    profile = ActivationProfile(outside=GiB // 10, saved=[GiB // 2] * blocks, inputs=[GiB // 50] * blocks)
+    spec = RunSpec()
+    spec.train.precision = "bf16"
+
+    def plan(memory: str, budget_gb: float):
+        spec.train.memory = memory
+        return choose(spec, weights, profile, "cuda", int(budget_gb * GiB))
+    roomy = plan("auto", 40)
+    assert (roomy.checkpointing, roomy.block_swap) == (False, 0) and roomy.fits()
+    checkpointed = plan("auto", roomy.device_peak / GiB - 0.5)
+    assert (checkpointed.checkpointing, checkpointed.block_swap) == (True, 0) and checkpointed.fits()
+    swapped = plan("auto", 10)
+    assert swapped.checkpointing and swapped.fits()
+    assert not plan_fits_with(spec, weights, profile, swapped.block_swap - 1, 10)  # the fewest blocks that fit
+    assert swapped.host_parts["swapped weights"] == swapped.block_swap * GiB
+    manual = plan("manual", 10)
+    assert (manual.checkpointing, manual.block_swap) == (False, 0) and not manual.fits()
+    message = refusal(spec, manual, weights, profile)  # "manual"'s warning
+    assert message.startswith("not enough memory: the run needs ") and "GiB on the GPU" in message, message
+    assert (f"10.0 GiB may be used: set gradient_checkpointing on and block_swap to {swapped.block_swap} or more; "
+            "or set base_precision to fp8") in message, message
+    hopeless = plan("auto", 0.5)
+    assert not hopeless.fits() and "block_swap" not in refusal(spec, hopeless, weights, profile)
+    spec.adapter.kind = "full"  # block swap is for adapter training: auto never picks it, the refusal never names it
+    spec.train.memory = "auto"
+    full = choose(spec, weights, profile, "cuda", 10 * GiB)
+    assert full.block_swap == 0 and "block_swap" not in refusal(spec, full, weights, profile)
+
+
+def plan_fits_with(spec, weights, profile, block_swap: int, budget_gb: float) -> bool:
+    from ingraph_trainer.trainer.memory_plan import plan_for
+    return plan_for(spec, weights, profile, True, block_swap, "cuda", int(budget_gb * GiB)).fits()

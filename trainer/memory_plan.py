@@ -264,7 +264,8 @@ def plan_for(spec, weights: ModelBytes, profile: ActivationProfile, checkpointin
     # the checkpointed blocks are the first ones (memory_savers checkpoints blocks[swap:], swaps blocks[:swap])
     parts = {
         "weights": weights.frozen - (swapped if device_type == "cuda" else 0),
-        "swapped block": 2 * max(weights.frozen_per_block[:block_swap], default=0) if device_type == "cuda" else 0,
+        # the swapped block on its visit (memory.enable_block_swap copies one block in at a time, no prefetch)
+        "swapped block": max(weights.frozen_per_block[:block_swap], default=0) if device_type == "cuda" else 0,
         "trained": weights.trained,
         "gradients": weights.trained,
         "master weights": 4 * weights.trained_count if low_precision else 0,
@@ -307,9 +308,11 @@ def refusal(spec, plan: MemoryPlan, weights: ModelBytes, profile: ActivationProf
     """"needs X GiB on the GPU; Y GiB is free (budget): <what would fit>"."""
     from .memory import memory_suggestions
     where = "GPU" if plan.device == "cuda" else "CPU"
+    checkpointing_fits = plan_for(spec, weights, profile, True, spec.distributed.block_swap, plan.device,
+                                  plan.budget).fits()
     what = [s for s in memory_suggestions(spec)
-            if "block_swap" not in s and not (plan.checkpointing and "gradient_checkpointing" in s)]
-    if plan.device == "cuda" and swap_allowed(spec):
+            if "block_swap" not in s and ("gradient_checkpointing" not in s or checkpointing_fits)]
+    if plan.device == "cuda" and swap_allowed(spec) and not checkpointing_fits:
         more = [k for k in range(len(profile.saved) + 1)
                 if plan_for(spec, weights, profile, True, k, plan.device, plan.budget).fits()]
         if more:
