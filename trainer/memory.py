@@ -53,21 +53,22 @@ _WEIGHTED_OPS = {torch.nn.functional.linear, torch.nn.functional.conv1d, torch.n
                  torch.nn.functional.conv3d}
 
 
-class _WeightArguments(torch.overrides.TorchFunctionMode):
+class WeightArguments(torch.overrides.TorchFunctionMode):
     """Notes the storage of each weight a layer's forward hands to a matmul or convolution: what autograd saves
     from that storage is the weight's cast copy, and nothing else a layer saves (a norm's statistics of the same
-    size, say) can be taken for it."""
+    size, say) can be taken for it. `key`: how a storage is named (its address; the memory plan's meta tensors
+    have none); `frozen_only`: trained weights are left out."""
 
-    def __init__(self, storages: set):
+    def __init__(self, storages: set, key=lambda t: t.untyped_storage().data_ptr(), frozen_only: bool = True):
         super().__init__()
-        self.storages = storages
+        self.storages, self.key, self.frozen_only = storages, key, frozen_only
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _WEIGHTED_OPS:
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
-            if isinstance(weight, torch.Tensor) and not weight.requires_grad:
-                self.storages.add(weight.untyped_storage().data_ptr())
+            if isinstance(weight, torch.Tensor) and not (self.frozen_only and weight.requires_grad):
+                self.storages.add(self.key(weight))
         return func(*args, **kwargs)
 
 
@@ -113,7 +114,7 @@ def keep_fp8_weights_for_backward(model: torch.nn.Module, skip=()) -> int:
             with torch.autograd.graph.saved_tensors_hooks(
                     lambda t: pack_for_backward(_layer, storages, t),
                     lambda saved: saved.tensor() if isinstance(saved, _CastAgain) else saved), \
-                    _WeightArguments(storages):
+                    WeightArguments(storages):
                 return _forward(*args, **kwargs)
         layer.forward = casts_again
         layer._ingraph_casts_again = True

@@ -114,23 +114,6 @@ def _storage_key(t: torch.Tensor):
     return t.untyped_storage()._cdata  # one StorageImpl per storage, on meta too (where data_ptr is 0)
 
 
-class _WeightOperands(torch.overrides.TorchFunctionMode):
-    """Notes the storage of every weight a matmul or convolution is handed (see memory._WeightArguments)."""
-
-    def __init__(self, keys: set):
-        super().__init__()
-        self.keys = keys
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        from .memory import _WEIGHTED_OPS
-        kwargs = kwargs or {}
-        if func in _WEIGHTED_OPS:
-            weight = args[1] if len(args) > 1 else kwargs.get("weight")
-            if isinstance(weight, torch.Tensor):
-                self.keys.add(_storage_key(weight))
-        return func(*args, **kwargs)
-
-
 def _meta(value):
     if isinstance(value, torch.Tensor):
         return torch.empty_like(value, device="meta").requires_grad_(value.requires_grad)
@@ -191,12 +174,13 @@ def activation_profile(family, model_inputs, blocks, compute_dtype, device) -> A
             current[0] = None
         hooks.append(block.register_forward_pre_hook(enter, with_kwargs=True))
         hooks.append(block.register_forward_hook(leave))
+    from .memory import WeightArguments
     x, timestep, kwargs = _meta(model_inputs)
     if compute_dtype is not None and x.is_floating_point():
         x = x.to(compute_dtype)
     operands: set = set()
     try:
-        with _attention_as_on(device), _WeightOperands(operands), \
+        with _attention_as_on(device), WeightArguments(operands, key=_storage_key, frozen_only=False), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = torch.func.functional_call(model, weights, (x, timestep), {"transformer_options": {}, **kwargs},
                                              strict=False)
