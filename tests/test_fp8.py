@@ -92,6 +92,26 @@ def test_fp8_lora_trains_like_bf16_and_loads_onto_comfyuis_fp8_model(prepared, t
     assert len(patched.patches) == runs["fp8"][0]["adapted_modules"] > 0
 
 
+def test_the_evaluate_task_keeps_an_fp8_base_in_fp8_and_evaluates_it_like_bf16(prepared, tiny_unet):
+    """Issue 30: the evaluate task (the Evaluate node's trainer) cast every weight to the training precision, so
+    an fp8 base was evaluated as a bf16 model twice its size (Flux fp8: 24 GB). It now holds the base as training
+    does: fp8 stays fp8, computed in bf16 layer by layer, and the loss is the bf16 base's to a few percent."""
+    specs = {name: prepared(task="evaluate", output__lora_path="", train__precision="bf16",
+                            **ONE_EVAL, **_model_overrides(tiny_unet, weight_dtype))
+             for name, weight_dtype in (("bf16", "default"), ("fp8", "fp8_e4m3fn"))}
+    proc = run_trainers_forked(*specs.values())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = {name: read_events(spec.parent) for name, spec in specs.items()}
+    started = {name: next(e for e in events if e["type"] == "started") for name, events in runs.items()}
+    assert all(s.get("task") == "evaluate" for s in started.values())
+    assert started["fp8"]["base_weight_bytes"] * 2 == started["bf16"]["base_weight_bytes"] > 0
+    loss = {name: next(e for e in events if e["type"] == "eval")["loss"] for name, events in runs.items()}
+    assert abs(loss["fp8"] - loss["bf16"]) <= 0.05 * loss["bf16"], loss
+
+
+ONE_EVAL = dict(train__eval_quantiles=[0.5], train__eval_items=2)
+
+
 def _one_step_saved_bytes(family, savers: bool, latent_hw: tuple[int, int], monkeypatch) -> tuple[int, list]:
     """One LoRA step's saved-tensor bytes (each storage once, as autograd holds it for the backward pass) and the
     adapter's gradients, with the trainer's memory settings applied (the defaults: no checkpointing) or not.

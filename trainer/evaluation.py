@@ -114,6 +114,7 @@ def run_evaluation(spec, events) -> dict:
     from .distributed import init_distributed
     from .training_module import TrainingModule
     from .models import load_family
+    from .plain_engine import hold_in
 
     started = time.time()
     import_comfy()
@@ -128,9 +129,11 @@ def run_evaluation(spec, events) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     from .models import PRECISION_DTYPES
     dtype = getattr(torch, PRECISION_DTYPES[spec.train.precision])
-    module = TrainingModule(family).to(device=device, dtype=dtype)
+    module = TrainingModule(family)
+    hold_in(module, dtype, device)  # an fp8 base stays fp8 (a Module.to(dtype) made Flux fp8 a 24 GB model)
     family.diffusion_model.requires_grad_(False)
     events.emit("started", run_dir=spec.run_dir, total=0, start_step=0, world_size=world_size(), family=family.name,
+                base_weight_bytes=family.base_weight_bytes(),
                 prediction=family.prediction, eval_items=min(spec.train.eval_items, len(dataset.unique)),
                 task="evaluate")
     t = spec.train

@@ -55,6 +55,17 @@ def move_to_device(module: torch.nn.Module, device) -> None:
                 sub._buffers[name] = b.to(device)
 
 
+def hold_in(module: torch.nn.Module, dtype, device) -> None:
+    """The engine's placement of a model: its floating parameters in `dtype` (None: as they are; fp8 and the
+    weights block swap keeps in host memory stay as they are, buffers too), then on `device` (move_to_device).
+    The evaluate task places its model so as well: an fp8 base stays fp8 there, and its numbers are training's."""
+    if dtype is not None:
+        for p in module.parameters():
+            if p.dtype in LOW_PRECISION_CASTABLE and p.dtype != dtype and not getattr(p, "host_resident", False):
+                p.data = p.data.to(dtype)
+    move_to_device(module, device)
+
+
 class PlainEngine:
     def __init__(self, module: torch.nn.Module, optimizer, scheduler, config: dict):
         from .device import training_device
@@ -69,12 +80,7 @@ class PlainEngine:
         self.enable_backward_allreduce = True  # as DeepSpeed's: off, a layout that fills gradients itself
         self._global_grad_norm = None
         self._params = list(module.parameters())
-        if self.low_precision is not None:
-            for p in self._params:
-                if p.dtype in LOW_PRECISION_CASTABLE and p.dtype != self.low_precision \
-                        and not getattr(p, "host_resident", False):
-                    p.data = p.data.to(self.low_precision)
-        move_to_device(module, self.device)
+        hold_in(module, self.low_precision, self.device)
         self.masters = MasterWeights(optimizer) if self.low_precision is not None and optimizer is not None else None
         self.scaler = LossScale(2.0 ** fp16.get("initial_scale_power", 16), fp16.get("loss_scale_window", 1000)) \
             if self.low_precision == torch.float16 else None
