@@ -1,5 +1,6 @@
-"""The memory plan against the memory a run really takes: for the full-architecture SD1.5 random checkpoint
-(tools/realsize_models.py) and a set of settings, the trainer program's predicted peak (its started event's
+"""The memory plan against the memory a run really takes: for the full-architecture SD1.5 random checkpoint and
+the full SDXL UNet (tools/realsize_models.py; SDXL's text embeddings from the tests' synthetic CLIP-L+G
+stand-in, its latents from the SD1.5 file's VAE, which has SDXL's latent shape) and a set of settings, the trainer program's predicted peak (its started event's
 memory_plan) and the measured one, each run a fresh trainer process.
 
 Measured: on a CPU, the trainer's resident memory above its baseline (VmHWM minus the resident bytes when the
@@ -8,6 +9,7 @@ same memory); on a GPU, max_memory_allocated (the finished event's device_memory
 
     python bench/memory_plan.py [--work DIR] [--checkpoint realsize_sd15.safetensors] [--resolution 512]
                                 [--settings lora lora_ckpt ...] [--steps 2]
+                                [--sdxl [--sdxl-unet realsize_sdxl_unet.safetensors] --sdxl-settings lora ...]
 
 The last line is the worst ratio, predicted over measured.
 """
@@ -35,6 +37,9 @@ SETTINGS = {
     "lora_swap6": [("distributed", "block_swap", 6)],
     "lora_fp32": [("train", "precision", "fp32")],
     "full_ckpt": [("adapter", "kind", "full"), ("train", "gradient_checkpointing", True)],
+    # "auto" on a simulated budget between SD1.5's LoRA plans with and without checkpointing (4.7 and 3.0 GiB at
+    # 512 px): it must choose checkpointing, and the measured peak must fit the budget
+    "lora_auto_3.5GiB": [("train", "memory", "auto"), ("train", "memory_budget_gb", 3.5)],
 }
 
 
@@ -49,11 +54,30 @@ def write_images(folder: Path, count: int, size: int) -> Path:
     return folder
 
 
+def prepare_sdxl(unet: Path, checkpoint: Path, images: Path, work: Path, resolution: int) -> Path:
+    """A run spec of the SDXL UNet file: the images cached with the SD1.5 file's VAE and the synthetic SDXL text
+    encoder (77 x 2048 embeddings, 1280-wide pooled vectors, as CLIP-L + CLIP-G give)."""
+    import comfy.sd
+    sys.path.insert(0, str(REPO / "tests" / "comfy_nodes"))
+    from ingraph_test_nodes import SyntheticClip
+    from ingraph_trainer.runner.session import prepare_run
+    from ingraph_trainer.trainer.config import ModelSpec, TrainSpec
+    from tools.cache_dataset import encode_folder
+    vae = comfy.sd.load_checkpoint_guess_config(str(checkpoint), output_clip=False)[2]
+    dataset, _ = encode_folder(images, work / "cache_sdxl", SyntheticClip("sdxl"), vae, resolution)
+    run_dir = work / "base_sdxl"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    _, spec = prepare_run(runs_root=work, run_dir=run_dir, name="sdxl", dataset=dataset,
+                          model=ModelSpec(path=str(unet), format="diffusion_model"), cache_root=work / "cache_sdxl",
+                          train=TrainSpec(steps=1), lora_path=run_dir / "lora.safetensors")
+    return spec
+
+
 def run_setting(base_spec: Path, work: Path, name: str, steps: int, timeout: float) -> dict:
     from ingraph_trainer.trainer.config import dump_run_spec, load_run_spec
     from ingraph_trainer.trainer.events import read_events
     spec = load_run_spec(base_spec)
-    run_dir = work / f"run_{name}"
+    run_dir = work / f"run_{base_spec.parent.name}_{name}"
     shutil.rmtree(run_dir, ignore_errors=True)  # a finished run is never trained again unasked
     spec.run_dir = str(run_dir)
     spec.output = dataclasses.replace(spec.output, lora_path=str(run_dir / "out.safetensors"))
@@ -75,8 +99,11 @@ def run_setting(base_spec: Path, work: Path, name: str, steps: int, timeout: flo
     device = finished.get("device_memory")
     measured = device["peak_allocated"] if device else finished["host_memory"]["rise"]
     predicted = plan["device_peak"] if device else plan["host_peak"]
+    budget = plan["budget"] if spec.train.memory_budget_gb else None
     return {"name": name, "predicted": predicted, "measured": measured, "ratio": predicted / measured,
-            "parts": plan["parts"], "seconds": time.perf_counter() - began}
+            "parts": plan["parts"], "seconds": time.perf_counter() - began, "budget": budget,
+            "chosen": f"checkpointing {'on' if started['gradient_checkpointing'] else 'off'}, "
+                      f"block_swap {started['block_swap']}"}
 
 
 def main(argv=None):
@@ -87,9 +114,12 @@ def main(argv=None):
     parser.add_argument("--settings", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--sdxl", action="store_true", help="also the full SDXL UNet (5.1 GB file; about 10 GiB of RAM)")
+    parser.add_argument("--sdxl-unet", type=Path, default=None, help="the SDXL realsize UNet file (else built)")
+    parser.add_argument("--sdxl-settings", nargs="*", default=["lora", "lora_ckpt"], choices=list(SETTINGS))
     opts = parser.parse_args(argv)
     from tools.prepare_run import _bootstrap, prepare
-    from tools.realsize_models import build_sd15
+    from tools.realsize_models import build_sd15, build_sdxl_unet
     _bootstrap()
     work = opts.work
     work.mkdir(parents=True, exist_ok=True)
@@ -99,16 +129,29 @@ def main(argv=None):
         build_sd15(checkpoint)
     images = write_images(work / "images", 2, opts.resolution)
     base = prepare(checkpoint, images, work / "base_run", {"train.steps": 1}, resolution=opts.resolution)
+    runs = [("SD1.5", base, name) for name in opts.settings]
+    if opts.sdxl:
+        unet = opts.sdxl_unet or work / "realsize_sdxl_unet.safetensors"
+        if not unet.exists():
+            print(f"building {unet}", flush=True)
+            build_sdxl_unet(unet)
+        sdxl = prepare_sdxl(unet, checkpoint, images, work, opts.resolution)
+        runs += [("SDXL", sdxl, name) for name in opts.sdxl_settings]
     rows = []
-    for name in opts.settings:
-        row = run_setting(base, work, name, opts.steps, opts.timeout)
+    for model, spec, name in runs:
+        row = run_setting(spec, work, name, opts.steps, opts.timeout)
+        row["model"] = model
         rows.append(row)
         parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in row["parts"].items() if v)
-        print(f"{name:14s} predicted {row['predicted'] / GiB:6.2f} GiB  measured {row['measured'] / GiB:6.2f} GiB  "
-              f"ratio {row['ratio']:.3f}  ({parts}; {row['seconds']:.0f} s)", flush=True)
+        print(f"{model:6s} {name:14s} predicted {row['predicted'] / GiB:6.2f} GiB  measured {row['measured'] / GiB:6.2f} GiB  "
+              f"ratio {row['ratio']:.3f}  ({parts}; {row['chosen']}; {row['seconds']:.0f} s)", flush=True)
+        if row["budget"]:
+            print(f"  on a budget of {row['budget'] / GiB:.2f} GiB: measured {row['measured'] / GiB:.2f} GiB "
+                  f"{'fits' if row['measured'] <= row['budget'] else 'DOES NOT FIT'}", flush=True)
     (work / "memory_plan.json").write_text(json.dumps(rows, indent=1))
     worst = max(rows, key=lambda r: abs(r["ratio"] - 1.0))
-    print(f"worst ratio predicted/measured: {worst['ratio']:.3f} ({worst['name']}, SD1.5 at {opts.resolution}px)")
+    print(f"worst ratio predicted/measured: {worst['ratio']:.3f} ({worst['model']} {worst['name']} at "
+          f"{opts.resolution} px)")
 
 
 if __name__ == "__main__":

@@ -149,6 +149,13 @@ def test_on_a_gpu_auto_swaps_the_fewest_blocks_that_fit_and_the_refusal_names_th
             "or set base_precision to fp8") in message, message
     hopeless = plan("auto", 0.5)
     assert not hopeless.fits() and "block_swap" not in refusal(spec, hopeless, weights, profile)
+    spec.distributed.zero_stage = 1  # DeepSpeed's engine moves the whole model first: a swap does not fit it
+    deepspeed = plan("auto", 10)
+    assert deepspeed.block_swap == 0 and not deepspeed.fits() and deepspeed.parts["weights"] == 12 * GiB
+    assert "block_swap" not in refusal(spec, deepspeed, weights, profile)
+    spec.train.memory, spec.distributed.block_swap = "manual", 4
+    assert plan("manual", 10).parts["weights"] == 12 * GiB  # a swap the user asked for, counted as it happens
+    spec.distributed.zero_stage, spec.distributed.block_swap = 0, 0
     spec.adapter.kind = "full"  # block swap is for adapter training: auto never picks it, the refusal never names it
     spec.train.memory = "auto"
     full = choose(spec, weights, profile, "cuda", 10 * GiB)

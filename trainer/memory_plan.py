@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .distributed import uses_deepspeed
+
 GiB = 2 ** 30
 
 
@@ -247,7 +249,8 @@ def plan_for(spec, weights: ModelBytes, profile: ActivationProfile, checkpointin
     checkpointed = n if checkpointing else block_swap  # swapped blocks are checkpointed by the swap itself
     # the checkpointed blocks are the first ones (memory_savers checkpoints blocks[swap:], swaps blocks[:swap])
     parts = {
-        "weights": weights.frozen - (swapped if device_type == "cuda" else 0),
+        # under DeepSpeed the engine moves the whole model to the device before block swap takes the blocks out
+        "weights": weights.frozen - (swapped if device_type == "cuda" and not uses_deepspeed(spec) else 0),
         # the swapped block on its visit (memory.enable_block_swap copies one block in at a time, no prefetch)
         "swapped block": max(weights.frozen_per_block[:block_swap], default=0) if device_type == "cuda" else 0,
         "trained": weights.trained,
@@ -262,9 +265,9 @@ def plan_for(spec, weights: ModelBytes, profile: ActivationProfile, checkpointin
 
 
 def swap_allowed(spec) -> bool:
-    """Where block swap may be chosen (the spec's own rules: adapter training, one stage, ZeRO at most 2)."""
-    d = spec.distributed
-    return spec.adapter.kind != "full" and d.pipeline_stages <= 1 and d.zero_stage <= 2
+    """Where block swap may be chosen to fit the device: adapter training in the plain engine (DeepSpeed's engine
+    moves the whole model to the device first, so a swap lowers its steps' memory but not its start-up peak)."""
+    return spec.adapter.kind != "full" and not uses_deepspeed(spec)
 
 
 def choose(spec, weights: ModelBytes, profile: ActivationProfile, device_type: str, budget: int | None):
