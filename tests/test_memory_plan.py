@@ -165,3 +165,26 @@ def test_on_a_gpu_auto_swaps_the_fewest_blocks_that_fit_and_the_refusal_names_th
 def plan_fits_with(spec, weights, profile, block_swap: int, budget_gb: float) -> bool:
     from ingraph_trainer.trainer.memory_plan import plan_for
     return plan_for(spec, weights, profile, True, block_swap, "cuda", int(budget_gb * GiB)).fits()
+
+
+@pytest.mark.parametrize("weight_dtype", ["default", "fp8_e4m3fn"])
+def test_the_load_is_sized_from_the_files_header_and_refused_when_ram_cannot_hold_it(tiny_unet, weight_dtype,  # noqa: F811
+                                                                                     monkeypatch):
+    """Before the load: the bytes the trainer will hold, read from the safetensors header alone, are the loaded
+    model's (bf16 and fp8 bases); with less RAM available than that, the run is refused naming the file."""
+    sys.path.insert(0, str(REPO))
+    from tools.prepare_run import _bootstrap
+    _bootstrap()
+    from ingraph_trainer.trainer import os_support
+    from ingraph_trainer.trainer.config import ModelSpec
+    from ingraph_trainer.trainer.memory_plan import host_refusal, load_bytes
+    from ingraph_trainer.trainer.models import load_family
+    model = ModelSpec(path=str(tiny_unet), weight_dtype=weight_dtype)
+    held = load_family(model, precision="bf16").base_weight_bytes()
+    predicted = load_bytes(model, "bf16")
+    assert abs(predicted - held) <= 0.02 * held, (predicted, held)
+    assert host_refusal(model, "bf16") is None  # this machine has the RAM
+    monkeypatch.setattr(os_support, "available_memory", lambda: held // 2)
+    message = host_refusal(model, "bf16")
+    assert message.startswith(f"not enough memory: loading {tiny_unet} needs ") and "GiB of RAM" in message
+    assert ("set base_precision to fp8" in message) == (weight_dtype == "default"), message

@@ -23,7 +23,7 @@ from .export import diffusers_module_names
 from .layouts import choose_engine, choose_layout
 from .memory import enable_block_swap, load_peak, memory_savers
 from .metrics import HealthLog, param_norm, param_norm_due
-from .memory_plan import low_precision_dtype, plan_memory
+from .memory_plan import MemoryPlanRefused, host_refusal, low_precision_dtype, plan_memory
 from .models import load_family
 from .optim import averaged_weights, build_optimizer, build_scheduler
 from .result import write_result
@@ -61,6 +61,9 @@ class Trainer(TrainingTask):
         import_comfy()  # the launching server's ComfyUI, never the spec's
         self.load_memory: dict = {}
         began = time.perf_counter()
+        refused = host_refusal(spec.model, spec.train.precision)
+        if refused:
+            raise MemoryPlanRefused(refused)
         with load_peak(self.load_memory):
             self.family = family = load_family(spec.model, precision=spec.train.precision)
         self.build_s = {"model": time.perf_counter() - began}  # where the start-up went (the started event)

@@ -379,3 +379,53 @@ def _shared_out(weights: ModelBytes, zero_stage: int, data_parallel: int, stages
         return ModelBytes(weights.frozen // stages, weights.frozen_per_block, weights.trained // stages,
                           weights.trained_count // stages)
     return weights
+
+
+DIFFUSION_MODEL_PREFIX = "model.diffusion_model."  # a whole checkpoint's diffusion model keys
+
+
+def load_bytes(model, precision: str) -> int:
+    """The host bytes the diffusion model will hold once loaded, from the file's header alone (no weight is read):
+    its tensors (a checkpoint's diffusion-model keys only) in the precision the trainer holds them: fp8 where the
+    file has fp8 or the spec asks for an fp8 base (matrices and convolutions; ComfyUI keeps biases and norms in the
+    compute precision), other floats in the training precision, anything else (a quantized layout's packed data,
+    integers) as stored."""
+    import json
+    import struct
+    with open(model.path, "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    header.pop("__metadata__", None)
+    if model.format == "checkpoint" and any(k.startswith(DIFFUSION_MODEL_PREFIX) for k in header):
+        header = {k: v for k, v in header.items() if k.startswith(DIFFUSION_MODEL_PREFIX)}
+    wide = {"fp32": 4}.get(precision, 2)
+    fp8_base = model.weight_dtype.startswith("fp8") or model.base_precision == "fp8"
+    total = 0
+    for info in header.values():
+        start, end = info["data_offsets"]
+        stored, numel = end - start, 1
+        for n in info["shape"]:
+            numel *= n
+        dtype = info["dtype"]
+        if dtype.startswith("F8"):
+            total += numel
+        elif dtype in ("F16", "BF16", "F32", "F64"):
+            total += numel * (1 if fp8_base and len(info["shape"]) >= 2 else wide)
+        else:
+            total += stored
+    return total
+
+
+def host_refusal(model, precision: str) -> str | None:
+    """Before the load: the reason a model cannot be loaded into this machine's RAM, naming the file and the
+    numbers, or None (fits, or the system tells no available memory)."""
+    from .os_support import available_memory
+    available = available_memory()
+    if available is None:
+        return None
+    needed = load_bytes(model, precision)
+    if needed <= available * MARGIN:
+        return None
+    fp8 = "" if (model.weight_dtype.startswith("fp8") or model.base_precision == "fp8") else \
+        "set base_precision to fp8 (half the bytes of bf16), or "
+    return (f"not enough memory: loading {model.path} needs {needed / GiB:.1f} GiB of RAM and "
+            f"{available / GiB:.1f} GiB is available: {fp8}close other programs. Nothing was loaded.")
