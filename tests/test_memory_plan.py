@@ -188,3 +188,40 @@ def test_the_load_is_sized_from_the_files_header_and_refused_when_ram_cannot_hol
     message = host_refusal(model, "bf16")
     assert message.startswith(f"not enough memory: loading {tiny_unet} needs ") and "GiB of RAM" in message
     assert ("set base_precision to fp8" in message) == (weight_dtype == "default"), message
+
+
+def test_with_block_swap_only_the_plans_resident_weights_reach_the_device(tiny_unet):  # noqa: F811
+    """The plain engine's placement with N blocks swapped, onto a stand-in device (meta: what reaches it is
+    counted, nothing allocated): the frozen bytes that arrive are the base minus the swapped blocks, exactly the
+    plan's resident weights, and the swapped blocks' weights stay in host memory."""
+    sys.path.insert(0, str(REPO))
+    from tools.prepare_run import _bootstrap
+    _bootstrap()
+    from ingraph_trainer.trainer.adapters import inject_adapter
+    from ingraph_trainer.trainer.config import ModelSpec
+    from ingraph_trainer.trainer.memory import enable_block_swap, memory_savers
+    from ingraph_trainer.trainer.memory_plan import model_bytes
+    from ingraph_trainer.trainer.plain_engine import hold_in
+    from ingraph_trainer.trainer.training_module import TrainingModule
+    family = load_tiny(tiny_unet)
+    inject_adapter(family.diffusion_model, family.adapter_targets("attention"), "lora", 4, 4.0, 0.0)
+    blocks = family.checkpoint_blocks()
+    swap = len(blocks) // 2
+    planned = model_bytes(family.diffusion_model, blocks, torch.bfloat16)
+    swapped_bytes = sum(planned.frozen_per_block[:swap])
+    assert 0 < swapped_bytes < planned.frozen  # the precondition: the swap takes some weights, not all
+    swapped = memory_savers(family, False, swap)
+    enable_block_swap(swapped, torch.device("meta"), torch.bfloat16)
+    module = TrainingModule(family)
+    hold_in(module, torch.bfloat16, torch.device("meta"))
+    arrived = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()]
+                  if t.device.type == "meta" and not t.requires_grad)
+    assert arrived == planned.frozen - swapped_bytes
+    kept = [p for block in swapped for p in block.parameters() if not p.requires_grad]
+    assert kept and all(p.device.type == "cpu" and p.dtype == torch.bfloat16 for p in kept)
+
+
+def load_tiny(path):
+    from ingraph_trainer.trainer.config import ModelSpec
+    from ingraph_trainer.trainer.models import load_family
+    return load_family(ModelSpec(path=str(path)), precision="bf16")
