@@ -74,6 +74,15 @@ def init_distributed():
     return deepspeed
 
 
+def global_min(value: float, device) -> float:
+    """The smallest of every process's value (each process gets the same answer; its own where it runs alone)."""
+    if world_size() == 1 or not torch.distributed.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+    return t.item()
+
+
 def data_parallel_size(spec) -> int:
     """Model replicas training side by side: every process, or every pipeline of `pipeline_stages` processes."""
     return world_size() // spec.distributed.pipeline_stages

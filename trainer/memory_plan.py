@@ -18,11 +18,12 @@ memory.keep_fp8_weights_for_backward does not keep) is a weight, never an activa
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 
 import torch
 
-from .distributed import uses_deepspeed
+from .distributed import global_min, uses_deepspeed
 
 GiB = 2 ** 30
 
@@ -357,6 +358,9 @@ def plan_memory(spec, family, dataset, device, data_parallel: int, log) -> Memor
         profile = ActivationProfile(0, [0] * len(blocks), [0] * len(blocks))
     weights = _shared_out(weights, d.zero_stage, data_parallel, d.pipeline_stages)
     budget = device_budget(spec, device, weights.frozen if device.type == "cpu" else 0)
+    # every process decides alike (one refusing while the others wait in a collective would hang the run)
+    budget = global_min(math.inf if budget is None else budget, device)
+    budget = None if math.isinf(budget) else int(budget)
     plan = choose(spec, weights, profile, device.type, budget)
     for note in plan.notes:
         log("info", note)
