@@ -11,7 +11,9 @@ What a step holds at its peak, the way the trainer lays it out:
   micro-batch: with checkpointing, a checkpointed block keeps only its inputs, and one block's activations live
   again while the backward pass recomputes it;
 - the backward pass's working set: the gradients of one block's activations while they flow through it
-  (calibrated against measured peaks, bench/memory_plan.py).
+  (calibrated against measured peaks, bench/memory_plan.py);
+- or, where it is more (a full fine-tune), the optimizer step's instead of the last two: the fp32 masters'
+  gradients beside the low-precision ones.
 A weight handed to a matmul or convolution (a parameter, or ComfyUI's cast copy of an fp8 one, which
 memory.keep_fp8_weights_for_backward does not keep) is a weight, never an activation.
 """
@@ -258,9 +260,13 @@ def plan_for(spec, weights: ModelBytes, profile: ActivationProfile, checkpointin
         "gradients": weights.trained,
         "master weights": 4 * weights.trained_count if low_precision else 0,
         "optimizer": OPTIMIZER_STATE_BYTES.get(t.optimizer, 8) * weights.trained_count,
-        "activations": profile.held(checkpointed) + profile.recomputed(checkpointed),
-        "backward": profile.working_set(),
     }
+    # the peak is in the backward pass (the activations and the gradients flowing through them) or at the optimizer
+    # step, where the fp32 masters' gradients are filled beside the low-precision ones (a full fine-tune's peak)
+    backward = {"activations": profile.held(checkpointed) + profile.recomputed(checkpointed),
+                "backward": profile.working_set()}
+    step = {"master gradients": 4 * weights.trained_count if low_precision else 0}
+    parts.update(backward if sum(backward.values()) >= sum(step.values()) else step)
     host = {"swapped weights": swapped} if device_type == "cuda" else {"runtime": HOST_RUNTIME}
     return MemoryPlan(device_type, checkpointing, block_swap, parts, host, budget)
 
