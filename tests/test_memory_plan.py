@@ -225,3 +225,21 @@ def load_tiny(path):
     from ingraph_trainer.trainer.config import ModelSpec
     from ingraph_trainer.trainer.models import load_family
     return load_family(ModelSpec(path=str(path)), precision="bf16")
+
+
+def test_a_run_beyond_all_the_devices_memory_is_refused_even_when_manual():
+    """Issue 28's last finding: a client may ask for what no machine holds (batch 1024 at 4096 px, rank 1024).
+    "manual" only warns where free memory is short; beyond all the device's memory the run is refused."""
+    from ingraph_trainer.trainer.config import RunSpec
+    from ingraph_trainer.trainer.memory_plan import ActivationProfile, ModelBytes, beyond_the_machine, choose
+    weights = ModelBytes(frozen=2 * GiB, frozen_per_block=[GiB // 5] * 10, trained=GiB // 100,
+                         trained_count=GiB // 200)
+    profile = ActivationProfile(outside=GiB, saved=[8 * GiB] * 10, inputs=[GiB] * 10)
+    spec = RunSpec()
+    spec.train.memory = "manual"
+    plan = choose(spec, weights, profile, "cuda", 20 * GiB)
+    assert not plan.fits() and plan.peak > 24 * GiB
+    message = beyond_the_machine(spec, plan, weights, profile, 24 * GiB)
+    assert message.startswith("not enough memory: the run needs ") and "and this GPU has 24.0 GiB in all: " in message
+    assert beyond_the_machine(spec, plan, weights, profile, plan.peak) is None
+    assert beyond_the_machine(spec, plan, weights, profile, None) is None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -331,6 +332,27 @@ def device_budget(spec, device, held: int) -> int | None:
     return None if available is None else int(available * MARGIN) + held
 
 
+def device_capacity(device) -> int | None:
+    """All the memory the device has (the card's total; on a CPU, the machine's RAM): what no setting elsewhere
+    can free more of."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[1])
+    from .os_support import total_memory
+    return total_memory()
+
+
+def beyond_the_machine(spec, plan: MemoryPlan, weights: ModelBytes, profile: ActivationProfile,
+                       capacity: int | None) -> str | None:
+    """Why a run cannot start whatever else is freed, memory "manual" included (a client of a shared server asks
+    for batch 1024 at 4096 px, say): its plan exceeds all the device's memory. None where it does not."""
+    if capacity is None or plan.peak <= capacity:
+        return None
+    where = "GPU" if plan.device == "cuda" else "machine"
+    everything = dataclasses.replace(plan, budget=capacity)
+    return refusal(spec, everything, weights, profile).replace(
+        f"and {capacity / GiB:.1f} GiB may be used:", f"and this {where} has {capacity / GiB:.1f} GiB in all:")
+
+
 def largest_item_inputs(family, dataset, batch_size: int):
     """family.model_inputs of a micro-batch of the dataset's largest item (by latent size), repeated: the
     step whose activations are largest. No random draw is made (the run's streams stay as they are)."""
@@ -348,7 +370,8 @@ def largest_item_inputs(family, dataset, batch_size: int):
 
 def plan_memory(spec, family, dataset, device, data_parallel: int, log) -> MemoryPlan:
     """The run's memory plan, with "auto"'s choice of checkpointing and block swap; refuses (MemoryPlanRefused)
-    an "auto" run nothing fits, and warns of a "manual" one. `log(level, message)` reports "auto"'s choices and the
+    an "auto" run nothing fits and any run beyond all the device's memory, and warns of a "manual" one that may not
+    fit what is free. `log(level, message)` reports "auto"'s choices and the
     warnings to the node; the plan itself goes out in the started event (as_event)."""
     t, d = spec.train, spec.distributed
     compute_dtype = low_precision_dtype(t.precision)
@@ -370,6 +393,11 @@ def plan_memory(spec, family, dataset, device, data_parallel: int, log) -> Memor
     plan = choose(spec, weights, profile, device.type, budget)
     for note in plan.notes:
         log("info", note)
+    capacity = device_capacity(device)
+    capacity = None if capacity is None else int(global_min(capacity, device))
+    impossible = beyond_the_machine(spec, plan, weights, profile, capacity)
+    if impossible:
+        raise MemoryPlanRefused(impossible)
     if not plan.fits():
         message = refusal(spec, plan, weights, profile)
         if t.memory == "auto":

@@ -109,6 +109,15 @@ def available_memory() -> int | None:
         return None
 
 
+def total_memory() -> int | None:
+    """The machine's physical RAM."""
+    try:
+        import psutil  # a ComfyUI requirement
+        return int(psutil.virtual_memory().total)
+    except (ImportError, OSError):
+        return None
+
+
 def restart_memory_peak() -> None:
     """Restarts host_memory's peak where the system allows it (Linux: clear_refs 5)."""
     if windows():
