@@ -11,3 +11,4 @@ DATA_FOLDER = "ingraph_data"  # the pack's folder in ComfyUI's base directory: c
 DATA_DIR_ENV = "INGRAPH_DATA_DIR"  # the operator's other place for it
 COMPLETE_MARK = "COMPLETE"  # a checkpoint folder's signed list of its files, written last
 SAMPLES_DIR = "samples"  # preview images of a run
+MEMORY_CHOICE_FILE = "memory_choice.json"  # the checkpointing and block swap a run began with (signed): its resumes keep them

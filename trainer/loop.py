@@ -15,7 +15,7 @@ from .config import RunSpec
 from .batch_mix import StepBatches, build_training_data, prior_report
 from .data import load_cached_dataset, step_loader
 from .device import device_memory, training_device
-from .distributed import data_parallel_size, deepspeed_config, uses_deepspeed, world_size
+from .distributed import data_parallel_size, deepspeed_config, processes_per_machine, uses_deepspeed, world_size
 from .ema import build_average, exported_weights
 from .evaluation import eval_subset
 from .events import EVENTS_FILE, read_events
@@ -61,7 +61,8 @@ class Trainer(TrainingTask):
         import_comfy()  # the launching server's ComfyUI, never the spec's
         self.load_memory: dict = {}
         began = time.perf_counter()
-        refused = host_refusal(spec.model, spec.train.precision)
+        refused = host_refusal(spec.model, spec.train.precision, full=spec.adapter.kind == "full",
+                               processes=processes_per_machine())
         if refused:
             raise MemoryPlanRefused(refused)
         with load_peak(self.load_memory):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from pathlib import Path
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -55,6 +56,7 @@ class ActivationProfile:
     saved: list[int]
     inputs: list[int]
     loss: int = 0  # the loss's own tensors (the output, its target and their difference, in fp32)
+    measured: bool = True  # False: the meta pass failed, and these are zeros
 
     def held(self, checkpointed: int) -> int:
         """Saved bytes at the end of the forward pass with blocks [swap:] ... checkpointed: the first
@@ -79,6 +81,7 @@ class MemoryPlan:
     host_parts: dict  # name -> bytes of host RAM the run holds besides (swapped weights)
     budget: int | None  # bytes the device may hold (free memory x MARGIN, or the spec's budget); None: unknown
     notes: list = field(default_factory=list)
+    activations_measured: bool = True
 
     @property
     def device_peak(self) -> int:
@@ -103,8 +106,9 @@ class MemoryPlan:
         budget = f" of {self.budget / GiB:.2f} GiB allowed" if self.budget is not None else ""
         swapped = f"; {self.host_parts.get('swapped weights', 0) / GiB:.2f} GiB of weights swapped to host " \
                   f"memory ({self.block_swap} blocks)" if self.block_swap else ""
+        unknown = "" if self.activations_measured else "; activations not measured (not counted)"
         return (f"memory plan: {self.peak / GiB:.2f} GiB on the {where}{budget} ({parts} GiB); "
-                f"gradient checkpointing {'on' if self.checkpointing else 'off'}{swapped}")
+                f"gradient checkpointing {'on' if self.checkpointing else 'off'}{swapped}{unknown}")
 
     def as_event(self) -> dict:
         return {"summary": self.summary(), "device": self.device, "device_peak": self.device_peak, "host_peak": self.host_peak,
@@ -118,6 +122,31 @@ class MemoryPlanRefused(ValueError):
 
 def _storage_key(t: torch.Tensor):
     return t.untyped_storage()._cdata  # one StorageImpl per storage, on meta too (where data_ptr is 0)
+
+
+class _FusedAttentionOnMeta(torch.overrides.TorchFunctionMode):
+    """PyTorch's scaled_dot_product_attention on the meta device takes its math path, which saves the whole
+    heads x tokens x tokens matrix, where a real run takes a fused kernel (flash or memory-efficient, on a GPU and
+    on a CPU alike) that saves only q, k, v, the output and a statistic per row. Within: a meta call goes to the
+    memory-efficient kernel, so the meta pass saves what the real one does. Anything it cannot take (a grouped
+    query layout) stays on the math path, an overestimate."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention and args and args[0].device.type == "meta" \
+                and not kwargs.get("enable_gqa"):
+            try:
+                return _efficient_attention(*args, **kwargs)
+            except (RuntimeError, TypeError, ValueError):
+                pass
+        return func(*args, **kwargs)
+
+
+def _efficient_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
+    return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, True, dropout_p,
+                                                                   is_causal, scale=scale)[0]
 
 
 def _meta(value):
@@ -163,12 +192,18 @@ def activation_profile(family, model_inputs, blocks, compute_dtype, device) -> A
     saved: dict = {}  # storage -> (bytes, block index or None)
     current = [None]
     inputs = [0] * len(blocks)
+    kept = []  # every tensor seen, alive to the end: no storage is freed and its key reused by another meanwhile
 
     def pack(t):
         key = _storage_key(t)
         if key not in saved:
             saved[key] = (t.untyped_storage().nbytes(), current[0])
+            kept.append(t)
         return t
+
+    def operand_key(t):
+        kept.append(t)
+        return _storage_key(t)
 
     hooks = []
     for i, block in enumerate(blocks):
@@ -186,8 +221,8 @@ def activation_profile(family, model_inputs, blocks, compute_dtype, device) -> A
         x = x.to(compute_dtype)
     operands: set = set()
     try:
-        with _attention_as_on(device), WeightArguments(operands, key=_storage_key, frozen_only=False), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with _attention_as_on(device), WeightArguments(operands, key=operand_key, frozen_only=False), \
+                _FusedAttentionOnMeta(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = torch.func.functional_call(model, weights, (x, timestep), {"transformer_options": {}, **kwargs},
                                              strict=False)
     finally:
@@ -222,6 +257,9 @@ class ModelBytes:
     frozen_per_block: list[int]  # of the checkpoint blocks, in order
     trained: int  # trained parameters (numel x their dtype once cast)
     trained_count: int
+    state_share: int = 1  # ZeRO 1+: this process holds 1/state_share of the fp32 masters and optimizer state
+    gradient_share: int = 1  # ZeRO 2+: and of the gradients
+    offloaded: bool = False  # distributed.offload_optimizer: masters and optimizer state in host memory
 
 
 def model_bytes(model, blocks, compute_dtype) -> ModelBytes:
@@ -258,18 +296,28 @@ def plan_for(spec, weights: ModelBytes, profile: ActivationProfile, checkpointin
         # the swapped block on its visit (memory.enable_block_swap copies one block in at a time, no prefetch)
         "swapped block": max(weights.frozen_per_block[:block_swap], default=0) if device_type == "cuda" else 0,
         "trained": weights.trained,
-        "gradients": weights.trained,
-        "master weights": 4 * weights.trained_count if low_precision else 0,
-        "optimizer": OPTIMIZER_STATE_BYTES.get(t.optimizer, 8) * weights.trained_count,
+        "gradients": weights.trained // weights.gradient_share,
     }
+    # the fp32 masters, the optimizer's state and (at its step) the masters' gradients: this process's share, on
+    # the device or, offloaded, in host memory
+    state = {"master weights": 4 * weights.trained_count if low_precision else 0,
+             "optimizer": OPTIMIZER_STATE_BYTES.get(t.optimizer, 8) * weights.trained_count}
+    state = {k: v // weights.state_share for k, v in state.items()}
+    master_gradients = (4 * weights.trained_count if low_precision else 0) // weights.state_share
+    host = {"swapped weights": swapped} if device_type == "cuda" else {"runtime": HOST_RUNTIME}
+    if weights.offloaded:
+        host["offloaded optimizer"] = sum(state.values()) + master_gradients
+        master_gradients = 0
+    else:
+        parts.update(state)
     # the peak is in the backward pass (the activations and the gradients flowing through them) or at the optimizer
     # step, where the fp32 masters' gradients are filled beside the low-precision ones (a full fine-tune's peak)
     backward = {"activations": profile.held(checkpointed) + profile.recomputed(checkpointed),
                 "backward": profile.working_set()}
-    step = {"master gradients": 4 * weights.trained_count if low_precision else 0}
+    step = {"master gradients": master_gradients}
     parts.update(backward if sum(backward.values()) >= sum(step.values()) else step)
-    host = {"swapped weights": swapped} if device_type == "cuda" else {"runtime": HOST_RUNTIME}
-    return MemoryPlan(device_type, checkpointing, block_swap, parts, host, budget)
+    return MemoryPlan(device_type, checkpointing, block_swap, parts, host, budget,
+                      activations_measured=profile.measured)
 
 
 def swap_allowed(spec) -> bool:
@@ -284,8 +332,8 @@ def choose(spec, weights: ModelBytes, profile: ActivationProfile, device_type: s
     nothing fitting, the plan of the most frugal setting tried, so the refusal can say what it would need."""
     t, d = spec.train, spec.distributed
     given = plan_for(spec, weights, profile, t.gradient_checkpointing, d.block_swap, device_type, budget)
-    if t.memory != "auto" or given.fits():
-        return given
+    if t.memory != "auto" or given.fits() or not profile.saved or not profile.measured:
+        return given  # no blocks to checkpoint or swap; or activations unknown: no ground to change anything
     tried = [plan_for(spec, weights, profile, True, d.block_swap, device_type, budget)]
     if device_type == "cuda" and swap_allowed(spec):
         tried += [plan_for(spec, weights, profile, True, k, device_type, budget)
@@ -299,23 +347,50 @@ def choose(spec, weights: ModelBytes, profile: ActivationProfile, device_type: s
     return min(tried, key=lambda p: p.peak)
 
 
-def refusal(spec, plan: MemoryPlan, weights: ModelBytes, profile: ActivationProfile) -> str:
-    """"needs X GiB on the GPU; Y GiB is free (budget): <what would fit>"."""
+def suggestions(spec, plan: MemoryPlan, weights: ModelBytes, profile: ActivationProfile) -> list[str]:
+    """What would bring the run within the plan's budget, cheapest in speed first: checkpointing where it alone
+    fits, else the fewest swapped blocks that do (the plain engine on a GPU), then what the plan cannot size
+    (an fp8 base, a smaller batch, a lower resolution)."""
     from .memory import memory_suggestions
-    where = "GPU" if plan.device == "cuda" else "CPU"
-    checkpointing_fits = plan_for(spec, weights, profile, True, spec.distributed.block_swap, plan.device,
-                                  plan.budget).fits()
+    checkpointing_fits = bool(profile.saved) and plan_for(spec, weights, profile, True, spec.distributed.block_swap,
+                                                          plan.device, plan.budget).fits()
     what = [s for s in memory_suggestions(spec)
             if "block_swap" not in s and ("gradient_checkpointing" not in s or checkpointing_fits)]
     if plan.device == "cuda" and swap_allowed(spec) and not checkpointing_fits:
-        more = [k for k in range(len(profile.saved) + 1)
+        more = [k for k in range(1, len(profile.saved) + 1)
                 if plan_for(spec, weights, profile, True, k, plan.device, plan.budget).fits()]
         if more:
             what.insert(0, f"set gradient_checkpointing on and block_swap to {more[0]} or more")
-    return (f"not enough memory: the run needs {plan.peak / GiB:.1f} GiB on the {where} "
-            f"({', '.join(f'{k} {v / GiB:.1f}' for k, v in plan.parts.items() if v)} GiB) and "
-            f"{plan.budget / GiB:.1f} GiB may be used: " + "; or ".join(what) + ". Nothing was moved to the "
-            "device; memory 'manual' runs the settings as given.")
+    return what
+
+
+def _need(plan: MemoryPlan) -> str:
+    where = "GPU" if plan.device == "cuda" else "CPU"
+    parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in plan.parts.items() if v)
+    return f"{plan.peak / GiB:.1f} GiB on the {where} ({parts} GiB)"
+
+
+def _settings(plan: MemoryPlan) -> str:
+    return f"gradient checkpointing {'on' if plan.checkpointing else 'off'}" + \
+        (f" and {plan.block_swap} blocks swapped" if plan.block_swap else "")
+
+
+def _allowed(spec, plan: MemoryPlan) -> str:
+    source = "memory_budget_gb" if spec.train.memory_budget_gb else f"{MARGIN:.0%} of the free memory"
+    return f"{plan.budget / GiB:.1f} GiB may be used ({source})"
+
+
+def refusal(spec, plan: MemoryPlan, weights: ModelBytes, profile: ActivationProfile) -> str:
+    """memory "auto" with nothing fitting: the most frugal plan tried, the budget and what else would do."""
+    return (f"not enough memory: with {_settings(plan)} the run needs {_need(plan)} and {_allowed(spec, plan)}: "
+            + "; or ".join(suggestions(spec, plan, weights, profile)) + ". Nothing was moved to the device.")
+
+
+def warning(spec, plan: MemoryPlan, weights: ModelBytes, profile: ActivationProfile) -> str:
+    """memory "manual" beyond the budget: a prediction, and the run goes on."""
+    return (f"the memory plan predicts {_need(plan)} with {_settings(plan)}, and {_allowed(spec, plan)}: "
+            + "; or ".join(suggestions(spec, plan, weights, profile)) + ". The run starts anyway (memory "
+            "'manual') and may run out of memory.")
 
 
 def device_budget(spec, device, held: int) -> int | None:
@@ -349,8 +424,9 @@ def beyond_the_machine(spec, plan: MemoryPlan, weights: ModelBytes, profile: Act
         return None
     where = "GPU" if plan.device == "cuda" else "machine"
     everything = dataclasses.replace(plan, budget=capacity)
-    return refusal(spec, everything, weights, profile).replace(
-        f"and {capacity / GiB:.1f} GiB may be used:", f"and this {where} has {capacity / GiB:.1f} GiB in all:")
+    return (f"not enough memory: with {_settings(plan)} the run needs {_need(plan)} and this {where} has "
+            f"{capacity / GiB:.1f} GiB in all: " + "; or ".join(suggestions(spec, everything, weights, profile))
+            + ". Nothing was moved to the device.")
 
 
 def largest_item_inputs(family, dataset, batch_size: int):
@@ -373,9 +449,20 @@ def plan_memory(spec, family, dataset, device, data_parallel: int, log) -> Memor
     an "auto" run nothing fits and any run beyond all the device's memory, and warns of a "manual" one that may not
     fit what is free. `log(level, message)` reports "auto"'s choices and the
     warnings to the node; the plan itself goes out in the started event (as_event)."""
+    compute_dtype = low_precision_dtype(spec.train.precision)
+    try:
+        blocks = family.checkpoint_blocks()
+    except ValueError:  # a model the generic family finds no block list in: nothing to checkpoint or swap
+        blocks = []
+    began_with = earlier_choice(spec, len(blocks)) if spec.train.resume else None
+    if began_with is not None:  # a resume keeps the settings the run began with: its numbers stay the run's own
+        checkpointing, block_swap = began_with
+        log("info", f"memory: the settings this run began with (gradient checkpointing "
+                    f"{'on' if checkpointing else 'off'}, block_swap {block_swap})")
+        spec = dataclasses.replace(
+            spec, train=dataclasses.replace(spec.train, gradient_checkpointing=checkpointing, memory="manual"),
+            distributed=dataclasses.replace(spec.distributed, block_swap=block_swap))
     t, d = spec.train, spec.distributed
-    compute_dtype = low_precision_dtype(t.precision)
-    blocks = family.checkpoint_blocks()
     weights = model_bytes(family.diffusion_model, blocks, compute_dtype)
     try:
         with torch.random.fork_rng(devices=[]):
@@ -384,8 +471,8 @@ def plan_memory(spec, family, dataset, device, data_parallel: int, log) -> Memor
     except Exception as e:  # a model whose forward the meta device cannot run: plan the weights alone
         log("warning", f"memory plan: activations not measured ({type(e).__name__}: {e}); the plan counts "
                        f"weights and optimizer state only")
-        profile = ActivationProfile(0, [0] * len(blocks), [0] * len(blocks))
-    weights = _shared_out(weights, d.zero_stage, data_parallel, d.pipeline_stages)
+        profile = ActivationProfile(0, [0] * len(blocks), [0] * len(blocks), measured=False)
+    weights = _shared_out(weights, d.zero_stage, data_parallel, d.pipeline_stages, d.offload_optimizer)
     budget = device_budget(spec, device, weights.frozen if device.type == "cpu" else 0)
     # every process decides alike (one refusing while the others wait in a collective would hang the run)
     budget = global_min(math.inf if budget is None else budget, device)
@@ -399,39 +486,81 @@ def plan_memory(spec, family, dataset, device, data_parallel: int, log) -> Memor
     if impossible:
         raise MemoryPlanRefused(impossible)
     if not plan.fits():
-        message = refusal(spec, plan, weights, profile)
         if t.memory == "auto":
-            raise MemoryPlanRefused(message)
-        log("warning", message)
+            raise MemoryPlanRefused(refusal(spec, plan, weights, profile))
+        log("warning", warning(spec, plan, weights, profile))
+    if began_with is None:
+        record_choice(spec, plan)
     return plan
 
 
-def _shared_out(weights: ModelBytes, zero_stage: int, data_parallel: int, stages: int) -> ModelBytes:
-    """One process's share: ZeRO-3 partitions the weights over the data-parallel processes, pipeline stages
-    split the blocks (evenly, as an estimate). ZeRO 1 and 2's optimizer and gradient partitions are not
-    modelled: their plan is one process's whole (an overestimate)."""
+def earlier_choice(spec, blocks: int) -> tuple[bool, int] | None:
+    """(gradient checkpointing, block swap) as the run began, from its signed record; None without one (a run
+    from before the plan, or a record this installation did not sign)."""
+    from .layout import MEMORY_CHOICE_FILE
+    from .trust import TrustError, read_signed_json
+    try:
+        found = read_signed_json(Path(spec.run_dir) / MEMORY_CHOICE_FILE, max_bytes=4096)
+    except (TrustError, OSError, ValueError):
+        return None
+    checkpointing, swap = found.get("gradient_checkpointing"), found.get("block_swap")
+    if found.get("run") != Path(spec.run_dir).name or not isinstance(checkpointing, bool) \
+            or not isinstance(swap, int) or isinstance(swap, bool) or not 0 <= swap <= blocks:
+        return None
+    return checkpointing, swap
+
+
+def record_choice(spec, plan: MemoryPlan) -> None:
+    from .distributed import rank
+    from .layout import MEMORY_CHOICE_FILE
+    from .trust import write_signed_json
+    if rank() == 0:
+        write_signed_json(Path(spec.run_dir) / MEMORY_CHOICE_FILE,
+                          {"run": Path(spec.run_dir).name, "gradient_checkpointing": plan.checkpointing,
+                           "block_swap": plan.block_swap})
+
+
+def _shared_out(weights: ModelBytes, zero_stage: int, data_parallel: int, stages: int,
+                offload: bool) -> ModelBytes:
+    """One process's share: ZeRO 1 partitions the masters and optimizer state over the data-parallel processes,
+    ZeRO 2 the gradients too, ZeRO 3 the weights as well; pipeline stages split the blocks (evenly, an estimate);
+    optimizer offload keeps the masters and optimizer state in host memory."""
+    shares = {}
+    if data_parallel > 1 and zero_stage >= 1:
+        shares["state_share"] = data_parallel
+    if data_parallel > 1 and zero_stage >= 2:
+        shares["gradient_share"] = data_parallel
     if zero_stage >= 3 and data_parallel > 1:
-        return ModelBytes(weights.frozen // data_parallel, [b // data_parallel for b in weights.frozen_per_block],
-                          weights.trained // data_parallel, weights.trained_count // data_parallel)
-    if stages > 1:
-        return ModelBytes(weights.frozen // stages, weights.frozen_per_block, weights.trained // stages,
-                          weights.trained_count // stages)
-    return weights
+        weights = dataclasses.replace(weights, frozen=weights.frozen // data_parallel,
+                                      frozen_per_block=[b // data_parallel for b in weights.frozen_per_block],
+                                      trained=weights.trained // data_parallel)
+    elif stages > 1:
+        weights = dataclasses.replace(weights, frozen=weights.frozen // stages, trained=weights.trained // stages,
+                                      trained_count=weights.trained_count // stages)
+    return dataclasses.replace(weights, offloaded=offload, **shares)
 
 
 DIFFUSION_MODEL_PREFIX = "model.diffusion_model."  # a whole checkpoint's diffusion model keys
 
 
-def load_bytes(model, precision: str) -> int:
+def load_bytes(model, precision: str) -> int | None:
     """The host bytes the diffusion model will hold once loaded, from the file's header alone (no weight is read):
     its tensors (a checkpoint's diffusion-model keys only) in the precision the trainer holds them: fp8 where the
     file has fp8 or the spec asks for an fp8 base (matrices and convolutions; ComfyUI keeps biases and norms in the
     compute precision), other floats in the training precision, anything else (a quantized layout's packed data,
-    integers) as stored."""
+    integers) as stored. None where the header cannot be read (ComfyUI's loader then says what is wrong)."""
     import json
     import struct
-    with open(model.path, "rb") as f:
-        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    try:
+        with open(model.path, "rb") as f:
+            size = struct.unpack("<Q", f.read(8))[0]
+            if size > 100 * 2**20:  # safetensors' own limit on a header
+                return None
+            header = json.loads(f.read(size))
+        if not isinstance(header, dict):
+            return None
+    except (OSError, ValueError, struct.error):
+        return None
     header.pop("__metadata__", None)
     if model.format == "checkpoint" and any(k.startswith(DIFFUSION_MODEL_PREFIX) for k in header):
         header = {k: v for k, v in header.items() if k.startswith(DIFFUSION_MODEL_PREFIX)}
@@ -453,17 +582,20 @@ def load_bytes(model, precision: str) -> int:
     return total
 
 
-def host_refusal(model, precision: str) -> str | None:
-    """Before the load: the reason a model cannot be loaded into this machine's RAM, naming the file and the
-    numbers, or None (fits, or the system tells no available memory)."""
+def host_refusal(model, precision: str, full: bool = False, processes: int = 1) -> str | None:
+    """Before the load: the reason the model cannot be loaded into this machine's RAM by the `processes` of the
+    run on it (each loads its own copy), naming the file and the numbers; None where it fits, or where the system
+    or the file's header tells nothing. `full`: a full fine-tune (which cannot take an fp8 base)."""
     from .os_support import available_memory
     available = available_memory()
-    if available is None:
+    one = load_bytes(model, precision)
+    if available is None or one is None:
         return None
-    needed = load_bytes(model, precision)
+    needed = one * processes
     if needed <= available * MARGIN:
         return None
-    fp8 = "" if (model.weight_dtype.startswith("fp8") or model.base_precision == "fp8") else \
+    each = f" ({processes} processes on this machine, {one / GiB:.1f} GiB each)" if processes > 1 else ""
+    fp8 = "" if (full or model.weight_dtype.startswith("fp8") or model.base_precision == "fp8") else \
         "set base_precision to fp8 (half the bytes of bf16), or "
-    return (f"not enough memory: loading {model.path} needs {needed / GiB:.1f} GiB of RAM and "
+    return (f"not enough memory: loading {model.path} needs {needed / GiB:.1f} GiB of RAM{each} and "
             f"{available / GiB:.1f} GiB is available: {fp8}close other programs. Nothing was loaded.")
