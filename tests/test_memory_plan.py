@@ -295,3 +295,60 @@ def test_zero_and_offload_shares_and_a_model_without_blocks():
     planned = choose(spec, ModelBytes(frozen=GiB, frozen_per_block=[], trained=0, trained_count=0), none, "cuda",
                      GiB // 2)
     assert (planned.checkpointing, planned.block_swap) == (False, 0) and not planned.fits()
+
+
+def test_block_swap_brings_the_next_block_ahead_in_either_direction_with_the_same_gradients(tiny_unet):  # noqa: F811
+    """The copy-ahead order of block swap (memory.BlockCopies), with its GPU copies recorded instead (no GPU
+    here): the forward pass takes blocks 0, 1, 2 and brings each next one ahead, the backward pass recomputes them
+    in reverse and brings the one before ahead; every copy made ahead is used, none is left over, and the
+    adapter's gradients are those of the same model without the swap."""
+    sys.path.insert(0, str(REPO))
+    from tools.prepare_run import _bootstrap
+    _bootstrap()
+    from ingraph_trainer.trainer.adapters import inject_adapter
+    from ingraph_trainer.trainer.memory import BlockCopies, enable_block_swap, memory_savers
+    from ingraph_trainer.trainer.models import Batch
+
+    class Recorded(BlockCopies):
+        def __init__(self, hosts, device):
+            super().__init__(hosts, device)
+            self.side, self.log = "recorded", []  # a side stream stand-in: copies ahead are made
+
+        def copy_ahead(self, i):
+            self.log.append(("ahead", i))
+            return self.copy_now(i), None
+
+        def arrived(self, weights, event):
+            return weights
+
+        def take(self, i):
+            self.log.append(("take", i, i in self.pending))
+            return super().take(i)
+
+    def gradients(swap: int):
+        family = load_tiny(tiny_unet)
+        family.compute_dtype = torch.float32
+        torch.manual_seed(0)
+        params = inject_adapter(family.diffusion_model, family.adapter_targets("attention"), "lora", 4, 4.0, 0.0)
+        for p in params:
+            torch.nn.init.normal_(p, std=0.05)
+        family.diffusion_model.float()
+        copies = enable_block_swap(memory_savers(family, False, swap), torch.device("cpu"), copies=Recorded) \
+            if swap else None
+        g = torch.Generator().manual_seed(1)
+        latents = torch.randn(2, 4, 16, 16, generator=g)
+        batch = Batch(latents, torch.randn(2, 77, 768, generator=g), None, torch.randn(latents.shape, generator=g),
+                      torch.tensor([0.3, 0.7]))
+        family.loss(batch).backward()
+        return [p.grad.clone() for p in params], copies
+    plain, _ = gradients(0)
+    swapped, copies = gradients(5)
+    takes = [(entry[1], entry[2]) for entry in copies.log if entry[0] == "take"]
+    aheads = [entry[1] for entry in copies.log if entry[0] == "ahead"]
+    # the forward pass, then the backward pass's recomputation down to block 2, the first with an adapter (blocks
+    # 0 and 1 need no gradient: nothing before them trains)
+    assert [i for i, _ in takes] == [0, 1, 2, 3, 4, 4, 3, 2], copies.log
+    assert aheads == [1, 2, 3, 4, 3, 2, 1], copies.log
+    assert [ready for _, ready in takes] == [False, True, True, True, True, False, True, True], copies.log
+    assert list(copies.pending) == [1]  # waits for the next step, whose forward pass takes it second
+    assert len(plain) == len(swapped) > 0 and all(torch.equal(a, b) for a, b in zip(plain, swapped))

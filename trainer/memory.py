@@ -122,15 +122,59 @@ def keep_fp8_weights_for_backward(model: torch.nn.Module, skip=()) -> int:
     return changed
 
 
-def enable_block_swap(blocks, device, dtype=None):
+class BlockCopies:
+    """The swapped blocks' frozen weights on their way to the device, one block ahead of use (copy-in only: frozen
+    weights never travel back). On a GPU the next block's copy runs on a side stream from pinned host memory while
+    the device computes this one (musubi-tuner's swap; it gained 25 % on Qwen-Image on a 3090); the compute stream
+    waits for a copy's event before it uses it. The next block is the one after in the forward pass, the one
+    before while the backward pass recomputes them in reverse (the last one the backward pass brings ahead waits
+    for the next step's forward pass, where it is the second block). On a CPU each copy is made when its block runs
+    (there is nothing to overlap)."""
+
+    def __init__(self, hosts: list[dict], device):
+        self.hosts, self.device = hosts, torch.device(device)
+        self.side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.pending = {}  # block index -> (its weights on the device, what says they have arrived)
+
+    def take(self, i: int) -> dict:
+        """Block i's weights on the device, ready for the compute stream; starts the next block's copy."""
+        backward = getattr(torch._C, "_current_graph_task_id", lambda: -1)() != -1
+        ahead = i - 1 if backward else i + 1  # the backward pass recomputes the blocks in reverse
+        found = self.pending.pop(i, None)
+        weights = self.arrived(*found) if found is not None else self.copy_now(i)
+        if self.side is not None and 0 <= ahead < len(self.hosts) and ahead not in self.pending:
+            self.pending[ahead] = self.copy_ahead(ahead)
+        return weights
+
+    def copy_now(self, i: int) -> dict:
+        return {name: t.to(self.device, non_blocking=True) for name, t in self.hosts[i].items()}
+
+    def copy_ahead(self, i: int):
+        with torch.cuda.stream(self.side):
+            weights = self.copy_now(i)
+            event = torch.cuda.Event()
+            event.record(self.side)
+        return weights, event
+
+    def arrived(self, weights: dict, event) -> dict:
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(event)
+        for t in weights.values():
+            t.record_stream(stream)  # the allocator keeps the copy until the compute stream is done with it
+        return weights
+
+
+def enable_block_swap(blocks, device, dtype=None, copies=BlockCopies) -> BlockCopies:
     """diffusion-pipe's block swap for adapter training: these blocks' frozen weights live in CPU memory and
     visit the device only while the block runs, in the forward pass and again when the backward pass
-    recomputes it (swapped blocks are checkpointed, so no copy outlives its block's use). Trainable adapter
-    weights stay on the device, where the optimizer holds them. `dtype`: the training precision, given where the
-    engine casts the model after this (plain_engine), which leaves these weights alone."""
+    recomputes it (swapped blocks are checkpointed, so no copy outlives its block's use); BlockCopies brings them
+    in, one block ahead on a GPU. Trainable adapter weights stay on the device, where the optimizer holds them.
+    `dtype`: the training precision, given where the engine casts the model after this (plain_engine), which
+    leaves these weights alone."""
     import threading
     state = threading.local()
     pinned = torch.cuda.is_available()
+    hosts = []
     for block in blocks:
         frozen = {name: p for name, p in block.named_parameters() if not p.requires_grad}
         if dtype is not None:  # the precision the engine gives every other weight (fp8 and integers stay as they are)
@@ -141,13 +185,15 @@ def enable_block_swap(blocks, device, dtype=None):
         for name, p in frozen.items():
             p.data = host[name]  # the device copy, if any, is freed
             p.host_resident = True  # plain_engine leaves it here: the model never has to fit the card whole
+        hosts.append(host)
+    arriving = copies(hosts, device)
+    for i, block in enumerate(blocks):
         forward = block.forward
 
-        def run_on_device(*args, _block=block, _host=host, **kwargs):
+        def run_on_device(*args, _block=block, _i=i, **kwargs):
             state.inside = True
             try:
-                weights = {name: t.to(device, non_blocking=True) for name, t in _host.items()}
-                return torch.func.functional_call(_block, weights, args, kwargs, strict=False)
+                return torch.func.functional_call(_block, arriving.take(_i), args, kwargs, strict=False)
             finally:
                 state.inside = False
 
@@ -156,6 +202,7 @@ def enable_block_swap(blocks, device, dtype=None):
                 return _forward(*args, **kwargs)
             return torch.utils.checkpoint.checkpoint(_run, *args, use_reentrant=False, **kwargs)
         block.forward = swapped
+    return arriving
 
 
 def memory_savers(family, checkpointing: bool, block_swap: int) -> list:

@@ -293,8 +293,8 @@ def plan_for(spec, weights: ModelBytes, profile: ActivationProfile, checkpointin
     parts = {
         # under DeepSpeed the engine moves the whole model to the device before block swap takes the blocks out
         "weights": weights.frozen - (swapped if device_type == "cuda" and not uses_deepspeed(spec) else 0),
-        # the swapped block on its visit (memory.enable_block_swap copies one block in at a time, no prefetch)
-        "swapped block": max(weights.frozen_per_block[:block_swap], default=0) if device_type == "cuda" else 0,
+        # the swapped block on its visit and the next one on its way (memory.BlockCopies)
+        "swapped blocks": 2 * max(weights.frozen_per_block[:block_swap], default=0) if device_type == "cuda" else 0,
         "trained": weights.trained,
         "gradients": weights.trained // weights.gradient_share,
     }
