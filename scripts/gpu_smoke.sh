@@ -8,6 +8,7 @@
 #   e2e      the trainer program end to end on the embedded default (tiny SD1.5), 64 px and 512 px, on the GPU
 #   fp8      a tiny SD1.5 UNet as UNETLoader fp8_e4m3fn and fp8_e4m3fn_fast: LoRA training, then the evaluate task
 #   bench    bench/gpu.py $BENCH_ARGS (the Train node vs TrainLoraNode vs a bare loop, through a ComfyUI server on the GPU)
+#   memory   bench/block_swap.py (copy ahead vs blocking copies) and bench/memory_plan.py (predicted vs peak) on the GPU
 #   tests:F  pytest on the files F (the GPU tier: "tests:-m gpu tests/test_gpu.py"); F is split on spaces, so a -k
 #            expression of several words goes in PYTEST_K (INGRAPH_SKIP_DISTILL_QUALITY=1 INGRAPH_SKIP_CHROMA_GRAPH=1), junit XML to $OUT
 # Code runs from .gpu/repo (a fixed `git archive HEAD`), never from the live tree.
@@ -223,6 +224,14 @@ stage_bench() {
   stamp "bench exit $?"
 }
 
+stage_memory() {  # issue 30 on a card: block swap's copy ahead against blocking copies; the plan against the peak
+  stamp "bench/block_swap.py and bench/memory_plan.py"
+  (cd "$REPO" && timeout -k 10 "${MEMORY_TIMEOUT:-240}" $PY bench/block_swap.py --swap 8 --steps 6 --resolution 1024)
+  (cd "$REPO" && timeout -k 10 "${MEMORY_TIMEOUT:-240}" $PY bench/memory_plan.py --work "$W/memory_plan" \
+      --settings lora lora_ckpt lora_fp8 lora_swap6 --steps 2)
+  stamp "memory exit $?"
+}
+
 stage_tests() {  # FILES...
   local n; n=$(ls "$OUTD"/junit*.xml 2>/dev/null | wc -l)
   stamp "pytest $*"
@@ -234,7 +243,7 @@ stage_tests() {  # FILES...
 for stage in "$@"; do
   case "$stage" in
     tests:*) read -ra files <<< "${stage#tests:}"; stage_tests "${files[@]}" 2>&1 | tee -a "$OUTD/tests.log" ;;
-    install|env|e2e|fp8|bench) "stage_$stage" 2>&1 | tee -a "$OUTD/$stage.log"
+    install|env|e2e|fp8|bench|memory) "stage_$stage" 2>&1 | tee -a "$OUTD/$stage.log"
       [ "$stage" = install ] && [ ! -f /tmp/site/.ingraph-installed ] && { stamp "install failed"; exit 1; } ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
