@@ -352,3 +352,20 @@ def test_block_swap_brings_the_next_block_ahead_in_either_direction_with_the_sam
     assert [ready for _, ready in takes] == [False, True, True, True, True, False, True, True], copies.log
     assert list(copies.pending) == [1]  # waits for the next step, whose forward pass takes it second
     assert len(plain) == len(swapped) > 0 and all(torch.equal(a, b) for a, b in zip(plain, swapped))
+
+
+def test_the_plan_table_builds_real_architectures_on_the_meta_device():
+    """tools/plan_memory_table.py (the README's planned figures): the full SD1.5 UNet built by ComfyUI's classes on
+    the meta device holds its 859.5M weights in bf16, checkpointing lowers the planned peak, and "auto" on a card
+    too small for the plan as given chooses checkpointing."""
+    sys.path.insert(0, str(REPO))
+    from tools.prepare_run import _bootstrap
+    _bootstrap()
+    from tools.plan_memory_table import plans
+    rows = plans("SD1.5", 256, False, [2.5])
+    by_setting = {r["setting"]: r for r in rows}
+    off, on = by_setting["checkpointing off"], by_setting["checkpointing on"]
+    assert off["parts"]["weights"] == 859_520_964 * 2, off["parts"]
+    assert on["peak"] < off["peak"]
+    auto = by_setting["auto on a 2.5 GB card"]
+    assert off["peak"] > (2.5 * 0.9 - 0.5) * GiB >= auto["peak"] and auto["choice"] == "checkpointing on", auto
