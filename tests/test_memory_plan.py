@@ -143,7 +143,7 @@ def test_on_a_gpu_auto_swaps_the_fewest_blocks_that_fit_and_the_refusal_names_th
     from ingraph_trainer.trainer.memory_plan import ActivationProfile, ModelBytes, choose, refusal, warning
     blocks = 10
     weights = ModelBytes(frozen=12 * GiB, frozen_per_block=[1 * GiB] * blocks, trained=GiB // 100,
-                         trained_count=GiB // 200)
+                         trained_count=GiB // 200, pinned_per_block=[GiB] * blocks)
     profile = ActivationProfile(outside=GiB // 10, saved=[GiB // 2] * blocks, inputs=[GiB // 50] * blocks)
     spec = RunSpec()
     spec.train.precision = "bf16"
@@ -225,9 +225,13 @@ def test_with_block_swap_only_the_plans_resident_weights_reach_the_device(tiny_u
     inject_adapter(family.diffusion_model, family.adapter_targets("attention"), "lora", 4, 4.0, 0.0)
     blocks = family.checkpoint_blocks()
     swap = len(blocks) // 2
+    assert all(p.dtype == torch.bfloat16 for b in blocks for p in b.parameters() if not p.requires_grad)
     planned = model_bytes(family.diffusion_model, blocks, torch.bfloat16)
     swapped_bytes = sum(planned.frozen_per_block[:swap])
     assert 0 < swapped_bytes < planned.frozen  # the precondition: the swap takes some weights, not all
+    pinned = [sum(1 << (p.numel() * 2 - 1).bit_length() for p in b.parameters() if not p.requires_grad)
+              for b in blocks]  # PyTorch's pinned allocator: each tensor rounded up to a power of two
+    assert planned.pinned_per_block == pinned and sum(pinned[:swap]) > swapped_bytes
     swapped = memory_savers(family, False, swap)
     enable_block_swap(swapped, torch.device("meta"), torch.bfloat16)
     module = TrainingModule(family)
@@ -281,10 +285,11 @@ def test_zero_and_offload_shares_and_a_model_without_blocks():
     assert (alone.parts["master weights"], alone.parts["optimizer"], alone.parts["gradients"]) == \
         (4 * GiB, 8 * GiB, 2 * GiB)
     assert alone.parts["master gradients"] == 4 * GiB  # the step's peak (a full fine-tune's)
-    zero1, zero2 = plan(1), plan(2)
+    zero1, zero2, zero3 = plan(1), plan(2), plan(3)
     assert (zero1.parts["master weights"], zero1.parts["optimizer"], zero1.parts["gradients"]) == \
         (GiB, 2 * GiB, 2 * GiB)
     assert zero2.parts["gradients"] == GiB // 2
+    assert (zero3.parts["trained"], zero3.parts["gradients"], zero3.parts["optimizer"]) == (GiB // 2, GiB // 2, 2 * GiB)
     offloaded = plan(2, offload=True)
     assert "optimizer" not in offloaded.parts and "master weights" not in offloaded.parts
     assert offloaded.host_parts["offloaded optimizer"] == GiB + 2 * GiB + GiB
@@ -321,6 +326,9 @@ def test_block_swap_brings_the_next_block_ahead_in_either_direction_with_the_sam
         def arrived(self, weights, event):
             return weights
 
+        def bound(self):
+            self.log.append(("bound",))
+
         def take(self, i):
             self.log.append(("take", i, i in self.pending))
             return super().take(i)
@@ -350,7 +358,10 @@ def test_block_swap_brings_the_next_block_ahead_in_either_direction_with_the_sam
     assert [i for i, _ in takes] == [0, 1, 2, 3, 4, 4, 3, 2], copies.log
     assert aheads == [1, 2, 3, 4, 3, 2, 1], copies.log
     assert [ready for _, ready in takes] == [False, True, True, True, True, False, True, True], copies.log
-    assert list(copies.pending) == [1]  # waits for the next step, whose forward pass takes it second
+    assert list(copies.pending) == [1]  # brought ahead for no one: the loop's reset() after the step drops it
+    assert sum(1 for entry in copies.log if entry[0] == "bound") == len(aheads)  # each copy ahead waits its turn
+    copies.reset()
+    assert copies.pending == {} and copies.mark is None
     assert len(plain) == len(swapped) > 0 and all(torch.equal(a, b) for a, b in zip(plain, swapped))
 
 
@@ -369,3 +380,29 @@ def test_the_plan_table_builds_real_architectures_on_the_meta_device():
     assert on["peak"] < off["peak"]
     auto = by_setting["auto on a 2.5 GB card"]
     assert off["peak"] > (2.5 * 0.9 - 0.5) * GiB >= auto["peak"] and auto["choice"] == "checkpointing on", auto
+
+
+def test_a_resume_reads_the_settings_its_run_began_with_only_from_its_own_signed_record(tmp_path, monkeypatch):
+    """The record "auto"'s choice is kept in (memory_choice.json, under output/ where any client writes): read
+    back as written; refused when altered, when another run's, or when it names more blocks than the model has."""
+    import json
+    from ingraph_trainer.trainer.config import RunSpec
+    from ingraph_trainer.trainer.layout import MEMORY_CHOICE_FILE
+    from ingraph_trainer.trainer.memory_plan import MemoryPlan, earlier_choice, record_choice
+    monkeypatch.setenv("INGRAPH_SECRET_FILE", str(tmp_path / "secret"))
+    spec = RunSpec()
+    spec.run_dir = str(tmp_path / "run_a")
+    (tmp_path / "run_a").mkdir()
+    record_choice(spec, MemoryPlan("cuda", True, 3, {}, {}, None))
+    assert earlier_choice(spec, 10) == (True, 3)
+    assert earlier_choice(spec, 2) is None  # more blocks than this model has
+    path = tmp_path / "run_a" / MEMORY_CHOICE_FILE
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps(dict(data, block_swap=0)))
+    assert earlier_choice(spec, 10) is None  # altered: the signature no longer holds
+    other = RunSpec()
+    other.run_dir = str(tmp_path / "run_b")
+    (tmp_path / "run_b").mkdir()
+    record_choice(other, MemoryPlan("cuda", False, 1, {}, {}, None))
+    path.write_bytes((tmp_path / "run_b" / MEMORY_CHOICE_FILE).read_bytes())
+    assert earlier_choice(spec, 10) is None  # another run's record

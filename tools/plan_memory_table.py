@@ -6,12 +6,14 @@ measured peaks (on this CPU; on a GPU through scripts/gpu_smoke.sh's memory stag
 
     python tools/plan_memory_table.py [--cards 12 16 24] [--markdown]
 
-Prints, per model and setting, the planned peak and its parts, and what memory "auto" chooses on each card size
+LoRA rank 16 on the attention and feed-forward layers, at the starting graphs' sizes and batches. Prints, per model
+and setting, the planned peak and its parts, and what memory "auto" chooses on each card size
 (the card's memory x 0.9 less 0.5 GiB for the CUDA context and ComfyUI's own allocations: a stand-in for "free").
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -65,11 +67,28 @@ def build(config_class, unet_config: dict, fp8: bool):
                 module.weight.data = torch.empty(module.weight.shape, dtype=torch.float8_e4m3fn, device="meta")
                 module.comfy_cast_weights = True  # as ComfyUI's loader sets it: cast to the input's dtype per call
     torch.manual_seed(0)
-    inject_adapter(family.diffusion_model, family.adapter_targets("attention"), "lora", 16, 16.0, 0.0)
+    # the starting graphs' adapter (tools/starting_graphs.py): rank 16 on the attention and feed-forward layers
+    inject_adapter(family.diffusion_model, family.adapter_targets("attention_ff"), "lora", 16, 16.0, 0.0)
     return family
 
 
-def plans(name: str, side: int, fp8: bool, cards: list[float]) -> list[dict]:
+@contextlib.contextmanager
+def nvidia_attention(comfy_attention):
+    """Within: ComfyUI's attention is the one it picks on NVIDIA cards (PyTorch's scaled_dot_product_attention), in
+    its attention module and in every model module that imported the function by name (Flux's math, say)."""
+    chosen = comfy_attention.optimized_attention
+    holders = [m for name, m in list(sys.modules.items())
+               if name.startswith("comfy.") and getattr(m, "optimized_attention", None) is chosen]
+    for module in holders:
+        module.optimized_attention = comfy_attention.attention_pytorch
+    try:
+        yield
+    finally:
+        for module in holders:
+            module.optimized_attention = chosen
+
+
+def plans(name: str, side: int, fp8: bool, cards: list[float], batch: int = 1) -> list[dict]:
     import torch
     import comfy.ldm.modules.attention as comfy_attention
     from ingraph_trainer.trainer import memory_plan as mp
@@ -77,19 +96,15 @@ def plans(name: str, side: int, fp8: bool, cards: list[float]) -> list[dict]:
     config_class, unet_config, inputs = models()[name]
     family = build(config_class, unet_config, fp8)
     blocks = family.checkpoint_blocks()
-    chosen = comfy_attention.optimized_attention
-    comfy_attention.optimized_attention = comfy_attention.attention_pytorch  # ComfyUI's choice on NVIDIA
-    try:
-        profile = mp.activation_profile(family, inputs(1, side), blocks, torch.bfloat16, torch.device("cpu"))
-    finally:
-        comfy_attention.optimized_attention = chosen
+    with nvidia_attention(comfy_attention):
+        profile = mp.activation_profile(family, inputs(batch, side), blocks, torch.bfloat16, torch.device("cpu"))
     weights = mp.model_bytes(family.diffusion_model, blocks, torch.bfloat16)
     spec = RunSpec()
     spec.train.precision = "bf16"
     rows = []
     for checkpointing in (False, True):
         plan = mp.plan_for(spec, weights, profile, checkpointing, 0, "cuda", None)
-        rows.append({"model": name, "side": side, "base": "fp8" if fp8 else "bf16", "setting":
+        rows.append({"model": name, "side": side, "batch": batch, "base": "fp8" if fp8 else "bf16", "setting":
                      f"checkpointing {'on' if checkpointing else 'off'}", "peak": plan.peak, "parts": plan.parts})
     spec.train.memory = "auto"
     for card in cards:
@@ -98,14 +113,15 @@ def plans(name: str, side: int, fp8: bool, cards: list[float]) -> list[dict]:
         choice = ("refused" if not plan.fits() else
                   f"checkpointing {'on' if plan.checkpointing else 'off'}"
                   + (f", {plan.block_swap} of {len(blocks)} blocks swapped" if plan.block_swap else ""))
-        rows.append({"model": name, "side": side, "base": "fp8" if fp8 else "bf16",
+        rows.append({"model": name, "side": side, "batch": batch, "base": "fp8" if fp8 else "bf16",
                      "setting": f"auto on a {card:g} GB card", "peak": plan.peak, "parts": plan.parts,
                      "choice": choice})
     return rows
 
 
-CASES = (("SD1.5", 512, False), ("SDXL", 1024, False), ("SDXL", 1024, True), ("Flux dev", 1024, False),
-         ("Flux dev", 1024, True))
+# (model, side, fp8 base, batch): the starting graphs' sizes and batches
+CASES = (("SD1.5", 512, False, 2), ("SDXL", 1024, False, 1), ("SDXL", 1024, True, 1), ("Flux dev", 1024, False, 1),
+         ("Flux dev", 1024, True, 1))
 
 
 def main(argv=None):
@@ -114,17 +130,17 @@ def main(argv=None):
     parser.add_argument("--markdown", action="store_true", help="a table for the README")
     opts = parser.parse_args(argv)
     _bootstrap()
-    rows = [row for case in CASES for row in plans(*case, opts.cards)]
+    rows = [row for name, side, fp8, batch in CASES for row in plans(name, side, fp8, opts.cards, batch)]
     if opts.markdown:
-        print("| model | base | setting | planned peak | chosen |")
-        print("|---|---|---|---|---|")
+        print("| model | batch | base | setting | planned peak | chosen |")
+        print("|---|---|---|---|---|---|")
     for r in rows:
         if opts.markdown:
-            print(f"| {r['model']} {r['side']}² | {r['base']} | {r['setting']} | {r['peak'] / GiB:.1f} GiB | "
+            print(f"| {r['model']} {r['side']}² | {r['batch']} | {r['base']} | {r['setting']} | {r['peak'] / GiB:.1f} GiB | "
                   f"{r.get('choice', '')} |")
         else:
             parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in r["parts"].items() if v)
-            print(f"{r['model']:8s} {r['side']}px {r['base']:4s} {r['setting']:26s} {r['peak'] / GiB:6.2f} GiB  "
+            print(f"{r['model']:8s} {r['side']}px x{r['batch']} {r['base']:4s} {r['setting']:26s} {r['peak'] / GiB:6.2f} GiB  "
                   f"{r.get('choice', '')}  ({parts})")
 
 

@@ -97,8 +97,9 @@ class Trainer(TrainingTask):
                                        self.log)
         swapped_blocks = memory_savers(family, self.memory_plan.checkpointing, self.memory_plan.block_swap)
         swap_first = bool(swapped_blocks) and not uses_deepspeed(spec)  # the plain engine leaves them on the host
+        self.block_copies = None
         if swap_first:
-            enable_block_swap(swapped_blocks, training_device(), low_precision_dtype(t.precision))
+            self.block_copies = enable_block_swap(swapped_blocks, training_device(), low_precision_dtype(t.precision))
         self.layout = layout = choose_layout(spec, family, self.params)
         layout.check_data(self.dataset)
         optimizer = build_optimizer(spec, layout.trainable)
@@ -106,7 +107,7 @@ class Trainer(TrainingTask):
         layout.initialize(deepspeed, optimizer, build_scheduler(spec, optimizer), deepspeed_config(spec))
         self.ema = build_average(spec, self.params)  # after initialize: on the device the engine put them on
         if swapped_blocks and not swap_first:
-            enable_block_swap(swapped_blocks, layout.device)
+            self.block_copies = enable_block_swap(swapped_blocks, layout.device)
         self.batches = StepBatches(self.dataset, self.sampler, t, spec.data, data_parallel_size(spec),
                                    layout.data_rank)
         checkpointer = Checkpointer(layout, self.run_dir, t.save_every, t.keep_last, self.is_rank0,
@@ -128,6 +129,8 @@ class Trainer(TrainingTask):
             self.data_wait += time.perf_counter() - t0
             lr = self.optimizer.param_groups[0]["lr"]
             loss, grad_norm = self.layout.train_step(batch.micro_batches)
+            if self.block_copies is not None:
+                self.block_copies.reset()
             if self.ema is not None:
                 self.ema.update(step)
             grad_norm = float(grad_norm) if grad_norm is not None else None

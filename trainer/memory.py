@@ -126,15 +126,18 @@ class BlockCopies:
     """The swapped blocks' frozen weights on their way to the device, one block ahead of use (copy-in only: frozen
     weights never travel back). On a GPU the next block's copy runs on a side stream from pinned host memory while
     the device computes this one (musubi-tuner's swap; it gained 25 % on Qwen-Image on a 3090); the compute stream
-    waits for a copy's event before it uses it. The next block is the one after in the forward pass, the one
-    before while the backward pass recomputes them in reverse (the last one the backward pass brings ahead waits
-    for the next step's forward pass, where it is the second block). On a CPU each copy is made when its block runs
-    (there is nothing to overlap)."""
+    waits for a copy's event before it uses it, and the host waits before each copy ahead until the block before
+    the previous one is computed (bound), so at most three blocks' copies are on the device however far ahead of
+    the device the host runs. The next block is the one after in the forward pass, the one before while the
+    backward pass recomputes them in reverse. reset() after each step drops a copy made ahead for no one (the
+    block before the first one the backward pass needed). On a CPU each copy is made when its block runs (there
+    is nothing to overlap)."""
 
     def __init__(self, hosts: list[dict], device):
         self.hosts, self.device = hosts, torch.device(device)
         self.side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.pending = {}  # block index -> (its weights on the device, what says they have arrived)
+        self.mark = None  # the compute stream's progress when the previous copy ahead was made
 
     def take(self, i: int) -> dict:
         """Block i's weights on the device, ready for the compute stream; starts the next block's copy."""
@@ -143,8 +146,23 @@ class BlockCopies:
         found = self.pending.pop(i, None)
         weights = self.arrived(*found) if found is not None else self.copy_now(i)
         if self.side is not None and 0 <= ahead < len(self.hosts) and ahead not in self.pending:
+            self.bound()
             self.pending[ahead] = self.copy_ahead(ahead)
         return weights
+
+    def bound(self) -> None:
+        """Waits until the compute stream has finished what it had been given when the previous copy ahead was
+        made (the block before the previous one): the caching allocator reuses a copy's memory only once the
+        stream that used it is past it (record_stream), so without this wait every copy ahead took new memory."""
+        mark = torch.cuda.Event()
+        mark.record(torch.cuda.current_stream(self.device))
+        if self.mark is not None:
+            self.mark.synchronize()
+        self.mark = mark
+
+    def reset(self) -> None:
+        self.pending.clear()
+        self.mark = None
 
     def copy_now(self, i: int) -> dict:
         return {name: t.to(self.device, non_blocking=True) for name, t in self.hosts[i].items()}

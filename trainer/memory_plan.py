@@ -260,6 +260,7 @@ class ModelBytes:
     state_share: int = 1  # ZeRO 1+: this process holds 1/state_share of the fp32 masters and optimizer state
     gradient_share: int = 1  # ZeRO 2+: and of the gradients
     offloaded: bool = False  # distributed.offload_optimizer: masters and optimizer state in host memory
+    pinned_per_block: list[int] = field(default_factory=list)  # the frozen bytes once pinned (powers of two)
 
 
 def model_bytes(model, blocks, compute_dtype) -> ModelBytes:
@@ -274,12 +275,21 @@ def model_bytes(model, blocks, compute_dtype) -> ModelBytes:
             seen.add(key)
             total += _held_bytes(t, compute_dtype)
         return total
+    pinned = []
+    for block in blocks:  # a swapped block's parameters are pinned (memory.enable_block_swap), its buffers not
+        pinned.append(sum(_pinned_bytes(p, compute_dtype) for p in block.parameters() if not p.requires_grad))
     per_block = [frozen_in(block) for block in blocks]
     rest = frozen_in(model)
     trained = [p for p in model.parameters() if p.requires_grad]
     element = torch.empty((), dtype=compute_dtype).element_size() if compute_dtype is not None else None
     trained_bytes = sum(p.numel() * (element or p.element_size()) for p in trained)
-    return ModelBytes(rest + sum(per_block), per_block, trained_bytes, sum(p.numel() for p in trained))
+    return ModelBytes(rest + sum(per_block), per_block, trained_bytes, sum(p.numel() for p in trained),
+                      pinned_per_block=pinned)
+
+
+def _pinned_bytes(tensor: torch.Tensor, compute_dtype) -> int:
+    size = _held_bytes(tensor, compute_dtype)
+    return 1 << (size - 1).bit_length() if size > 1 else size
 
 
 def plan_for(spec, weights: ModelBytes, profile: ActivationProfile, checkpointing: bool, block_swap: int,
@@ -293,8 +303,8 @@ def plan_for(spec, weights: ModelBytes, profile: ActivationProfile, checkpointin
     parts = {
         # under DeepSpeed the engine moves the whole model to the device before block swap takes the blocks out
         "weights": weights.frozen - (swapped if device_type == "cuda" and not uses_deepspeed(spec) else 0),
-        # the swapped block on its visit and the next one on its way (memory.BlockCopies)
-        "swapped blocks": 2 * max(weights.frozen_per_block[:block_swap], default=0) if device_type == "cuda" else 0,
+        # the swapped block computing, the one before it finishing, the next on its way (memory.BlockCopies.bound)
+        "swapped blocks": 3 * max(weights.frozen_per_block[:block_swap], default=0) if device_type == "cuda" else 0,
         "trained": weights.trained,
         "gradients": weights.trained // weights.gradient_share,
     }
@@ -304,7 +314,9 @@ def plan_for(spec, weights: ModelBytes, profile: ActivationProfile, checkpointin
              "optimizer": OPTIMIZER_STATE_BYTES.get(t.optimizer, 8) * weights.trained_count}
     state = {k: v // weights.state_share for k, v in state.items()}
     master_gradients = (4 * weights.trained_count if low_precision else 0) // weights.state_share
-    host = {"swapped weights": swapped} if device_type == "cuda" else {"runtime": HOST_RUNTIME}
+    # pinned host memory: PyTorch's pinned allocator rounds each tensor up to a power of two
+    host = {"swapped weights": sum(weights.pinned_per_block[:block_swap])} if device_type == "cuda" else \
+        {"runtime": HOST_RUNTIME}
     if weights.offloaded:
         host["offloaded optimizer"] = sum(state.values()) + master_gradients
         master_gradients = 0
@@ -454,7 +466,8 @@ def plan_memory(spec, family, dataset, device, data_parallel: int, log) -> Memor
         blocks = family.checkpoint_blocks()
     except ValueError:  # a model the generic family finds no block list in: nothing to checkpoint or swap
         blocks = []
-    began_with = earlier_choice(spec, len(blocks)) if spec.train.resume else None
+    # a resume of an "auto" run keeps what it began with ("manual": the settings as given, as always)
+    began_with = earlier_choice(spec, len(blocks)) if spec.train.resume and spec.train.memory == "auto" else None
     if began_with is not None:  # a resume keeps the settings the run began with: its numbers stay the run's own
         checkpointing, block_swap = began_with
         log("info", f"memory: the settings this run began with (gradient checkpointing "
@@ -528,7 +541,7 @@ def _shared_out(weights: ModelBytes, zero_stage: int, data_parallel: int, stages
     shares = {}
     if data_parallel > 1 and zero_stage >= 1:
         shares["state_share"] = data_parallel
-    if data_parallel > 1 and zero_stage >= 2:
+    if data_parallel > 1 and zero_stage == 2:  # ZeRO 3's gradients are its divided trained weights' already
         shares["gradient_share"] = data_parallel
     if zero_stage >= 3 and data_parallel > 1:
         weights = dataclasses.replace(weights, frozen=weights.frozen // data_parallel,
