@@ -227,9 +227,10 @@ stage_bench() {
 stage_memory() {  # issue 30 on a card: block swap's copy ahead against blocking copies; the plan against the peak
   stamp "bench/block_swap.py and bench/memory_plan.py"
   (cd "$REPO" && timeout -k 10 "${MEMORY_TIMEOUT:-240}" $PY bench/block_swap.py --swap 8 --steps 6 --resolution 1024)
+  local swap=$?
   (cd "$REPO" && timeout -k 10 "${MEMORY_TIMEOUT:-240}" $PY bench/memory_plan.py --work "$W/memory_plan" \
       --settings lora lora_ckpt lora_fp8 lora_swap6 --steps 2)
-  stamp "memory exit $?"
+  stamp "memory exit: block_swap.py $swap, memory_plan.py $?"
 }
 
 stage_tests() {  # FILES...
