@@ -267,6 +267,19 @@ def tiny_models(tools, server, families: dict[str, str] = (), vae16: str | None 
         tools("tiny_models", argv, timeout=900)
 
 
+@pytest.fixture(scope="module")
+def tiny_unet(assets, tmp_path_factory):
+    """The embedded default checkpoint's diffusion model as a bf16 file of its own (what UNETLoader lists), in a
+    folder of each test module's own."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    prefix = "model.diffusion_model."
+    out = tmp_path_factory.mktemp("fp8_unet") / "tiny_unet.safetensors"
+    save_file({k[len(prefix):]: v.to(torch.bfloat16) if v.is_floating_point() else v
+               for k, v in load_file(assets["checkpoint"]).items() if k.startswith(prefix)}, out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def comfy(tmp_path_factory, assets):
     """One real ComfyUI server, headless, with the pack installed under a non-identifier folder name."""

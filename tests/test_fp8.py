@@ -16,17 +16,6 @@ pytestmark = pytest.mark.comfyui
 STEPS = 10
 
 
-@pytest.fixture(scope="module")
-def tiny_unet(assets, tmp_path_factory):
-    """The embedded default checkpoint's diffusion model as a bf16 file of its own (what UNETLoader lists)."""
-    from safetensors.torch import load_file, save_file
-    prefix = "model.diffusion_model."
-    out = tmp_path_factory.mktemp("fp8_unet") / "tiny_unet.safetensors"
-    save_file({k[len(prefix):]: v.to(torch.bfloat16) if v.is_floating_point() else v
-               for k, v in load_file(assets["checkpoint"]).items() if k.startswith(prefix)}, out)
-    return out
-
-
 def _model_overrides(path, weight_dtype: str) -> dict:
     return dict(model__path=str(path), model__format="diffusion_model", model__weight_dtype=weight_dtype,
                 model__lora_paths=[], model__lora_strengths=[], model__stamps=[])

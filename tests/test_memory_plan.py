@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from conftest import REPO, read_events, run_trainer
-from test_fp8 import tiny_unet  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.comfyui
 
@@ -19,7 +18,7 @@ GiB = 2 ** 30
 
 @pytest.mark.parametrize("latent_hw,attention", [((16, 16), "this machine's"), ((24, 16), "this machine's"),
                                                 ((16, 16), "pytorch")])
-def test_the_meta_pass_counts_exactly_what_a_real_forward_saves(tiny_unet, latent_hw, attention,  # noqa: F811
+def test_the_meta_pass_counts_exactly_what_a_real_forward_saves(tiny_unet, latent_hw, attention,
                                                                 monkeypatch):
     """The plan's activations come from a forward pass on the meta device (no memory). The same pass on real
     tensors, with an adapter, saves those bytes for backward (weights apart), block by block. "pytorch": ComfyUI's
@@ -33,7 +32,7 @@ def test_the_meta_pass_counts_exactly_what_a_real_forward_saves(tiny_unet, laten
         monkeypatch.setattr(comfy_attention, "optimized_attention", comfy_attention.attention_pytorch)
     from ingraph_trainer.trainer.adapters import inject_adapter
     from ingraph_trainer.trainer.config import ModelSpec
-    from ingraph_trainer.trainer.memory_plan import activation_profile
+    from ingraph_trainer.trainer.memory_sizes import activation_profile
     from ingraph_trainer.trainer.models import Batch, load_family
     family = load_family(ModelSpec(path=str(tiny_unet)), precision="bf16")
     torch.manual_seed(0)
@@ -140,7 +139,8 @@ def test_on_a_gpu_auto_swaps_the_fewest_blocks_that_fit_and_the_refusal_names_th
     """The decision on a card, from the plan's figures alone (no GPU here): checkpointing first, then the fewest
     swapped blocks that fit; "manual" keeps the settings; a budget nothing fits names the swap that would."""
     from ingraph_trainer.trainer.config import RunSpec
-    from ingraph_trainer.trainer.memory_plan import ActivationProfile, ModelBytes, choose, refusal, warning
+    from ingraph_trainer.trainer.memory_plan import choose, refusal, warning
+    from ingraph_trainer.trainer.memory_sizes import ActivationProfile, ModelBytes
     blocks = 10
     weights = ModelBytes(frozen=12 * GiB, frozen_per_block=[1 * GiB] * blocks, trained=GiB // 100,
                          trained_count=GiB // 200, pinned_per_block=[GiB] * blocks)
@@ -186,7 +186,7 @@ def plan_fits_with(spec, weights, profile, block_swap: int, budget_gb: float) ->
 
 
 @pytest.mark.parametrize("weight_dtype", ["default", "fp8_e4m3fn"])
-def test_the_load_is_sized_from_the_files_header_and_refused_when_ram_cannot_hold_it(tiny_unet, weight_dtype,  # noqa: F811
+def test_the_load_is_sized_from_the_files_header_and_refused_when_ram_cannot_hold_it(tiny_unet, weight_dtype,
                                                                                      monkeypatch):
     """Before the load: the bytes the trainer will hold, read from the safetensors header alone, are the loaded
     model's (bf16 and fp8 bases); with less RAM available than that, the run is refused naming the file."""
@@ -195,7 +195,8 @@ def test_the_load_is_sized_from_the_files_header_and_refused_when_ram_cannot_hol
     _bootstrap()
     from ingraph_trainer.trainer import os_support
     from ingraph_trainer.trainer.config import ModelSpec
-    from ingraph_trainer.trainer.memory_plan import host_refusal, load_bytes
+    from ingraph_trainer.trainer.memory_plan import host_refusal
+    from ingraph_trainer.trainer.memory_sizes import load_bytes
     from ingraph_trainer.trainer.models import load_family
     model = ModelSpec(path=str(tiny_unet), weight_dtype=weight_dtype)
     held = load_family(model, precision="bf16").base_weight_bytes()
@@ -208,7 +209,7 @@ def test_the_load_is_sized_from_the_files_header_and_refused_when_ram_cannot_hol
     assert ("set base_precision to fp8" in message) == (weight_dtype == "default"), message
 
 
-def test_with_block_swap_only_the_plans_resident_weights_reach_the_device(tiny_unet):  # noqa: F811
+def test_with_block_swap_only_the_plans_resident_weights_reach_the_device(tiny_unet):
     """The plain engine's placement with N blocks swapped, onto a stand-in device (meta: what reaches it is
     counted, nothing allocated): the frozen bytes that arrive are the base minus the swapped blocks, exactly the
     plan's resident weights, and the swapped blocks' weights stay in host memory."""
@@ -216,9 +217,8 @@ def test_with_block_swap_only_the_plans_resident_weights_reach_the_device(tiny_u
     from tools.prepare_run import _bootstrap
     _bootstrap()
     from ingraph_trainer.trainer.adapters import inject_adapter
-    from ingraph_trainer.trainer.config import ModelSpec
     from ingraph_trainer.trainer.memory import enable_block_swap, memory_savers
-    from ingraph_trainer.trainer.memory_plan import model_bytes
+    from ingraph_trainer.trainer.memory_sizes import model_bytes
     from ingraph_trainer.trainer.plain_engine import hold_in
     from ingraph_trainer.trainer.training_module import TrainingModule
     family = load_tiny(tiny_unet)
@@ -253,7 +253,8 @@ def test_a_run_beyond_all_the_devices_memory_is_refused_even_when_manual():
     """Issue 28's last finding: a client may ask for what no machine holds (batch 1024 at 4096 px, rank 1024).
     "manual" only warns where free memory is short; beyond all the device's memory the run is refused."""
     from ingraph_trainer.trainer.config import RunSpec
-    from ingraph_trainer.trainer.memory_plan import ActivationProfile, ModelBytes, beyond_the_machine, choose
+    from ingraph_trainer.trainer.memory_plan import beyond_the_machine, choose
+    from ingraph_trainer.trainer.memory_sizes import ActivationProfile, ModelBytes
     weights = ModelBytes(frozen=2 * GiB, frozen_per_block=[GiB // 5] * 10, trained=GiB // 100,
                          trained_count=GiB // 200)
     profile = ActivationProfile(outside=GiB, saved=[8 * GiB] * 10, inputs=[GiB] * 10)
@@ -273,7 +274,8 @@ def test_zero_and_offload_shares_and_a_model_without_blocks():
     the gradients too) and with optimizer offload (masters and state in host memory); a model without a block
     list is planned as given, "auto" having nothing to checkpoint or swap."""
     from ingraph_trainer.trainer.config import RunSpec
-    from ingraph_trainer.trainer.memory_plan import ActivationProfile, ModelBytes, _shared_out, plan_for
+    from ingraph_trainer.trainer.memory_plan import _shared_out, plan_for
+    from ingraph_trainer.trainer.memory_sizes import ActivationProfile, ModelBytes
     weights = ModelBytes(frozen=0, frozen_per_block=[0] * 4, trained=2 * GiB, trained_count=GiB)  # full, bf16
     profile = ActivationProfile(outside=GiB // 10, saved=[GiB // 10] * 4, inputs=[GiB // 100] * 4)
     spec = RunSpec()
@@ -302,7 +304,7 @@ def test_zero_and_offload_shares_and_a_model_without_blocks():
     assert (planned.checkpointing, planned.block_swap) == (False, 0) and not planned.fits()
 
 
-def test_block_swap_brings_the_next_block_ahead_in_either_direction_with_the_same_gradients(tiny_unet):  # noqa: F811
+def test_block_swap_brings_the_next_block_ahead_in_either_direction_with_the_same_gradients(tiny_unet):
     """The copy-ahead order of block swap (memory.BlockCopies), with its GPU copies recorded instead (no GPU
     here): the forward pass takes blocks 0, 1, 2 and brings each next one ahead, the backward pass recomputes them
     in reverse and brings the one before ahead; every copy made ahead is used, none is left over, and the

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import REPO, read_events, run_trainers_forked
-from test_fp8 import _model_overrides, tiny_unet  # noqa: F401  (the bf16 diffusion-model file, a fixture)
+from test_fp8 import _model_overrides
 from tools.comfy_server import comfyui_path
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.skipif(

@@ -92,13 +92,14 @@ def plans(name: str, side: int, fp8: bool, cards: list[float], batch: int = 1) -
     import torch
     import comfy.ldm.modules.attention as comfy_attention
     from ingraph_trainer.trainer import memory_plan as mp
+    from ingraph_trainer.trainer.memory_sizes import activation_profile, model_bytes
     from ingraph_trainer.trainer.config import RunSpec
     config_class, unet_config, inputs = models()[name]
     family = build(config_class, unet_config, fp8)
     blocks = family.checkpoint_blocks()
     with nvidia_attention(comfy_attention):
-        profile = mp.activation_profile(family, inputs(batch, side), blocks, torch.bfloat16, torch.device("cpu"))
-    weights = mp.model_bytes(family.diffusion_model, blocks, torch.bfloat16)
+        profile = activation_profile(family, inputs(batch, side), blocks, torch.bfloat16, torch.device("cpu"))
+    weights = model_bytes(family.diffusion_model, blocks, torch.bfloat16)
     spec = RunSpec()
     spec.train.precision = "bf16"
     rows = []

@@ -23,7 +23,8 @@ from .export import diffusers_module_names
 from .layouts import choose_engine, choose_layout
 from .memory import enable_block_swap, load_peak, memory_savers
 from .metrics import HealthLog, param_norm, param_norm_due
-from .memory_plan import MemoryPlanRefused, host_refusal, low_precision_dtype, plan_memory
+from .memory_plan import MemoryPlanRefused, host_refusal, plan_memory
+from .memory_sizes import low_precision_dtype
 from .models import load_family
 from .optim import averaged_weights, build_optimizer, build_scheduler
 from .result import write_result

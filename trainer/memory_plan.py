@@ -1,6 +1,7 @@
 """The memory plan: a run's peak device memory and host RAM, predicted before the engine puts anything on the
-device, from the model's own modules and one forward pass run on the meta device (shapes only, no memory, about
-a second for SD1.5); the settings "auto" chooses to fit; and the refusal, naming the numbers, when nothing does.
+device from what memory_sizes measures (the model's own modules, and one forward pass on the meta device: shapes
+only, no memory, about a second for SD1.5); the settings "auto" chooses to fit; and the refusal, naming the
+numbers, when nothing does.
 
 What a step holds at its peak, the way the trainer lays it out:
 - the frozen weights that stay on the device, in the precision the engine gives them (fp8 stays fp8), plus, with
@@ -14,62 +15,29 @@ What a step holds at its peak, the way the trainer lays it out:
   (calibrated against measured peaks, bench/memory_plan.py);
 - or, where it is more (a full fine-tune), the optimizer step's instead of the last two: the fp32 masters'
   gradients beside the low-precision ones.
-A weight handed to a matmul or convolution (a parameter, or ComfyUI's cast copy of an fp8 one, which
-memory.keep_fp8_weights_for_backward does not keep) is a weight, never an activation.
 """
 from __future__ import annotations
 
-import contextlib
-import math
-from pathlib import Path
 import dataclasses
+import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from .distributed import global_min, uses_deepspeed
+from .memory_sizes import (ActivationProfile, ModelBytes, activation_profile, largest_item_inputs, load_bytes,
+                           low_precision_dtype, model_bytes)
 
 GiB = 2 ** 30
 
-
-def low_precision_dtype(precision: str):
-    """The dtype the engine casts the model to (bf16, fp16); None for fp32."""
-    from .models import PRECISION_DTYPES
-    return None if precision == "fp32" else getattr(torch, PRECISION_DTYPES[precision])
 
 # bytes of optimizer state per trained parameter (fp32 moments; 8-bit AdamW's two 1-byte moments; the factored
 # optimizers keep one fp32 moment and row/column statistics, which are small)
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2, "prodigy": 16, "adafactor": 4, "came": 4, "lion": 4,
                          "adamw_schedulefree": 8}
 MARGIN = 0.9  # of the free memory, a plan may use (the allocator's fragmentation, the CUDA context's growth)
-# x the largest block's saved activations: the gradients flowing back through it and the block's own scratch
-# (fitted on the full SD1.5 UNet at 512 px with and without checkpointing, bench/memory_plan.py)
-BACKWARD_WORKING_SET = 2.5
 HOST_RUNTIME = 128 * 2 ** 20  # a CPU run's own allocations beside the model's (the dataset, autograd's records)
-
-
-@dataclass
-class ActivationProfile:
-    """What one forward pass saves for backward, in bytes: outside the blocks, and per block (its saved
-    activations, and the inputs it is called with: all a checkpointed block keeps)."""
-    outside: int
-    saved: list[int]
-    inputs: list[int]
-    loss: int = 0  # the loss's own tensors (the output, its target and their difference, in fp32)
-    measured: bool = True  # False: the meta pass failed, and these are zeros
-
-    def held(self, checkpointed: int) -> int:
-        """Saved bytes at the end of the forward pass with blocks [swap:] ... checkpointed: the first
-        `checkpointed` entries of the block list keep their inputs only."""
-        kept = sum(self.inputs[:checkpointed]) + sum(self.saved[checkpointed:])
-        return self.outside + self.loss + kept
-
-    def recomputed(self, checkpointed: int) -> int:
-        """The largest block's activations alive again in backward (checkpointed blocks only)."""
-        return max(self.saved[:checkpointed], default=0)
-
-    def working_set(self) -> int:
-        return int(BACKWARD_WORKING_SET * max(self.saved, default=0))
 
 
 @dataclass
@@ -118,178 +86,6 @@ class MemoryPlan:
 
 class MemoryPlanRefused(ValueError):
     """The run needs more memory than the device (or the spec's budget) has, with every setting it may change."""
-
-
-def _storage_key(t: torch.Tensor):
-    return t.untyped_storage()._cdata  # one StorageImpl per storage, on meta too (where data_ptr is 0)
-
-
-class _FusedAttentionOnMeta(torch.overrides.TorchFunctionMode):
-    """PyTorch's scaled_dot_product_attention on the meta device takes its math path, which saves the whole
-    heads x tokens x tokens matrix, where a real run takes a fused kernel (flash or memory-efficient, on a GPU and
-    on a CPU alike) that saves only q, k, v, the output and a statistic per row. Within: a meta call goes to the
-    memory-efficient kernel, so the meta pass saves what the real one does. Anything it cannot take (a grouped
-    query layout) stays on the math path, an overestimate."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention and args and args[0].device.type == "meta" \
-                and not kwargs.get("enable_gqa"):
-            try:
-                return _efficient_attention(*args, **kwargs)
-            except (RuntimeError, TypeError, ValueError):
-                pass
-        return func(*args, **kwargs)
-
-
-def _efficient_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
-    return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, True, dropout_p,
-                                                                   is_causal, scale=scale)[0]
-
-
-def _meta(value):
-    if isinstance(value, torch.Tensor):
-        return torch.empty_like(value, device="meta").requires_grad_(value.requires_grad)
-    if isinstance(value, dict):
-        return {k: _meta(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_meta(v) for v in value)
-    return value
-
-
-def _tensor_bytes(value) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(_tensor_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in value)
-    return 0
-
-
-@contextlib.contextmanager
-def _attention_as_on(device):
-    """ComfyUI picks its attention split by the device's free memory; on the meta device it would ask CUDA.
-    Within: the meta device's free memory is the training device's, so the meta pass takes the same path."""
-    from .comfy_compat import free_memory_answers_for
-    with free_memory_answers_for(torch.device("meta"), device):
-        yield
-
-
-def activation_profile(family, model_inputs, blocks, compute_dtype, device) -> ActivationProfile:
-    """Runs the diffusion model once on the meta device with these inputs (x, timestep, kwargs, as
-    family.model_inputs makes them) and the trained/frozen pattern of the real weights, in `compute_dtype`
-    (the engine's precision; fp8 and integer weights stay as they are), counting what autograd saves."""
-    model = family.diffusion_model
-    weights = {}
-    for name, p in [*model.named_parameters(), *model.named_buffers()]:
-        dtype = compute_dtype if (compute_dtype is not None and p.is_floating_point() and p.element_size() > 1) \
-            else p.dtype
-        weights[name] = torch.empty(p.shape, dtype=dtype, device="meta").requires_grad_(p.requires_grad)
-    weight_keys = {_storage_key(t) for t in weights.values()}
-    saved: dict = {}  # storage -> (bytes, block index or None)
-    current = [None]
-    inputs = [0] * len(blocks)
-    kept = []  # every tensor seen, alive to the end: no storage is freed and its key reused by another meanwhile
-
-    def pack(t):
-        key = _storage_key(t)
-        if key not in saved:
-            saved[key] = (t.untyped_storage().nbytes(), current[0])
-            kept.append(t)
-        return t
-
-    def operand_key(t):
-        kept.append(t)
-        return _storage_key(t)
-
-    hooks = []
-    for i, block in enumerate(blocks):
-        def enter(module, args, kwargs, _i=i):
-            current[0] = _i
-            inputs[_i] = max(inputs[_i], _tensor_bytes(args) + _tensor_bytes(kwargs))
-
-        def leave(module, args, output):
-            current[0] = None
-        hooks.append(block.register_forward_pre_hook(enter, with_kwargs=True))
-        hooks.append(block.register_forward_hook(leave))
-    from .memory import WeightArguments
-    x, timestep, kwargs = _meta(model_inputs)
-    if compute_dtype is not None and x.is_floating_point():
-        x = x.to(compute_dtype)
-    operands: set = set()
-    try:
-        with _attention_as_on(device), WeightArguments(operands, key=operand_key, frozen_only=False), \
-                _FusedAttentionOnMeta(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = torch.func.functional_call(model, weights, (x, timestep), {"transformer_options": {}, **kwargs},
-                                             strict=False)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    per_block = [0] * len(blocks)
-    outside = 0
-    for key, (size, block) in saved.items():
-        if key in weight_keys or key in operands:
-            continue
-        if block is None:
-            outside += size
-        else:
-            per_block[block] += size
-    return ActivationProfile(outside, per_block, inputs, loss=3 * out.numel() * 4)
-
-
-def _held_bytes(tensor: torch.Tensor, compute_dtype) -> int:
-    """A frozen tensor's bytes once the engine has cast it (floats wider than a byte to the training precision;
-    fp8, integers and ComfyUI's quantized layouts stay as they are)."""
-    from .comfy_compat import is_quantized, tensor_bytes
-    if is_quantized(tensor):
-        return tensor_bytes(tensor)
-    if compute_dtype is not None and tensor.is_floating_point() and tensor.element_size() > 1:
-        return tensor.numel() * torch.empty((), dtype=compute_dtype).element_size()
-    return tensor.numel() * tensor.element_size()
-
-
-@dataclass
-class ModelBytes:
-    frozen: int  # frozen weights and buffers, as the engine holds them
-    frozen_per_block: list[int]  # of the checkpoint blocks, in order
-    trained: int  # trained parameters (numel x their dtype once cast)
-    trained_count: int
-    state_share: int = 1  # ZeRO 1+: this process holds 1/state_share of the fp32 masters and optimizer state
-    gradient_share: int = 1  # ZeRO 2+: and of the gradients
-    offloaded: bool = False  # distributed.offload_optimizer: masters and optimizer state in host memory
-    pinned_per_block: list[int] = field(default_factory=list)  # the frozen bytes once pinned (powers of two)
-
-
-def model_bytes(model, blocks, compute_dtype) -> ModelBytes:
-    seen = set()
-
-    def frozen_in(module) -> int:
-        total = 0
-        for t in [*module.parameters(), *module.buffers()]:
-            key = _storage_key(t)
-            if t.requires_grad or key in seen:
-                continue
-            seen.add(key)
-            total += _held_bytes(t, compute_dtype)
-        return total
-    pinned = []
-    for block in blocks:  # a swapped block's parameters are pinned (memory.enable_block_swap), its buffers not
-        pinned.append(sum(_pinned_bytes(p, compute_dtype) for p in block.parameters() if not p.requires_grad))
-    per_block = [frozen_in(block) for block in blocks]
-    rest = frozen_in(model)
-    trained = [p for p in model.parameters() if p.requires_grad]
-    element = torch.empty((), dtype=compute_dtype).element_size() if compute_dtype is not None else None
-    trained_bytes = sum(p.numel() * (element or p.element_size()) for p in trained)
-    return ModelBytes(rest + sum(per_block), per_block, trained_bytes, sum(p.numel() for p in trained),
-                      pinned_per_block=pinned)
-
-
-def _pinned_bytes(tensor: torch.Tensor, compute_dtype) -> int:
-    size = _held_bytes(tensor, compute_dtype)
-    return 1 << (size - 1).bit_length() if size > 1 else size
 
 
 def plan_for(spec, weights: ModelBytes, profile: ActivationProfile, checkpointing: bool, block_swap: int,
@@ -352,7 +148,7 @@ def choose(spec, weights: ModelBytes, profile: ActivationProfile, device_type: s
                   for k in range(d.block_swap + 1, len(profile.saved) + 1)]
     for plan in tried:
         if plan.fits():
-            plan.notes.append(f"memory auto: gradient checkpointing on"
+            plan.notes.append("memory auto: gradient checkpointing on"
                               + (f", block_swap {plan.block_swap}" if plan.block_swap != d.block_swap else "")
                               + f" (as given the run needs {given.peak / GiB:.2f} GiB)")
             return plan
@@ -439,21 +235,6 @@ def beyond_the_machine(spec, plan: MemoryPlan, weights: ModelBytes, profile: Act
     return (f"not enough memory: with {_settings(plan)} the run needs {_need(plan)} and this {where} has "
             f"{capacity / GiB:.1f} GiB in all: " + "; or ".join(suggestions(spec, everything, weights, profile))
             + ". Nothing was moved to the device.")
-
-
-def largest_item_inputs(family, dataset, batch_size: int):
-    """family.model_inputs of a micro-batch of the dataset's largest item (by latent size), repeated: the
-    step whose activations are largest. No random draw is made (the run's streams stay as they are)."""
-    from .batch_mix import training_batch
-    from .models import Batch
-    sizes = [torch.Size(b).numel() for b in dataset.buckets]
-    largest = max(range(len(sizes)), key=sizes.__getitem__)
-    b = training_batch(dataset, [largest] * batch_size)
-    zeros = torch.zeros_like(b.latents)
-    batch = Batch(b.latents, b.cond, b.pooled, zeros, torch.full((batch_size,), 0.5), b.mask,
-                  b.references, b.text_mask)
-    with torch.no_grad():
-        return family.model_inputs(batch)
 
 
 def plan_memory(spec, family, dataset, device, data_parallel: int, log) -> MemoryPlan:
@@ -551,48 +332,6 @@ def _shared_out(weights: ModelBytes, zero_stage: int, data_parallel: int, stages
         weights = dataclasses.replace(weights, frozen=weights.frozen // stages, trained=weights.trained // stages,
                                       trained_count=weights.trained_count // stages)
     return dataclasses.replace(weights, offloaded=offload, **shares)
-
-
-DIFFUSION_MODEL_PREFIX = "model.diffusion_model."  # a whole checkpoint's diffusion model keys
-
-
-def load_bytes(model, precision: str) -> int | None:
-    """The host bytes the diffusion model will hold once loaded, from the file's header alone (no weight is read):
-    its tensors (a checkpoint's diffusion-model keys only) in the precision the trainer holds them: fp8 where the
-    file has fp8 or the spec asks for an fp8 base (matrices and convolutions; ComfyUI keeps biases and norms in the
-    compute precision), other floats in the training precision, anything else (a quantized layout's packed data,
-    integers) as stored. None where the header cannot be read (ComfyUI's loader then says what is wrong)."""
-    import json
-    import struct
-    try:
-        with open(model.path, "rb") as f:
-            size = struct.unpack("<Q", f.read(8))[0]
-            if size > 100 * 2**20:  # safetensors' own limit on a header
-                return None
-            header = json.loads(f.read(size))
-        if not isinstance(header, dict):
-            return None
-    except (OSError, ValueError, struct.error):
-        return None
-    header.pop("__metadata__", None)
-    if model.format == "checkpoint" and any(k.startswith(DIFFUSION_MODEL_PREFIX) for k in header):
-        header = {k: v for k, v in header.items() if k.startswith(DIFFUSION_MODEL_PREFIX)}
-    wide = {"fp32": 4}.get(precision, 2)
-    fp8_base = model.weight_dtype.startswith("fp8") or model.base_precision == "fp8"
-    total = 0
-    for info in header.values():
-        start, end = info["data_offsets"]
-        stored, numel = end - start, 1
-        for n in info["shape"]:
-            numel *= n
-        dtype = info["dtype"]
-        if dtype.startswith("F8"):
-            total += numel
-        elif dtype in ("F16", "BF16", "F32", "F64"):
-            total += numel * (1 if fp8_base and len(info["shape"]) >= 2 else wide)
-        else:
-            total += stored
-    return total
 
 
 def host_refusal(model, precision: str, full: bool = False, processes: int = 1) -> str | None:
