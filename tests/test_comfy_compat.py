@@ -110,3 +110,17 @@ def test_wrap_method_refuses_a_wrapper_narrower_than_anything_comfyui_may_pass()
         with comfy_compat.wrap_method(Owner, "method", narrow):
             pass
     assert Owner().method(1) == (1, 1)  # nothing was installed
+
+
+def test_dequantizing_one_layer_leaves_every_other_layer_alone():
+    """ComfyUI's op classes hold `weight_function` as a class-level list until a load gives a layer one of its own:
+    an append to it (as dequantize_per_matmul did) made every layer of every model in the process cast per call
+    (found when the memory plan's test ran after the 4-bit tests: every layer of a fresh bf16 model had it)."""
+    class Op:  # comfy.ops.CastWeightBiasOp's shape
+        weight_function = []
+        bias_function = []
+    quantized, other = Op(), Op()
+    comfy_compat.dequantize_per_matmul(quantized)
+    comfy_compat.dequantize_per_matmul(quantized)  # twice: still one
+    assert Op.weight_function == [] and other.weight_function == []
+    assert len(quantized.weight_function) == 1 and quantized.comfy_force_cast_weights

@@ -138,7 +138,9 @@ def dequantize_per_matmul(module) -> None:
     path), never with its input quantized: the gradient that reaches the adapter is the full-precision one."""
     module.comfy_force_cast_weights = True
     if not any(isinstance(f, _Dequantized) for f in module.weight_function):
-        module.weight_function.append(_Dequantized())
+        # a new list of the layer's own: until ComfyUI's load gives a layer one, `weight_function` is the op class's
+        # list, shared by every layer of every model in the process (an append there made them all cast per call)
+        module.weight_function = [*module.weight_function, _Dequantized()]
     module.ingraph_dequantized = True  # ComfyUI's loads reset the two above; this mark survives them
 
 
