@@ -339,6 +339,8 @@ def host_refusal(model, precision: str, full: bool = False, processes: int = 1) 
     run on it (each loads its own copy), naming the file and the numbers; None where it fits, or where the system
     or the file's header tells nothing. `full`: a full fine-tune (which cannot take an fp8 base)."""
     from .os_support import available_memory
+    if not getattr(model, "path", ""):  # no file to size (ComfyUI's loader says what is missing)
+        return None
     available = available_memory()
     one = load_bytes(model, precision)
     if available is None or one is None:
