@@ -95,3 +95,22 @@ def read_regular_file(path: str | Path, limit: int) -> bytes:
         return data
     finally:
         os.close(fd)
+
+
+SAFETENSORS_HEADER_LIMIT = 100 * 2**20  # the safetensors format's own bound on a header
+
+
+def safetensors_header(path: str | Path) -> dict | None:
+    """A safetensors file's header (tensor name -> dtype, shape, offsets; "__metadata__"), read without a tensor;
+    None where the file cannot be read or is not one."""
+    import json
+    import struct
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > SAFETENSORS_HEADER_LIMIT:
+                return None
+            header = json.loads(f.read(size))
+    except (OSError, ValueError, struct.error):
+        return None
+    return header if isinstance(header, dict) else None

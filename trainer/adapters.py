@@ -332,16 +332,8 @@ PACK_METADATA_KEY = "ingraph_trainer"  # in every file this pack writes (adapter
 
 def written_by_pack(path: str | Path) -> bool:
     """Does this safetensors file carry the pack's metadata? Reads the header only (no tensors, no torch)."""
-    import struct
-    try:
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            if size > 100 * 1024 * 1024:
-                return False
-            header = json.loads(f.read(size))
-    except (OSError, ValueError, struct.error):
-        return False
-    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    from ..cache.files import safetensors_header
+    meta = (safetensors_header(path) or {}).get("__metadata__")
     return isinstance(meta, dict) and PACK_METADATA_KEY in meta
 
 

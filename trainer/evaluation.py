@@ -118,11 +118,8 @@ def run_evaluation(spec, events) -> dict:
 
     started = time.time()
     import_comfy()
-    from .distributed import processes_per_machine
-    from .memory_plan import MemoryPlanRefused, host_refusal
-    refused = host_refusal(spec.model, spec.train.precision, processes=processes_per_machine())
-    if refused:
-        raise MemoryPlanRefused(refused)
+    from .memory_plan import refuse_unloadable
+    refuse_unloadable(spec.model, spec.train.precision)
     family = load_family(spec.model, precision=spec.train.precision)
     family.set_objective(flow_shift=spec.train.flow_shift, guidance=spec.train.guidance)
     dataset = load_cached_dataset(spec.data.eval_manifest or spec.data.manifest)

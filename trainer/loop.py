@@ -15,7 +15,7 @@ from .config import RunSpec
 from .batch_mix import StepBatches, build_training_data, prior_report
 from .data import load_cached_dataset, step_loader
 from .device import device_memory, training_device
-from .distributed import data_parallel_size, deepspeed_config, processes_per_machine, uses_deepspeed, world_size
+from .distributed import data_parallel_size, deepspeed_config, uses_deepspeed, world_size
 from .ema import build_average, exported_weights
 from .evaluation import eval_subset
 from .events import EVENTS_FILE, read_events
@@ -23,7 +23,7 @@ from .export import diffusers_module_names
 from .layouts import choose_engine, choose_layout
 from .memory import enable_block_swap, load_peak, memory_savers
 from .metrics import HealthLog, param_norm, param_norm_due
-from .memory_plan import MemoryPlanRefused, host_refusal, plan_memory
+from .memory_plan import plan_memory, refuse_unloadable
 from .memory_sizes import low_precision_dtype
 from .models import load_family
 from .optim import averaged_weights, build_optimizer, build_scheduler
@@ -62,10 +62,7 @@ class Trainer(TrainingTask):
         import_comfy()  # the launching server's ComfyUI, never the spec's
         self.load_memory: dict = {}
         began = time.perf_counter()
-        refused = host_refusal(spec.model, spec.train.precision, full=spec.adapter.kind == "full",
-                               processes=processes_per_machine())
-        if refused:
-            raise MemoryPlanRefused(refused)
+        refuse_unloadable(spec.model, spec.train.precision, full=spec.adapter.kind == "full")
         with load_peak(self.load_memory):
             self.family = family = load_family(spec.model, precision=spec.train.precision)
         self.build_s = {"model": time.perf_counter() - began}  # where the start-up went (the started event)

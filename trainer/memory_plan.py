@@ -106,10 +106,10 @@ def plan_for(spec, weights: ModelBytes, profile: ActivationProfile, checkpointin
     }
     # the fp32 masters, the optimizer's state and (at its step) the masters' gradients: this process's share, on
     # the device or, offloaded, in host memory
-    state = {"master weights": 4 * weights.trained_count if low_precision else 0,
-             "optimizer": OPTIMIZER_STATE_BYTES.get(t.optimizer, 8) * weights.trained_count}
-    state = {k: v // weights.state_share for k, v in state.items()}
-    master_gradients = (4 * weights.trained_count if low_precision else 0) // weights.state_share
+    masters = (4 * weights.trained_count if low_precision else 0) // weights.state_share  # fp32, as their gradients
+    state = {"master weights": masters,
+             "optimizer": OPTIMIZER_STATE_BYTES.get(t.optimizer, 8) * weights.trained_count // weights.state_share}
+    master_gradients = masters
     # pinned host memory: PyTorch's pinned allocator rounds each tensor up to a power of two
     host = {"swapped weights": sum(weights.pinned_per_block[:block_swap])} if device_type == "cuda" else \
         {"runtime": HOST_RUNTIME}
@@ -332,6 +332,15 @@ def _shared_out(weights: ModelBytes, zero_stage: int, data_parallel: int, stages
         weights = dataclasses.replace(weights, frozen=weights.frozen // stages, trained=weights.trained // stages,
                                       trained_count=weights.trained_count // stages)
     return dataclasses.replace(weights, offloaded=offload, **shares)
+
+
+def refuse_unloadable(model, precision: str, full: bool = False) -> None:
+    """Before a load (a training run's, the evaluate task's): MemoryPlanRefused where this machine's RAM cannot
+    hold the model once for every process of the run on it (host_refusal)."""
+    from .distributed import processes_per_machine
+    refused = host_refusal(model, precision, full=full, processes=processes_per_machine())
+    if refused:
+        raise MemoryPlanRefused(refused)
 
 
 def host_refusal(model, precision: str, full: bool = False, processes: int = 1) -> str | None:

@@ -26,6 +26,7 @@ def low_precision_dtype(precision: str):
     from .models import PRECISION_DTYPES
     return None if precision == "fp32" else getattr(torch, PRECISION_DTYPES[precision])
 
+
 @dataclass
 class ActivationProfile:
     """What one forward pass saves for backward, in bytes: outside the blocks, and per block (its saved
@@ -246,17 +247,9 @@ def load_bytes(model, precision: str) -> int | None:
     file has fp8 or the spec asks for an fp8 base (matrices and convolutions; ComfyUI keeps biases and norms in the
     compute precision), other floats in the training precision, anything else (a quantized layout's packed data,
     integers) as stored. None where the header cannot be read (ComfyUI's loader then says what is wrong)."""
-    import json
-    import struct
-    try:
-        with open(model.path, "rb") as f:
-            size = struct.unpack("<Q", f.read(8))[0]
-            if size > 100 * 2**20:  # safetensors' own limit on a header
-                return None
-            header = json.loads(f.read(size))
-        if not isinstance(header, dict):
-            return None
-    except (OSError, ValueError, struct.error):
+    from ..cache.files import safetensors_header
+    header = safetensors_header(model.path)
+    if header is None:
         return None
     header.pop("__metadata__", None)
     if model.format == "checkpoint" and any(k.startswith(DIFFUSION_MODEL_PREFIX) for k in header):
