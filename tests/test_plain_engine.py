@@ -20,6 +20,7 @@ from ingraph_trainer.trainer.config import deepspeed_installed
 pytestmark = pytest.mark.comfyui
 ON_GPU = torch.cuda.is_available()  # the trainer's children compute on it (asked through NVML: no context here)
 GPU_RTOL = 2e-4
+GPU_TENSOR_RTOL = 1e-2
 
 
 def same_numbers(a: list, b: list) -> bool:
@@ -30,9 +31,14 @@ def same_numbers(a: list, b: list) -> bool:
 
 
 def same_tensors(a: dict, b: dict) -> bool:
+    """Equal on a CPU. On a GPU each tensor's difference is held to GPU_TENSOR_RTOL of its norm, not element by
+    element: Adam divides each element's step by its own gradient's size, so an element whose gradient is near zero
+    moves by up to the learning rate either way on the kernels' noise (an H200 failed elementwise allclose while
+    the losses and gradient norms held to 2e-4)."""
     if not ON_GPU:
         return all(torch.equal(a[k], b[k]) for k in b)
-    return all(torch.allclose(a[k], b[k], rtol=1e-3, atol=5e-5) for k in b)
+    return all(float((a[k].float() - b[k].float()).norm()) <= GPU_TENSOR_RTOL * float(b[k].float().norm()) + 1e-12
+               for k in b)
 
 # the fixed 5-step fp32 run: accumulation 2 (the loss scaling and the boundary), clipping on (the default 1.0,
 # and low enough here to clip), a warm-up and a linear schedule (the scheduler's steps), a checkpoint at step 2
