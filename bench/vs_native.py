@@ -1,7 +1,9 @@
 """Steady-state seconds per step: ComfyUI's own TrainLoraNode vs our Train LoRA, in one ComfyUI server.
 
 Same checkpoint (the embedded tiny SD1.5), same 8 images at 64x64, same rank, batch size and
-precision. TrainLoraNode reports no per-step progress, so its steady state is measured
+precision. Ours runs with our default targets (attention) and with TrainLoraNode's own placement ("all linear and
+convolution layers": a LoRA on every weight of two or more dimensions); TrainLoraNode also trains a full diff of
+every bias and norm weight, which ours does not (the parameter counts are printed from both files). TrainLoraNode reports no per-step progress, so its steady state is measured
 differentially: (time of a long run - time of a short run) / (step difference), which cancels its
 set-up. Ours is measured the same way, and also read from the trainer's own step events.
 
@@ -82,8 +84,36 @@ def ours_workflow(steps, rank, batch, precision, seed, targets):
                          "batch_size": batch, "gradient_accumulation": 1, "learning_rate": 1e-3,
                          "optimizer": "AdamW", "lr_schedule": "constant", "warmup_steps": 0, "precision": precision,
                          "gradient_checkpointing": False, "seed": seed, "save_every": 0,
-                         "output_name": f"bench_ours_{targets}_{steps}"}},
+                         "output_name": f"bench_ours_{targets.replace(' ', '_')}_{steps}"}},
     }
+
+
+# TrainLoraNode's LoRA goes on every weight of two or more dimensions: our preset with the same layers, beside our default
+SAME_PLACEMENT = "all linear and convolution layers"
+TARGETS = ("attention", SAME_PLACEMENT)
+
+
+def trained_tensors(base: Path, prefix: str) -> tuple[int, int, int]:
+    """A saved adapter's (layers with a low-rank update, their parameters, bias/norm diff parameters), read from the
+    file the run wrote (SaveLoRA's under output/, ours under models/loras; TrainLoraNode's .diff/.diff_b tensors are
+    the bias/norm part)."""
+    from safetensors import safe_open
+    files = sorted(base.rglob(f"{prefix}*.safetensors"))
+    if not files:
+        raise RuntimeError(f"no adapter file {prefix}* under {base}")
+    low_rank, diffs, layers = 0, 0, set()
+    with safe_open(str(files[-1]), "pt") as f:
+        for key in f.keys():
+            n = f.get_slice(key).get_shape()
+            count = 1
+            for d in n:
+                count *= d
+            if key.endswith((".diff", ".diff_b")):
+                diffs += count
+            elif not key.endswith(".alpha"):
+                low_rank += count
+                layers.add(key.rsplit(".", 2 if key.endswith(".weight") else 1)[0])
+    return len(layers), low_rank, diffs
 
 
 def native_dataset_nodes(client) -> str:
@@ -161,14 +191,15 @@ def main(argv=None):
             n_short, _ = timed_run(client, native_workflow(opts.short, *args, seed=1, **native))
             n_long, _ = timed_run(client, native_workflow(opts.long, *args, seed=1, **native))
             results["native"] = (node_seconds(n_long, "4") - node_seconds(n_short, "4")) / (opts.long - opts.short)
-            first_step = {}
-            for targets in ("attention", "all linear layers"):
+            first_step, trained = {}, {"native": trained_tensors(base, f"native_{opts.long}")}
+            for targets in TARGETS:
                 o_short, _ = timed_run(client, ours_workflow(opts.short, *args, seed=1, targets=targets))
                 o_long, first_step[targets] = timed_run(client, ours_workflow(opts.long, *args, seed=1, targets=targets))
                 diff = (node_seconds(o_long, "6") - node_seconds(o_short, "6")) / (opts.long - opts.short)
                 steps = [m["data"]["event"]["step_time_s"] for m in o_long.messages
                          if m.get("type") == "ingraph.event" and m["data"]["event"]["type"] == "step"][2:]
                 results[targets] = (diff, statistics.median(steps))
+                trained[targets] = trained_tensors(base, f"bench_ours_{targets.replace(' ', '_')}_{opts.long}")
             client.close()
     native = results["native"]
     from trainer.comfy_compat import comfyui_version
@@ -176,15 +207,16 @@ def main(argv=None):
     version = ".".join(map(str, comfyui_version(comfyui_path()))) or "?"
     print(f"setup: ComfyUI {version}, tiny SD1.5, 8 images 64x64, rank {opts.rank}, batch {opts.batch}, "
           f"{opts.precision}, steps {opts.short} vs {opts.long}, CPU")
-    print(f"native TrainLoraNode (LoRA on every weight + bias diffs): {native:.4f} s/step")
-    for targets in ("attention", "all linear layers"):
+    layers, low_rank, diffs = trained["native"]
+    print(f"native TrainLoraNode (LoRA on every weight of 2+ dimensions, a full diff of every bias and norm): "
+          f"{native:.4f} s/step; its file: {layers} layers, {low_rank:,} low-rank + {diffs:,} bias/norm parameters")
+    for targets in TARGETS:
         diff, median = results[targets]
+        layers, low_rank, _ = trained[targets]
         print(f"ours, targets={targets!r}: {diff:.4f} s/step (differential), {median:.4f} s/step (trainer events), "
-              f"queue to first step {first_step[targets]:.1f} s")
-    diff_all, _ = results["all linear layers"]
-    diff_att, _ = results["attention"]
-    print(f"ratio ours/native s/step: attention {diff_att / native:.3f}; all linear layers {diff_all / native:.3f}")
-    print(f"ratio ours/native (all linear layers): {diff_all / native:.3f}")
+              f"queue to first step {first_step[targets]:.1f} s; its file: {layers} layers, {low_rank:,} parameters")
+    print("ratio ours/native s/step: " + "; ".join(f"{t} {results[t][0] / native:.3f}" for t in TARGETS))
+    print(f"ratio ours/native, the same layers ({SAME_PLACEMENT}): {results[SAME_PLACEMENT][0] / native:.3f}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 from comfy_api.latest import io
 
-from ..trainer.config import AdapterSpec
+from ..trainer.config import TARGET_CHOICES, AdapterSpec, choice_labels, choices_tooltip, choice_value
 from .types import CATEGORY, Adapter
 
 KINDS = {"LoRA": "lora", "LoHa": "loha", "LoKr": "lokr", "DoRA": "dora", "Full fine-tune": "full"}
@@ -9,9 +9,6 @@ KINDS = {"LoRA": "lora", "LoHa": "loha", "LoKr": "lokr", "DoRA": "dora", "Full f
 def _lora_files() -> list[str]:
     import folder_paths
     return folder_paths.get_filename_list("loras")
-
-
-TARGET_PRESETS = {"attention": "attention", "attention + feed-forward": "attention_ff", "all linear layers": "all_linear"}
 
 
 class LoRAAdapter(io.ComfyNode):
@@ -38,9 +35,8 @@ class LoRAAdapter(io.ComfyNode):
                 io.Float.Input("dropout", default=0.0, min=0.0, max=0.9, step=0.01,
                                tooltip="Dropout on the adapter path during training (LoHa/LoKr: rank dropout; "
                                        "0 = off)."),
-                io.Combo.Input("targets", options=list(TARGET_PRESETS), default="attention",
-                               tooltip="Which layers get a LoRA: attention projections; attention and feed-forward; "
-                                       "or every linear layer of the diffusion model."),
+                io.Combo.Input("targets", options=choice_labels(TARGET_CHOICES), default="attention",
+                               tooltip="Which layers get an adapter. " + choices_tooltip(TARGET_CHOICES)),
                 io.Combo.Input("continue_from", options=["none", *_lora_files()], default="none", optional=True,
                                tooltip="Start from an adapter this pack trained (same kind, rank and targets; any "
                                        "file format) instead of from scratch. none: a new adapter."),
@@ -54,8 +50,7 @@ class LoRAAdapter(io.ComfyNode):
             raise ValueError(f"kind must be one of {list(KINDS)} (got {kind!r})")
         if rank < 1:
             raise ValueError(f"rank must be at least 1 (got {rank})")
-        if targets not in TARGET_PRESETS:
-            raise ValueError(f"targets must be one of {list(TARGET_PRESETS)} (got {targets!r})")
+        targets = choice_value(TARGET_CHOICES, targets, "targets")
         init_from = ""
         if continue_from and continue_from != "none":
             import folder_paths
@@ -65,4 +60,4 @@ class LoRAAdapter(io.ComfyNode):
             if KINDS[kind] == "full":
                 raise ValueError("continue_from: a full fine-tune starts from the MODEL; load the model instead")
         return io.NodeOutput(AdapterSpec(kind=KINDS[kind], rank=rank, alpha=float(alpha), dropout=float(dropout),
-                                         targets=TARGET_PRESETS[targets], init_from=init_from))
+                                         targets=targets, init_from=init_from))

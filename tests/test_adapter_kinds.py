@@ -25,7 +25,9 @@ KEY_PARTS = {"LoRA": {"lora_up.weight", "lora_down.weight", "alpha"},
 @pytest.mark.parametrize("kind", ["LoHa", "LoKr", "DoRA"])  # LoRA: test_comfyui_training, test_export_formats
 def test_adapter_kind_loads_in_comfyui_and_reproduces_the_trainer(kind, comfy, client):
     wf = {k: v for k, v in load_workflow().items() if k in {"1", "2", "3", "4", "5", "6"}}
-    wf["5"]["inputs"].update(kind=kind, rank=4, alpha=4.0, targets="all linear layers")
+    # LoHa and LoKr on convolutions too (kohya's LoCon); DoRA trains linear layers only
+    targets = "all linear layers" if kind == "DoRA" else "all linear and convolution layers"
+    wf["5"]["inputs"].update(kind=kind, rank=4, alpha=4.0, targets=targets)
     wf["6"]["inputs"].update(steps=3, learning_rate=1e-2, precision="fp32", output_name=f"kinds/{kind.lower()}",
                              batch_size=2, eval_before=True)
     wf["9"] = {"class_type": "InGraphEvaluate",
@@ -48,6 +50,8 @@ def test_adapter_kind_loads_in_comfyui_and_reproduces_the_trainer(kind, comfy, c
     if kind == "LoKr":
         assert any(p.startswith("lokr_w1") for p in parts) and any(p.startswith("lokr_w2") for p in parts)
     assert f'"algo": "{kind.lower()}"' in algo
+    if kind != "DoRA":  # the convolutions are in the file, in the layout ComfyUI applied above
+        assert any(".in_layers.2." in k for k in keys) and any(".out.2." in k for k in keys), keys[:8]
 
 
 def test_full_fine_tune_loads_through_unet_loader_and_reproduces_the_trained_weights(comfy, client):

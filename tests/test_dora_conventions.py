@@ -1,8 +1,8 @@
 """Adapter files read right by each tool they are for: the kohya layout by LyCORIS (what kohya-based tools and
 Forge use), the ComfyUI layout by the installed ComfyUI; DoRA's dora_scale in each one's own convention.
 
-No trainer launch: the tiny SD1.5 model is loaded as the trainer loads it, adapters (LoRA, LoHa, LoKr, DoRA) are
-injected as the trainer injects them and given random non-zero weights, and the files are exported by the
+No trainer launch: the tiny SD1.5 model is loaded as the trainer loads it, adapters (LoRA, LoHa, LoKr, DoRA; all
+but DoRA on convolutions too, as the "all linear and convolution layers" preset) are injected as the trainer injects them and given random non-zero weights, and the files are exported by the
 trainer's own export code. "The trainer's output" is that peft-adapted model's output.
 """
 from __future__ import annotations
@@ -40,13 +40,17 @@ def setup(assets):
     context_dim = family.base_model.model_config.unet_config["context_dim"]
     inputs = (torch.randn(1, 4, 8, 8, generator=g), torch.tensor([300.0]), torch.randn(1, 4, context_dim, generator=g))
     linear = family.adapter_targets("all_linear")
-    # every kind of layer the presets train (time embedding, resnet embedding, attention, feed-forward, projections),
-    # a few of each: each adapted layer costs a forward pass time, and a few prove the file's layout as well as all
+    conv = [n for n in family.adapter_targets("all_layers") if n not in linear]
+    # every kind of layer the presets train (time embedding, resnet embedding, attention, feed-forward, projections,
+    # and for all but DoRA the convolutions: 3x3, 1x1, strided), a few of each: each adapted layer costs a forward
+    # pass time, and a few prove the file's layout as well as all
     targets = linear[::max(1, len(linear) // 8)]
+    conv_targets = conv[::max(1, len(conv) // 4)]
+    assert {tuple(base.get_submodule(n).kernel_size) for n in conv_targets} >= {(1, 1), (3, 3)}, conv_targets
     adapted = {}
     for kind in KINDS:
         model = copy.deepcopy(base)
-        params = inject_adapter(model, targets, kind, RANK, ALPHA, 0.0)
+        params = inject_adapter(model, targets + (conv_targets if kind != "dora" else []), kind, RANK, ALPHA, 0.0)
         with torch.no_grad():  # as if trained: every adapter tensor non-zero (LoRA's up starts at zero)
             for p in params:
                 p.add_(torch.randn(p.shape, generator=g) * 0.1)

@@ -387,6 +387,7 @@ def test_flow_matching_timesteps_shift_and_logit_normal():
     ("distributed", {"pipeline_stages": 2, "block_swap": 2}, "block swap is for one pipeline stage"),
     ("distributed", {"block_swap": -1}, "distributed.block_swap"),
     ("distributed", {"block_swap": 4, "zero_stage": 3}, "ZeRO-3 partitions the weights"),
+    ("adapter", {"kind": "dora", "targets": "all_layers"}, "DoRA trains linear layers only"),
 ])
 def test_spec_validates_family_objective_and_layout_settings(table, values, needle):
     data = valid_spec_dict()

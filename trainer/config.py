@@ -61,6 +61,9 @@ TARGET_CHOICES = (
     Choice("attention", "attention", "the attention projections."),
     Choice("attention_ff", "attention + feed-forward", "attention and feed-forward layers."),
     Choice("all_linear", "all linear layers", "every linear layer of the model's blocks."),
+    Choice("all_layers", "all linear and convolution layers",
+           "every linear and convolution layer (kohya's LoCon; where ComfyUI's own TrainLoraNode puts its LoRA). "
+           "LoRA, LoHa and LoKr; DoRA trains linear layers only."),
 )
 ADAPTER_FORMAT_CHOICES = (
     Choice("comfyui", "ComfyUI", "diffusion_model.* keys, what ComfyUI's LoRA loaders read (every family)."),
@@ -451,6 +454,9 @@ class RunSpec:
         need(a.alpha > 0 and math.isfinite(a.alpha), "adapter.alpha", f"must be a positive number (got {a.alpha})")
         need(0.0 <= a.dropout < 1.0, "adapter.dropout", f"must be in [0, 1) (got {a.dropout})")
         need(a.targets in TARGET_PRESETS, "adapter.targets", f"must be one of {TARGET_PRESETS} (got {a.targets!r})")
+        need(not (a.kind == "dora" and a.targets == "all_layers"), "adapter.targets",
+             "DoRA trains linear layers only (its magnitude is per output row of a matrix); choose all linear "
+             "layers, or LoRA, LoHa or LoKr for convolutions too")
         need(t.steps >= 1, "train.steps", f"must be at least 1 (got {t.steps})")
         need(t.batch_size >= 1, "train.batch_size", f"must be at least 1 (got {t.batch_size})")
         need(t.grad_accum >= 1, "train.grad_accum", f"must be at least 1 (got {t.grad_accum})")

@@ -137,8 +137,12 @@ class ModelFamily:
 
     # --- adapters and memory ---------------------------------------------------------------------------
     def adapter_targets(self, preset: str) -> list[str]:
-        """Names (relative to the diffusion model) of the linear layers an adapter preset trains."""
+        """Names (relative to the diffusion model) of the layers an adapter preset trains: linear layers, and
+        convolutions too for "all_layers" (ComfyUI's Conv ops are torch's Conv classes, which peft adapts)."""
         from ..comfy_compat import is_linear
+        if preset == "all_layers":
+            conv = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+            return [n for n, m in self.diffusion_model.named_modules() if is_linear(m) or isinstance(m, conv)]
         linear = [n for n, m in self.diffusion_model.named_modules() if is_linear(m)]
         if preset == "all_linear":
             return linear
