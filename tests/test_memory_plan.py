@@ -116,6 +116,9 @@ def test_auto_checkpoints_to_fit_a_budget_manual_warns_and_nothing_fitting_is_re
           f"{budget_gb * 1024:.1f} MiB")
     assert measured <= budget_gb * GiB
     assert measured < measured_given - 16 * 2**20  # the choice is real: checkpointing lowered the measured peak
+    from safetensors import safe_open
+    with safe_open(next(e for e in events if e["type"] == "finished")["adapter"], "pt") as f:
+        assert f.metadata()["ss_gradient_checkpointing"] == "True"  # what the run did, not the spec's False
     # a resume keeps the settings the run began with (its record, signed), whatever it would choose now
     resumed = run_trainer(spec, "--resume", "latest")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

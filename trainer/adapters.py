@@ -288,7 +288,10 @@ def load_adapter_weights(diffusion_model: torch.nn.Module, kind: str, path: str,
             raise ValueError(f"adapter.init_from: continuing is for adapters, not {kind!r}")
 
 
-def kohya_metadata(spec, family, num_images: int, steps_done: int, started_at: float) -> dict[str, str]:
+def kohya_metadata(spec, family, num_images: int, steps_done: int, started_at: float,
+                   gradient_checkpointing: bool | None = None) -> dict[str, str]:
+    """kohya's ss_* metadata and the pack's own. `gradient_checkpointing`: what the run did, where the memory plan
+    chose it ("auto"); else the spec's setting."""
     t, a = spec.train, spec.adapter
     meta = {
         "ss_network_module": "networks.lora" if a.kind in ("lora", "dora") else "lycoris.kohya",
@@ -311,7 +314,8 @@ def kohya_metadata(spec, family, num_images: int, steps_done: int, started_at: f
         "ss_optimizer": t.optimizer,
         "ss_batch_size_per_device": str(t.batch_size),
         "ss_gradient_accumulation_steps": str(t.grad_accum),
-        "ss_gradient_checkpointing": str(t.gradient_checkpointing),
+        "ss_gradient_checkpointing": str(t.gradient_checkpointing if gradient_checkpointing is None
+                                         else gradient_checkpointing),
         "ss_mixed_precision": t.precision,
         "ss_seed": str(t.seed),
         "ss_num_train_images": str(num_images),

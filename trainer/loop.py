@@ -147,7 +147,8 @@ class Trainer(TrainingTask):
         self.health.close()
         with averaged_weights(self.optimizer), exported_weights(self.spec, self.ema):
             adapter, replaced_kept = write_result(self.spec, self.family, self.params, self.layout, self.is_rank0,
-                                                  len(self.dataset.unique), step, self.started_at)
+                                                  len(self.dataset.unique), step, self.started_at,
+                                                  self.memory_plan.checkpointing)
         self.events.emit("finished", adapter=adapter, replaced_kept=replaced_kept, steps=step, stopped=stopped, final_loss=loss,
                          eval_before=eval_before["loss"] if eval_before else None,
                          eval_after=eval_after["loss"] if eval_after else None,

@@ -41,7 +41,7 @@ def keep_a_copy(target: Path) -> Path | None:
 
 
 def write_result(spec, family, params, layout, is_rank0: bool, num_images: int, steps_done: int,
-                 started_at: float) -> tuple[str | None, str | None]:
+                 started_at: float, gradient_checkpointing: bool | None = None) -> tuple[str | None, str | None]:
     """(the written file's path, the copy kept of the file it replaced, if any) on rank 0; (None, None) elsewhere.
     Collective: every rank calls it."""
     a, run_dir = spec.adapter, Path(spec.run_dir)
@@ -63,7 +63,7 @@ def write_result(spec, family, params, layout, is_rank0: bool, num_images: int, 
             tensors = comfy_adapter_state_dict(family.diffusion_model, a.kind, a.alpha, spec.output.format)
         tensors = export.convert(tensors, spec.output.format, export.diffusers_module_names(family.base_model)
                                  if spec.output.format != "comfyui" else {})
-        meta = kohya_metadata(spec, family, num_images, steps_done, started_at)
+        meta = kohya_metadata(spec, family, num_images, steps_done, started_at, gradient_checkpointing)
     if not is_rank0:
         return None, None
     target = Path(spec.output.lora_path)
