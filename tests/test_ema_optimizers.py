@@ -17,9 +17,11 @@ from ingraph_trainer.trainer import config
 from ingraph_trainer.trainer.config import (DataSpec, DistributedSpec, ModelSpec, OutputSpec, RunSpec, RunSpecError,
                                             TrainSpec)
 
-NEW_OPTIMIZERS = ["prodigy", "adafactor", "came", "lion", "adamw_schedulefree"]
+# ademamix: added as one record in trainer/optim.py (issue 33), nothing else
+NEW_OPTIMIZERS = ["prodigy", "adafactor", "came", "lion", "adamw_schedulefree", "ademamix"]
 LIBRARIES = {"adamw8bit": "bitsandbytes", "prodigy": "prodigyopt", "adafactor": "pytorch_optimizer",
-             "came": "pytorch_optimizer", "lion": "pytorch_optimizer", "adamw_schedulefree": "schedulefree"}
+             "came": "pytorch_optimizer", "lion": "pytorch_optimizer", "adamw_schedulefree": "schedulefree",
+             "ademamix": "pytorch_optimizer"}
 
 
 def spec_with(optimizer="adamw", precision="fp32", zero_stage=0, processes=1, pipeline_stages=1, **train) -> RunSpec:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from .optim import OPTIMIZERS_KNOWN, optimizer_named
+
 SPEC_VERSION = 1
 
 
@@ -70,24 +72,9 @@ ADAPTER_FORMAT_CHOICES = (
     Choice("kohya", "kohya (lora_unet_*)", "lora_unet_* keys for kohya-based tools (ComfyUI reads these too)."),
     Choice("diffusers", "diffusers (peft)", "unet.*.lora_A/B keys that diffusers loads (SD UNets, plain LoRA only)."),
 )
-OPTIMIZER_CHOICES = (
-    Choice("adamw", "AdamW", "torch's AdamW."),
-    Choice("adamw8bit", "AdamW 8-bit", "bitsandbytes' 8-bit AdamW (less optimizer memory)."),
-    Choice("prodigy", "Prodigy", "prodigyopt's Prodigy: estimates the step size itself (set the learning rate to 1.0; "
-           "ZeRO stage 0, one pipeline stage)."),
-    Choice("adafactor", "Adafactor", "pytorch-optimizer's Adafactor: factored second moments, little optimizer "
-           "memory (fp32 and ZeRO stage 0: DeepSpeed's bf16 and ZeRO optimizers hand it flattened weights)."),
-    Choice("came", "CAME", "pytorch-optimizer's CAME: Adafactor's memory with a confidence-guided update (fp32 and "
-           "ZeRO stage 0, as Adafactor)."),
-    Choice("lion", "Lion", "pytorch-optimizer's Lion: sign updates, one moment (use a 3-10x lower learning rate "
-           "than AdamW)."),
-    Choice("adamw_schedulefree", "AdamW schedule-free", "schedulefree's AdamW: no decay schedule needed; "
-           "evaluation, previews and the saved file use its averaged weights (fp32, ZeRO stage 0)."),
-)
-# what each optimizer cannot do under DeepSpeed's wrappers (checked by RunSpec.validate): DeepSpeed's bf16 and
-# ZeRO optimizers hand the optimizer flattened 1-D fp32 copies of the weights (per process under ZeRO 1-3)
-FACTORED_OPTIMIZERS = ("adafactor", "came")  # a flattened weight has no rows and columns to factor
-SCHEDULE_FREE_OPTIMIZERS = ("adamw_schedulefree",)  # its averaged weights are swapped into the optimizer's params
+# the optimizers are records of their own (optim.OPTIMIZERS_KNOWN: what the node shows, and what each needs of the
+# layout, which validate() below reads); they serve as the node's choices as they are
+OPTIMIZER_CHOICES = OPTIMIZERS_KNOWN
 SCHEDULE_CHOICES = (
     Choice("constant", "constant", "the learning rate stays as set after the warmup."),
     Choice("linear", "linear decay", "falls linearly to 0 at the last step after the warmup."),
@@ -527,23 +514,24 @@ class RunSpec:
              "ZeRO-3 (distributed.zero_stage 3) partitions the weights across processes; use stage 0-2 with EMA")
         need(not t.ema_decay or d.pipeline_stages <= 1, "train.ema_decay",
              "pipeline stages (distributed.pipeline_stages) hold a share of the layers each; EMA needs one stage")
-        # one process without DeepSpeed (plain_engine) hands it fp32 master copies of the weights' own shapes
-        need(t.optimizer not in FACTORED_OPTIMIZERS
-             or (d.zero_stage == 0 and (t.precision == "fp32" or not d.needs_deepspeed)),
+        # what DeepSpeed's wrappers would change for this optimizer (its record's flags); one process without
+        # DeepSpeed (plain_engine) hands it fp32 master copies of the weights' own shapes
+        o = optimizer_named(t.optimizer)
+        need(o is None or not o.factored or (d.zero_stage == 0 and (t.precision == "fp32" or not d.needs_deepspeed)),
              "train.optimizer", f"{t.optimizer} factors the second moment of each weight matrix, but DeepSpeed "
              f"hands it flattened 1-D copies under ZeRO (distributed.zero_stage {d.zero_stage}) and in bf16 "
              f"on several processes (train.precision {t.precision}), where it would silently train unfactored; "
              "use one process, or fp32 with distributed.zero_stage 0, or another optimizer")
-        need(t.optimizer != "prodigy" or (d.zero_stage == 0 and d.pipeline_stages <= 1), "train.optimizer",
-             f"prodigy estimates one step size from all the weights, but ZeRO (distributed.zero_stage "
+        need(o is None or not o.one_step_size or (d.zero_stage == 0 and d.pipeline_stages <= 1), "train.optimizer",
+             f"{t.optimizer} estimates one step size from all the weights, but ZeRO (distributed.zero_stage "
              f"{d.zero_stage}) and pipeline stages ({d.pipeline_stages}) give each process a share of them, so "
              "each would estimate its own; use distributed.zero_stage 0 and one pipeline stage")
         # DeepSpeed's bf16 optimizer splits its fp32 weights across data-parallel processes even at stage 0
-        need(t.optimizer != "prodigy" or t.precision == "fp32" or (d.processes <= 1 and not d.hostfile),
-             "train.optimizer", f"prodigy in bf16 on several processes (distributed.processes {d.processes}, "
+        need(o is None or not o.one_step_size or t.precision == "fp32" or (d.processes <= 1 and not d.hostfile),
+             "train.optimizer", f"{t.optimizer} in bf16 on several processes (distributed.processes {d.processes}, "
              f"distributed.zero_stage {d.zero_stage}): DeepSpeed's bf16 optimizer gives each process a share "
              "of the weights, so each would estimate its own step size; use train.precision fp32 or one process")
-        need(t.optimizer not in SCHEDULE_FREE_OPTIMIZERS or (d.zero_stage == 0 and t.precision == "fp32"),
+        need(o is None or not o.schedule_free or (d.zero_stage == 0 and t.precision == "fp32"),
              "train.optimizer", f"{t.optimizer} evaluates and saves its averaged weights, which it can swap into "
              f"the model only where it updates the model's own weights: not DeepSpeed's fp32 copies under ZeRO "
              f"(distributed.zero_stage {d.zero_stage}) or bf16 (train.precision {t.precision}); use fp32 with "

@@ -12,15 +12,17 @@ from pathlib import Path
 
 from .config import RunSpecError, load_run_spec, parse_run_spec
 from .events import EVENTS_FILE, EventWriter
+from .optim import OPTIMIZERS_KNOWN
 from .os_support import process_gone, process_started
 
 EXIT_BAD_SPEC = 2
 EXIT_FAILED = 1
 EXIT_ORPHANED = 3
 
-# Imported only by the runs that use it: peft imports bitsandbytes (2 s) when it is installed, for layers of
-# bitsandbytes' own that this trainer never builds; the 8-bit AdamW optimizer is its only use here.
-OPTIONAL_MODULES = {"bitsandbytes": ("adamw8bit",)}
+# Imported only by the runs that use them (an optimizer record's `optional`): peft imports bitsandbytes (2 s) when
+# it is installed, for layers of bitsandbytes' own that this trainer never builds; 8-bit AdamW is its only use here.
+OPTIONAL_MODULES = {o.library: tuple(p.value for p in OPTIMIZERS_KNOWN if p.library == o.library)
+                    for o in OPTIMIZERS_KNOWN if o.optional}
 
 
 def hide_optional_modules():

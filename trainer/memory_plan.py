@@ -7,7 +7,7 @@ What a step holds at its peak, the way the trainer lays it out:
 - the frozen weights that stay on the device, in the precision the engine gives them (fp8 stays fp8), plus, with
   block swap, the swapped block on its visit (its frozen weights live in host memory);
 - the trained weights, their gradients, the optimizer's fp32 master copies (bf16 and fp16 training) and its
-  state (per optimizer, OPTIMIZER_STATE_BYTES);
+  state (per optimizer, its record's state_bytes);
 - the activations autograd saves, measured per block on the meta device at the largest item's size and the
   micro-batch: with checkpointing, a checkpointed block keeps only its inputs, and one block's activations live
   again while the backward pass recomputes it;
@@ -28,14 +28,11 @@ import torch
 from .distributed import global_min, uses_deepspeed
 from .memory_sizes import (ActivationProfile, ModelBytes, activation_profile, largest_item_inputs, load_bytes,
                            low_precision_dtype, model_bytes)
+from .optim import optimizer_state_bytes
 
 GiB = 2 ** 30
 
 
-# bytes of optimizer state per trained parameter (fp32 moments; 8-bit AdamW's two 1-byte moments; the factored
-# optimizers keep one fp32 moment and row/column statistics, which are small)
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2, "prodigy": 16, "adafactor": 4, "came": 4, "lion": 4,
-                         "adamw_schedulefree": 8}
 MARGIN = 0.9  # of the free memory, a plan may use (the allocator's fragmentation, the CUDA context's growth)
 HOST_RUNTIME = 128 * 2 ** 20  # a CPU run's own allocations beside the model's (the dataset, autograd's records)
 
@@ -109,7 +106,7 @@ def plan_for(spec, weights: ModelBytes, profile: ActivationProfile, checkpointin
     # the device or, offloaded, in host memory
     masters = (4 * weights.trained_count if low_precision else 0) // weights.state_share  # fp32, as their gradients
     state = {"master weights": masters,
-             "optimizer": OPTIMIZER_STATE_BYTES.get(t.optimizer, 8) * weights.trained_count // weights.state_share}
+             "optimizer": optimizer_state_bytes(t.optimizer) * weights.trained_count // weights.state_share}
     master_gradients = masters
     # pinned host memory: PyTorch's pinned allocator rounds each tensor up to a power of two
     host = {"swapped weights": sum(weights.pinned_per_block[:block_swap])} if device_type == "cuda" else \
