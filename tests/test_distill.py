@@ -48,8 +48,9 @@ def steps_of(events: list[dict]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(prepared):
-    """1 process, micro-batch 2, 4 generator updates, a checkpoint after update 2; its LoRA kept aside."""
-    spec = prepared(*EMPTY_CAPTION, **DISTILL, train__steps=4, train__save_every=2)
+    """1 process, micro-batch 2, 4 generator updates, a checkpoint after update 2; its LoRA kept aside. Its memory
+    budget is far too small: the plan warns, and the run goes on as it would without one."""
+    spec = prepared(*EMPTY_CAPTION, **DISTILL, train__steps=4, train__save_every=2, train__memory_budget_gb=0.01)
     proc = run_trainer(spec, timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     shutil.copy(spec.parent / "lora.safetensors", spec.parent / "uninterrupted.safetensors")
@@ -110,6 +111,21 @@ def test_resumed_distillation_ends_bit_identical(reference, request):
     assert reference.keys() == result.keys()
     for key in reference:
         assert torch.equal(reference[key], result[key]), key
+
+
+def test_the_memory_plan_counts_every_network_and_warns_beyond_the_budget(uninterrupted, uninterrupted_per_step):
+    """The plan (made before the fake scores and the teacher load) counts each network: a fake score per student
+    step is two fake scores' weights and training state, and the GAN term the fake score's activations too."""
+    first = runs(uninterrupted.parent)[0]
+    plan, per_step = first[0]["memory_plan"]["parts"], runs(uninterrupted_per_step.parent)[0][0]["memory_plan"]["parts"]
+    assert plan["activations"] > 0 and plan["teacher"] > 0
+    assert plan["fake scores"] > plan["teacher"]  # the teacher's frozen weights, and the adapter's training state
+    assert per_step["fake scores"] == 2 * plan["fake scores"] and per_step["teacher"] == plan["teacher"]
+    assert plan["fake score activations (GAN)"] == plan["activations"] and "fake score activations (GAN)" not in per_step
+    warnings = [e["message"] for e in first if e["type"] == "log" and e["level"] == "warning"]
+    assert any(m.startswith("the memory plan predicts that the distillation (1 fake score and the teacher beside "
+                            "the student) needs ") and "0.0 GiB may be used (memory_budget_gb)" in m
+               for m in warnings), warnings
 
 
 def test_resuming_with_fake_score_per_step_changed_is_refused_naming_it(uninterrupted_per_step):

@@ -61,10 +61,12 @@ from .batch_mix import StepBatches, build_training_data, micro_batch_slots, read
 from .checkpoint import Checkpointer, load_checkpoint, save_checkpoint
 from .comfy_env import import_comfy
 from .data import seeded_generator, stack_conds, step_loader
+from .device import training_device
 from .distributed import data_parallel_size, deepspeed_config, world_size
 from .layouts import ParallelLayout, WholeModel, choose_engine, global_sum, grad_norm
 from .loop import check_finite, refuse_fp8_full_fine_tune
 from .memory import checkpointed_with_fp8_kept, load_peak
+from .memory_plan import plan_distillation
 from .metrics import HealthLog
 from .models import Batch, load_family
 from .optim import averaged_weights, build_optimizer, build_scheduler
@@ -293,6 +295,9 @@ class Distiller(TrainingTask):
                              "distil it on items without a start image")
         self.targets = generator.adapter_targets(spec.adapter.targets) if spec.adapter.kind != "full" else []
         self.params = self.trainable(generator, t.seed)
+        # before anything reaches the device and before the other networks load: a run that cannot fit is refused
+        self.memory_plan = plan_distillation(spec, generator, self.dataset, training_device(), data_parallel_size(spec),
+                                            dd.student_steps if dd.fake_score_per_step else 1, self.log)
         checkpointed_with_fp8_kept(generator, t.gradient_checkpointing)
         self.generator = Network(spec, Denoiser(generator), self.params)
         self.optimizer = build_optimizer(spec, self.params)
@@ -388,6 +393,7 @@ class Distiller(TrainingTask):
                          # every network's weights on this process (rank 0): under ZeRO-3 its partitions
                          held_weight_bytes=held_weight_bytes(self.generator.module, *(f.module for f in self.fakes),
                                                              getattr(self.teacher, "module", self.teacher)),
+                         memory_plan=self.memory_plan.as_event(), gradient_checkpointing=t.gradient_checkpointing,
                          student_steps=dd.student_steps, student_sigmas=self.sigmas,
                          student_sampler=STUDENT_SAMPLER, student_scheduler=STUDENT_SCHEDULER,
                          resumed_from=str(resumed_from) if resumed_from else None)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from .distributed import global_min, uses_deepspeed
+from .memory import memory_suggestions
 from .memory_sizes import (ActivationProfile, ModelBytes, activation_profile, largest_item_inputs, load_bytes,
                            low_precision_dtype, model_bytes)
 from .optim import optimizer_state_bytes
@@ -157,7 +158,6 @@ def suggestions(spec, plan: MemoryPlan, weights: ModelBytes, profile: Activation
     """What would bring the run within the plan's budget, cheapest in speed first: checkpointing where it alone
     fits, else the fewest swapped blocks that do (the plain engine on a GPU), then what the plan cannot size
     (an fp8 base, a smaller batch, a lower resolution)."""
-    from .memory import memory_suggestions
     checkpointing_fits = bool(profile.saved) and plan_for(spec, weights, profile, True, spec.distributed.block_swap,
                                                           plan.device, plan.budget).fits()
     what = [s for s in memory_suggestions(spec)
@@ -238,13 +238,9 @@ def beyond_the_machine(spec, plan: MemoryPlan, weights: ModelBytes, profile: Act
 def plan_memory(spec, family, dataset, device, data_parallel: int, log) -> MemoryPlan:
     """The run's memory plan, with "auto"'s choice of checkpointing and block swap; refuses (MemoryPlanRefused)
     an "auto" run nothing fits and any run beyond all the device's memory, and warns of a "manual" one that may not
-    fit what is free. `log(level, message)` reports "auto"'s choices and the
-    warnings to the node; the plan itself goes out in the started event (as_event)."""
-    compute_dtype = low_precision_dtype(spec.train.precision)
-    try:
-        blocks = family.checkpoint_blocks()
-    except ValueError:  # a model the generic family finds no block list in: nothing to checkpoint or swap
-        blocks = []
+    fit what is free. `log(level, message)` reports "auto"'s choices and the warnings to the node; the plan itself
+    goes out in the started event (as_event)."""
+    blocks = _blocks(family)
     # a resume of an "auto" run keeps what it began with ("manual": the settings as given, as always)
     began_with = earlier_choice(spec, len(blocks)) if spec.train.resume and spec.train.memory == "auto" else None
     if began_with is not None:  # a resume keeps the settings the run began with: its numbers stay the run's own
@@ -254,7 +250,35 @@ def plan_memory(spec, family, dataset, device, data_parallel: int, log) -> Memor
         spec = dataclasses.replace(
             spec, train=dataclasses.replace(spec.train, gradient_checkpointing=checkpointing, memory="manual"),
             distributed=dataclasses.replace(spec.distributed, block_swap=block_swap))
+    t = spec.train
+    weights, profile, budget, capacity = _measured(spec, family, blocks, dataset, device, data_parallel, log)
+    plan = choose(spec, weights, profile, device.type, budget)
+    for note in plan.notes:
+        log("info", note)
+    impossible = beyond_the_machine(spec, plan, weights, profile, capacity)
+    if impossible:
+        raise MemoryPlanRefused(impossible)
+    if not plan.fits():
+        if t.memory == "auto":
+            raise MemoryPlanRefused(refusal(spec, plan, weights, profile))
+        log("warning", warning(spec, plan, weights, profile))
+    if began_with is None:
+        record_choice(spec, plan)
+    return plan
+
+
+def _blocks(family) -> list:
+    try:
+        return family.checkpoint_blocks()
+    except ValueError:  # a model the generic family finds no block list in: nothing to checkpoint or swap
+        return []
+
+
+def _measured(spec, family, blocks, dataset, device, data_parallel: int, log):
+    """(this process's share of the weights, the activation profile, the budget, the device's capacity), each
+    process deciding alike (one refusing while the others wait in a collective would hang the run)."""
     t, d = spec.train, spec.distributed
+    compute_dtype = low_precision_dtype(t.precision)
     weights = model_bytes(family.diffusion_model, blocks, compute_dtype)
     try:
         with torch.random.fork_rng(devices=[]):
@@ -266,23 +290,37 @@ def plan_memory(spec, family, dataset, device, data_parallel: int, log) -> Memor
         profile = ActivationProfile(0, [0] * len(blocks), [0] * len(blocks), measured=False)
     weights = _shared_out(weights, d.zero_stage, data_parallel, d.pipeline_stages, d.offload_optimizer)
     budget = device_budget(spec, device, weights.frozen if device.type == "cpu" else 0)
-    # every process decides alike (one refusing while the others wait in a collective would hang the run)
     budget = global_min(math.inf if budget is None else budget, device)
-    budget = None if math.isinf(budget) else int(budget)
-    plan = choose(spec, weights, profile, device.type, budget)
-    for note in plan.notes:
-        log("info", note)
     capacity = device_capacity(device)
-    capacity = None if capacity is None else int(global_min(capacity, device))
-    impossible = beyond_the_machine(spec, plan, weights, profile, capacity)
-    if impossible:
-        raise MemoryPlanRefused(impossible)
+    return (weights, profile, None if math.isinf(budget) else int(budget),
+            None if capacity is None else int(global_min(capacity, device)))
+
+
+def plan_distillation(spec, generator, dataset, device, data_parallel: int, fakes: int, log) -> MemoryPlan:
+    """DMD2's plan (trainer/distill.py), made before its fake scores and teacher are loaded: the generator's, with
+    the settings as given (distillation has no "auto" choice), plus the other networks, each a whole copy of the
+    model: `fakes` fake scores with the generator's adapter and training state, and the frozen teacher. With the GAN
+    term the generator's loss runs back through a fake score's forward, whose activations count once more. Refused
+    beyond all the device's memory (MemoryPlanRefused); a warning beyond the budget."""
+    t, blocks = spec.train, _blocks(generator)
+    weights, profile, budget, capacity = _measured(spec, generator, blocks, dataset, device, data_parallel, log)
+    plan = plan_for(spec, weights, profile, t.gradient_checkpointing, 0, device.type, budget)
+    trained_state = sum(plan.parts.get(k, 0) for k in ("trained", "gradients", "master weights", "optimizer"))
+    plan.parts["fake scores"] = fakes * (weights.frozen + trained_state)
+    plan.parts["teacher"] = weights.frozen + (weights.trained if spec.adapter.kind == "full" else 0)
+    if spec.distill.gan_weight > 0:
+        plan.parts["fake score activations (GAN)"] = plan.parts.get("activations", 0)
+    what = [s for s in memory_suggestions(spec) if "block_swap" not in s] + \
+        ["spread the networks over several GPUs with distributed.zero_stage 3"]
+    need = f"the distillation ({fakes} fake score{'s' if fakes > 1 else ''} and the teacher beside the student) " \
+           f"needs {_need(plan)}"
+    if capacity is not None and plan.peak > capacity:
+        raise MemoryPlanRefused(f"not enough memory: {need} and this {'GPU' if device.type == 'cuda' else 'machine'} "
+                                f"has {capacity / GiB:.1f} GiB in all: " + "; or ".join(what)
+                                + ". Nothing was moved to the device.")
     if not plan.fits():
-        if t.memory == "auto":
-            raise MemoryPlanRefused(refusal(spec, plan, weights, profile))
-        log("warning", warning(spec, plan, weights, profile))
-    if began_with is None:
-        record_choice(spec, plan)
+        log("warning", f"the memory plan predicts that {need}, and {_allowed(spec, plan)}: " + "; or ".join(what)
+            + ". The run starts anyway and may run out of memory.")
     return plan
 
 
