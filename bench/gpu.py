@@ -2,7 +2,7 @@
 bare PyTorch loop on the same batch shapes, on the full-architecture SD1.5 random-weight checkpoint
 (tools/realsize_models.py).
 
-    python bench/gpu.py [--size 512] [--steps 20] [--batch 2] [--rank 16] [--cases lora,fp8,lokr,stop,native,bare]
+    python bench/gpu.py [--size 512] [--steps 20] [--batch 2] [--rank 16] [--cases lora,lora_conv,fp8,lokr,stop,native,bare]
     python bench/gpu.py --tiny --size 64 --steps 3      # the same code path on the tiny SD1.5 (a CPU check)
 
 Each case of ours is a Train node (previews on, rendered once mid-run) in one server started without --cpu:
@@ -95,7 +95,7 @@ def gib(n) -> str:
 
 
 def train_graph(opts, name: str, *, kind: str = "LoRA", base_precision: str = "as loaded", steps: int | None = None,
-                resume: str = "off", previews: bool = True) -> dict:
+                resume: str = "off", previews: bool = True, targets: str = "all linear layers") -> dict:
     steps = steps or opts.steps
     wf = {
         "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": CKPT}},
@@ -107,7 +107,7 @@ def train_graph(opts, name: str, *, kind: str = "LoRA", base_precision: str = "a
         "4": {"class_type": "InGraphCacheTextEmbeddings", "inputs": {"dataset": ["3", 0], "clip": ["1", 1]}},
         "5": {"class_type": "InGraphLoRAAdapter",
               "inputs": {"kind": kind, "rank": opts.rank, "alpha": float(opts.rank), "dropout": 0.0,
-                         "targets": "all linear layers"}},
+                         "targets": targets}},
         "7": {"class_type": "InGraphTrainLoRA",
               "inputs": {"model": ["1", 0], "dataset": ["4", 0], "adapter": ["5", 0], "steps": steps,
                          "batch_size": opts.batch, "gradient_accumulation": 1, "learning_rate": 1e-4,
@@ -282,7 +282,9 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--images", type=int, default=8)
-    parser.add_argument("--cases", default="lora,fp8,lokr,stop,native,bare")
+    parser.add_argument("--cases", default="lora,lora_conv,fp8,lokr,stop,native,bare",
+                        help="lora_conv: our LoRA where TrainLoraNode puts its own (linear and convolution layers), "
+                             "the like-for-like comparison with native")
     parser.add_argument("--tiny", action="store_true", help="the tiny SD1.5 instead of the full architecture")
     parser.add_argument("--checkpoint", type=Path, help="an SD1.5-layout checkpoint to use (default: built)")
     parser.add_argument("--work", type=Path, help="the server's base directory (default: a temporary one)")
@@ -325,6 +327,10 @@ def main(argv=None):
         client = ComfyClient(server.address)
         if "lora" in cases:
             results["lora"] = ours(client, driver, opts, "ours LoRA bf16", train_graph(opts, "gpu_bench_lora"))
+        if "lora_conv" in cases:  # TrainLoraNode's placement: a LoRA on every linear and convolution layer
+            results["lora_conv"] = ours(client, driver, opts, "ours LoRA bf16, linear and convolution layers",
+                                        train_graph(opts, "gpu_bench_lora_conv",
+                                                    targets="all linear and convolution layers"))
         if "fp8" in cases:
             results["fp8"] = ours(client, driver, opts, "ours LoRA on an fp8 base",
                                   train_graph(opts, "gpu_bench_fp8", base_precision="fp8"))
@@ -351,7 +357,7 @@ def main(argv=None):
         print(f"  {r['label']}: {fmt_s(r['s_step'])}/step, peak allocated {gib(r.get('peak_gib'))}, driver "
               f"{gib(r.get('driver_gib'))}, MFU {mfu}")
     ratios = []
-    for key in ("lora", "fp8", "lokr"):
+    for key in ("lora", "lora_conv", "fp8", "lokr"):
         for ref in ("bare", "native"):
             if key in results and ref in results and results[key]["s_step"] and results[ref]["s_step"]:
                 ratios.append(f"{key}/{ref} s/step {results[key]['s_step'] / results[ref]['s_step']:.3f}")
