@@ -245,3 +245,61 @@ def test_comfyui_layout_follows_what_comfyuis_own_decomposition_divides_by(setup
             _export(setup, "dora", "comfyui")
     finally:
         adapters.comfyui_dora_norm.cache_clear()  # the next caller asks the real one again
+
+
+def test_all_layers_gives_3d_convolutions_to_lora_alone(setup):
+    """"all linear and convolution layers": peft has 3-D convolution layers for LoRA only, so LoHa and LoKr leave a
+    video model's Conv3d patch embedding out rather than fail in peft after the model has loaded."""
+    import torch
+    from types import SimpleNamespace
+    from ingraph_trainer.trainer.adapters import inject_adapter
+    from ingraph_trainer.trainer.models.base import ModelFamily
+    model = torch.nn.Sequential(torch.nn.Conv3d(4, 8, 1), torch.nn.Conv2d(8, 8, 3), torch.nn.Linear(8, 8))
+    family = SimpleNamespace(diffusion_model=model)
+    assert ModelFamily.adapter_targets(family, "all_layers") == ["0", "1", "2"]
+    inject_adapter(copy.deepcopy(model), ["0", "1", "2"], "lora", 2, 2.0, 0.0)
+    for kind in ("loha", "lokr"):
+        targets = ModelFamily.adapter_targets(family, "all_layers", kind)
+        assert targets == ["1", "2"], kind
+        assert inject_adapter(copy.deepcopy(model), targets, kind, 2, 2.0, 0.0)  # peft builds every one
+
+
+@pytest.mark.parametrize("file_format", ["kohya", "comfyui"])
+def test_a_lora_with_convolutions_continues_from_its_file_in_a_family_without_diffusers_names(file_format, tmp_path):
+    """adapter.init_from on a file of every layout, for a model whose kohya keys are its ComfyUI names (the DiT
+    families have no diffusers names): linear and convolution layers start where the file's model ended."""
+    import torch
+    from safetensors.torch import save_file
+    from ingraph_trainer.trainer import export
+    from ingraph_trainer.trainer.adapters import comfy_adapter_state_dict, inject_adapter, load_adapter_weights
+    torch.manual_seed(0)
+    base = torch.nn.ModuleDict({"patch": torch.nn.Conv2d(4, 8, 3, padding=1),
+                                "blocks": torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))})
+
+    def forward(model, x):
+        h = model["patch"](x).permute(0, 2, 3, 1)
+        return model["blocks"](h)
+    targets = ["patch", "blocks.0", "blocks.1"]
+    trained = copy.deepcopy(base)
+    with torch.no_grad():
+        for p in inject_adapter(trained, targets, "lora", 2, 4.0, 0.0):
+            p.add_(torch.randn(p.shape) * 0.1)
+    path = tmp_path / f"lora_{file_format}.safetensors"
+    save_file(export.convert(comfy_adapter_state_dict(trained, "lora", 4.0, file_format), file_format, {}), str(path))
+    resumed = copy.deepcopy(base)
+    inject_adapter(resumed, targets, "lora", 2, 2.0, 0.0)  # another alpha: the file's scale carries over
+    load_adapter_weights(resumed, "lora", str(path), {})
+    x = torch.randn(2, 4, 5, 5)
+    with torch.no_grad():
+        assert torch.allclose(forward(resumed, x), forward(trained, x), rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(forward(base, x), forward(trained, x), rtol=1e-3)
+
+
+def test_the_diffusers_layout_of_a_lora_with_convolutions_gives_the_trainers_output_in_comfyui(setup, caplog):
+    """The diffusers layout (alpha folded into lora_B, unet.* module names) of a LoRA on linear and convolution
+    layers, read back as the pack reads any of its files (export.comfyui_readable), is the trainer's model in ComfyUI."""
+    from ingraph_trainer.trainer import export
+    tensors = _export(setup, "lora", "diffusers")
+    assert any(v.dim() == 4 for v in tensors.values())  # the convolutions are in it
+    readable = export.comfyui_readable(tensors, export.diffusers_module_names(setup["family"].base_model))
+    assert _compare_in_comfyui(setup, "lora", readable, caplog, "lora, diffusers layout") < TOLERANCE

@@ -80,7 +80,8 @@ def test_each_choice_is_defined_once_with_the_labels_saved_workflows_hold():
     assert config.choice_labels(config.TIMESTEP_SAMPLING_CHOICES) == ["uniform", "logit-normal"]
     assert config.choice_labels(config.LOSS_CHOICES) == ["MSE", "Huber"]
     assert config.choice_labels(config.ADAPTER_KIND_CHOICES) == ["LoRA", "LoHa", "LoKr", "DoRA", "Full fine-tune"]
-    assert config.choice_labels(config.TARGET_CHOICES)[:3] == ["attention", "attention + feed-forward", "all linear layers"]
+    assert config.choice_labels(config.TARGET_CHOICES) == ["attention", "attention + feed-forward", "all linear layers",
+                                                           "all linear and convolution layers"]
     assert config.ADAPTER_FORMATS == ("comfyui", "kohya", "diffusers") and objectives.LOSSES is config.LOSSES
     assert not hasattr(export, "FORMATS")
     assert config.choice_value(config.SCHEDULE_CHOICES, "linear decay", "lr_schedule") == "linear"

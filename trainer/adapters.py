@@ -190,11 +190,14 @@ def comfy_adapter_state_dict(diffusion_model: torch.nn.Module, kind: str, alpha:
     return out
 
 
-def _comfy_keyed(tensors: dict[str, torch.Tensor], diffusers_names: dict[str, str]) -> dict[str, torch.Tensor]:
-    """Any of our file layouts (comfyui, kohya, diffusers) with ComfyUI keys."""
+def _comfy_keyed(tensors: dict[str, torch.Tensor], diffusers_names: dict[str, str],
+                 module_names=()) -> dict[str, torch.Tensor]:
+    """Any of our file layouts (comfyui, kohya, diffusers) with ComfyUI keys. A kohya key names a layer by its
+    diffusers name where the family has one (UNets), else by its ComfyUI name: `module_names`, the model's layers."""
     from .export import PREFIX, comfyui_readable, kohya_name
     tensors = comfyui_readable(tensors, diffusers_names)
-    kohya_to_comfy = {kohya_name(name): comfy for comfy, name in diffusers_names.items()}
+    kohya_to_comfy = {kohya_name(comfy): comfy for comfy in module_names}
+    kohya_to_comfy.update({kohya_name(name): comfy for comfy, name in diffusers_names.items()})
     kohya_to_comfy.update({kohya_name(comfy): comfy for comfy in diffusers_names})
     out = {}
     for key, tensor in tensors.items():
@@ -232,9 +235,11 @@ def load_adapter_weights(diffusion_model: torch.nn.Module, kind: str, path: str,
     from safetensors.torch import load_file
 
     from .export import PREFIX, split_key
+    adapted = {name for name, m in diffusion_model.named_modules() if hasattr(m, "scaling") and ADAPTER_NAME in
+               getattr(m, "scaling", {})}
     try:
         raw = load_file(path)
-        tensors = _comfy_keyed(raw, diffusers_names or {})
+        tensors = _comfy_keyed(raw, diffusers_names or {}, adapted)
         dora_norm = _file_dora_norm(path, raw) if kind == "dora" else None
     except (OSError, ValueError) as exc:
         raise ValueError(f"adapter.init_from: {path}: {exc}") from None
@@ -244,8 +249,6 @@ def load_adapter_weights(diffusion_model: torch.nn.Module, kind: str, path: str,
             raise ValueError(f"adapter.init_from: {path}: unexpected key {key}")
         module, part = split_key(key)
         modules.setdefault(module, {})[part] = tensor.float()
-    adapted = {name for name, m in diffusion_model.named_modules() if hasattr(m, "scaling") and ADAPTER_NAME in
-               getattr(m, "scaling", {})}
     if set(modules) != adapted:
         raise ValueError(f"adapter.init_from: {path} holds {len(modules)} layers, the adapter targets {len(adapted)} "
                          f"(e.g. {sorted(set(modules) ^ adapted)[:2]}); choose the targets the file was trained with")

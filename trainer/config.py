@@ -65,7 +65,8 @@ TARGET_CHOICES = (
     Choice("all_linear", "all linear layers", "every linear layer of the model's blocks."),
     Choice("all_layers", "all linear and convolution layers",
            "every linear and convolution layer (kohya's LoCon; where ComfyUI's own TrainLoraNode puts its LoRA). "
-           "LoRA, LoHa and LoKr; DoRA trains linear layers only."),
+           "LoRA, LoHa and LoKr (these two leave 3-D convolutions out: a video model's patch embedding); DoRA "
+           "trains linear layers only."),
 )
 ADAPTER_FORMAT_CHOICES = (
     Choice("comfyui", "ComfyUI", "diffusion_model.* keys, what ComfyUI's LoRA loaders read (every family)."),

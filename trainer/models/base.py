@@ -136,12 +136,13 @@ class ModelFamily:
                                          f"({problem}); load the model from a file in another layout or precision")
 
     # --- adapters and memory ---------------------------------------------------------------------------
-    def adapter_targets(self, preset: str) -> list[str]:
+    def adapter_targets(self, preset: str, kind: str = "lora") -> list[str]:
         """Names (relative to the diffusion model) of the layers an adapter preset trains: linear layers, and
-        convolutions too for "all_layers" (ComfyUI's Conv ops are torch's Conv classes, which peft adapts)."""
+        convolutions too for "all_layers" (ComfyUI's Conv ops are torch's Conv classes, which peft adapts: LoRA
+        any, LoHa and LoKr 1-D and 2-D ones only, so a video model's 3-D patch embedding gets a LoRA alone)."""
         from ..comfy_compat import is_linear
         if preset == "all_layers":
-            conv = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+            conv = (torch.nn.Conv1d, torch.nn.Conv2d) + ((torch.nn.Conv3d,) if kind in ("lora", "dora") else ())
             return [n for n, m in self.diffusion_model.named_modules() if is_linear(m) or isinstance(m, conv)]
         linear = [n for n, m in self.diffusion_model.named_modules() if is_linear(m)]
         if preset == "all_linear":
