@@ -2,6 +2,7 @@
 the choices table, the host-sync cadence."""
 from __future__ import annotations
 
+import sys
 import threading
 from pathlib import Path
 
@@ -289,3 +290,38 @@ def test_comfyui_is_called_through_comfy_compat_alone():
                 found += [f"{rel}:{node.lineno} {n}" for n in names if n == "comfy" or n.startswith("comfy.")]
     assert not found, found
     assert (root / "trainer" / "models" / "__init__.py").is_file()  # the exemption names a real folder
+
+
+def test_no_test_module_imports_another():
+    """What test modules share lives in conftest.py or a helper module (family_graphs.py, media_files.py), so a
+    test file can move or go without breaking another, and no test runs another file's test."""
+    import ast
+    tests = Path(conftest.REPO) / "tests"
+    found = []
+    for path in sorted(tests.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            found += [f"{path.name}:{node.lineno} {n}" for n in names if n.split(".")[0].startswith("test_")]
+    assert len(list(tests.glob("test_*.py"))) > 20  # the folder read is the suite's
+    assert not found, found
+
+
+def test_the_coverage_tool_builds_every_family_files_model():
+    """tools/family_coverage.py reaches each family file that can build a model (a new family file is in the
+    coverage table without an edit there), and sorts ComfyUI's classes as its README paragraph says."""
+    sys.path.insert(0, str(conftest.REPO))
+    from tools import family_coverage
+    from tools.prepare_run import _bootstrap
+    _bootstrap()
+    from ingraph_trainer.trainer.models import FAMILIES
+    from ingraph_trainer.trainer.models.base import ModelFamily
+    labels = [label for label, _ in family_coverage.builders()]
+    builds = [c.name for c in FAMILIES if c.scratch_state_dict.__func__ is not ModelFamily.scratch_state_dict.__func__]
+    assert len(builds) >= 9 and set(builds) <= set(labels) and "sd_unet (embedded SD1.5)" in labels
+    assert all(cls in {c.__name__ for c in FAMILIES} for cls, _ in family_coverage.VARIANTS.values())
+    lumina = type("Lumina2", (), {"latent_format": type("Flux", (), {"latent_dimensions": 2})})
+    wan = type("WAN21_T2V", (), {"latent_format": type("Wan21", (), {"latent_dimensions": 3})})
+    qwen = type("QwenImage", (), {"latent_format": wan.latent_format})
+    audio = type("StableAudio", (), {"latent_format": type("StableAudio1", (), {"latent_dimensions": 1})})
+    assert [family_coverage.kind_of(c) for c in (lumina, wan, qwen, audio)] == ["image", "video", "image", "audio"]

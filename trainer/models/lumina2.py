@@ -38,10 +38,20 @@ class Lumina2Family(ModelFamily):
         return {**size, "cap_feat_dim": text_width}
 
     @classmethod
-    def scratch_state_dict(cls, seed: int = 0, n_layers: int = 1, cap_feat_dim: int = 2304, **_):
+    def scratch_state_dict(cls, seed: int = 0, n_layers: int = 1, cap_feat_dim: int | None = None,
+                           variant: str = "lumina2", **_):
+        """`variant` "z_image": Z-Image (ComfyUI 0.33's ZImage, the same NextDiT at width 3840 with 30 heads, its
+        own modulation and rope, Qwen3-4B's 2560-wide text), which ComfyUI loads as a Lumina 2 model."""
         import comfy.ops
         from comfy.ldm.lumina.model import NextDiT
-        model = NextDiT(patch_size=2, in_channels=16, dim=2304, cap_feat_dim=cap_feat_dim, n_layers=n_layers,
-                        n_heads=24, n_kv_heads=8, qk_norm=True, axes_dims=[32, 32, 32], axes_lens=[300, 512, 512],
-                        operations=comfy.ops.disable_weight_init)
+        if variant == "z_image":  # ComfyUI's detection at width 3840 (model_detection's "Z image")
+            shape = dict(dim=3840, cap_feat_dim=cap_feat_dim or 2560, n_heads=30, n_kv_heads=30,
+                         axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512], rope_theta=256.0,
+                         ffn_dim_multiplier=8.0 / 3.0, z_image_modulation=True, time_scale=1000.0,
+                         pad_tokens_multiple=32)
+        else:
+            shape = dict(dim=2304, cap_feat_dim=cap_feat_dim or 2304, n_heads=24, n_kv_heads=8,
+                         axes_dims=[32, 32, 32], axes_lens=[300, 512, 512])
+        model = NextDiT(patch_size=2, in_channels=16, n_layers=n_layers, qk_norm=True,
+                        operations=comfy.ops.disable_weight_init, **shape)
         return {k: v.contiguous() for k, v in init_weights(model, seed).state_dict().items()}
