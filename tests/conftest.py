@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -550,3 +551,33 @@ def small_server(assets, base_dir, **server_args) -> ComfyServer:
     for f in sorted(assets["images"].iterdir())[:2]:
         (one / f.name).write_bytes(f.read_bytes())
     return server.start().wait_ready(180)
+
+
+def write_upstream_lora(checkpoint: Path, path: Path, rank: int = 2):
+    """A small LoRA on every to_q of the checkpoint's UNet, in ComfyUI's key layout."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    tensors, g = {}, torch.Generator().manual_seed(3)
+    with safe_open(str(checkpoint), "pt") as f:
+        for key in f.keys():
+            if re.search(r"^model\.diffusion_model\..*\.attn[12]\.to_q\.weight$", key):
+                out_f, in_f = f.get_slice(key).get_shape()
+                module = key[len("model."):-len(".weight")]
+                tensors[f"{module}.lora_down.weight"] = torch.randn(rank, in_f, generator=g) * 0.1
+                tensors[f"{module}.lora_up.weight"] = torch.randn(out_f, rank, generator=g) * 0.1
+                tensors[f"{module}.alpha"] = torch.tensor(float(rank))
+    save_file(tensors, str(path))
+
+
+def model_overrides(path, weight_dtype: str) -> dict:
+    return dict(model__path=str(path), model__format="diffusion_model", model__weight_dtype=weight_dtype,
+                model__lora_paths=[], model__lora_strengths=[], model__stamps=[])
+
+
+def training_only(name: str, steps: int, **train_inputs) -> dict:
+    wf = {k: v for k, v in load_workflow().items() if k in {"1", "2", "3", "4", "5", "6", "7"}}
+    # fp32: bf16 convolutions on a CPU are several times slower (each test's time is mostly evaluation)
+    wf["6"]["inputs"].update(steps=steps, output_name=name, **{"precision": "fp32", **train_inputs})
+    evaluate_on_one_image(wf)  # evaluation is not these tests' point
+    return wf

@@ -6,6 +6,8 @@ the trainer's own final evaluation with the peft adapter in place (both on one i
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 from safetensors import safe_open
 
@@ -52,6 +54,7 @@ def test_adapter_kind_loads_in_comfyui_and_reproduces_the_trainer(kind, comfy, c
     assert f'"algo": "{kind.lower()}"' in algo
     if kind != "DoRA":  # the convolutions are in the file, in the layout ComfyUI applied above
         assert any(".in_layers.2." in k for k in keys) and any(".out.2." in k for k in keys), keys[:8]
+        assert json.loads(algo)["conv_dim"] == "4"  # LoCon's metadata, as kohya writes it
 
 
 def test_full_fine_tune_loads_through_unet_loader_and_reproduces_the_trained_weights(comfy, client):

@@ -274,7 +274,7 @@ def test_pack_adds_under_half_a_second_to_startup(comfy):
     assert not re.search(r"IMPORT FAILED.*InGraph-Trainer", comfy.log_text())
 
 
-@pytest.mark.parametrize("name", ["train_lora", "train_evaluate_compare"])
+@pytest.mark.parametrize("name", ["train_lora", "train_evaluate_compare", "distill_turbo_lora"])
 def test_ui_workflow_matches_object_info(client, name):
     """Every node type of the UI-format workflow exists, and every link joins matching types."""
     import json

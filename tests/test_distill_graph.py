@@ -292,12 +292,6 @@ def _saved_image(comfy, prefix: str):
     return np.asarray(Image.open(saved[-1]), dtype=np.int16)
 
 
-@pytest.mark.comfyui
-def test_the_shipped_ui_workflow_matches_object_info(client):
-    from test_comfyui_training import test_ui_workflow_matches_object_info as check
-    check(client, "distill_turbo_lora")
-
-
 def _distill_events(outcome) -> list[dict]:
     return [m["data"] for m in outcome.messages if m.get("type") == "ingraph.event"]
 

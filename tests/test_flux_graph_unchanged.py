@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import IMAGE_FOLDER, evaluate_on_one_image, tiny_models
-from test_model_families import FAMILIES, FAMILY_FOLDER, run_events, sampling_graph, saved_latent, training_graph
+from family_graphs import FAMILIES, FAMILY_FOLDER, run_events, sampling_graph, saved_latent, training_graph
 
 TINY_MODELS = dict(families={"flux": FAMILIES["flux"][1]}, vae16=FAMILIES["flux"][0])  # conftest.tiny_models
 pytestmark = [pytest.mark.comfyui, pytest.mark.tiny_models(**TINY_MODELS)]

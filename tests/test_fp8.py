@@ -9,16 +9,11 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, read_events, run_trainers_forked
+from conftest import REPO, model_overrides, read_events, run_trainers_forked, write_upstream_lora
 
 pytestmark = pytest.mark.comfyui
 
 STEPS = 10
-
-
-def _model_overrides(path, weight_dtype: str) -> dict:
-    return dict(model__path=str(path), model__format="diffusion_model", model__weight_dtype=weight_dtype,
-                model__lora_paths=[], model__lora_strengths=[], model__stamps=[])
 
 
 def test_fp8_base_weights_are_half_of_bf16_and_stay_fp8(tiny_unet):
@@ -46,7 +41,7 @@ def test_fp8_lora_trains_like_bf16_and_loads_onto_comfyuis_fp8_model(prepared, t
     """Both runs compute in fp32 (bf16 convolutions are slow on CPU): the bf16 file's weights as they are against
     the same weights held in fp8, so the difference is the base's precision alone."""
     specs = {name: prepared(train__steps=STEPS, train__batch_size=2, train__precision="fp32", adapter__rank=4,
-                            adapter__alpha=4.0, **_model_overrides(tiny_unet, weight_dtype))
+                            adapter__alpha=4.0, **model_overrides(tiny_unet, weight_dtype))
              for name, weight_dtype in (("bf16", "default"), ("fp8", "fp8_e4m3fn"))}
     proc = run_trainers_forked(*specs.values())  # each its own process, the imports shared
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -86,7 +81,7 @@ def test_the_evaluate_task_keeps_an_fp8_base_in_fp8_and_evaluates_it_like_bf16(p
     an fp8 base was evaluated as a bf16 model twice its size (Flux fp8: 24 GB). It now holds the base as training
     does: fp8 stays fp8, computed in bf16 layer by layer, and the loss is the bf16 base's to a few percent."""
     specs = {name: prepared(task="evaluate", output__lora_path="", train__precision="bf16",
-                            **ONE_EVAL, **_model_overrides(tiny_unet, weight_dtype))
+                            **ONE_EVAL, **model_overrides(tiny_unet, weight_dtype))
              for name, weight_dtype in (("bf16", "default"), ("fp8", "fp8_e4m3fn"))}
     proc = run_trainers_forked(*specs.values())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -207,7 +202,6 @@ def test_an_fp8_base_with_a_lora_upstream_loads_in_the_trainer(tiny_unet, tmp_pa
     """UNETLoader fp8 → a LoRA → Evaluate (or Train): the trainer bakes the LoRA into the fp8 weights with ComfyUI's
     patching code, whose fp8 rounding refused weights that require grad (clamp(out=...), seen on an H100 and here);
     the baked weights stay fp8 and differ from the plain base where the LoRA applies."""
-    from test_handoff import write_upstream_lora
     sys.path.insert(0, str(REPO))
     from tools.prepare_run import _bootstrap
     _bootstrap()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import evaluate_on_one_image, load_workflow
+from conftest import evaluate_on_one_image, load_workflow, write_upstream_lora
 
 from ingraph_trainer.runner import model_source as ms
 
@@ -168,23 +168,6 @@ def test_release_leaves_comfyui_no_loaded_model(assets, caplog):
         assert ms.release_comfy_models(model) == 0
     assert not mm.current_loaded_models
     assert "ComfyUI holds 0 loaded model(s) as the trainer starts (the trained model: not loaded)" in caplog.text
-
-
-def write_upstream_lora(checkpoint: Path, path: Path, rank: int = 2):
-    """A small LoRA on every to_q of the checkpoint's UNet, in ComfyUI's key layout."""
-    import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-    tensors, g = {}, torch.Generator().manual_seed(3)
-    with safe_open(str(checkpoint), "pt") as f:
-        for key in f.keys():
-            if re.search(r"^model\.diffusion_model\..*\.attn[12]\.to_q\.weight$", key):
-                out_f, in_f = f.get_slice(key).get_shape()
-                module = key[len("model."):-len(".weight")]
-                tensors[f"{module}.lora_down.weight"] = torch.randn(rank, in_f, generator=g) * 0.1
-                tensors[f"{module}.lora_up.weight"] = torch.randn(out_f, rank, generator=g) * 0.1
-                tensors[f"{module}.alpha"] = torch.tensor(float(rank))
-    save_file(tensors, str(path))
 
 
 def assert_out_of_clients_reach(comfy, client, model_copy: Path, manifest: Path):

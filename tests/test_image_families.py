@@ -22,27 +22,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import IMAGE_FOLDER, REPO, SUITE_EVAL_QUANTILES, tiny_models
+from conftest import REPO, SUITE_EVAL_QUANTILES
 from ingraph_trainer.runner.evaluation_run import parse_quantiles
 from ingraph_trainer.trainer.config import DEFAULT_EVAL_QUANTILES_TEXT
-from test_model_families import sampling_graph, saved_latent, training_graph
+from family_graphs import EDIT_FOLDER, EDIT_REFERENCE, IMAGE_FAMILIES, IMAGE_TINY_MODELS as TINY_MODELS, SINGLE_FOLDER
+from family_graphs import image_family_models  # noqa: F401  (a fixture)
+from family_graphs import sampling_graph, saved_latent, training_graph
 
-# family → (latent of one item as cached: C, h, w; text tokens and width the tiny model takes)
-IMAGE_FAMILIES = {"qwen_image": ((16, 6, 10), (8, 3584)), "chroma": ((16, 6, 10), (8, 4096)),
-                  "lumina2": ((16, 6, 10), (8, 2304))}
-TINY_MODELS = dict(families={**{family: "bf16" for family in IMAGE_FAMILIES}, "flux": "bf16"},
-                   vae16="tiny_taesd16.safetensors", wan_vae="tiny_wan_vae.safetensors")  # conftest.tiny_models
 pytestmark = [pytest.mark.comfyui, pytest.mark.tiny_models(**TINY_MODELS)]
 # what the family's stock text encoder adds to CLIPTextEncode's conditioning beside the embedding
 ENCODER_EXTRAS = {"chroma": {"pooled_output": None},  # T5 alone: no pooled vector
                   "lumina2": {"attention_mask": torch.ones((1, 8), dtype=torch.long)}}  # Gemma's mask
 
 
-EDIT_FOLDER = "ingraph_edit"  # one family image with a name.ref.png (its mirror image) as edit source
-EDIT_REFERENCE = "ingraph_edit_reference.png"  # the source image the stock edit graph loads (LoadImage)
-# one image, batch 1, in every chain (suite time): every forward pass costs (evaluation before and after, at one
-# quantile: training_graph's eval_quantiles)
-SINGLE_FOLDER = "ingraph_single"
 # graph chain → (tiny model and synthetic encoder family, VAE, image folder); the edit chains train on reference
 # images: Qwen-Image-Edit with the Wan VAE Qwen-Image uses (5-D latents), Flux Kontext with the 16-channel TAESD.
 # Chroma is not among them but trains on its own prompt (test_chroma_trains_in_the_graph_and_loads_in_lora_loader),
@@ -54,24 +46,6 @@ SINGLE_FOLDER = "ingraph_single"
 CHAINS = {"lumina2": ("lumina2", "tiny_taesd16.safetensors", SINGLE_FOLDER),
           "qwen_image_edit": ("qwen_image", "tiny_wan_vae.safetensors", EDIT_FOLDER),
           "flux_kontext": ("flux", "tiny_taesd16.safetensors", EDIT_FOLDER)}
-
-
-@pytest.fixture(scope="module")
-def image_family_models(comfy, tools):
-    """Tiny Qwen-Image, Chroma and Lumina 2 models in the server's diffusion_models folder (bf16), and what the
-    graph test needs beside them: the tiny Flux, the 16-channel TAESD, the tiny Wan VAE (conftest.tiny_models: each
-    built once a session, in the background from its start); one image alone, and with a reference image."""
-    from PIL import Image, ImageOps
-    edit = comfy.dir("input", EDIT_FOLDER)
-    for source in sorted(comfy.dir("input", IMAGE_FOLDER).iterdir())[:2]:  # the first image and its caption
-        for folder in (edit, comfy.dir("input", SINGLE_FOLDER)):
-            (folder / source.name).write_bytes(source.read_bytes())
-        if source.suffix != ".txt":
-            mirrored = ImageOps.mirror(Image.open(source).convert("RGB"))
-            mirrored.save(edit / f"{source.stem}.ref.png")
-            mirrored.save(comfy.dir("input") / EDIT_REFERENCE)
-    tiny_models(tools, comfy, **TINY_MODELS)
-    return comfy
 
 
 def _comfy():

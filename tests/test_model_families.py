@@ -15,88 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import IMAGE_FOLDER, REPO, SUITE_EVAL_QUANTILES, evaluate_on_one_image, requires_deepspeed, tiny_models
+from conftest import REPO, evaluate_on_one_image, requires_deepspeed
 from ingraph_trainer.trainer.config import DEFAULT_EVAL_QUANTILES_TEXT
 
-# two of the example images: few forward passes a run (evaluation at one quantile: training_graph's eval_quantiles)
-FAMILY_FOLDER = "ingraph_family"
+from family_graphs import FAMILY_TINY_MODELS as TINY_MODELS, family_models  # noqa: F401  (a fixture)
+from family_graphs import run_events, sampling_graph, saved_latent, training_graph
 
-# family → (VAE file, dtype the tiny model is stored in); Flux cannot be made small (see tools/tiny_models.py)
-FAMILIES = {"sdxl": ("tiny_taesd4.safetensors", "fp32"), "sd3": ("tiny_taesd16.safetensors", "fp32"),
-            "flux": ("tiny_taesd16.safetensors", "bf16"), "wan": ("tiny_taesd16.safetensors", "fp32")}
-TINY_MODELS = dict(families={family: dtype for family, (_, dtype) in FAMILIES.items()},
-                   vae16="tiny_taesd16.safetensors", vae4="tiny_taesd4.safetensors")  # conftest.tiny_models
 pytestmark = [pytest.mark.comfyui, pytest.mark.tiny_models(**TINY_MODELS)]
-
-
-@pytest.fixture(scope="module")
-def family_models(comfy, tools):
-    """Tiny models of every family in the server's models/diffusion_models, VAEs in models/vae (conftest.tiny_models:
-    built once a session, in the background from its start)."""
-    images = comfy.dir("input", FAMILY_FOLDER)
-    for source in sorted(comfy.dir("input", IMAGE_FOLDER).iterdir())[:4]:  # two images and their captions
-        (images / source.name).write_bytes(source.read_bytes())
-    tiny_models(tools, comfy, **TINY_MODELS)
-    return comfy
-
-
-def training_graph(family: str, output_name: str, model: dict | None = None, text_family: str | None = None,
-                   **train) -> dict:
-    vae_file = FAMILIES[family][0]
-    return {
-        "1": model or {"class_type": "UNETLoader", "inputs": {"unet_name": f"tiny_{family}.safetensors",
-                                                              "weight_dtype": "default"}},
-        "2": {"class_type": "VAELoader", "inputs": {"vae_name": vae_file}},
-        "3": {"class_type": "InGraphTestSyntheticTextEncoder", "inputs": {"family": text_family or family}},
-        "4": {"class_type": "InGraphLoadTrainingImages",
-              "inputs": {"folder": FAMILY_FOLDER, "resolution": 64, "bucketing": False, "min_side": 64,
-                         "max_side": 256, "max_upscale": 1.0, "crop": "center", "flip": False, "repeats": 1,
-                         "caption_prefix": "", "missing_caption": "error", "default_caption": ""}},
-        "5": {"class_type": "InGraphCacheLatents", "inputs": {"dataset": ["4", 0], "vae": ["2", 0]}},
-        "6": {"class_type": "InGraphCacheTextEmbeddings", "inputs": {"dataset": ["5", 0], "clip": ["3", 0]}},
-        "7": {"class_type": "InGraphLoRAAdapter",
-              "inputs": {"kind": train.pop("kind", "LoRA"), "rank": 4, "alpha": 4.0, "dropout": 0.0,
-                         "targets": "attention"}},
-        "8": {"class_type": "InGraphTrainLoRA",
-              "inputs": {"model": ["1", 0], "dataset": ["6", 0], "adapter": ["7", 0], "steps": 2, "batch_size": 2,
-                         "gradient_accumulation": 1, "learning_rate": 1e-3, "optimizer": "AdamW",
-                         "lr_schedule": "constant", "warmup_steps": 0, "precision": "fp32",
-                         "gradient_checkpointing": False, "seed": 0, "save_every": 0, "output_name": output_name,
-                         "resume": "off", "eval_quantiles": SUITE_EVAL_QUANTILES, **train}},
-    }
-
-
-def sampling_graph(family: str, lora_name: str | None, prefix: str, unet_name: str | None = None,
-                   text_family: str | None = None) -> dict:
-    """Stock nodes only: UNETLoader (+ LoraLoaderModelOnly) → KSampler on an empty 64x64 latent → SaveLatent.
-    The model file is tiny_<family>.safetensors and the synthetic text encoder the family's, unless named."""
-    graph = {
-        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": unet_name or f"tiny_{family}.safetensors",
-                                                     "weight_dtype": "default"}},
-        "3": {"class_type": "InGraphTestSyntheticTextEncoder", "inputs": {"family": text_family or family}},
-        "10": {"class_type": "CLIPTextEncode", "inputs": {"text": "a red circle, ingraph style", "clip": ["3", 0]}},
-        "11": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["3", 0]}},
-        "12": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
-        "13": {"class_type": "KSampler", "inputs": {"model": ["1", 0], "positive": ["10", 0], "negative": ["11", 0],
-                                                    "latent_image": ["12", 0], "seed": 1, "steps": 2, "cfg": 2.0,
-                                                    "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}},
-        "14": {"class_type": "SaveLatent", "inputs": {"samples": ["13", 0], "filename_prefix": f"latents/{prefix}"}},
-    }
-    if lora_name:
-        graph["9"] = {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "lora_name": lora_name,
-                                                                      "strength_model": 1.0}}
-        graph["13"]["inputs"]["model"] = ["9", 0]
-    return graph
-
-
-def saved_latent(comfy, prefix: str) -> torch.Tensor:
-    files = sorted((comfy.base_dir / "output" / "latents").glob(f"{prefix}_*.latent"))
-    assert files, f"no latent saved for {prefix}"
-    return load_file(str(files[-1]))["latent_tensor"]
-
-
-def run_events(outcome) -> list[dict]:
-    return [m["data"]["event"] for m in outcome.messages if m.get("type") == "ingraph.event"]
 
 
 # SD3 also trains with the flow-matching options: logit-normal timesteps, SD3's shift, min-SNR and Huber, in the

@@ -13,8 +13,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, read_events, run_trainers_forked
-from test_fp8 import _model_overrides
+from conftest import REPO, model_overrides, read_events, run_trainers_forked
 from tools.comfy_server import comfyui_path
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.skipif(
@@ -44,7 +43,7 @@ def quantized(tiny_unet, tools):
 def runs(prepared, quantized):
     """10 fp32 LoRA steps on the bf16 file and on each quantized copy, same seed and data."""
     specs = {name: prepared(train__steps=STEPS, train__batch_size=2, train__precision="fp32", adapter__rank=4,
-                            adapter__alpha=4.0, train__eval_quantiles=[0.5], **_model_overrides(path, "default"))
+                            adapter__alpha=4.0, train__eval_quantiles=[0.5], **model_overrides(path, "default"))
              for name, path in quantized.items()}
     proc = run_trainers_forked(*specs.values())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

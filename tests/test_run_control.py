@@ -12,17 +12,9 @@ import urllib.request
 
 import pytest
 
-from conftest import REPO, evaluate_on_one_image, load_workflow, requires_deepspeed, small_server, wait_first_step
+from conftest import REPO, requires_deepspeed, small_server, training_only, wait_first_step
 
 pytestmark = pytest.mark.comfyui
-
-
-def training_only(name: str, steps: int, **train_inputs) -> dict:
-    wf = {k: v for k, v in load_workflow().items() if k in {"1", "2", "3", "4", "5", "6", "7"}}
-    # fp32: bf16 convolutions on a CPU are several times slower (each test's time is mostly evaluation)
-    wf["6"]["inputs"].update(steps=steps, output_name=name, **{"precision": "fp32", **train_inputs})
-    evaluate_on_one_image(wf)  # evaluation is not these tests' point
-    return wf
 
 
 def test_stop_saves_a_checkpoint_writes_the_lora_and_ends_cleanly(comfy, client):

@@ -12,10 +12,8 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import CHECKPOINT_NAME, REPO
-from test_image_families import EDIT_FOLDER, TINY_MODELS as IMAGE_TINY_MODELS, image_family_models  # noqa: F401
-from test_model_families import FAMILY_FOLDER, TINY_MODELS as FAMILY_TINY_MODELS, family_models  # noqa: F401
-from test_model_families import run_events
-from test_video_families import VAE_CHANNELS, merged, video_model_files, video_models_in_server  # noqa: F401
+from family_graphs import EDIT_FOLDER, FAMILY_FOLDER, FAMILY_TINY_MODELS, IMAGE_TINY_MODELS, VAE_CHANNELS, merged, run_events
+from family_graphs import family_models, image_family_models, video_model_files, video_models_in_server  # noqa: F401
 from tools.starting_graphs import RECIPES, api_graph
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.tiny_models(**FAMILY_TINY_MODELS),

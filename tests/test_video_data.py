@@ -13,45 +13,12 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import SUITE_EVAL_QUANTILES
+from media_files import SIDE, write_frames, write_image, write_video
 from ingraph_trainer.cache.buckets import BucketSettings
 from ingraph_trainer.cache.dataset import DatasetError, load_clip_item_tensor, scan_image_folder
 from ingraph_trainer.cache.encoding import encode_latents, encode_text
 from ingraph_trainer.cache.store import CacheStore, write_manifest
 from ingraph_trainer.cache.video import clip_spans, parse_frame_buckets, probe_clip
-
-SIDE = 64
-
-
-def write_video(path: Path, frames: int, fps: int = 8, codec: str = "libx264", keyframe_every: int = 250):
-    """A clip whose frame k is a flat grey of level 5 * k (so a decoded frame says which frame it is)."""
-    import av
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream(codec, rate=fps)
-        stream.width = stream.height = SIDE
-        stream.pix_fmt = "rgb8" if codec == "gif" else "yuv420p"
-        if codec == "libx264":
-            stream.options = {"crf": "0", "preset": "ultrafast", "g": str(keyframe_every),
-                              "keyint_min": str(keyframe_every)}
-        for k in range(frames):
-            image = np.full((SIDE, SIDE, 3), 5 * k, dtype=np.uint8)
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")))
-        container.mux(stream.encode())
-    return path
-
-
-def write_frames(folder: Path, frames: int, level=lambda k: 10 * k):
-    from PIL import Image
-    folder.mkdir(parents=True, exist_ok=True)
-    for k in range(frames):
-        Image.new("RGB", (SIDE, SIDE), (level(k),) * 3).save(folder / f"{k:04d}.png")
-    return folder
-
-
-def write_image(path: Path, level: int = 128, size=(SIDE, SIDE)):
-    from PIL import Image
-    Image.new("RGB", size, (level, 40, 200)).save(path)
-    return path
-
 
 def scan(folder, **kw):
     kw.setdefault("buckets", BucketSettings(resolution=SIDE, enabled=False))

@@ -16,53 +16,22 @@ import pytest
 import torch
 
 from conftest import ON_COMFYUI_033, REPO
-from test_model_families import FAMILY_FOLDER, IMAGE_FOLDER, run_events, sampling_graph, saved_latent, training_graph
+from family_graphs import REFERENCE_FOLDER, VAE_CHANNELS, VIDEO_MODELS, merged, run_events
+from family_graphs import sampling_graph, saved_latent, training_graph
+from family_graphs import video_model_files, video_models_in_server  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.comfyui
 WAN_VAE = "tiny_wan_vae.safetensors"  # conftest.tiny_models
+# the family against ComfyUI's own sampler path: the same computation to rounding. ComfyUI 0.33's path rounds a few
+# elements differently (seen: at most 1.7e-6 on 2-5 of 3072-9216 elements; a wrong input moves them by ~1e-1)
+SAME = dict(rtol=1e-5, atol=1e-5) if ON_COMFYUI_033 else dict(rtol=1e-6, atol=1e-6)
+TEXT = {"wan": (8, 4096, None), "hunyuan_video": (8, 4096, 768), "ltxv": (8, 4096, None)}
 
 
 def _comfy():
     sys.path.insert(0, str(REPO))
     from tools.prepare_run import _bootstrap
     _bootstrap()
-
-
-WAN_TINY = dict(dim=128, ffn_dim=256, num_layers=1)
-# file stem → (family class name, scratch size, ComfyUI's supported_models class, family, variant, latent channels,
-#              synthetic text family, VAE latent channels)
-# the family against ComfyUI's own sampler path: the same computation to rounding. ComfyUI 0.33's path rounds a few
-# elements differently (seen: at most 1.7e-6 on 2-5 of 3072-9216 elements; a wrong input moves them by ~1e-1)
-SAME = dict(rtol=1e-5, atol=1e-5) if ON_COMFYUI_033 else dict(rtol=1e-6, atol=1e-6)
-VIDEO_MODELS = {
-    "tiny_wan21_t2v": ("WanFamily", dict(WAN_TINY), "WAN21_T2V", "wan", "t2v", 16, "wan"),
-    "tiny_wan21_i2v": ("WanFamily", dict(WAN_TINY, variant="i2v_2.1"), "WAN21_I2V", "wan", "i2v_2.1", 16, "wan"),
-    "tiny_wan22_i2v": ("WanFamily", dict(WAN_TINY, variant="i2v_2.2"), "WAN21_T2V", "wan", "i2v_2.2", 16, "wan"),
-    "tiny_wan22_ti2v": ("WanFamily", dict(WAN_TINY, variant="ti2v_5b"), "WAN22_T2V", "wan", "ti2v_5b", 48, "wan"),
-    "tiny_hunyuan_video": ("HunyuanVideoFamily", {}, "HunyuanVideo", "hunyuan_video", None, 16, "hunyuan_video"),
-    "tiny_ltxv": ("LTXVFamily", {}, "LTXV", "ltxv", None, 128, "ltxv"),
-}
-TEXT = {"wan": (8, 4096, None), "hunyuan_video": (8, 4096, 768), "ltxv": (8, 4096, None)}
-
-
-def write_video_models(folder) -> dict:
-    """The tiny models as files, written with safetensors as a user's download would be."""
-    _comfy()
-    from safetensors.torch import save_file
-
-    from ingraph_trainer.trainer import models
-    paths = {}
-    for stem, (cls_name, size, *_) in VIDEO_MODELS.items():
-        cls = getattr(models, cls_name)
-        state = cls.scratch_state_dict(0, **{**cls.scratch_sizes.get("tiny", {}), **size})
-        paths[stem] = folder / f"{stem}.safetensors"
-        save_file(state, str(paths[stem]))
-    return paths
-
-
-@pytest.fixture(scope="module")
-def video_model_files(tmp_path_factory):
-    return write_video_models(tmp_path_factory.mktemp("video_models"))
 
 
 def load_with_unet_loader(path):
@@ -282,57 +251,6 @@ def test_pipeline_layers_compute_what_the_model_computes_and_i2v_refuses_them(vi
             family_for(patcher.model, patcher=patcher).pipeline_layers()
 
 
-REFERENCE_FOLDER = "ingraph_family_start"  # the family images, each with a start image (name.ref.png) beside it
-VAE_CHANNELS = {16: "tiny_taesd16.safetensors", 48: "tiny_taesd48.safetensors", 128: "tiny_taesd128.safetensors"}
-if ON_COMFYUI_033:  # its 128-channel TAESD is Flux.2's (32 channels, 2x2 packed), which VAELoader knows by name only
-    VAE_CHANNELS[128] = "taef2"
-
-
-@pytest.fixture(scope="module")
-def video_models_in_server(comfy, video_model_files):
-    """The tiny video models in the server's diffusion-models folder, a TAESD for each latent width in models/vae,
-    the two family images plain and with start images beside them."""
-    import shutil
-
-    from PIL import Image
-
-    from comfy.taesd.taesd import TAESD
-
-    from ingraph_trainer.trainer.models.base import init_weights
-    from tools.tiny_models import _save
-    unets, vaes = comfy.dir("models", "diffusion_models"), comfy.dir("models", "vae")
-    for path in video_model_files.values():
-        shutil.copy(path, unets / path.name)
-    for channels, name in VAE_CHANNELS.items():
-        taesd = init_weights(TAESD(latent_channels=channels), 2)
-        if name == "taef2":  # VAELoader's image TAE: an encoder and a decoder file in vae_approx
-            for part in ("encoder", "decoder"):
-                _save({k.removeprefix(f"taesd_{part}."): v for k, v in taesd.state_dict().items()
-                       if k.startswith(f"taesd_{part}.")},
-                      comfy.dir("models", "vae_approx") / f"taef2_{part}.safetensors")
-            continue
-        _save({k: v for k, v in taesd.state_dict().items() if k.startswith(("taesd_encoder.", "taesd_decoder."))},
-              vaes / name)
-    plain, with_start = comfy.dir("input", FAMILY_FOLDER), comfy.dir("input", REFERENCE_FOLDER)
-    for source in sorted(comfy.dir("input", IMAGE_FOLDER).iterdir())[:4]:  # two images and their captions
-        (plain / source.name).write_bytes(source.read_bytes())
-        (with_start / source.name).write_bytes(source.read_bytes())
-        if source.suffix == ".png":  # the start image: the same picture mirrored
-            Image.open(source).transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(with_start / f"{source.stem}.ref.png")
-    return comfy
-
-
-def merged(graphs: dict[str, dict]) -> dict:
-    """One prompt from several graphs: each graph's node ids prefixed with its name, links rewritten."""
-    prompt = {}
-    for prefix, graph in graphs.items():
-        for node_id, node in graph.items():
-            inputs = {k: [f"{prefix}.{v[0]}", v[1]] if isinstance(v, list) and len(v) == 2 and isinstance(v[0], str)
-                      else v for k, v in node["inputs"].items()}
-            prompt[f"{prefix}.{node_id}"] = {**node, "inputs": inputs}
-    return prompt
-
-
 def video_sampling_graph(stem: str, lora_name: str | None, prefix: str) -> dict:
     return sampling_graph(stem, lora_name, prefix, unet_name=f"{stem}.safetensors", text_family=VIDEO_MODELS[stem][6])
 
@@ -397,7 +315,7 @@ def test_wan_i2v_trains_on_a_clip_with_its_start_image_and_works_in_the_stock_i2
     import shutil
 
     from conftest import tiny_models
-    from test_video_data import SIDE, write_image, write_video
+    from media_files import SIDE, write_image, write_video
 
     from ingraph_trainer.trainer.data import load_cached_dataset
     comfy, stem = video_models_in_server, "tiny_wan22_i2v"

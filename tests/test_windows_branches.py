@@ -128,7 +128,7 @@ def test_through_a_comfyui_server_on_windows_a_run_succeeds_and_cancel_leaves_no
     a one-process run from the graph trains and the node succeeds; a second run, cancelled, leaves no process."""
     from client.api import ComfyClient
     from conftest import REPO, small_server, wait_first_step
-    from test_run_control import training_only
+    from conftest import training_only
     mark = tmp_path / "windows_processes"
     server = small_server(assets, tmp_path / "windows", pack_name="ingraph_trainer", extra_env={
         "PYTHONPATH": str(REPO / "tests" / "windows_view"), "INGRAPH_FAKE_WINDOWS": "1",

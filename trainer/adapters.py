@@ -323,10 +323,11 @@ def kohya_metadata(spec, family, num_images: int, steps_done: int, started_at: f
         "ss_seed": str(t.seed),
         "ss_num_train_images": str(num_images),
         "ss_resolution": "",
-        # conv_dim / conv_alpha: how kohya's and LyCORIS' LoCon say the convolutions have an adapter too
+        # conv_dim / conv_alpha (strings, as kohya writes them): how kohya's and LyCORIS' LoCon say the
+        # convolutions have an adapter too
         "ss_network_args": json.dumps({"targets": a.targets, "algo": a.kind,
                                        **({"dora_wd": True} if a.kind == "dora" else {}),
-                                       **({"conv_dim": a.rank, "conv_alpha": float(a.alpha)}
+                                       **({"conv_dim": str(a.rank), "conv_alpha": str(float(a.alpha))}
                                           if a.targets == "all_layers" else {})}),
         PACK_METADATA_KEY: json.dumps({"spec_version": spec.version, "family": family.name,
                                        "prediction": family.prediction, "kind": a.kind,
