@@ -89,7 +89,7 @@ class BareLoop:
         self.family = family = load_family(spec.model, precision=t.precision)
         family.set_objective(t.loss, t.huber_delta, t.min_snr_gamma, t.flow_shift, t.guidance)
         torch.manual_seed(t.seed)
-        self.params = inject_adapter(family.diffusion_model, family.adapter_targets(a.targets), a.kind, a.rank,
+        self.params = inject_adapter(family.diffusion_model, family.adapter_targets(a.targets, a.kind), a.kind, a.rank,
                                      a.alpha, a.dropout)
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         self.dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32

@@ -116,13 +116,16 @@ def test_resumed_distillation_ends_bit_identical(reference, request):
 def test_the_memory_plan_counts_every_network_and_warns_beyond_the_budget(uninterrupted, uninterrupted_per_step):
     """The plan (made before the fake scores and the teacher load) counts each network: a fake score per student
     step is two fake scores' weights and training state, and the GAN term the fake score's activations too."""
-    first = runs(uninterrupted.parent)[0]
-    plan, per_step = first[0]["memory_plan"]["parts"], runs(uninterrupted_per_step.parent)[0][0]["memory_plan"]["parts"]
+    events = read_events(uninterrupted.parent)
+    first_start = next(i for i, e in enumerate(events) if e["type"] == "started")
+    plan, per_step = events[first_start]["memory_plan"]["parts"], \
+        runs(uninterrupted_per_step.parent)[0][0]["memory_plan"]["parts"]
     assert plan["activations"] > 0 and plan["teacher"] > 0
     assert plan["fake scores"] > plan["teacher"]  # the teacher's frozen weights, and the adapter's training state
     assert per_step["fake scores"] == 2 * plan["fake scores"] and per_step["teacher"] == plan["teacher"]
     assert plan["fake score activations (GAN)"] == plan["activations"] and "fake score activations (GAN)" not in per_step
-    warnings = [e["message"] for e in first if e["type"] == "log" and e["level"] == "warning"]
+    # the first launch's own warning: logged while it builds, before its started event
+    warnings = [e["message"] for e in events[:first_start] if e["type"] == "log" and e["level"] == "warning"]
     assert any(m.startswith("the memory plan predicts that the distillation (1 fake score and the teacher beside "
                             "the student) needs ") and "0.0 GiB may be used (memory_budget_gb)" in m
                for m in warnings), warnings

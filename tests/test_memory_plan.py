@@ -277,7 +277,8 @@ def test_zero_and_offload_shares_and_a_model_without_blocks():
     the gradients too) and with optimizer offload (masters and state in host memory); a model without a block
     list is planned as given, "auto" having nothing to checkpoint or swap."""
     from ingraph_trainer.trainer.config import RunSpec
-    from ingraph_trainer.trainer.memory_plan import _shared_out, plan_for
+    from ingraph_trainer.trainer.memory_plan import plan_for
+    from ingraph_trainer.trainer.memory_sizes import shared_out
     from ingraph_trainer.trainer.memory_sizes import ActivationProfile, ModelBytes
     weights = ModelBytes(frozen=0, frozen_per_block=[0] * 4, trained=2 * GiB, trained_count=GiB)  # full, bf16
     profile = ActivationProfile(outside=GiB // 10, saved=[GiB // 10] * 4, inputs=[GiB // 100] * 4)
@@ -285,7 +286,7 @@ def test_zero_and_offload_shares_and_a_model_without_blocks():
     spec.train.precision = "bf16"
 
     def plan(zero: int, offload: bool = False):
-        return plan_for(spec, _shared_out(weights, zero, 4, 1, offload), profile, False, 0, "cuda", None)
+        return plan_for(spec, shared_out(weights, zero, 4, 1, offload), profile, False, 0, "cuda", None)
     alone = plan(0)
     assert (alone.parts["master weights"], alone.parts["optimizer"], alone.parts["gradients"]) == \
         (4 * GiB, 8 * GiB, 2 * GiB)

@@ -307,6 +307,7 @@ def test_no_test_module_imports_another():
     assert not found, found
 
 
+@pytest.mark.comfyui
 def test_the_coverage_tool_builds_every_family_files_model():
     """tools/family_coverage.py reaches each family file that can build a model (a new family file is in the
     coverage table without an edit there), and sorts ComfyUI's classes as its README paragraph says."""

@@ -9,13 +9,12 @@ One graph prompt then trains every family 2 steps and loads each LoRA through th
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ON_COMFYUI_033, REPO
+from conftest import ON_COMFYUI_033
 from family_graphs import REFERENCE_FOLDER, VAE_CHANNELS, VIDEO_MODELS, merged, run_events
 from family_graphs import sampling_graph, saved_latent, training_graph
 from family_graphs import video_model_files, video_models_in_server  # noqa: F401  (fixtures)
@@ -26,12 +25,6 @@ WAN_VAE = "tiny_wan_vae.safetensors"  # conftest.tiny_models
 # elements differently (seen: at most 1.7e-6 on 2-5 of 3072-9216 elements; a wrong input moves them by ~1e-1)
 SAME = dict(rtol=1e-5, atol=1e-5) if ON_COMFYUI_033 else dict(rtol=1e-6, atol=1e-6)
 TEXT = {"wan": (8, 4096, None), "hunyuan_video": (8, 4096, 768), "ltxv": (8, 4096, None)}
-
-
-def _comfy():
-    sys.path.insert(0, str(REPO))
-    from tools.prepare_run import _bootstrap
-    _bootstrap()
 
 
 def load_with_unet_loader(path):

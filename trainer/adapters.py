@@ -239,7 +239,7 @@ def load_adapter_weights(diffusion_model: torch.nn.Module, kind: str, path: str,
                getattr(m, "scaling", {})}
     try:
         raw = load_file(path)
-        tensors = _comfy_keyed(raw, diffusers_names or {}, adapted)
+        tensors = _comfy_keyed(raw, diffusers_names or {}, [name for name, _ in diffusion_model.named_modules()])
         dora_norm = _file_dora_norm(path, raw) if kind == "dora" else None
     except (OSError, ValueError) as exc:
         raise ValueError(f"adapter.init_from: {path}: {exc}") from None

@@ -28,7 +28,7 @@ import torch
 from .distributed import global_min, uses_deepspeed
 from .memory import memory_suggestions
 from .memory_sizes import (ActivationProfile, ModelBytes, activation_profile, largest_item_inputs, load_bytes,
-                           low_precision_dtype, model_bytes)
+                           low_precision_dtype, model_bytes, shared_out)
 from .optim import optimizer_state_bytes
 
 GiB = 2 ** 30
@@ -288,7 +288,7 @@ def _measured(spec, family, blocks, dataset, device, data_parallel: int, log):
         log("warning", f"memory plan: activations not measured ({type(e).__name__}: {e}); the plan counts "
                        f"weights and optimizer state only")
         profile = ActivationProfile(0, [0] * len(blocks), [0] * len(blocks), measured=False)
-    weights = _shared_out(weights, d.zero_stage, data_parallel, d.pipeline_stages, d.offload_optimizer)
+    weights = shared_out(weights, d.zero_stage, data_parallel, d.pipeline_stages, d.offload_optimizer)
     budget = device_budget(spec, device, weights.frozen if device.type == "cpu" else 0)
     budget = global_min(math.inf if budget is None else budget, device)
     capacity = device_capacity(device)
@@ -297,21 +297,24 @@ def _measured(spec, family, blocks, dataset, device, data_parallel: int, log):
 
 
 def plan_distillation(spec, generator, dataset, device, data_parallel: int, fakes: int, log) -> MemoryPlan:
-    """DMD2's plan (trainer/distill.py), made before its fake scores and teacher are loaded: the generator's, with
-    the settings as given (distillation has no "auto" choice), plus the other networks, each a whole copy of the
-    model: `fakes` fake scores with the generator's adapter and training state, and the frozen teacher. With the GAN
-    term the generator's loss runs back through a fake score's forward, whose activations count once more. Refused
-    beyond all the device's memory (MemoryPlanRefused); a warning beyond the budget."""
+    """DMD2's plan (trainer/distill.py), before its fake scores and teacher load: the generator's with the settings
+    as given (no "auto" choice), plus `fakes` fake scores (whole copies with the adapter's training state), the
+    frozen teacher, and with the GAN term a fake score's activations (the generator's loss runs back through it).
+    Refused beyond all the device's memory (MemoryPlanRefused); a warning beyond the budget."""
     t, blocks = spec.train, _blocks(generator)
     weights, profile, budget, capacity = _measured(spec, generator, blocks, dataset, device, data_parallel, log)
     plan = plan_for(spec, weights, profile, t.gradient_checkpointing, 0, device.type, budget)
     trained_state = sum(plan.parts.get(k, 0) for k in ("trained", "gradients", "master weights", "optimizer"))
     plan.parts["fake scores"] = fakes * (weights.frozen + trained_state)
     plan.parts["teacher"] = weights.frozen + (weights.trained if spec.adapter.kind == "full" else 0)
-    if spec.distill.gan_weight > 0:
-        plan.parts["fake score activations (GAN)"] = plan.parts.get("activations", 0)
-    what = [s for s in memory_suggestions(spec) if "block_swap" not in s] + \
-        ["spread the networks over several GPUs with distributed.zero_stage 3"]
+    if "offloaded optimizer" in plan.host_parts:  # each fake score's optimizer is offloaded as the student's
+        plan.host_parts["fake scores' offloaded optimizer"] = fakes * plan.host_parts["offloaded optimizer"]
+    if spec.distill.gan_weight > 0:  # whichever peak plan_for chose, the generator's backward holds these too
+        held = len(profile.saved) if t.gradient_checkpointing else 0
+        plan.parts["fake score activations (GAN)"] = profile.held(held) + profile.recomputed(held)
+    what = [s for s in memory_suggestions(spec) if "block_swap" not in s]
+    if device.type == "cuda" and spec.distributed.zero_stage != 3:
+        what.append("spread the networks over several GPUs with distributed.zero_stage 3")
     need = f"the distillation ({fakes} fake score{'s' if fakes > 1 else ''} and the teacher beside the student) " \
            f"needs {_need(plan)}"
     if capacity is not None and plan.peak > capacity:
@@ -348,26 +351,6 @@ def record_choice(spec, plan: MemoryPlan) -> None:
         write_signed_json(Path(spec.run_dir) / MEMORY_CHOICE_FILE,
                           {"run": Path(spec.run_dir).name, "gradient_checkpointing": plan.checkpointing,
                            "block_swap": plan.block_swap})
-
-
-def _shared_out(weights: ModelBytes, zero_stage: int, data_parallel: int, stages: int,
-                offload: bool) -> ModelBytes:
-    """One process's share: ZeRO 1 partitions the masters and optimizer state over the data-parallel processes,
-    ZeRO 2 the gradients too, ZeRO 3 the weights as well; pipeline stages split the blocks (evenly, an estimate);
-    optimizer offload keeps the masters and optimizer state in host memory."""
-    shares = {}
-    if data_parallel > 1 and zero_stage >= 1:
-        shares["state_share"] = data_parallel
-    if data_parallel > 1 and zero_stage == 2:  # ZeRO 3's gradients are its divided trained weights' already
-        shares["gradient_share"] = data_parallel
-    if zero_stage >= 3 and data_parallel > 1:
-        weights = dataclasses.replace(weights, frozen=weights.frozen // data_parallel,
-                                      frozen_per_block=[b // data_parallel for b in weights.frozen_per_block],
-                                      trained=weights.trained // data_parallel)
-    elif stages > 1:
-        weights = dataclasses.replace(weights, frozen=weights.frozen // stages, trained=weights.trained // stages,
-                                      trained_count=weights.trained_count // stages)
-    return dataclasses.replace(weights, offloaded=offload, **shares)
 
 
 def refuse_unloadable(model, precision: str, full: bool = False) -> None:

@@ -1,6 +1,7 @@
 """What a run's memory is made of, measured without spending it: the weights as the engine will hold them (per
 checkpoint block, and pinned where block swap keeps them in host memory), the activations autograd saves, from one
-forward pass on the meta device, and the bytes a model file's load will hold, from its header alone. The memory plan
+forward pass on the meta device, the bytes a model file's load will hold, from its header alone, and one process's
+share of the weights and state under ZeRO, pipeline stages and offload. The memory plan
 (memory_plan.py) turns these into a run's peak and its choices.
 
 The meta pass runs the real module tree (torch.func.functional_call with meta tensors, the real trained/frozen
@@ -12,6 +13,7 @@ memory.keep_fp8_weights_for_backward does not keep), never an activation.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -270,3 +272,23 @@ def load_bytes(model, precision: str) -> int | None:
         else:
             total += stored
     return total
+
+
+def shared_out(weights: ModelBytes, zero_stage: int, data_parallel: int, stages: int,
+                offload: bool) -> ModelBytes:
+    """One process's share: ZeRO 1 partitions the masters and optimizer state over the data-parallel processes,
+    ZeRO 2 the gradients too, ZeRO 3 the weights as well; pipeline stages split the blocks (evenly, an estimate);
+    optimizer offload keeps the masters and optimizer state in host memory."""
+    shares = {}
+    if data_parallel > 1 and zero_stage >= 1:
+        shares["state_share"] = data_parallel
+    if data_parallel > 1 and zero_stage == 2:  # ZeRO 3's gradients are its divided trained weights' already
+        shares["gradient_share"] = data_parallel
+    if zero_stage >= 3 and data_parallel > 1:
+        weights = dataclasses.replace(weights, frozen=weights.frozen // data_parallel,
+                                      frozen_per_block=[b // data_parallel for b in weights.frozen_per_block],
+                                      trained=weights.trained // data_parallel)
+    elif stages > 1:
+        weights = dataclasses.replace(weights, frozen=weights.frozen // stages, trained=weights.trained // stages,
+                                      trained_count=weights.trained_count // stages)
+    return dataclasses.replace(weights, offloaded=offload, **shares)
