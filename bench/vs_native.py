@@ -15,6 +15,7 @@ Against ComfyUI 0.33 (its TrainLoraNode is a v3 node with more inputs; each take
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import tempfile
@@ -97,22 +98,19 @@ def trained_tensors(base: Path, prefix: str) -> tuple[int, int, int]:
     """A saved adapter's (layers with a low-rank update, their parameters, bias/norm diff parameters), read from the
     file the run wrote (SaveLoRA's under output/, ours under models/loras; TrainLoraNode's .diff/.diff_b tensors are
     the bias/norm part)."""
-    from safetensors import safe_open
+    from cache.files import safetensors_header
     files = sorted(base.rglob(f"{prefix}*.safetensors"))
     if not files:
         raise RuntimeError(f"no adapter file {prefix}* under {base}")
+    header = safetensors_header(files[-1]) or {}
+    header.pop("__metadata__", None)
     low_rank, diffs, layers = 0, 0, set()
-    with safe_open(str(files[-1]), "pt") as f:
-        for key in f.keys():
-            n = f.get_slice(key).get_shape()
-            count = 1
-            for d in n:
-                count *= d
-            if key.endswith((".diff", ".diff_b")):
-                diffs += count
-            elif not key.endswith(".alpha"):
-                low_rank += count
-                layers.add(key.rsplit(".", 2 if key.endswith(".weight") else 1)[0])
+    for key, info in header.items():
+        if key.endswith((".diff", ".diff_b")):
+            diffs += math.prod(info["shape"])
+        elif not key.endswith(".alpha"):
+            low_rank += math.prod(info["shape"])
+            layers.add(key.rsplit(".", 2 if key.endswith(".weight") else 1)[0])
     return len(layers), low_rank, diffs
 
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from conftest import IMAGE_FOLDER, ON_COMFYUI_033, REPO, SUITE_EVAL_QUANTILES, tiny_models
 
 
-def _comfy():
+def bootstrap_comfy():
     sys.path.insert(0, str(REPO))
     from tools.prepare_run import _bootstrap
     _bootstrap()
@@ -145,7 +145,7 @@ VIDEO_MODELS = {
 
 def write_video_models(folder) -> dict:
     """The tiny models as files, written with safetensors as a user's download would be."""
-    _comfy()
+    bootstrap_comfy()
     from safetensors.torch import save_file
 
     from ingraph_trainer.trainer import models

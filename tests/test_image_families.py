@@ -15,19 +15,18 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, SUITE_EVAL_QUANTILES
+from conftest import SUITE_EVAL_QUANTILES
 from ingraph_trainer.runner.evaluation_run import parse_quantiles
 from ingraph_trainer.trainer.config import DEFAULT_EVAL_QUANTILES_TEXT
 from family_graphs import EDIT_FOLDER, EDIT_REFERENCE, IMAGE_FAMILIES, IMAGE_TINY_MODELS as TINY_MODELS, SINGLE_FOLDER
 from family_graphs import image_family_models  # noqa: F401  (a fixture)
-from family_graphs import sampling_graph, saved_latent, training_graph
+from family_graphs import bootstrap_comfy, sampling_graph, saved_latent, training_graph
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.tiny_models(**TINY_MODELS)]
 # what the family's stock text encoder adds to CLIPTextEncode's conditioning beside the embedding
@@ -46,12 +45,6 @@ ENCODER_EXTRAS = {"chroma": {"pooled_output": None},  # T5 alone: no pooled vect
 CHAINS = {"lumina2": ("lumina2", "tiny_taesd16.safetensors", SINGLE_FOLDER),
           "qwen_image_edit": ("qwen_image", "tiny_wan_vae.safetensors", EDIT_FOLDER),
           "flux_kontext": ("flux", "tiny_taesd16.safetensors", EDIT_FOLDER)}
-
-
-def _comfy():
-    sys.path.insert(0, str(REPO))
-    from tools.prepare_run import _bootstrap
-    _bootstrap()
 
 
 def _load(server, family: str):
@@ -108,7 +101,7 @@ def test_family_detected_and_its_loss_is_comfyuis(image_family_models, name, cap
     out-of-place blocks, installed for training, compute ComfyUI's blocks' values and pass gradients, and the LoRA
     file the trainer writes of it is read whole by ComfyUI's LoRA loading, each key patching the layer it trained:
     what the graph test proves for the other families through LoraLoaderModelOnly)."""
-    _comfy()
+    bootstrap_comfy()
     family = _load(image_family_models, name)
     assert family.name == name and family.prediction == "flow"
     assert family.adapter_targets("attention") and \
@@ -155,7 +148,7 @@ def test_qwen_image_edit_trains_on_reference_latents_as_comfyui_runs_them(image_
     """Qwen-Image-Edit: the batch's reference images (raw cached latents, two slots of another size than the
     target) reach the model as TextEncodeQwenImageEdit / ReferenceLatent hand them (Wan-VAE latents, 5-D), so the
     loss is ComfyUI's, and differs from the loss without them."""
-    _comfy()
+    bootstrap_comfy()
     family = _load(image_family_models, "qwen_image")
     assert family.reference_input == "reference_latents"
     latent, text = IMAGE_FAMILIES["qwen_image"]
@@ -173,7 +166,7 @@ def test_flux_kontext_trains_on_reference_latents_as_comfyui_runs_them():
     """Flux Kontext (a Flux dev model to ComfyUI): reference latents reach the model as ReferenceLatent hands them,
     with FluxGuidance's guidance, so the loss is ComfyUI's; without references it is plain Flux. The model is a
     narrow Flux built by ComfyUI's own Flux model config (detection of Flux: test_model_families)."""
-    _comfy()
+    bootstrap_comfy()
     import comfy.model_patcher
     import comfy.supported_models
     from ingraph_trainer.trainer.models import family_for

@@ -235,8 +235,6 @@ def load_adapter_weights(diffusion_model: torch.nn.Module, kind: str, path: str,
     from safetensors.torch import load_file
 
     from .export import PREFIX, split_key
-    adapted = {name for name, m in diffusion_model.named_modules() if hasattr(m, "scaling") and ADAPTER_NAME in
-               getattr(m, "scaling", {})}
     try:
         raw = load_file(path)
         tensors = _comfy_keyed(raw, diffusers_names or {}, [name for name, _ in diffusion_model.named_modules()])
@@ -249,6 +247,8 @@ def load_adapter_weights(diffusion_model: torch.nn.Module, kind: str, path: str,
             raise ValueError(f"adapter.init_from: {path}: unexpected key {key}")
         module, part = split_key(key)
         modules.setdefault(module, {})[part] = tensor.float()
+    adapted = {name for name, m in diffusion_model.named_modules() if hasattr(m, "scaling") and ADAPTER_NAME in
+               getattr(m, "scaling", {})}
     if set(modules) != adapted:
         raise ValueError(f"adapter.init_from: {path} holds {len(modules)} layers, the adapter targets {len(adapted)} "
                          f"(e.g. {sorted(set(modules) ^ adapted)[:2]}); choose the targets the file was trained with")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -261,9 +262,7 @@ def load_bytes(model, precision: str) -> int | None:
     total = 0
     for info in header.values():
         start, end = info["data_offsets"]
-        stored, numel = end - start, 1
-        for n in info["shape"]:
-            numel *= n
+        stored, numel = end - start, math.prod(info["shape"])
         dtype = info["dtype"]
         if dtype.startswith("F8"):
             total += numel
@@ -275,7 +274,7 @@ def load_bytes(model, precision: str) -> int | None:
 
 
 def shared_out(weights: ModelBytes, zero_stage: int, data_parallel: int, stages: int,
-                offload: bool) -> ModelBytes:
+               offload: bool) -> ModelBytes:
     """One process's share: ZeRO 1 partitions the masters and optimizer state over the data-parallel processes,
     ZeRO 2 the gradients too, ZeRO 3 the weights as well; pipeline stages split the blocks (evenly, an estimate);
     optimizer offload keeps the masters and optimizer state in host memory."""
