@@ -10,6 +10,32 @@ export COMFYUI_033_PATH="${COMFYUI_033_PATH:-/opt/ComfyUI-0.33}"
 PYTHON="${PYTHON:-python3}"
 TORCH_PINS="${INGRAPH_TORCH_PINS:-torch==2.14.1 torchvision==0.29.1}"
 
+# torch first, pinned: anything unpinned would pull a multi-GB CUDA build. Where no NVIDIA GPU is found, the CPU
+# build comes from PyTorch's CPU index (INGRAPH_CPU_TORCH_INDEX) if that index answers: about 0.2 GB and no nvidia-*
+# packages, against about 3 GB for the CUDA build of the default index (the only one PyPI has for Linux x86_64).
+# INGRAPH_TORCH_INDEX names the index outright. INGRAPH_SETUP_PLAN=1 prints the choice and stops there.
+torch_source() {
+  TORCH_INDEX_ARGS=()
+  local gpu="no NVIDIA GPU found" cpu_index="${INGRAPH_CPU_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
+  { command -v nvidia-smi >/dev/null 2>&1 || [ -e /proc/driver/nvidia/version ]; } && gpu="an NVIDIA GPU found"
+  if [ -n "${INGRAPH_TORCH_INDEX:-}" ]; then
+    TORCH_INDEX_ARGS=(--index-url "$INGRAPH_TORCH_INDEX")
+    echo "setup: torch: $TORCH_PINS from $INGRAPH_TORCH_INDEX (INGRAPH_TORCH_INDEX; $gpu)" >&2
+  elif [ "$gpu" = "no NVIDIA GPU found" ] && "$PYTHON" -c 'import sys, urllib.request
+urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=10).close()' "$cpu_index" 2>/dev/null; then
+    # the default index stays for everything else; the CPU build ("+cpu") is the newer version of the same pin
+    TORCH_INDEX_ARGS=(--extra-index-url "$cpu_index")
+    echo "setup: torch: $TORCH_PINS, the CPU build from $cpu_index ($gpu): about 0.2 GB to download," \
+         "no nvidia-* packages; the whole environment about 1.5 GB on disk" >&2
+  else
+    local why="an NVIDIA GPU found"
+    [ "$gpu" = "no NVIDIA GPU found" ] && why="no NVIDIA GPU found, but $cpu_index does not answer from here"
+    echo "setup: torch: $TORCH_PINS from the default index ($why): the CUDA build, about 3 GB to download," \
+         "and the whole environment about 7 GB on disk" >&2
+  fi
+}
+if [ "${INGRAPH_SETUP_PLAN:-0}" = "1" ]; then torch_source; exit 0; fi
+
 if [ ! -f "$COMFYUI_PATH/main.py" ]; then
   echo "setup: ComfyUI not found at $COMFYUI_PATH; trying to clone it" >&2
   git clone --depth 1 https://github.com/comfyanonymous/ComfyUI "$COMFYUI_PATH" >&2 \
@@ -40,19 +66,10 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && { [ -z "$newer_reqs" ] 
   exit 0
 fi
 
-# torch first, pinned: anything unpinned would pull a multi-GB CUDA build. INGRAPH_TORCH_INDEX picks the package
-# index torch comes from (https://download.pytorch.org/whl/cpu: a CPU build, about 0.2 GB, no nvidia-* packages)
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-  gpu="no NVIDIA GPU found"
-  { command -v nvidia-smi >/dev/null 2>&1 || [ -e /proc/driver/nvidia/version ]; } && gpu="an NVIDIA GPU found"
-  echo "setup: installing $TORCH_PINS${INGRAPH_TORCH_INDEX:+ from $INGRAPH_TORCH_INDEX} ($gpu). With the default" \
-       "index this is the CUDA build: about 3 GB to download, and the whole environment about 7 GB on disk" >&2
-  if [ "$gpu" = "no NVIDIA GPU found" ] && [ -z "${INGRAPH_TORCH_INDEX:-}" ]; then
-    echo "setup: without a GPU, INGRAPH_TORCH_INDEX=https://download.pytorch.org/whl/cpu installs the CPU build" \
-         "instead (where that index is reachable)" >&2
-  fi
+  torch_source
   # shellcheck disable=SC2086
-  "${PIP[@]}" ${INGRAPH_TORCH_INDEX:+--index-url "$INGRAPH_TORCH_INDEX"} $TORCH_PINS
+  "${PIP[@]}" "${TORCH_INDEX_ARGS[@]}" $TORCH_PINS
 fi
 constraints="$VENV/.torch-constraints.txt"
 "$VENV/bin/python" -m pip freeze | grep -E '^(torch|torchvision|nvidia-[a-z0-9-]+|triton)==' > "$constraints" || true

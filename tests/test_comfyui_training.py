@@ -147,6 +147,7 @@ def test_bad_inputs_fail_the_node_naming_the_culprit_and_write_no_lora(comfy, cl
         assert outcome.status == "execution_error", outcome.status
         assert outcome.error["node_id"] == "2"
         assert re.search(needle, outcome.error["exception_message"]), outcome.error["exception_message"]
+        assert outcome.error["exception_message"].startswith("Load Training Images: ")  # the title, not the class id
         assert not (loras / f"{name}.safetensors").exists()
         return outcome.error["exception_message"]
 

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -74,7 +75,7 @@ def readme_requirement_files() -> list[str]:
 
 def test_the_readmes_install_commands_name_the_packs_requirement_files():
     named = readme_requirement_files()
-    assert named[:2] == ["requirements.txt", "requirements.txt"]  # Linux/macOS and Windows portable
+    assert named[:3] == ["requirements.txt"] * 3  # a venv, a manual install, Windows portable
     assert "requirements-multi-gpu.txt" in named
     assert all((REPO / name).is_file() for name in named), named
 
@@ -86,3 +87,68 @@ def test_a_plain_install_pulls_in_no_deepspeed(tmp_path):
     names = {item["metadata"]["name"].lower() for item in report["install"]}
     assert "diffusers" in names and "peft" in names
     assert "deepspeed" not in names
+
+
+def setup_torch_plan(tmp_path, path: str, cpu_index: str) -> str:
+    """What scripts/setup.sh says it will install for torch (INGRAPH_SETUP_PLAN=1: it decides, prints, stops)."""
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "setup.sh")], capture_output=True, text=True, timeout=60,
+                          env={"PATH": path, "PYTHON": sys.executable, "INGRAPH_SETUP_PLAN": "1",
+                               "INGRAPH_CPU_TORCH_INDEX": cpu_index, "INGRAPH_VENV": str(tmp_path / "venv"),
+                               "HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    assert not (tmp_path / "venv").exists()  # the plan installs nothing
+    return proc.stderr
+
+
+def test_setup_takes_the_cpu_build_of_torch_where_there_is_no_gpu_and_the_cpu_index_answers(tmp_path):
+    """Issue 32: no NVIDIA GPU and PyTorch's CPU index answering: the CPU build, said with its size before anything
+    downloads; a GPU, or no answer: the default index's CUDA build, said with its size and why."""
+    import http.server
+    import shutil
+    import threading
+    if shutil.which("nvidia-smi", path="/usr/bin:/bin") or Path("/proc/driver/nvidia/version").exists():
+        pytest.skip("skipped: this machine has an NVIDIA GPU, so the no-GPU choice cannot be shown")
+    (tmp_path / "index" / "torch").mkdir(parents=True)
+    (tmp_path / "index" / "torch" / "index.html").write_text("<html></html>")
+    handler = lambda *a: http.server.SimpleHTTPRequestHandler(*a, directory=str(tmp_path / "index"))  # noqa: E731
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        answering = f"http://127.0.0.1:{server.server_port}"
+        said = setup_torch_plan(tmp_path, "/usr/bin:/bin", answering)
+        assert f"the CPU build from {answering}" in said and "no nvidia-* packages" in said, said
+        fake_gpu = tmp_path / "gpu-bin"
+        fake_gpu.mkdir()
+        (fake_gpu / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+        (fake_gpu / "nvidia-smi").chmod(0o755)
+        said = setup_torch_plan(tmp_path, f"{fake_gpu}:/usr/bin:/bin", answering)
+        assert "the CUDA build" in said and "an NVIDIA GPU found" in said, said
+    finally:
+        server.shutdown()
+    said = setup_torch_plan(tmp_path, "/usr/bin:/bin", answering)  # the server is gone
+    assert "the CUDA build" in said and f"{answering} does not answer" in said, said
+
+
+def test_an_extra_cpu_index_makes_pip_choose_the_cpu_build_of_the_same_pin(tmp_path):
+    """What setup relies on: with the CPU index beside the default one, pip takes `torch==X` as the CPU build
+    (`X+cpu` is the newer version of the same pin). A stand-in CPU index holds a metadata-only torch wheel."""
+    import base64
+    import hashlib
+    import zipfile
+    pin = next(p for p in (REPO / "scripts" / "setup.sh").read_text().split('TORCH_PINS="${INGRAPH_TORCH_PINS:-', 1)[1]
+               .split("}", 1)[0].split() if p.startswith("torch=="))
+    version = pin.split("==")[1] + "+cpu"
+    wheel = tmp_path / "index" / "torch" / f"torch-{version}-py3-none-any.whl"
+    wheel.parent.mkdir(parents=True)
+    files = {f"torch-{version}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n",
+             f"torch-{version}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                                  "Tag: py3-none-any\n"}
+    record = "".join(f"{name},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
+                     f"{len(text)}\n" for name, text in files.items())
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name, text in files.items():
+            zf.writestr(name, text)
+        zf.writestr(f"torch-{version}.dist-info/RECORD", record + f"torch-{version}.dist-info/RECORD,,\n")
+    (wheel.parent / "index.html").write_text(f'<html><body><a href="{wheel.name}">{wheel.name}</a></body></html>')
+    report = resolve(tmp_path, ["--no-deps", "--extra-index-url", (tmp_path / "index").as_uri(), pin])
+    assert [item["metadata"]["version"] for item in report["install"]] == [version]

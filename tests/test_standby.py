@@ -152,6 +152,40 @@ def test_a_standby_whose_launcher_is_gone_exits_before_its_imports(tmp_path):
     assert proc.returncode == 3 and "torch" not in imported, (proc.returncode, proc.stderr[-2000:])
 
 
+def test_a_standby_whose_launcher_ends_mid_import_exits_without_finishing_it(tmp_path):
+    """Issue 32: a standby checked for its launcher only between import steps, so one whose launcher ended while it
+    imported torch (a main job that exited, a stopped server) lived on for the rest of that import. Its launcher is
+    killed once the import log shows torch's own modules loading; the standby ends before torch's import does."""
+    from ingraph_trainer.trainer.os_support import process_gone
+    log = tmp_path / "imports.log"
+    launcher_code = textwrap.dedent(f"""
+        import os, socket, subprocess, sys
+        ours, theirs = socket.socketpair()
+        proc = subprocess.Popen([sys.executable, "-X", "importtime", {str(REPO / "trainer")!r}, "--standby",
+                                 "--parent-pid", str(os.getpid())], stdin=theirs, stdout=subprocess.DEVNULL,
+                                stderr=open({str(log)!r}, "w"))
+        print(proc.pid, flush=True)
+        sys.stdin.readline()
+    """)
+    launcher_proc = subprocess.Popen([sys.executable, "-c", launcher_code], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+    standby_pid = int(launcher_proc.stdout.readline())
+    imported = lambda: [line.rsplit("|", 1)[-1].strip() for line in log.read_text().splitlines()  # noqa: E731
+                        if line.startswith("import time:")]
+    deadline = time.monotonic() + WARM_UP_S
+    while not any(name.startswith("torch.") for name in imported()):
+        assert time.monotonic() < deadline and not process_gone(standby_pid), log.read_text()[-2000:]
+        time.sleep(0.02)
+    assert "torch" not in imported()  # in the middle of torch's import
+    launcher_proc.kill()
+    launcher_proc.wait()
+    gone_at = time.monotonic()
+    while not process_gone(standby_pid):
+        assert time.monotonic() - gone_at < 30, "the standby outlived its launcher"
+        time.sleep(0.02)
+    assert "torch" not in imported(), f"it finished importing torch {time.monotonic() - gone_at:.1f} s after its launcher"
+
+
 def test_multi_process_runs_start_through_deepspeed_not_the_standby(tmp_path, monkeypatch, fresh_standby):
     started = []
 

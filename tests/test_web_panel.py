@@ -144,10 +144,11 @@ def test_panel_shows_rising_steps_and_a_loss_chart(comfy, tmp_path):
             page.wait_for_function("() => [...document.querySelectorAll('.ingraph-panel [data-role=samples] img')]"
                                    ".filter(i => i.complete && i.naturalWidth === 64).length === 2", timeout=30_000)
             # the view on the Train node's lower part, where the panel is (the node is taller than the window)
-            page.evaluate("""() => { const n = window.app.graph._nodes.find(n => n.type === 'InGraphTrainLoRA');
+            view_panel = """() => { const n = window.app.graph._nodes.find(n => n.type === 'InGraphTrainLoRA');
                 const c = window.app.canvas; c.ds.scale = 1.0;
                 c.ds.offset[0] = -n.pos[0] + 500; c.ds.offset[1] = -(n.pos[1] + n.size[1]) + 960;
-                c.setDirty(true, true); }""")
+                c.setDirty(true, true); }"""
+            page.evaluate(view_panel)
             time.sleep(0.5)  # one animation frame for the canvas redraw before the screenshot
             page.screenshot(path=str(ARTIFACTS / "web_panel.png"))
             final_points = int(page.get_attribute(".ingraph-panel canvas[data-role=chart]", "data-points"))
@@ -155,6 +156,22 @@ def test_panel_shows_rising_steps_and_a_loss_chart(comfy, tmp_path):
             assert int(page.get_attribute(".ingraph-panel canvas[data-role=chart]", "data-evals")) == 2  # 10, 20
             text = page.inner_text(".ingraph-panel")
             assert f"{STEPS} / {STEPS}" in text and "img/s" in text
+            # the finished LoRA's whole path: in the state line's tooltip, and copied by "copy path"
+            lora = str(comfy.base_dir / "models" / "loras" / "browser_test_lora.safetensors")
+            assert lora in page.get_attribute(".ingraph-panel [data-role=state]", "title")
+            page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=f"http://{comfy.address}")
+            page.click(".ingraph-panel [data-role=copy]")
+            assert page.evaluate("() => navigator.clipboard.readText()") == lora
+            # the graph reopened after the run: the finished run's chart is drawn at the size it has on screen
+            # (drawn before the node was laid out, it stayed a stretched 100-pixel image)
+            page.evaluate("async (wf) => { await window.app.loadGraphData(wf); }", workflow)
+            page.wait_for_function(
+                f"() => Number(document.querySelector('.ingraph-panel canvas[data-role=chart]')?.dataset.points) === {STEPS}",
+                timeout=60_000)
+            page.evaluate(view_panel)  # the panel was off-screen (hidden) when the restored run was drawn
+            sharp = ("() => { const c = document.querySelector('.ingraph-panel canvas[data-role=chart]');"
+                     " return c.clientWidth > 100 && c.width === Math.round(c.clientWidth * (window.devicePixelRatio || 1)); }")
+            page.wait_for_function(sharp, timeout=10_000)
             # the rest of the workflow (Evaluate, Compare: tests/test_evaluation.py runs them) is not this test's
             # point: interrupted, and the queue drained before the next test uses the server
             client = ComfyClient(comfy.address)

@@ -86,18 +86,33 @@ class ComfyServer:
         raise TimeoutError(f"ComfyUI not ready after {timeout} s:\n{self.log_tail()}")
 
     def stop(self, grace_s: float = 10.0):
+        """Stops the server and every process it started: its standby and trainer processes lead process groups
+        of their own and notice on their own that the server is gone (a trainer then writes its last event);
+        what is left after `grace_s` is killed, so nothing of the server outlives this call."""
         if self.proc is None or self.proc.poll() is not None:
             return
+        import psutil  # a ComfyUI requirement
+        try:
+            started = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            started = []
         for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
-                return
+                break
             try:
                 self.proc.wait(timeout=wait)
-                return
+                break
             except subprocess.TimeoutExpired:
                 continue
+        _, left = psutil.wait_procs(started, timeout=grace_s)
+        for process in left:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(left, timeout=10.0)
 
     def log_text(self) -> str:
         """The server's log, without the colour codes ComfyUI 0.33 puts around each line's level."""

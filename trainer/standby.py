@@ -17,6 +17,7 @@ import os
 import select
 import socket
 import sys
+import threading
 import time
 
 EXIT_ORPHANED = 3  # as trainer.main's: the launcher is gone
@@ -91,6 +92,32 @@ def take_over_output(log_fd: int):
     os.close(devnull)
 
 
+class OrphanWatch:
+    """Ends the standby within `every_s` of its launcher's end, even in the middle of an import step (torch's or
+    ComfyUI's take seconds each, and a main job or a test that stopped its server wants no process of its left),
+    until `taken()`: from then on the run is the trainer's, which has its own orphan handling and final events."""
+
+    def __init__(self, parent_pid: int, every_s: float = 0.2):
+        self.parent_pid, self.every_s = parent_pid, every_s
+        self.lock = threading.Lock()
+        self.run_taken = False
+        if parent_pid > 0:
+            threading.Thread(target=self.watch, daemon=True, name="standby-orphan-watch").start()
+
+    def watch(self):
+        while True:
+            time.sleep(self.every_s)
+            with self.lock:  # taken() waits for a check in progress: a run is never cut off once it is taken
+                if self.run_taken:
+                    return
+                if _parent_gone(self.parent_pid):
+                    os._exit(EXIT_ORPHANED)
+
+    def taken(self):
+        with self.lock:
+            self.run_taken = True
+
+
 def serve(argv: list[str], run_main) -> int:
     """The standby's life: warm up, wait for one command, become that trainer. Returns its exit code."""
     import argparse
@@ -99,6 +126,7 @@ def serve(argv: list[str], run_main) -> int:
     parser.add_argument("--idle-s", type=float, default=900.0)
     opts = parser.parse_args(argv)
     channel = socket.socket(fileno=os.dup(0))
+    orphan_watch = OrphanWatch(opts.parent_pid)
     # a launcher gone already (a main job that ended, a server stopped) wants no standby: no seconds of imports
     if not warm_up(lambda: opts.parent_pid <= 0 or not _parent_gone(opts.parent_pid)):
         return EXIT_ORPHANED
@@ -110,6 +138,7 @@ def serve(argv: list[str], run_main) -> int:
     command = wait_for_command(channel, opts.parent_pid, opts.idle_s)
     if command is None:
         return 0 if opts.parent_pid <= 0 or not _parent_gone(opts.parent_pid) else EXIT_ORPHANED
+    orphan_watch.taken()
     run_argv, log_fd = command
     take_over_output(log_fd)
     channel.close()

@@ -41,11 +41,18 @@ export class Panel {
         <span data-role="fake-stat" style="display:none;color:#d98cff" title="the fake score's loss (distillation)">fake loss <b data-role="fake">–</b></span>
       </div>
       <canvas data-role="chart" data-points="0" data-evals="0" data-fake="0" data-drawn="0" style="width:100%;flex:1;min-height:90px;background:#151518;border-radius:4px"></canvas>
-      <div data-role="state" style="color:#aaa;white-space:nowrap;overflow:hidden;text-overflow:ellipsis"></div>
+      <div style="display:flex;align-items:center;gap:6px">
+        <div data-role="state" style="flex:1;min-width:0;color:#aaa;white-space:nowrap;overflow:hidden;text-overflow:ellipsis;user-select:text"></div>
+        <button data-role="copy" style="display:none;font-size:10px;padding:0 6px;border-radius:4px;border:1px solid #555;background:#2a2a30;color:#ccc;cursor:pointer">copy path</button>
+      </div>
       <div data-role="plan" style="color:#888;font-size:11px;white-space:nowrap;overflow:hidden;text-overflow:ellipsis"></div>
       <div data-role="samples" style="display:flex;gap:4px;overflow-x:auto"></div>`;
     this.$ = (role) => el.querySelector(`[data-role="${role}"]`);
     this.$("stop").addEventListener("click", () => this.stop());
+    this.$("copy").addEventListener("click", () => this.copyPath());
+    // drawn at the size the canvas has on screen: a panel drawn before the node was laid out (a reopened graph
+    // restoring a finished run gets no later event) would otherwise stay a stretched, blurred 100-pixel chart
+    if (typeof ResizeObserver === "function") new ResizeObserver(() => this.invalidate()).observe(this.$("chart"));
     this.loss = new Series(); this.smooth = new Series(); this.evals = new Series(); this.smoother = new Smoother();
     this.fake = new Series(); // a distillation's fake-score loss
     this.reset();
@@ -59,6 +66,7 @@ export class Panel {
     this.message = ""; this.stepText = "starting";
     this.plan = ""; // the memory plan of the run (its started event): what the device holds at the peak
     this.latest = null; // the newest step event
+    this.path = ""; // the finished run's adapter file, for "copy path"
     this.invalidate();
   }
 
@@ -67,6 +75,24 @@ export class Panel {
     this.$("stop").disabled = true;
     this.$("state").textContent = "stop requested: saving a checkpoint…";
     await api.fetchApi(`/ingraph/runs/${encodeURIComponent(this.runId)}/stop`, { method: "POST" });
+  }
+
+  // the adapter's path to the clipboard; where the page may not write it (plain http to another machine), the
+  // path is selected in the state line for Ctrl+C
+  async copyPath() {
+    if (!this.path) return;
+    const copy = this.$("copy");
+    try {
+      await navigator.clipboard.writeText(this.path);
+      copy.textContent = "copied";
+    } catch (e) {
+      const range = document.createRange();
+      range.selectNodeContents(this.$("state"));
+      const selection = window.getSelection();
+      selection.removeAllRanges(); selection.addRange(range);
+      copy.textContent = "Ctrl+C";
+    }
+    setTimeout(() => { copy.textContent = "copy path"; }, 2000);
   }
 
   handle(runId, event) {
@@ -118,7 +144,8 @@ export class Panel {
       }
       case "finished":
         this.state = event.stopped ? "stopped" : "finished";
-        this.message = `${this.state} at step ${event.steps}: ${event.adapter || ""}`;
+        this.path = typeof event.adapter === "string" ? event.adapter : "";
+        this.message = `${this.state} at step ${event.steps}: ${this.path}`;
         break;
       case "error":
         this.state = "failed";
@@ -154,6 +181,10 @@ export class Panel {
     }
     this.$("fake-stat").style.display = this.latest && "fake_loss" in this.latest ? "" : "none";
     this.$("state").textContent = this.message;
+    this.$("state").title = this.message; // the whole line, where the panel is too narrow for it
+    const copy = this.$("copy");
+    copy.style.display = this.path ? "" : "none";
+    copy.title = this.path ? `copy ${this.path}` : "";
     this.$("plan").textContent = this.plan; this.$("plan").title = this.plan;
     const stop = this.$("stop");
     stop.disabled = this.state !== "running";
