@@ -135,6 +135,7 @@ def run_evaluation(spec, events) -> dict:
     hold_in(module, dtype, device)  # an fp8 base stays fp8 (a Module.to(dtype) made Flux fp8 a 24 GB model)
     family.diffusion_model.requires_grad_(False)
     events.emit("started", run_dir=spec.run_dir, total=0, start_step=0, world_size=world_size(), family=family.name,
+                precision=spec.train.precision, device=device.type,
                 base_weight_bytes=family.base_weight_bytes(),
                 prediction=family.prediction, eval_items=min(spec.train.eval_items, len(dataset.unique)),
                 task="evaluate")

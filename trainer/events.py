@@ -37,8 +37,9 @@ def event_line(event: dict) -> str | None:
     """One terminal line for an event (the standalone trainer's progress); None for events not worth one."""
     kind = event.get("type")
     if kind == "started":
-        return f"started: {event.get('family')} model, {event.get('total')} steps from step " \
-               f"{event.get('start_step')}, {event.get('precision')} on {event.get('device')}"
+        doing = f"evaluating {event.get('eval_items')} items" if event.get("task") == "evaluate" else \
+            f"{event.get('total')} steps from step {event.get('start_step')}"
+        return f"started: {event.get('family')} model, {doing}, {event.get('precision')} on {event.get('device')}"
     if kind == "step":
         loss = event.get("loss")
         return f"step {event.get('step')}/{event.get('total')}: loss " + \
