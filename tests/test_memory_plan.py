@@ -75,6 +75,57 @@ def test_the_meta_pass_counts_exactly_what_a_real_forward_saves(tiny_unet, laten
     assert all(n > 0 for n in profile.inputs)
 
 
+def test_the_plan_measures_the_longest_caption_where_it_saves_more_than_the_largest_image(tiny_unet, tmp_path,
+                                                                                        monkeypatch):
+    """Issue 30: the plan measured the largest latent only, whatever its caption. Here a small image with a long
+    caption (a text encoder that does not pad) saves more than the largest image with a short one: the plan takes
+    both candidates from the text shards' headers and keeps the larger measurement."""
+    import hashlib
+    sys.path.insert(0, str(REPO))
+    from tools.prepare_run import _bootstrap
+    _bootstrap()
+    from safetensors.torch import save_file
+    from ingraph_trainer.cache.store import entry_path
+    from ingraph_trainer.trainer import memory_sizes
+    from ingraph_trainer.trainer.config import ModelSpec
+    from ingraph_trainer.trainer.models import Batch, load_family
+
+    class Captioned:  # what largest_items reads of a CachedDataset: latent shapes, the cache root, the text keys
+        def __init__(self, items):  # [(latent h, w), caption tokens]
+            self.root, self.buckets, self.text_keys, self.tokens = tmp_path, [], [], {}
+            for n, ((h, w), tokens) in enumerate(items):
+                key = hashlib.sha256(f"{items} caption {n}".encode()).hexdigest()  # a shard per caption
+                path = entry_path(tmp_path, "text", key)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                save_file({"cond": torch.zeros(tokens, 768)}, str(path))
+                self.buckets.append((4, h, w))
+                self.text_keys.append(key)
+                self.tokens[n] = tokens
+
+    large_image, long_caption, small = ((16, 16), 77), ((8, 8), 77 * 32), ((8, 8), 77)
+    dataset = Captioned([small, large_image, long_caption, small])
+    assert memory_sizes.largest_items(dataset) == [1, 2]
+    assert memory_sizes.largest_items(Captioned([small, large_image, small])) == [1]  # padded captions: one pass
+
+    family = load_family(ModelSpec(path=str(tiny_unet)), precision="bf16")
+    family.prepare_for_training()
+
+    def item_inputs(family, dataset, item, batch_size):  # the item's shapes, as training_batch would give them
+        _, h, w = dataset.buckets[item]
+        latents = torch.zeros(batch_size, 4, h, w)
+        batch = Batch(latents, torch.zeros(batch_size, dataset.tokens[item], 768), None, latents,
+                      torch.full((batch_size,), 0.5))
+        with torch.no_grad():
+            return family.model_inputs(batch)
+    monkeypatch.setattr(memory_sizes, "item_inputs", item_inputs)
+    blocks = family.checkpoint_blocks()
+    measure = lambda item: memory_sizes.activation_profile(  # noqa: E731
+        family, item_inputs(family, dataset, item, 2), blocks, torch.bfloat16, torch.device("cpu")).held(0)
+    assert measure(2) > measure(1)  # the premise: the long caption saves more than the large image
+    chosen = memory_sizes.largest_activation_profile(family, dataset, 2, blocks, torch.bfloat16, torch.device("cpu"))
+    assert chosen.held(0) == measure(2)
+
+
 def _plan_run(prepared, **overrides):
     spec = prepared(train__steps=2, train__precision="fp32", adapter__rank=4, train__batch_size=8, **ONE_QUANTILE,
                     **overrides)

@@ -27,7 +27,7 @@ import torch
 
 from .distributed import global_min, uses_deepspeed
 from .memory import memory_suggestions
-from .memory_sizes import (ActivationProfile, ModelBytes, activation_profile, largest_item_inputs, load_bytes,
+from .memory_sizes import (ActivationProfile, ModelBytes, largest_activation_profile, load_bytes,
                            low_precision_dtype, model_bytes, shared_out)
 from .optim import optimizer_state_bytes
 
@@ -282,8 +282,7 @@ def _measured(spec, family, blocks, dataset, device, data_parallel: int, log):
     weights = model_bytes(family.diffusion_model, blocks, compute_dtype)
     try:
         with torch.random.fork_rng(devices=[]):
-            profile = activation_profile(family, largest_item_inputs(family, dataset, t.batch_size), blocks,
-                                         compute_dtype, device)
+            profile = largest_activation_profile(family, dataset, t.batch_size, blocks, compute_dtype, device)
     except Exception as e:  # a model whose forward the meta device cannot run: plan the weights alone
         log("warning", f"memory plan: activations not measured ({type(e).__name__}: {e}); the plan counts "
                        f"weights and optimizer state only")

@@ -226,19 +226,57 @@ def _pinned_bytes(tensor: torch.Tensor, compute_dtype) -> int:
     return 1 << (size - 1).bit_length() if size > 1 else size
 
 
-def largest_item_inputs(family, dataset, batch_size: int):
-    """family.model_inputs of a micro-batch of the dataset's largest item (by latent size), repeated: the
-    step whose activations are largest. No random draw is made (the run's streams stay as they are)."""
+def caption_tokens(part, j: int) -> int:
+    """The token count of item j's caption as written (of a CachedDataset), from its text shard's header (no tensor
+    is read); 0 where the header cannot be read (the run's own read then says what is wrong)."""
+    from ..cache.files import safetensors_header
+    from ..cache.store import entry_path
+    try:
+        header = safetensors_header(entry_path(part.root, "text", part.text_keys[j]))
+    except ValueError:
+        return 0
+    shape = ((header or {}).get("cond") or {}).get("shape") or [0]
+    return int(shape[0])
+
+
+def largest_items(dataset) -> list[int]:
+    """The items whose step may save the most activations: the largest latent (the longest caption among those),
+    and, where it is another item, the longest caption (the largest latent among those). A DiT attends over image
+    and text tokens together and a UNet's cross-attention over both, so a long caption on a small image can
+    outweigh a short one on a large image; the plan measures each and keeps the larger."""
+    from .batch_mix import locate
+    sizes = [torch.Size(b).numel() for b in dataset.buckets]
+    known: dict[tuple, int] = {}  # (dataset part, text key) -> tokens: items sharing a caption share a shard
+    tokens = []
+    for i in range(len(sizes)):
+        part, j = locate(dataset, i)
+        key = (id(part), part.text_keys[j])
+        if key not in known:
+            known[key] = caption_tokens(part, j)
+        tokens.append(known[key])
+    by_latent = max(range(len(sizes)), key=lambda i: (sizes[i], tokens[i]))
+    by_text = max(range(len(sizes)), key=lambda i: (tokens[i], sizes[i]))
+    return [by_latent] if tokens[by_text] <= tokens[by_latent] else [by_latent, by_text]
+
+
+def item_inputs(family, dataset, item: int, batch_size: int):
+    """family.model_inputs of a micro-batch of one item, repeated: what a step on it runs. No random draw is made
+    (the run's streams stay as they are)."""
     from .batch_mix import training_batch
     from .models import Batch
-    sizes = [torch.Size(b).numel() for b in dataset.buckets]
-    largest = max(range(len(sizes)), key=sizes.__getitem__)
-    b = training_batch(dataset, [largest] * batch_size)
+    b = training_batch(dataset, [item] * batch_size)
     zeros = torch.zeros_like(b.latents)
     batch = Batch(b.latents, b.cond, b.pooled, zeros, torch.full((batch_size,), 0.5), b.mask,
                   b.references, b.text_mask)
     with torch.no_grad():
         return family.model_inputs(batch)
+
+
+def largest_activation_profile(family, dataset, batch_size: int, blocks, compute_dtype, device) -> ActivationProfile:
+    """The activation profile of the step that saves the most (largest_items, each measured)."""
+    profiles = [activation_profile(family, item_inputs(family, dataset, item, batch_size), blocks, compute_dtype,
+                                   device) for item in largest_items(dataset)]
+    return max(profiles, key=lambda p: p.held(0))
 
 
 DIFFUSION_MODEL_PREFIX = "model.diffusion_model."  # a whole checkpoint's diffusion model keys
