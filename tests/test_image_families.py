@@ -123,6 +123,39 @@ def test_family_detected_and_its_loss_is_comfyuis(image_family_models, name, cap
         lora_loads_whole_in_comfyui(family, caplog)
 
 
+def test_flux2_is_detected_its_loss_is_comfyuis_and_its_lora_loads_whole(caplog):
+    """Flux.2 (ComfyUI 0.33), a day-0 family: the tiny model the family builds is detected by ComfyUI as Flux2 and
+    picked by the Flux.2 family; its loss (no pooled vector, the text padded to 512 tokens by ComfyUI's extra_conds,
+    guidance 1) is ComfyUI's sampler's to 1e-6; an adapter trains; its LoRA file loads whole in ComfyUI."""
+    bootstrap_comfy()
+    import comfy.model_base
+    import comfy.model_detection
+    import comfy.sd
+    if not hasattr(comfy.model_base, "Flux2"):
+        pytest.skip("skipped: this ComfyUI has no Flux.2 (0.33 and later have)")
+    from ingraph_trainer.trainer.models import Flux2Family, family_for
+    torch.manual_seed(0)
+    state = Flux2Family.scratch_state_dict(0, **Flux2Family.scratch_sizes["tiny"])
+    assert type(comfy.model_detection.model_config_from_unet(state, "")).__name__ == "Flux2"
+    patcher = comfy.sd.load_diffusion_model_state_dict(state, model_options={"dtype": torch.float32})
+    family = family_for(patcher.model, patcher=patcher)
+    assert family.name == "flux2" and family.prediction == "flow" and family.guidance_distilled
+    assert family.adapter_targets("attention") and \
+        len(family.adapter_targets("attention_ff")) > len(family.adapter_targets("attention"))
+    batch = _batch((128, 4, 6), (7, 64))
+    expected = comfyui_losses(family, batch, {"guidance": 1.0})
+    family.prepare_for_training()
+    with torch.no_grad():
+        got = family.loss(batch, reduce=False)
+    assert torch.allclose(got, expected, rtol=1e-6, atol=0), (got, expected)
+    family.diffusion_model.requires_grad_(False)
+    weight = dict(family.diffusion_model.named_modules())[family.adapter_targets("attention")[0]].weight
+    weight.requires_grad_(True)
+    family.loss(batch).backward()
+    assert weight.grad is not None and weight.grad.abs().sum() > 0
+    lora_loads_whole_in_comfyui(family, caplog)
+
+
 def lora_loads_whole_in_comfyui(family, caplog):
     """The trainer's adapter (attention preset, non-zero weights), as the ComfyUI-format file holds it, through what
     LoraLoaderModelOnly runs (comfy.sd.load_lora_for_models: the model's key map, convert_lora, load_lora): every key

@@ -40,7 +40,8 @@ TEXT_OF_BUILDER = {"lumina2 z_image": (8, 2560, None)}  # Qwen3-4B's width
 # text (tokens, width, pooled width or None) each family's tiny model takes in --train (its conditioning's shapes)
 TEXT = {"sd_unet": (8, 768, None), "sdxl": (8, 2048, 1280), "sd3": (8, 64, 32), "flux": (8, 4096, 64),
         "wan": (8, 4096, None), "hunyuan_video": (8, 4096, 768), "ltxv": (8, 4096, None),
-        "qwen_image": (8, 3584, None), "chroma": (8, 4096, None), "lumina2": (8, 2304, None)}
+        "qwen_image": (8, 3584, None), "chroma": (8, 4096, None), "lumina2": (8, 2304, None),
+        "flux2": (8, 64, None)}  # the tiny Flux.2 reads 64-wide text (its txt_in; real ones: 7680 or 15360)
 
 
 VIDEO_FAMILIES = ("wan", "hunyuan_video", "ltxv")

@@ -6,6 +6,7 @@ import logging
 from .base import Batch, ModelFamily, UnsupportedSetting
 from .chroma import ChromaFamily
 from .flux import FluxFamily
+from .flux2 import Flux2Family
 from .generic import GenericFamily
 from .hunyuan_video import HunyuanVideoFamily
 from .lumina2 import Lumina2Family
@@ -17,7 +18,7 @@ from .sdxl import SDXLFamily
 from .wan import WanFamily
 
 # first match wins; the generic family takes any model no dedicated family claims
-FAMILIES: list[type[ModelFamily]] = [SDUNetFamily, SDXLFamily, SD3Family, FluxFamily, WanFamily,
+FAMILIES: list[type[ModelFamily]] = [SDUNetFamily, SDXLFamily, SD3Family, FluxFamily, Flux2Family, WanFamily,
                                      HunyuanVideoFamily, LTXVFamily,
                                      QwenImageFamily, ChromaFamily, Lumina2Family, GenericFamily]
 SCRATCH_FAMILIES: dict[str, type[ModelFamily]] = {cls.name: cls for cls in FAMILIES if cls.scratch_sizes}
