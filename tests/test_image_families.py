@@ -123,27 +123,42 @@ def test_family_detected_and_its_loss_is_comfyuis(image_family_models, name, cap
         lora_loads_whole_in_comfyui(family, caplog)
 
 
-def test_flux2_is_detected_its_loss_is_comfyuis_and_its_lora_loads_whole(caplog):
-    """Flux.2 (ComfyUI 0.33), a day-0 family: the tiny model the family builds is detected by ComfyUI as Flux2 and
-    picked by the Flux.2 family; its loss (no pooled vector, the text padded to 512 tokens by ComfyUI's extra_conds,
-    guidance 1) is ComfyUI's sampler's to 1e-6; an adapter trains; its LoRA file loads whole in ComfyUI."""
+# ComfyUI 0.33's day-0 families built here (HunyuanVideo 1.5 a video one): family class, ComfyUI class, latent
+# (C, [T,] H, W), text (tokens, width), what the stock conditioning adds (Flux.2: FluxGuidance's 1; HunyuanVideo 1.5:
+# its encoder's missing pooled vector); each tiny model is a few million parameters
+DAY0_FAMILIES = {"flux2": ("Flux2Family", "Flux2", (128, 4, 6), (7, 64), {"guidance": 1.0}),
+                 "krea2": ("Krea2Family", "Krea2", (16, 1, 4, 6), (7, 320), {}),
+                 "hunyuan_video15": ("HunyuanVideo15Family", "HunyuanVideo15", (32, 3, 4, 6), (7, 64),
+                                     {"pooled_output": None})}  # its text encoder gives no pooled vector
+
+
+@pytest.mark.parametrize("name", list(DAY0_FAMILIES))
+def test_day0_family_is_detected_its_loss_is_comfyuis_and_its_lora_loads_whole(name, caplog):
+    """ComfyUI 0.33's new families (issue 34): the tiny model the family file builds is detected by ComfyUI as that
+    class and picked by the family; its loss is ComfyUI's sampler's to 1e-6 (Flux.2: no pooled vector, the text
+    padded to 512 tokens by its extra_conds, guidance 1; Krea 2: one-frame video latents, several encoder layers'
+    text side by side; HunyuanVideo 1.5: 3 latent frames, its image-condition and mask inputs zeros as ComfyUI's
+    concat_cond gives them for text-to-video); an adapter on the image blocks trains; its LoRA file loads whole in
+    ComfyUI."""
     bootstrap_comfy()
     import comfy.model_base
     import comfy.model_detection
     import comfy.sd
-    if not hasattr(comfy.model_base, "Flux2"):
-        pytest.skip("skipped: this ComfyUI has no Flux.2 (0.33 and later have)")
-    from ingraph_trainer.trainer.models import Flux2Family, family_for
+    from ingraph_trainer.trainer import models
+    cls_name, comfy_class, latent, text, extras = DAY0_FAMILIES[name]
+    if not hasattr(comfy.model_base, comfy_class):
+        pytest.skip(f"skipped: this ComfyUI has no {comfy_class} (0.33 and later have)")
+    builder = getattr(models, cls_name)
     torch.manual_seed(0)
-    state = Flux2Family.scratch_state_dict(0, **Flux2Family.scratch_sizes["tiny"])
-    assert type(comfy.model_detection.model_config_from_unet(state, "")).__name__ == "Flux2"
+    state = builder.scratch_state_dict(0, **builder.scratch_sizes["tiny"])
+    assert type(comfy.model_detection.model_config_from_unet(state, "")).__name__ == comfy_class
     patcher = comfy.sd.load_diffusion_model_state_dict(state, model_options={"dtype": torch.float32})
-    family = family_for(patcher.model, patcher=patcher)
-    assert family.name == "flux2" and family.prediction == "flow" and family.guidance_distilled
+    family = models.family_for(patcher.model, patcher=patcher)
+    assert family.name == name and family.prediction == "flow"
     assert family.adapter_targets("attention") and \
         len(family.adapter_targets("attention_ff")) > len(family.adapter_targets("attention"))
-    batch = _batch((128, 4, 6), (7, 64))
-    expected = comfyui_losses(family, batch, {"guidance": 1.0})
+    batch = _batch(latent, text)
+    expected = comfyui_losses(family, batch, extras)
     family.prepare_for_training()
     with torch.no_grad():
         got = family.loss(batch, reduce=False)

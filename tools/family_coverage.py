@@ -41,10 +41,12 @@ TEXT_OF_BUILDER = {"lumina2 z_image": (8, 2560, None)}  # Qwen3-4B's width
 TEXT = {"sd_unet": (8, 768, None), "sdxl": (8, 2048, 1280), "sd3": (8, 64, 32), "flux": (8, 4096, 64),
         "wan": (8, 4096, None), "hunyuan_video": (8, 4096, 768), "ltxv": (8, 4096, None),
         "qwen_image": (8, 3584, None), "chroma": (8, 4096, None), "lumina2": (8, 2304, None),
-        "flux2": (8, 64, None)}  # the tiny Flux.2 reads 64-wide text (its txt_in; real ones: 7680 or 15360)
+        "flux2": (8, 64, None),  # the tiny Flux.2 reads 64-wide text (its txt_in; real ones: 7680 or 15360)
+        "krea2": (8, 320, None),  # 2 encoder layers of 160 side by side (the real one: 12 of Qwen3-VL-4B)
+        "hunyuan_video15": (8, 64, None)}
 
 
-VIDEO_FAMILIES = ("wan", "hunyuan_video", "ltxv")
+VIDEO_FAMILIES = ("wan", "hunyuan_video", "hunyuan_video15", "ltxv")
 # classes the latent format misnames: an image model on a video VAE's latents, 3-D generators with image-like ones
 KINDS = {"Krea2": "image", "Trellis2": "3D", "TripoSplat": "3D"}
 

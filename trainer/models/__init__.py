@@ -8,7 +8,8 @@ from .chroma import ChromaFamily
 from .flux import FluxFamily
 from .flux2 import Flux2Family
 from .generic import GenericFamily
-from .hunyuan_video import HunyuanVideoFamily
+from .hunyuan_video import HunyuanVideo15Family, HunyuanVideoFamily
+from .krea2 import Krea2Family
 from .lumina2 import Lumina2Family
 from .ltxv import LTXVFamily
 from .qwen_image import QwenImageFamily
@@ -19,8 +20,8 @@ from .wan import WanFamily
 
 # first match wins; the generic family takes any model no dedicated family claims
 FAMILIES: list[type[ModelFamily]] = [SDUNetFamily, SDXLFamily, SD3Family, FluxFamily, Flux2Family, WanFamily,
-                                     HunyuanVideoFamily, LTXVFamily,
-                                     QwenImageFamily, ChromaFamily, Lumina2Family, GenericFamily]
+                                     HunyuanVideoFamily, HunyuanVideo15Family, LTXVFamily,
+                                     QwenImageFamily, ChromaFamily, Lumina2Family, Krea2Family, GenericFamily]
 SCRATCH_FAMILIES: dict[str, type[ModelFamily]] = {cls.name: cls for cls in FAMILIES if cls.scratch_sizes}
 
 

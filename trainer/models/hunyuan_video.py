@@ -152,3 +152,39 @@ class HunyuanVideoEnd(torch.nn.Module):
         img = img.reshape([img.shape[0]] + grid + [self.out_channels] + list(self.patch_size))
         img = img.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(img.shape[0], self.out_channels, frames, height, width)
         return ends_here(img, pe)
+
+
+class HunyuanVideo15Family(HunyuanVideoFamily):
+    """HunyuanVideo 1.5 (ComfyUI 0.33's `HunyuanVideo15`): HunyuanVideo's blocks on 32-channel latents (patch
+    1x1x1), Qwen2.5-VL text (a type embedding marks text, glyph text and image tokens) and no pooled vector; its
+    input also takes an image condition and a mask (image-to-video), which ComfyUI's concat_cond gives as zeros where
+    no start image is set: text-to-video training. ComfyUI 0.3.64 has no HunyuanVideo 1.5."""
+    name = "hunyuan_video15"
+    display_name = "HunyuanVideo 1.5"
+    base_model_version = "hunyuan_video15"
+    scratch_sizes = {"tiny": dict(hidden_size=128, depth=1, depth_single_blocks=1, context_in_dim=64)}
+
+    @classmethod
+    def matches(cls, base_model) -> bool:
+        import comfy.model_base
+        hunyuan15 = getattr(comfy.model_base, "HunyuanVideo15", None)
+        return hunyuan15 is not None and type(base_model) is hunyuan15
+
+    def pipeline_layers(self):
+        return ModelFamily.pipeline_layers(self)  # HunyuanVideo's stage split knows none of 1.5's inputs
+
+    @classmethod
+    def scratch_state_dict(cls, seed: int = 0, hidden_size: int = 128, depth: int = 1, depth_single_blocks: int = 1,
+                           context_in_dim: int = 64, **_):
+        """What ComfyUI's detection makes of a 1.5 file: 32 noise + 32 image-condition + 1 mask input channels, the
+        vision projection 1152 wide (SigLIP's; ComfyUI's class needs it), the type embedding."""
+        import comfy.ops
+        from comfy.ldm.hunyuan_video.model import HunyuanVideo, HunyuanVideoParams
+        from ..comfy_compat import build_dit
+        model = build_dit(
+            HunyuanVideo, HunyuanVideoParams, in_channels=65, out_channels=32, patch_size=[1, 1, 1], vec_in_dim=None,
+            context_in_dim=context_in_dim, hidden_size=hidden_size, mlp_ratio=4.0, num_heads=hidden_size // 128,
+            depth=depth, depth_single_blocks=depth_single_blocks, axes_dim=[16, 56, 56], theta=256, qkv_bias=True,
+            guidance_embed=False, byt5=False, meanflow=False, use_cond_type_embedding=True, vision_in_dim=1152,
+            meanflow_sum=True, operations=comfy.ops.disable_weight_init)
+        return {k: v.contiguous() for k, v in init_weights(model, seed).state_dict().items()}
