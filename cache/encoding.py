@@ -12,9 +12,10 @@ import dataclasses
 from pathlib import Path
 from typing import Callable
 
-from .dataset import ALPHA_MASK, IMAGE_EXTENSIONS, DatasetError, TrainingDataset, caption_variants_of, \
-    clip_fps, load_clip_item_tensor, load_image_tensor, load_mask_tensor, load_reference_tensor, \
-    mask_to_latent_grid, shown
+from .captions import caption_variants_of
+from .dataset import TrainingDataset
+from .pixels import ALPHA_MASK, IMAGE_EXTENSIONS, DatasetError, clip_fps, load_clip_item_tensor, load_image_tensor, \
+    load_mask_tensor, load_reference_tensor, mask_to_latent_grid, shown
 from .store import CacheStore, content_key, fingerprint_state_dict
 from .video import clip_digest, clip_rotation
 

@@ -1,7 +1,9 @@
 from comfy_api.latest import io
 
 from ..cache.buckets import BucketSettings
-from ..cache.dataset import MASK_SOURCES, MISSING_CAPTION_ACTIONS, parse_background, scan_image_folder
+from ..cache.captions import MISSING_CAPTION_ACTIONS
+from ..cache.folder_scan import MASK_SOURCES, scan_image_folder
+from ..cache.pixels import parse_background
 from ..cache.video import CLIP_MODES, DEFAULT_FRAME_BUCKETS
 from ..runner.paths import resolve_input_folder
 from .types import CATEGORY, Dataset

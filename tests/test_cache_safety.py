@@ -6,7 +6,6 @@ runs with small stand-in encoders, so no model weights are needed.
 from __future__ import annotations
 
 import ast
-import dataclasses
 import hashlib
 import importlib
 import json
@@ -23,9 +22,11 @@ import pytest
 from conftest import REPO  # noqa: E402  (conftest registers the pack as the package ingraph_trainer)
 
 store_mod = importlib.import_module("ingraph_trainer.cache.store")
-dataset_mod = importlib.import_module("ingraph_trainer.cache.dataset")
+captions_mod = importlib.import_module("ingraph_trainer.cache.captions")
+folder_scan_mod = importlib.import_module("ingraph_trainer.cache.folder_scan")
+pixels_mod = importlib.import_module("ingraph_trainer.cache.pixels")
 encoding = importlib.import_module("ingraph_trainer.cache.encoding")
-CacheStore, DatasetError = store_mod.CacheStore, dataset_mod.DatasetError
+CacheStore, DatasetError = store_mod.CacheStore, pixels_mod.DatasetError
 
 # Stand-in encoders with the interface encoding.py uses; the writer process below defines the same.
 FAKE_ENCODERS = '''
@@ -81,7 +82,7 @@ WRITER = textwrap.dedent('''
     repo, images, root = sys.argv[1:4]
     sys.path.insert(0, repo)
     pkg = types.ModuleType("ingraph_trainer"); pkg.__path__ = [repo]; sys.modules["ingraph_trainer"] = pkg
-    from ingraph_trainer.cache.dataset import scan_image_folder
+    from ingraph_trainer.cache.folder_scan import scan_image_folder
     from ingraph_trainer.cache.encoding import encode_latents, encode_text, record_usage
     from ingraph_trainer.cache.store import CacheStore
     ''') + FAKE_ENCODERS + textwrap.dedent('''
@@ -219,7 +220,7 @@ def test_a_run_manifest_pins_its_entries_while_it_exists(tmp_path, monkeypatch):
     images = make_images(tmp_path / "images", 4)
     root = tmp_path / "cache"
     store = CacheStore(root)
-    dataset = dataset_mod.scan_image_folder(images, resolution=64)
+    dataset = folder_scan_mod.scan_image_folder(images, resolution=64)
     dataset, _, _ = encoding.encode_latents(dataset, fakes.FakeVAE(1), store)
     dataset, _, _ = encoding.encode_text(dataset, fakes.FakeCLIP(1), store)  # never recorded as a dataset
     (tmp_path / "run").mkdir()
@@ -337,7 +338,7 @@ def test_two_models_caching_one_folder_keep_separate_datasets(tmp_path):
     store = CacheStore(root)
 
     def cache_for(model: int):
-        dataset = dataset_mod.scan_image_folder(images, resolution=64)
+        dataset = folder_scan_mod.scan_image_folder(images, resolution=64)
         dataset, _, _ = encoding.encode_latents(dataset, fakes.FakeVAE(model), store)
         dataset, _, _ = encoding.encode_text(dataset, fakes.FakeCLIP(model), store)
         encoding.record_usage(dataset, store)
@@ -366,17 +367,17 @@ def test_16_bit_png_is_scaled_not_clipped(tmp_path):
     path = tmp_path / "deep.png"
     Image.fromarray(gradient).save(path)
     with Image.open(path) as img:
-        assert img.mode in dataset_mod.SIXTEEN_BIT_MODES
+        assert img.mode in pixels_mod.SIXTEEN_BIT_MODES
     (tmp_path / "deep.txt").write_text("a gradient")
-    ds = dataset_mod.scan_image_folder(tmp_path, resolution=64)
-    pixels = dataset_mod.load_image_tensor(str(path), ds.items[0].bucket)  # what encode_latents decodes
+    ds = folder_scan_mod.scan_image_folder(tmp_path, resolution=64)
+    pixels = pixels_mod.load_image_tensor(str(path), ds.items[0].bucket)  # what encode_latents decodes
     assert abs(pixels.mean().item() - 0.5) < 0.5 * 0.02
     assert abs(pixels[0, 0, 0, 0].item()) < 0.01 and abs(pixels[0, 0, -1, 0].item() - 1.0) < 0.01
     assert ds.items[0].pixels == "16bit"
 
 
-def _rgb_at(path, background=dataset_mod.DEFAULT_BACKGROUND):
-    t = dataset_mod.load_image_tensor(str(path), 64, background=background)
+def _rgb_at(path, background=pixels_mod.DEFAULT_BACKGROUND):
+    t = pixels_mod.load_image_tensor(str(path), 64, background=background)
     return tuple(round(v * 255) for v in t[0, 10, 10].tolist())
 
 
@@ -399,11 +400,11 @@ def test_transparent_images_are_composited_on_the_chosen_background(tmp_path):
     assert _rgb_at(half)[0] == 255 and abs(_rgb_at(half)[1] - 127) <= 2
     assert _rgb_at(grey_alpha) == (255, 255, 255)
     assert _rgb_at(palette) == (255, 255, 255)
-    blue = dataset_mod.parse_background("#0000ff")
+    blue = pixels_mod.parse_background("#0000ff")
     for path in (rgba, grey_alpha, palette):
         assert _rgb_at(path, blue) == (0, 0, 255), path.name
     with pytest.raises(DatasetError, match="transparent_background: 'bluish'"):
-        dataset_mod.parse_background("bluish")
+        pixels_mod.parse_background("bluish")
 
     # the background is part of a transparent image's latent key, and only of such images' keys
     Image.new("RGB", (64, 64), (1, 2, 3)).save(tmp_path / "opaque.png")
@@ -411,7 +412,7 @@ def test_transparent_images_are_composited_on_the_chosen_background(tmp_path):
         f.with_suffix(".txt").write_text("x")
 
     def keys(background):
-        ds = dataset_mod.scan_image_folder(tmp_path, resolution=64, background=background)
+        ds = folder_scan_mod.scan_image_folder(tmp_path, resolution=64, background=background)
         return {Path(i.path).name: encoding.latent_key("d", i, ds, "vae") for i in ds.items}
     white, other = keys("#ffffff"), keys("#0000ff")
     assert white["opaque.png"] == other["opaque.png"]
@@ -427,8 +428,8 @@ def test_exif_orientation_is_applied(tmp_path):
     path = tmp_path / "rotated.jpg"
     img.save(path, exif=exif, quality=95)
     (tmp_path / "rotated.txt").write_text("x")
-    ds = dataset_mod.scan_image_folder(tmp_path, resolution=64, buckets=None)
-    t = dataset_mod.load_image_tensor(str(path), (32, 64))
+    ds = folder_scan_mod.scan_image_folder(tmp_path, resolution=64, buckets=None)
+    t = pixels_mod.load_image_tensor(str(path), (32, 64))
     assert tuple(t.shape) == (1, 64, 32, 3)
     top, bottom = t[0, 8, 16], t[0, 56, 16]
     assert top[0] > 0.8 and top[2] < 0.2, "the left (red) side should be on top"
@@ -440,7 +441,7 @@ def test_caption_bom_is_stripped(tmp_path):
     from PIL import Image
     Image.new("RGB", (64, 64)).save(tmp_path / "a.png")
     (tmp_path / "a.txt").write_bytes("\ufeffa cat".encode("utf-8"))
-    assert dataset_mod.scan_image_folder(tmp_path, resolution=64).items[0].caption == "a cat"
+    assert folder_scan_mod.scan_image_folder(tmp_path, resolution=64).items[0].caption == "a cat"
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="skipped: no named pipes on this system")
@@ -455,7 +456,7 @@ def test_a_caption_that_is_a_pipe_or_too_large_is_an_error_not_a_hang(tmp_path):
 
     def scan():
         try:
-            dataset_mod.scan_image_folder(tmp_path, resolution=64)
+            folder_scan_mod.scan_image_folder(tmp_path, resolution=64)
         except Exception as exc:  # noqa: BLE001  (the outcome is checked below)
             outcome["error"] = exc
     reader = threading.Thread(target=scan, daemon=True)
@@ -465,12 +466,12 @@ def test_a_caption_that_is_a_pipe_or_too_large_is_an_error_not_a_hang(tmp_path):
         with open(tmp_path / "a.txt", "w"):
             pass
         pytest.fail("reading a named pipe as a caption blocked")
-    assert isinstance(outcome.get("error"), dataset_mod.DatasetError)
+    assert isinstance(outcome.get("error"), pixels_mod.DatasetError)
     assert "cannot read caption file" in str(outcome["error"]) and "a.txt: not a regular file" in str(outcome["error"])
     os.unlink(tmp_path / "a.txt")
-    (tmp_path / "a.txt").write_bytes(b"x" * (dataset_mod.MAX_CAPTION_BYTES + 1))
-    with pytest.raises(dataset_mod.DatasetError, match=rf"a.txt: {dataset_mod.MAX_CAPTION_BYTES + 1} bytes; at most"):
-        dataset_mod.scan_image_folder(tmp_path, resolution=64)
+    (tmp_path / "a.txt").write_bytes(b"x" * (captions_mod.MAX_CAPTION_BYTES + 1))
+    with pytest.raises(pixels_mod.DatasetError, match=rf"a.txt: {captions_mod.MAX_CAPTION_BYTES + 1} bytes; at most"):
+        folder_scan_mod.scan_image_folder(tmp_path, resolution=64)
 
 
 def test_symlink_loops_and_non_utf8_names_are_errors_naming_the_file(tmp_path):
@@ -479,13 +480,13 @@ def test_symlink_loops_and_non_utf8_names_are_errors_naming_the_file(tmp_path):
     (tmp_path / "ok.txt").write_text("fine")
     (tmp_path / "loop.png").symlink_to(tmp_path / "loop.png")
     with pytest.raises(DatasetError, match=r"loop\.png: a symlink loop"):
-        dataset_mod.scan_image_folder(tmp_path, resolution=64)
+        folder_scan_mod.scan_image_folder(tmp_path, resolution=64)
     (tmp_path / "loop.png").unlink()
 
     (tmp_path / "ok.txt").unlink()
     (tmp_path / "ok.txt").symlink_to(tmp_path / "ok.txt")
     with pytest.raises(DatasetError, match=r"ok\.txt: a symlink loop"):
-        dataset_mod.scan_image_folder(tmp_path, resolution=64)
+        folder_scan_mod.scan_image_folder(tmp_path, resolution=64)
     (tmp_path / "ok.txt").unlink()
     (tmp_path / "ok.txt").write_text("fine")
 
@@ -493,7 +494,7 @@ def test_symlink_loops_and_non_utf8_names_are_errors_naming_the_file(tmp_path):
     with open(bad, "wb") as f:
         f.write((tmp_path / "ok.png").read_bytes())
     with pytest.raises(DatasetError, match=r"caf\\xe9\.png is not valid UTF-8") as info:
-        dataset_mod.scan_image_folder(tmp_path, resolution=64)
+        folder_scan_mod.scan_image_folder(tmp_path, resolution=64)
     str(info.value).encode("utf-8")  # the message itself travels as UTF-8 (no lone surrogates)
 
 
@@ -583,7 +584,7 @@ def test_an_edit_pairs_caption_is_encoded_with_its_source_image_by_qwen_images_t
     the caption alone and the key it had."""
     import torch
     from PIL import Image
-    from ingraph_trainer.cache.dataset import scan_image_folder
+    from ingraph_trainer.cache.folder_scan import scan_image_folder
     from ingraph_trainer.cache.encoding import IMAGE_TOKENS, VISION_PIXELS, encode_text, text_key
     from ingraph_trainer.cache.store import CacheStore
     pairs, plain = tmp_path / "pairs", tmp_path / "plain"

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import types
 
 import pytest
 import torch
 
 from conftest import REPO  # noqa: F401  (conftest registers the pack as the package ingraph_trainer)
 
+buckets_mod = importlib.import_module("ingraph_trainer.cache.buckets")
+captions_mod = importlib.import_module("ingraph_trainer.cache.captions")
 dataset_mod = importlib.import_module("ingraph_trainer.cache.dataset")
+folder_scan_mod = importlib.import_module("ingraph_trainer.cache.folder_scan")
+pixels_mod = importlib.import_module("ingraph_trainer.cache.pixels")
 encoding = importlib.import_module("ingraph_trainer.cache.encoding")
 store_mod = importlib.import_module("ingraph_trainer.cache.store")
 data = importlib.import_module("ingraph_trainer.trainer.data")
@@ -108,14 +111,14 @@ def test_micro_batch_slots_cover_the_global_batch_once_on_any_layout():
 
 def test_tag_shuffling_keeps_leading_tags_and_is_the_same_on_every_run():
     caption = "ohwx, a red square, studio light, high detail, blue background"
-    variants = dataset_mod.caption_variants_of(caption, 6, keep_tags=1)
-    assert variants == dataset_mod.caption_variants_of(caption, 6, keep_tags=1)  # deterministic
+    variants = captions_mod.caption_variants_of(caption, 6, keep_tags=1)
+    assert variants == captions_mod.caption_variants_of(caption, 6, keep_tags=1)  # deterministic
     assert all(v.startswith("ohwx, ") for v in variants)
     assert all(sorted(v.split(", ")) == sorted(caption.split(", ")) for v in variants)
     assert len(set(variants)) > 1
-    two_kept = dataset_mod.caption_variants_of(caption, 6, keep_tags=2)
+    two_kept = captions_mod.caption_variants_of(caption, 6, keep_tags=2)
     assert all(v.startswith("ohwx, a red square, ") for v in two_kept)
-    assert dataset_mod.shuffled_caption("solo", 3, keep_tags=0) == "solo"
+    assert captions_mod.shuffled_caption("solo", 3, keep_tags=0) == "solo"
 
 
 def cached_run(tmp_path, *, caption_dropout=0.0, caption_variants=0, masks="mask files", clip=None, vae=None,
@@ -125,7 +128,7 @@ def cached_run(tmp_path, *, caption_dropout=0.0, caption_variants=0, masks="mask
     root = tmp_path / "cache"
     store = store_mod.CacheStore(root)
     try:
-        ds = dataset_mod.scan_image_folder(tmp_path / folder, resolution=64, caption_dropout=caption_dropout,
+        ds = folder_scan_mod.scan_image_folder(tmp_path / folder, resolution=64, caption_dropout=caption_dropout,
                                            caption_variants=caption_variants, masks=masks, **scan)
         ds, *_ = encoding.encode_latents(ds, vae or AreaVAE(), store)
         ds, encoded, reused = encoding.encode_text(ds, clip or TextCLIP(), store)
@@ -169,7 +172,7 @@ def test_variants_and_the_empty_caption_are_cached_once_and_drawn_by_the_trainer
         if draw.empty[n]:
             assert got == empty_value
         else:
-            variants = dataset_mod.caption_variants_of(ds.items[i].caption, 4, keep_tags=1)
+            variants = captions_mod.caption_variants_of(ds.items[i].caption, 4, keep_tags=1)
             assert got == value(variants[int(float(draw.pick[n]) * 4)])
     assert batch.mask is None
     # no draw: the captions as written, exactly CachedDataset.batch (what evaluation and a plain run see)
@@ -250,7 +253,7 @@ def test_a_cached_mask_follows_its_images_bucket_crop_and_flip(tmp_path, crop):
     (tmp_path / "images").mkdir()
     write_pair(tmp_path / "images", "wide", "a", size=(320, 128), mask_band=(20, 100))
     write_pair(tmp_path / "images", "tall", "b", size=(128, 300), mask_band=(70, 128))
-    ds, cached, _, _ = cached_run(tmp_path, buckets=dataset_mod.BucketSettings(
+    ds, cached, _, _ = cached_run(tmp_path, buckets=buckets_mod.BucketSettings(
         resolution=128, enabled=True, min_side=64, max_side=256, crop=crop, flip=True))
     assert all(item.mask_source.endswith(".mask.png") for item in ds.items) and all(cached.masked)
     assert {item.bucket for item in ds.items} == {(192, 64), (64, 192)}  # both resized and cropped
@@ -289,7 +292,7 @@ def test_a_changed_mask_re_encodes_only_its_item_and_mask_files_are_not_images(t
     def run():
         store = store_mod.CacheStore(root)
         try:
-            ds = dataset_mod.scan_image_folder(tmp_path / "images", resolution=64)
+            ds = folder_scan_mod.scan_image_folder(tmp_path / "images", resolution=64)
             return encoding.encode_latents(ds, AreaVAE(), store)
         finally:
             store.close()
@@ -309,7 +312,7 @@ def test_a_changed_mask_re_encodes_only_its_item_and_mask_files_are_not_images(t
         crop="center", flip=False, encoder=encoding.vae_identity(AreaVAE()))
     store.close()
     # masks off: the same images train unmasked (their latents are keyed without a mask)
-    off = dataset_mod.scan_image_folder(tmp_path / "images", resolution=64, masks="off")
+    off = folder_scan_mod.scan_image_folder(tmp_path / "images", resolution=64, masks="off")
     assert not any(item.mask_source for item in off.items)
 
 
@@ -317,12 +320,12 @@ def test_mask_files_are_checked_against_their_image(tmp_path):
     from PIL import Image
     write_pair(tmp_path, "a", "x", size=(64, 64))
     Image.new("L", (32, 32), 255).save(tmp_path / "a.mask.png")
-    with pytest.raises(dataset_mod.DatasetError, match=r"mask .*a\.mask\.png is 32x32 but its image a\.png is 64x64"):
-        dataset_mod.scan_image_folder(tmp_path, resolution=64)
+    with pytest.raises(pixels_mod.DatasetError, match=r"mask .*a\.mask\.png is 32x32 but its image a\.png is 64x64"):
+        folder_scan_mod.scan_image_folder(tmp_path, resolution=64)
     Image.new("L", (64, 64), 255).save(tmp_path / "a.mask.png")
     Image.new("L", (64, 64), 255).save(tmp_path / "a.mask.webp")
-    with pytest.raises(dataset_mod.DatasetError, match="has two mask files"):
-        dataset_mod.scan_image_folder(tmp_path, resolution=64)
+    with pytest.raises(pixels_mod.DatasetError, match="has two mask files"):
+        folder_scan_mod.scan_image_folder(tmp_path, resolution=64)
 
 
 # --- prior images --------------------------------------------------------------------------------------------

@@ -97,7 +97,7 @@ def test_ltxv_text_encoders_attention_mask_is_cached_beside_the_embedding_and_ba
     from PIL import Image
 
     from ingraph_trainer.cache.buckets import BucketSettings
-    from ingraph_trainer.cache.dataset import scan_image_folder
+    from ingraph_trainer.cache.folder_scan import scan_image_folder
     from ingraph_trainer.cache.encoding import clip_identity, encode_latents, encode_text
     from ingraph_trainer.cache.store import CacheStore, write_manifest
     from ingraph_trainer.trainer.batch_mix import training_batch

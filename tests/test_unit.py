@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
 import sys
 import types
 from pathlib import Path
@@ -18,7 +17,8 @@ if "ingraph_trainer" not in sys.modules:
 
 config = importlib.import_module("ingraph_trainer.trainer.config")
 events = importlib.import_module("ingraph_trainer.trainer.events")
-dataset = importlib.import_module("ingraph_trainer.cache.dataset")
+folder_scan_mod = importlib.import_module("ingraph_trainer.cache.folder_scan")
+pixels_mod = importlib.import_module("ingraph_trainer.cache.pixels")
 runs = importlib.import_module("ingraph_trainer.runner.runs")
 chart = importlib.import_module("ingraph_trainer.runner.loss_chart")
 
@@ -127,35 +127,35 @@ def test_scan_reads_captions_prefix_and_skips_non_images(tmp_path, caplog):
     (tmp_path / "notes.md").write_text("x")
     (tmp_path / "data.csv").write_text("x")
     with caplog.at_level("INFO", logger="ingraph_trainer"):
-        ds = dataset.scan_image_folder(tmp_path, resolution=64, caption_prefix="ohwx, ", repeats=2)
+        ds = folder_scan_mod.scan_image_folder(tmp_path, resolution=64, caption_prefix="ohwx, ", repeats=2)
     assert [i.caption for i in ds.items] == ["ohwx, a red square", "ohwx, another"]
     assert ds.repeats == 2 and sorted(ds.skipped_files) == ["data.csv", "notes.md"]
     assert "ignored 2 non-image file(s)" in caplog.text
 
 
 def test_scan_errors_name_the_folder_or_file(tmp_path):
-    with pytest.raises(dataset.DatasetError, match="does not exist"):
-        dataset.scan_image_folder(tmp_path / "nope", resolution=64)
+    with pytest.raises(pixels_mod.DatasetError, match="does not exist"):
+        folder_scan_mod.scan_image_folder(tmp_path / "nope", resolution=64)
     (tmp_path / "readme.txt").write_text("x")
-    with pytest.raises(dataset.DatasetError, match="contains no images"):
-        dataset.scan_image_folder(tmp_path, resolution=64)
+    with pytest.raises(pixels_mod.DatasetError, match="contains no images"):
+        folder_scan_mod.scan_image_folder(tmp_path, resolution=64)
     _png(tmp_path / "ok.png")
-    with pytest.raises(dataset.DatasetError, match=r"ok\.png has no caption file ok\.txt"):
-        dataset.scan_image_folder(tmp_path, resolution=64)
-    ds = dataset.scan_image_folder(tmp_path, resolution=64, missing_caption="use default caption",
+    with pytest.raises(pixels_mod.DatasetError, match=r"ok\.png has no caption file ok\.txt"):
+        folder_scan_mod.scan_image_folder(tmp_path, resolution=64)
+    ds = folder_scan_mod.scan_image_folder(tmp_path, resolution=64, missing_caption="use default caption",
                                    default_caption="a photo")
     assert ds.items[0].caption == "a photo"
     (tmp_path / "ok.txt").write_text("fine")
     (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"garbage" * 20)
     (tmp_path / "broken.txt").write_text("x")
-    with pytest.raises(dataset.DatasetError, match=r"cannot read image .*broken\.png"):
-        dataset.scan_image_folder(tmp_path, resolution=64)
+    with pytest.raises(pixels_mod.DatasetError, match=r"cannot read image .*broken\.png"):
+        folder_scan_mod.scan_image_folder(tmp_path, resolution=64)
 
 
 def test_image_tensor_is_resized_and_centre_cropped(tmp_path):
     from PIL import Image
     Image.new("RGB", (200, 100), (255, 0, 0)).save(tmp_path / "wide.png")
-    t = dataset.load_image_tensor(str(tmp_path / "wide.png"), 64)
+    t = pixels_mod.load_image_tensor(str(tmp_path / "wide.png"), 64)
     assert tuple(t.shape) == (1, 64, 64, 3) and abs(t[0, 0, 0, 0].item() - 1.0) < 1e-6
 
 

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from conftest import SUITE_EVAL_QUANTILES
 from media_files import SIDE, write_frames, write_image, write_video
 from ingraph_trainer.cache.buckets import BucketSettings
-from ingraph_trainer.cache.dataset import DatasetError, load_clip_item_tensor, scan_image_folder
+from ingraph_trainer.cache.folder_scan import scan_image_folder
+from ingraph_trainer.cache.pixels import DatasetError, load_clip_item_tensor
 from ingraph_trainer.cache.encoding import encode_latents, encode_text
 from ingraph_trainer.cache.store import CacheStore, write_manifest
 from ingraph_trainer.cache.video import clip_spans, parse_frame_buckets, probe_clip

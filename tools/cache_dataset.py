@@ -34,7 +34,7 @@ def encode_folder(images: Path, cache_root: Path, clip, vae, resolution: int = 6
     """Scans and caches a folder as the cache nodes do; returns (cached dataset, counts and seconds). `features`:
     Load Training Images' masks, caption_dropout, caption_variants and keep_tags (scan_image_folder's)."""
     from ingraph_trainer.cache.buckets import BucketSettings
-    from ingraph_trainer.cache.dataset import scan_image_folder
+    from ingraph_trainer.cache.folder_scan import scan_image_folder
     from ingraph_trainer.cache.encoding import encode_latents, encode_text, record_usage
     from ingraph_trainer.cache.store import CacheStore
     t0 = time.perf_counter()
@@ -63,7 +63,7 @@ def cache_folder(images: Path, cache_root: Path, clip, vae, resolution: int = 64
 
 def add_feature_flags(parser: argparse.ArgumentParser):
     """Load Training Images' options for masks and captions, as command-line flags (see dataset_features)."""
-    from ingraph_trainer.cache.dataset import MASK_SOURCES
+    from ingraph_trainer.cache.folder_scan import MASK_SOURCES
     parser.add_argument("--masks", choices=MASK_SOURCES, default="mask files",
                         help="where loss masks come from: NAME.mask.png beside each image, its alpha channel, or off")
     parser.add_argument("--caption-dropout", type=float, default=0.0,

@@ -8,11 +8,12 @@ takes the loaded model; with --train, each such model also takes 2 LoRA training
 Every class no builder here reaches is listed with what kind of model it is (its latent format), so the table says
 what is covered and what is not yet.
 
-    python tools/family_coverage.py [--train] [--markdown coverage.md] [--json coverage.json]
+    python tools/family_coverage.py [--train] [--markdown coverage.md] [--json coverage.json] [--readme README.md]
     COMFYUI_PATH=/opt/ComfyUI-0.33 PYTHONPATH=$PWD/.venv/comfyui-0.33 python tools/family_coverage.py
 
 The last line is the count: classes in ComfyUI's list, image/video diffusion classes among them, and how many of
-those a tiny model here is detected as (and trains, with --train).
+those a tiny model here is detected as (and trains, with --train). --readme rewrites that ComfyUI version's part of
+the README's coverage section (between its `family-coverage` markers) from the same rows.
 """
 from __future__ import annotations
 
@@ -125,11 +126,42 @@ def train_two_steps(family, builder: str) -> str:
     return "yes"
 
 
+README_BEGIN = "<!-- family-coverage: ComfyUI {version} (written by tools/family_coverage.py --train --readme) -->"
+README_END = "<!-- end family-coverage: ComfyUI {version} -->"
+
+
+def readme_section(version: str, summary: str, rows: list[dict], full_table: str) -> str:
+    """The README's part for one ComfyUI: the count, the classes trained (with the family that trains each), and
+    what is left, by kind, pointing at the full table."""
+    trained = [r for r in rows if "yes" in r["trained"]]
+    left = [r for r in rows if r["kind"] in ("image", "video") and "yes" not in r["trained"]]
+    lines = [README_BEGIN.format(version=version), f"**{summary}**", "",
+             "| ComfyUI class | kind | family | tiny model here |", "|---|---|---|---|"]
+    lines += [f"| {r['class']} | {r['kind']} | {', '.join(r['family'])} | {', '.join(r['builders'])} |"
+              for r in sorted(trained, key=lambda r: (r["kind"], r["class"]))]
+    lines += ["", f"Not yet ({len(left)} image or video classes): " + ", ".join(r["class"] for r in left)
+              + f". Every class, audio, 3-D and other models included: [{full_table}]({full_table}).",
+              README_END.format(version=version)]
+    return "\n".join(lines)
+
+
+def replace_readme_section(readme: Path, version: str, section: str) -> None:
+    """Puts `section` between this version's markers in the README (refused where the markers are missing)."""
+    text = readme.read_text(encoding="utf-8")
+    begin, end = README_BEGIN.format(version=version), README_END.format(version=version)
+    if begin not in text or end not in text:
+        raise SystemExit(f"{readme}: no family-coverage markers for ComfyUI {version}; add\n{begin}\n{end}")
+    head, rest = text.split(begin, 1)
+    readme.write_text(head + section + rest.split(end, 1)[1], encoding="utf-8")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--train", action="store_true", help="2 LoRA steps on each model detected")
     parser.add_argument("--markdown", type=Path, help="write the table here")
     parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--readme", type=Path, help="rewrite this ComfyUI version's coverage section of this README "
+                                                    "(with --markdown: the full table it links to)")
     opts = parser.parse_args(argv)
     _bootstrap()
     import comfy.model_detection
@@ -188,6 +220,11 @@ def main(argv=None):
         opts.markdown.write_text(table + "\n")
     if opts.json:
         opts.json.write_text(json.dumps({"comfyui": version, "rows": rows}, indent=1))
+    if opts.readme:
+        if not (opts.train and opts.markdown):
+            raise SystemExit("--readme needs --train and --markdown (the section says what trains, and links the table)")
+        link = opts.markdown.resolve().relative_to(opts.readme.resolve().parent).as_posix()
+        replace_readme_section(opts.readme, version, readme_section(version, lines[0], rows, link))
     print(table)
     print(lines[0])
 
