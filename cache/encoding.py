@@ -16,7 +16,8 @@ from .captions import caption_variants_of
 from .dataset import TrainingDataset
 from .pixels import ALPHA_MASK, IMAGE_EXTENSIONS, DatasetError, clip_fps, load_clip_item_tensor, load_image_tensor, \
     load_mask_tensor, load_reference_tensor, mask_to_latent_grid, shown
-from .store import CacheStore, content_key, fingerprint_state_dict
+from .shards import content_key, fingerprint_state_dict
+from .store import CacheStore
 from .video import clip_digest, clip_rotation
 
 LATENT_FORMAT = 2

@@ -13,12 +13,12 @@ Entries are keyed by content (see encoding.py). Safety:
   file, and every shard path is checked to stay inside the shards folder;
 - prune keeps what is in use: entries of a recorded dataset, entries pinned by a run manifest that
   still exists, and every entry created or used since the oldest live caching pass began.
-This module is the only one that knows the layout; the trainer reads shards through the manifest.
+This module and shards.py are the only ones that know the layout; the trainer reads shards through the
+manifest (shards.py).
 """
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -29,19 +29,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .files import atomic_write, atomic_write_text
+from .shards import (ENTRY_KEY, KINDS, MANIFEST_VERSION, SHARD_SUFFIX, SHARDS_DIR, entry_path, file_sha256,
+                     resolves_inside, valid_entry_id)
 
-MANIFEST_VERSION = 2
 DB_FILE = "cache.sqlite"
-SHARDS_DIR = "shards"
-KINDS = ("latent", "text")  # every kind this pack writes; anything else in a row is hostile or foreign
-SHARD_SUFFIX = ".safetensors"
 RUN_PIN_PREFIX = "run:"  # pseudo-dataset holding the keys of one run manifest while that file exists
 PASS_HEARTBEAT_S = 10.0  # a live caching pass refreshes its heartbeat at least this often while it works
 PASS_STALE_S = 900.0  # a pass whose heartbeat is older than this is treated as dead (crashed, other host)
 DB_BUSY_S = 60.0  # how long opening or writing the database waits for other processes' locks
 ORPHAN_GRACE_S = 600.0  # shard files without a row, and run pins without their manifest, are kept this long
 
-_KEY = re.compile(r"[0-9a-f]{64}")
 _TEMP_NAME = re.compile(r"\.[0-9a-f]{12}-[A-Za-z0-9_]+\.partial")
 
 SCHEMA = """
@@ -56,55 +53,6 @@ CREATE TABLE IF NOT EXISTS passes (
   id INTEGER PRIMARY KEY AUTOINCREMENT, host TEXT NOT NULL, pid INTEGER NOT NULL,
   started REAL NOT NULL, heartbeat REAL NOT NULL);
 """
-
-
-def content_key(**parts) -> str:
-    blob = json.dumps(parts, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(blob).hexdigest()
-
-
-def fingerprint_state_dict(state_dict) -> str:
-    """Stable identity of a set of weights, computed from names, shapes and a strided sample of values."""
-    import torch
-    h = hashlib.sha256()
-    for name in sorted(state_dict):
-        tensor = state_dict[name]
-        if not isinstance(tensor, torch.Tensor):
-            continue
-        flat = tensor.detach().reshape(-1)
-        step = max(1, flat.numel() // 1024)
-        sample = flat[::step][:1024].to(device="cpu", dtype=torch.float32).contiguous()
-        h.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
-        h.update(sample.numpy().tobytes())
-    return h.hexdigest()[:32]
-
-
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def valid_entry_id(kind, key) -> bool:
-    """True for a kind this pack writes and a key that is a sha256 hex digest (what content_key makes)."""
-    return isinstance(kind, str) and kind in KINDS and isinstance(key, str) and _KEY.fullmatch(key) is not None
-
-
-def entry_path(root: str | Path, kind: str, key: str) -> Path:
-    """Where the shard of (kind, key) lives; refuses anything that is not a kind and key this pack writes."""
-    if not valid_entry_id(kind, key):
-        raise ValueError(f"invalid cache entry (kind {kind!r}, key {key!r}): not one this pack writes")
-    return Path(root) / SHARDS_DIR / kind / key[:2] / f"{key}{SHARD_SUFFIX}"
-
-
-def _inside(path: Path, folder: Path) -> bool:
-    """True if path, with every symlink resolved, lies inside folder (itself resolved)."""
-    try:
-        return Path(os.path.realpath(path)).is_relative_to(Path(os.path.realpath(folder)))
-    except (OSError, ValueError):
-        return False
 
 
 def _process_alive(pid: int) -> bool | None:
@@ -192,7 +140,7 @@ class CacheStore:
         if not valid_entry_id(kind, key):
             return None
         path = entry_path(self.root, kind, key)
-        if path.is_symlink() or (path.parent.exists() and not _inside(path.parent, self.shards)):
+        if path.is_symlink() or (path.parent.exists() and not resolves_inside(path.parent, self.shards)):
             return None
         return path
 
@@ -291,7 +239,7 @@ class CacheStore:
         from safetensors.torch import save_file
         path = entry_path(self.root, kind, key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        if not _inside(path.parent, self.shards):
+        if not resolves_inside(path.parent, self.shards):
             raise ValueError(f"cache shard folder {path.parent} resolves outside {self.shards}")
         with atomic_write(path, prefix=f".{key[:12]}-") as staged:  # the name prune knows (_TEMP_NAME)
             save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, staged.path,
@@ -411,11 +359,11 @@ class CacheStore:
                     age = now - f.stat(follow_symlinks=False).st_mtime
                     if f.name.endswith(SHARD_SUFFIX):
                         key = f.name[:-len(SHARD_SUFFIX)]
-                        doomed = (_KEY.fullmatch(key) is not None and key[:2] == sub.name and key not in known
+                        doomed = (ENTRY_KEY.fullmatch(key) is not None and key[:2] == sub.name and key not in known
                                   and age > ORPHAN_GRACE_S)
                     else:
                         doomed = _TEMP_NAME.fullmatch(f.name) is not None and age > temp_older_than_s
-                    if doomed and _inside(Path(f.path), self.shards):
+                    if doomed and resolves_inside(Path(f.path), self.shards):
                         size = f.stat(follow_symlinks=False).st_size
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(f.path)
@@ -449,34 +397,3 @@ def write_manifest(path: str | Path, dataset, cache_root: str | Path) -> Path:
         "empty_text": list(dataset.empty_text) if dataset.empty_text else None,
     }
     return atomic_write_text(path, json.dumps(manifest, separators=(",", ":")))
-
-
-def read_manifest(path: str | Path) -> dict:
-    path = Path(path)
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"dataset manifest {path} not found") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"dataset manifest {path} is not valid JSON: {exc}") from None
-    if manifest.get("version") != MANIFEST_VERSION:
-        raise ValueError(f"dataset manifest {path}: unsupported version {manifest.get('version')}")
-    if not manifest.get("items"):
-        raise ValueError(f"dataset manifest {path} lists no items")
-    return manifest
-
-
-def load_checked(root: str | Path, kind: str, key: str, checksum: str) -> dict:
-    """Reads one shard, refusing it unless its bytes match the checksum recorded when it was written."""
-    from safetensors.torch import load
-    path = entry_path(root, kind, key)
-    if not _inside(path.parent, Path(root) / SHARDS_DIR):
-        raise ValueError(f"invalid cache entry (kind {kind!r}, key {key!r}): its shard folder {path.parent} "
-                         "resolves outside the cache's shards folder")
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise ValueError(f"cache shard {path} is missing; run the cache nodes again") from None
-    if hashlib.sha256(data).hexdigest() != checksum:
-        raise ValueError(f"cache shard {path} is damaged (checksum mismatch); run the cache nodes again")
-    return load(data)

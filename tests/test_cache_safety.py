@@ -21,6 +21,7 @@ import pytest
 
 from conftest import REPO  # noqa: E402  (conftest registers the pack as the package ingraph_trainer)
 
+shards_mod = importlib.import_module("ingraph_trainer.cache.shards")
 store_mod = importlib.import_module("ingraph_trainer.cache.store")
 captions_mod = importlib.import_module("ingraph_trainer.cache.captions")
 folder_scan_mod = importlib.import_module("ingraph_trainer.cache.folder_scan")
@@ -201,7 +202,7 @@ def test_a_dead_pass_protects_nothing_and_a_live_one_protects_its_entries(tmp_pa
     root = tmp_path / "cache"
     writer, pruner = CacheStore(root), CacheStore(root)
     import torch
-    key = store_mod.content_key(n=1)
+    key = shards_mod.content_key(n=1)
     with writer.caching_pass():
         writer.put("latent", key, {"x": torch.zeros(2)})
         assert pruner.prune()["removed"] == 0 and pruner.lookup(key) is not None
@@ -290,7 +291,7 @@ def test_hostile_rows_delete_and_read_nothing(tmp_path):
     for kind, key in hostile:
         assert store.lookup(key) is None
         with pytest.raises(ValueError, match="invalid cache entry"):
-            store_mod.load_checked(root, kind, key, "0" * 64)
+            shards_mod.load_checked(root, kind, key, "0" * 64)
     db = sqlite3.connect(root / "cache.sqlite")  # the rows lookup met are gone; plant them again for prune
     db.executemany("INSERT OR IGNORE INTO entries (key, kind, checksum, bytes, meta, created, used) "
                    "VALUES (?, ?, ?, 8, '{}', 0, 0)",
@@ -312,7 +313,7 @@ def test_first_writer_of_a_key_wins(tmp_path):
     from safetensors.torch import load_file
     root = tmp_path / "cache"
     server_a, server_b = CacheStore(root), CacheStore(root)
-    key = store_mod.content_key(item=1)
+    key = shards_mod.content_key(item=1)
     first = server_a.put("latent", key, {"x": torch.zeros(4)})
     second = server_b.put("latent", key, {"x": torch.ones(4)})  # same key, a slightly different encode
     assert second.checksum == first.checksum
@@ -537,7 +538,7 @@ def test_real_caching_pass_beside_prune_then_training_finishes(assets, tools, tm
     rows = intact_rows(root)
     assert mid_fill > 0, "no prune ran while the cache was being filled"
     assert len(rows) == total and removed == 0  # the 8 captions and the empty one
-    manifest = store_mod.read_manifest(run_dir / "dataset.json")
+    manifest = shards_mod.read_manifest(run_dir / "dataset.json")
     assert all(item[2] in rows and item[4] in rows for item in manifest["items"])
     print(f"prune ran {prunes} times, {mid_fill} of them on a part-filled cache; {len(rows)} rows checked intact")
     result = run_trainer(Path(out.strip().splitlines()[-1]), timeout=300)
@@ -558,7 +559,7 @@ def test_prune_never_unlinks_a_shard_a_writer_is_committing(tmp_path, monkeypatc
     def write():
         try:
             for n in range(300):
-                writer.put("latent", store_mod.content_key(n=n), {"x": torch.full((64,), float(n))})
+                writer.put("latent", shards_mod.content_key(n=n), {"x": torch.full((64,), float(n))})
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 

@@ -19,6 +19,7 @@ dataset_mod = importlib.import_module("ingraph_trainer.cache.dataset")
 folder_scan_mod = importlib.import_module("ingraph_trainer.cache.folder_scan")
 pixels_mod = importlib.import_module("ingraph_trainer.cache.pixels")
 encoding = importlib.import_module("ingraph_trainer.cache.encoding")
+shards_mod = importlib.import_module("ingraph_trainer.cache.shards")
 store_mod = importlib.import_module("ingraph_trainer.cache.store")
 data = importlib.import_module("ingraph_trainer.trainer.data")
 mix = importlib.import_module("ingraph_trainer.trainer.batch_mix")
@@ -307,7 +308,7 @@ def test_a_changed_mask_re_encodes_only_its_item_and_mask_files_are_not_images(t
     # an unmasked item's key is the one it had before masks existed
     store = store_mod.CacheStore(root)
     item = next(i for i in ds2.items if not i.mask_source)
-    assert item.latent == store_mod.content_key(
+    assert item.latent == shards_mod.content_key(
         kind="latent", format=encoding.LATENT_FORMAT, source=store.source_digest(item.path), bucket=[64, 64],
         crop="center", flip=False, encoder=encoding.vae_identity(AreaVAE()))
     store.close()

@@ -85,7 +85,7 @@ def test_the_plan_measures_the_longest_caption_where_it_saves_more_than_the_larg
     from tools.prepare_run import _bootstrap
     _bootstrap()
     from safetensors.torch import save_file
-    from ingraph_trainer.cache.store import entry_path
+    from ingraph_trainer.cache.shards import entry_path
     from ingraph_trainer.trainer import memory_sizes
     from ingraph_trainer.trainer.config import ModelSpec
     from ingraph_trainer.trainer.models import Batch, load_family

@@ -17,8 +17,8 @@ from pathlib import Path
 from .layout import CHECKPOINTS_DIR, COMPLETE_MARK
 from .os_support import replace_file
 from ..cache.files import fsync_dir
-from ..cache.store import file_sha256
-from .trust import TrustError, canonical, read_signed_json, write_signed_json
+from ..cache.shards import file_sha256
+from .trust import TrustError, read_signed_json, write_signed_json
 
 # torch is imported where it is used: the ComfyUI side reads checkpoint state through this module
 

@@ -230,7 +230,7 @@ def caption_tokens(part, j: int) -> int:
     """The token count of item j's caption as written (of a CachedDataset), from its text shard's header (no tensor
     is read); 0 where the header cannot be read (the run's own read then says what is wrong)."""
     from ..cache.files import safetensors_header
-    from ..cache.store import entry_path
+    from ..cache.shards import entry_path
     try:
         header = safetensors_header(entry_path(part.root, "text", part.text_keys[j]))
     except ValueError:
