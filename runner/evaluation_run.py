@@ -53,8 +53,8 @@ def evaluate_model(model, dataset, *, quantiles: list[float], seed: int, batch_s
 
 def check_evaluation_references(model, dataset):
     """Refuses, before anything is handed off or launched, a dataset whose reference images the MODEL's family
-    cannot take: training's rule (trainer.batch_mix.check_reference_input), naming the Evaluate node's input."""
-    from ..trainer.batch_mix import check_reference_input
+    cannot take: training's rule (trainer.dataset_checks.check_reference_input), naming the Evaluate node's input."""
+    from ..trainer.dataset_checks import check_reference_input
     from ..trainer.models import UnsupportedSetting, family_for
     family = family_for(model.model)
     try:

@@ -23,6 +23,7 @@ shards_mod = importlib.import_module("ingraph_trainer.cache.shards")
 store_mod = importlib.import_module("ingraph_trainer.cache.store")
 data = importlib.import_module("ingraph_trainer.trainer.data")
 mix = importlib.import_module("ingraph_trainer.trainer.batch_mix")
+dataset_checks = importlib.import_module("ingraph_trainer.trainer.dataset_checks")
 objectives = importlib.import_module("ingraph_trainer.trainer.objectives")
 config = importlib.import_module("ingraph_trainer.trainer.config")
 
@@ -192,14 +193,14 @@ def test_caption_dropout_without_a_cached_empty_caption_fails_at_start(tmp_path)
     ds, cached, root, (encoded, _) = cached_run(tmp_path, clip=clip)
     # the empty caption is cached without dropout too (Distill's guidance needs it), not counted as a caption
     assert clip.encoded.count("") == 1 and cached.empty_text and encoded == 1
-    mix.check_caption_features(cached, 0.1)
+    dataset_checks.check_caption_features(cached, 0.1)
     # a cache written before it always was: dropout is refused at start
     old = store_mod.write_manifest(tmp_path / "run" / "old.json", dataclasses.replace(ds, empty_text=()), root)
     cached = data.load_cached_dataset(str(old))
     assert cached.empty_text is None
-    mix.check_caption_features(cached, 0.0)
+    dataset_checks.check_caption_features(cached, 0.0)
     with pytest.raises(ValueError, match="data.caption_dropout: data.manifest has no empty-caption embedding"):
-        mix.check_caption_features(cached, 0.1)
+        dataset_checks.check_caption_features(cached, 0.1)
 
 
 def test_conditionings_of_different_lengths_batch_the_way_comfyui_does():
@@ -398,7 +399,7 @@ def test_a_mixed_dataset_batches_training_and_prior_items_from_their_own_caches(
     assert dataset_mod.prior_problems(main_ds, prior_ds) == []
     assert dataset_mod.prior_problems(main_ds, dataclasses_replace(prior_ds, latent_encoder="other"))
     mixed = mix.MixedDataset(main, prior)
-    mix.check_caption_features(mixed, 0.5)
+    dataset_checks.check_caption_features(mixed, 0.5)
     assert len(mixed) == 2 and mixed.unique == main.unique
     batch = mix.training_batch(mixed, [0, 1], mix.text_draw(0, 0, 2, 0.0))
     assert batch.mask is not None and torch.all(batch.mask[0] == 1)  # the training image has no mask

@@ -373,7 +373,8 @@ def test_a_frame_folder_is_read_in_frame_number_order(tmp_path):
 def test_references_and_clips_reach_the_trainer_batch(tmp_path):
     """Cached references come back as Batch.references ([B, C, T, h, w] per slot), clips as 5-D latents in a
     bucket of their own frame count; a family that takes no references refuses them, naming the setting."""
-    from ingraph_trainer.trainer.batch_mix import check_reference_input, training_batch
+    from ingraph_trainer.trainer.batch_mix import training_batch
+    from ingraph_trainer.trainer.dataset_checks import check_reference_input
     from ingraph_trainer.trainer.data import StepSampler, load_cached_dataset
     from ingraph_trainer.trainer.models.base import UnsupportedSetting
 
@@ -473,7 +474,7 @@ def test_references_the_model_cannot_take_or_the_eval_set_lacks_are_refused_at_s
 
 
 def test_evaluate_refuses_references_the_model_cannot_take_before_anything_runs(tmp_path, monkeypatch):
-    """The Evaluate node runs training's reference check (batch_mix.check_reference_input): in the graph, on its
+    """The Evaluate node runs training's reference check (dataset_checks.check_reference_input): in the graph, on its
     dataset input, before the MODEL is handed off; and in the trainer's evaluate task, before the model is built."""
     from types import SimpleNamespace
 

@@ -15,6 +15,8 @@ from typing import NamedTuple
 import torch
 
 from .data import StepSampler, seeded_generator, stack_conds, stack_references, stack_text_masks
+from .dataset_checks import (check_caption_features, check_eval_references, check_reference_input, reads_text_masks,
+                             reference_slots)
 
 # generator streams (data.py uses 1, 2 and 4, evaluation 3): one per kind of draw, so adding one changes no other
 TEXT_CHOICE_STREAM = 11
@@ -51,20 +53,6 @@ def text_draw(seed: int, step: int, global_batch: int, caption_dropout: float) -
     u = torch.rand((global_batch, 2), generator=seeded_generator(seed, TEXT_CHOICE_STREAM, step),
                    dtype=torch.float64)
     return TextDraw(u[:, 0] < caption_dropout, u[:, 1])
-
-
-def check_caption_features(dataset, caption_dropout: float, where: str = "data.manifest"):
-    """Fails at start-up, not at some step, when the manifest cannot serve caption dropout."""
-    for part, name in _parts(dataset, where):
-        if caption_dropout > 0 and part.empty_text is None:
-            raise ValueError(f"data.caption_dropout: {name} has no empty-caption embedding (a cache written "
-                             "before Cache Text Embeddings always stored it); queue Cache Text Embeddings again")
-
-
-def _parts(dataset, where: str):
-    if isinstance(dataset, MixedDataset):
-        return [(dataset.main, where), (dataset.prior, "data.prior_manifest")]
-    return [(dataset, where)]
 
 
 def _text_ref(part, j: int, empty: bool, pick: float | None, shuffle_tags: bool) -> tuple[str, str]:
@@ -119,50 +107,6 @@ def training_batch(dataset, indices: list[int], draw: TextDraw | None = None, sh
         mask = torch.stack([m if m is not None else ones for m in masks])
     return TrainingBatch(stacked, cond, pooled, mask,
                          stack_references(shards, reference_slots(dataset), sources), stack_text_masks(texts))
-
-
-def reference_slots(dataset) -> int:
-    """Reference images per item (0: none); a prior set must have as many as the training set."""
-    return max(part.reference_slots for part, _ in _parts(dataset, ""))
-
-
-def check_reference_input(dataset, family, where: str = "data.manifest"):
-    """Fails at start-up, naming the setting, where the dataset's items carry reference images the model family
-    cannot take (ModelFamily.reference_input is None) or more than it takes, or a prior set's count differs from
-    the training set's. The one rule for every task that runs a family on a dataset (training, distillation, the
-    Evaluate node); `dataset`: a cached dataset, or the graph's TrainingDataset (both say their reference_slots)."""
-    counts = [(name, part.reference_slots) for part, name in _parts(dataset, where)]
-    if len({n for _, n in counts}) > 1:
-        raise ValueError(f"data.prior_manifest: its items have {counts[1][1]} reference image(s), the training "
-                         f"items {counts[0][1]}; a batch needs the same number")
-    slots = counts[0][1]
-    reference_input = getattr(family, "reference_input", None)
-    if slots and reference_input is None:
-        from .models.base import UnsupportedSetting
-        raise UnsupportedSetting(f"{where}: its items carry {slots} reference image(s) (name.ref.png or a "
-                                 f"reference folder), but {family.display_name} takes none (its reference_input is "
-                                 "None); use an edit or image-to-video model, or load the dataset without "
-                                 "reference images")
-    if slots > 1 and reference_input == "start_image":  # refused here, not at the first step's loss
-        from .models.base import UnsupportedSetting
-        raise UnsupportedSetting(f"{where}: its items carry {slots} reference images (name.ref.png, name.ref2.png "
-                                 f"...), but {family.display_name} takes one start image per item; keep "
-                                 "name.ref.png only")
-
-
-def check_eval_references(dataset, eval_dataset, family=None,
-                          where: str = "data.eval_manifest (the eval_dataset input)"):
-    """Fails at start-up where the evaluation set's items carry another number of reference images than the
-    training set's: a model trained on edit pairs or start images, evaluated without them (or the other way round),
-    would be measured at a task it is not trained for, and a batch cannot mix them."""
-    train_slots, eval_slots = reference_slots(dataset), reference_slots(eval_dataset)
-    if family is not None:
-        check_reference_input(eval_dataset, family, where)
-    if eval_slots != train_slots:
-        have = f"{eval_slots} reference image(s)" if eval_slots else "no reference images"
-        raise ValueError(f"{where}: its items carry {have}, the training items {train_slots}; evaluate on images "
-                         "with the same reference images as the training images (name.ref.png beside each, or a "
-                         "reference folder), or leave the evaluation set out to evaluate the training images")
 
 
 # --- prior (regularisation) images -------------------------------------------------------------------------
@@ -336,19 +280,13 @@ def build_training_data(data_spec, global_batch: int, seed: int, family=None, pi
     if getattr(data_spec, "eval_manifest", ""):  # a held-out evaluation set: its references checked now, too
         check_eval_references(dataset, load_cached_dataset(data_spec.eval_manifest), family)
     if pipeline_stages > 1 and reference_slots(dataset):
-        raise ValueError(f"data.manifest: its items carry reference images, which pipeline stages "
+        raise ValueError("data.manifest: its items carry reference images, which pipeline stages "
                          "(distributed.pipeline_stages > 1) do not pass on; train with 1 stage")
     if pipeline_stages > 1 and reads_text_masks(family, dataset):
         raise ValueError(f"data.manifest: its captions carry the text encoder's attention mask, which "
                          f"{family.display_name} reads and pipeline stages (distributed.pipeline_stages > 1) do not "
                          "pass on; train with 1 stage")
     return dataset, sampler
-
-
-def reads_text_masks(family, dataset) -> bool:
-    """The family reads the text encoder's attention mask (Batch.text_mask) and the dataset's captions carry one."""
-    return getattr(family, "reads_text_mask", False) and len(dataset) > 0 \
-        and "attention_mask" in _parts(dataset, "")[0][0].text(0)
 
 
 class MicroBatch(NamedTuple):

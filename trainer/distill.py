@@ -57,7 +57,8 @@ from pathlib import Path
 import torch
 
 from .adapters import inject_adapter
-from .batch_mix import StepBatches, build_training_data, micro_batch_slots, reads_text_masks
+from .batch_mix import StepBatches, build_training_data, micro_batch_slots
+from .dataset_checks import reads_text_masks
 from .checkpoint import Checkpointer, load_checkpoint, save_checkpoint
 from .comfy_env import import_comfy
 from .data import seeded_generator, stack_conds, step_loader

@@ -108,7 +108,7 @@ def run_evaluation(spec, events) -> dict:
     """The `evaluate` task: the loss of the model as given (adapters merged upstream) on a cached dataset."""
     import time
 
-    from .batch_mix import check_reference_input
+    from .dataset_checks import check_reference_input
     from .comfy_env import import_comfy
     from .data import load_cached_dataset
     from .distributed import init_distributed
