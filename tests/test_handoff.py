@@ -15,6 +15,7 @@ import pytest
 from conftest import evaluate_on_one_image, load_workflow, write_upstream_lora
 
 from ingraph_trainer.runner import model_source as ms
+from ingraph_trainer.runner import materialise
 
 
 # --- the walk over API prompts (no server) ---------------------------------------------------------------------
@@ -148,7 +149,7 @@ def test_materialised_copies_stay_under_the_cap_least_recently_used_first(tmp_pa
         path.write_bytes(b"0" * 1000)
         os.utime(path, ns=(10**18 + i, 10**18 + i))  # a oldest ... d newest
     os.utime(tmp_path / "a.safetensors")  # used now: the newest
-    removed = ms.evict_materialised(tmp_path, keep=tmp_path / "b.safetensors", cap_bytes=2000)
+    removed = materialise.evict_materialised(tmp_path, keep=tmp_path / "b.safetensors", cap_bytes=2000)
     assert [p.name for p in removed] == ["c.safetensors", "d.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "b.safetensors"]
 
@@ -297,11 +298,11 @@ def test_a_stale_partial_copy_is_removed_and_a_fresh_one_kept(tmp_path):
     stale, fresh = tmp_path / ".model-a1b2.partial", tmp_path / ".model-c3d4.partial"
     stale.write_bytes(b"x" * 100)
     fresh.write_bytes(b"x" * 100)
-    old = time.time() - ms.STALE_PARTIAL_S - 60
+    old = time.time() - materialise.STALE_PARTIAL_S - 60
     os.utime(stale, (old, old))
     keep = tmp_path / "k.safetensors"
     keep.write_bytes(b"x")
-    ms.evict_materialised(tmp_path, keep=keep, cap_bytes=10**9)
+    materialise.evict_materialised(tmp_path, keep=keep, cap_bytes=10**9)
     assert not stale.exists() and fresh.exists() and keep.exists()
 
 

@@ -48,214 +48,34 @@ processes, and a resumed run, compute the same numbers.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import math
 import time
-from pathlib import Path
 
 import torch
 
 from .adapters import inject_adapter
 from .batch_mix import StepBatches, build_training_data, micro_batch_slots
-from .dataset_checks import reads_text_masks
-from .checkpoint import Checkpointer, load_checkpoint, save_checkpoint
+from .checkpoint import Checkpointer
 from .comfy_env import import_comfy
-from .data import seeded_generator, stack_conds, step_loader
+from .data import step_loader
+from .dataset_checks import reads_text_masks
 from .device import training_device
+from .distill_networks import (Denoiser, GanHead, Network, Networks, fake_score_spec, frozen, held_weight_bytes,
+                               peak_rss_per_rank)
 from .distributed import data_parallel_size, deepspeed_config, world_size
-from .layouts import ParallelLayout, WholeModel, choose_engine, global_sum, grad_norm
+from .dmd2 import STUDENT_SAMPLER, STUDENT_SCHEDULER, DMD2Objective, starts_at_max_noise, student_sigmas
+from .layouts import choose_engine, global_sum, grad_norm
 from .loop import check_finite, refuse_fp8_full_fine_tune
 from .memory import checkpointed_with_fp8_kept, load_peak
 from .memory_plan import plan_distillation
 from .metrics import HealthLog
-from .models import Batch, load_family
+from .models import load_family
 from .optim import averaged_weights, build_optimizer, build_scheduler
 from .result import write_result
 from .run_control import RunControl, TrainingTask
 from .sampling import PreviewSampler
 
-# generator streams (data.py uses 1-4, batch_mix 11-13): one per kind of draw
-STUDENT_STEP_STREAM = 21  # which student step each slot trains
-START_NOISE_STREAM = 22  # the noise the student's input is made from
-SIMULATION_NOISE_STREAM = 23  # backward simulation: the fresh noise of each re-noising
-DMD_TIME_STREAM = 24  # where the DMD gradient (and the fake score's loss) is taken
-DMD_NOISE_STREAM = 25
-FAKE_TIME_STREAM = 26
-FAKE_NOISE_STREAM = 27
-
-STUDENT_SAMPLER, STUDENT_SCHEDULER = "lcm", "sgm_uniform"  # what samples the student (module docstring)
-
-
-def student_sigmas(model_sampling, steps: int, timesteps: list) -> list[float]:
-    """The student's noise levels, highest first: ComfyUI's own sgm_uniform sigmas for `steps` (what KSampler
-    visits), or explicit places t in (0, 1] along the model's schedule."""
-    if timesteps:
-        return [float(model_sampling.sigma_max) if t >= 1.0 else float(model_sampling.percent_to_sigma(1.0 - t))
-                for t in timesteps]
-    from .comfy_compat import scheduler_sigmas
-    return [float(s) for s in scheduler_sigmas(model_sampling, STUDENT_SCHEDULER, steps)[:-1]]
-
-
-def starts_at_max_noise(model_sampling, sigma: float) -> bool:
-    """KSampler's max_denoise: its first sigma at the schedule's top scales the noise by sqrt(1 + sigma^2)."""
-    max_sigma = float(model_sampling.sigma_max)
-    return math.isclose(max_sigma, sigma, rel_tol=1e-05) or sigma > max_sigma
-
-
-@contextlib.contextmanager
-def frozen(params: list):
-    """Within: these weights take no gradient."""
-    for p in params:
-        p.requires_grad_(False)
-    try:
-        yield
-    finally:
-        for p in params:
-            p.requires_grad_(True)
-
-
-class GanHead(torch.nn.Module):
-    """The GAN classifier: two convolutions over a denoised latent ([B, C, (T,) H, W]; frames as images), pooled
-    to one logit per sample. It reads the fake score's x0 prediction, so it is family-agnostic."""
-
-    def __init__(self, channels: int, width: int = 64):
-        super().__init__()
-        self.features = torch.nn.Sequential(
-            torch.nn.Conv2d(channels, width, 3, padding=1), torch.nn.SiLU(),
-            torch.nn.Conv2d(width, width, 4, stride=2, padding=1), torch.nn.SiLU())
-        self.logit = torch.nn.Linear(width, 1)
-
-    def forward(self, x0: torch.Tensor) -> torch.Tensor:
-        frames = x0.shape[2] if x0.dim() == 5 else 1
-        if x0.dim() == 5:
-            x0 = x0.transpose(1, 2).reshape(-1, *x0.shape[1:2], *x0.shape[3:])
-        dtype = self.logit.weight.dtype
-        h = self.features(x0.to(dtype)).mean(dim=(2, 3))
-        return self.logit(h.view(-1, frames, h.shape[-1]).mean(1)).squeeze(-1).float()
-
-
-class Denoiser(torch.nn.Module):
-    """One network of the distillation, what its engine wraps: forward("x0", x, sigma, cond, pooled, references)
-    is the denoised latent (fp32) as ComfyUI's sampling computes it; forward("loss", latents, cond, pooled, noise,
-    timesteps, references) the family's per-sample training loss; forward("logit", ...) the GAN head's logit on
-    the x0 ("x0"'s arguments)."""
-
-    def __init__(self, family, head: GanHead | None = None):
-        super().__init__()
-        self.diffusion_model = family.diffusion_model
-        self.head = head
-        self.family = family
-
-    def forward(self, kind: str, *args):
-        if kind == "x0":
-            return self.x0(*args)
-        if kind == "logit":
-            return self.head(self.x0(*args))
-        latents, cond, pooled, noise, timesteps, references = args
-        return self.family.loss(Batch(latents, cond, pooled, noise, timesteps, None, references), reduce=False)
-
-    def x0(self, x, sigma, cond, pooled=None, references=None):
-        family = self.family
-        sampling, dtype = family.base_model.model_sampling, family.weight_dtype()
-        shaped = sigma.view((-1,) + (1,) * (x.dim() - 1))
-        x_in = sampling.calculate_input(shaped, x)
-        kwargs = family.model_kwargs(Batch(x, cond, pooled, x, sigma, None, references), x, dtype)
-        c_concat = kwargs.pop("c_concat", None)
-        if c_concat is not None:
-            x_in = torch.cat([x_in, c_concat.to(x_in.dtype)], dim=1)
-        out = self.diffusion_model(x_in.to(dtype), sampling.timestep(sigma).float(), transformer_options={}, **kwargs)
-        return sampling.calculate_denoised(shaped, out.float(), x)
-
-
-class Network(WholeModel):
-    """A trained network of the distillation on WholeModel's layout (a DeepSpeed engine at any world size, ZeRO
-    0-3, whole weights gathered for export), with a module of the distillation's own."""
-    clips_itself = False  # the distiller's loop drives the engine: it clips, as configured
-
-    def __init__(self, spec, module: torch.nn.Module, params: list):
-        ParallelLayout.__init__(self, spec)
-        self.module, self.trainable = module, params
-        self._own_grad_norm = True
-
-
-class Engines:
-    """The generator's and the fake scores' engines as the one engine checkpoint.py saves and loads: each writes
-    its own DeepSpeed files (weights, optimizer, scheduler) into its own folder of the checkpoint; the client
-    state (the trainer's step, the random state) travels with the generator's."""
-
-    def __init__(self, engines: dict):
-        self.engines = engines  # name → engine; the first one carries the client state
-
-    def save_checkpoint(self, save_dir, tag, client_state, **kwargs):
-        for n, (name, engine) in enumerate(self.engines.items()):
-            engine.save_checkpoint(str(Path(save_dir) / tag), tag=name, client_state=client_state if n == 0 else {},
-                                   **kwargs)
-
-    def load_checkpoint(self, load_dir, tag, **kwargs):
-        saved = {p.name for p in (Path(load_dir) / tag).glob("fake*") if p.is_dir()}
-        wanted = {name for name in self.engines if name.startswith("fake")}
-        if saved and saved != wanted:  # a run resumed with distill.fake_score_per_step changed
-            raise ValueError(f"{Path(load_dir) / tag}: it holds {len(saved)} fake score(s) and this run has "
-                             f"{len(wanted)}: resume with distill.fake_score_per_step (the Distill node's "
-                             "fake_score_per_step) as it was when the checkpoint was saved")
-        found = None
-        for n, (name, engine) in enumerate(self.engines.items()):
-            path, client_state = engine.load_checkpoint(str(Path(load_dir) / tag), tag=name, **kwargs)
-            if path is None:
-                return None, None
-            if n == 0:
-                found = (path, client_state)
-        return found
-
-
-class Networks:
-    """What Checkpointer asks of a layout (save, load), over every trained network."""
-
-    def __init__(self, generator: Network, fakes: list):
-        # the first fake score's folder is "fake" whether or not there are more (distill.fake_score_per_step)
-        self.engine = Engines({"generator": generator.engine, "fake": fakes[0].engine,
-                               **{f"fake_step{k + 1}": f.engine for k, f in enumerate(fakes) if k}})
-
-    def save(self, run_dir, step, state, is_rank0, keep_last, components=None):
-        return save_checkpoint(self.engine, run_dir, step, state, is_rank0, keep_last=keep_last,
-                               components=components)
-
-    def load(self, path, components=None) -> dict:
-        return load_checkpoint(self.engine, path, components)
-
-
-def fake_score_spec(spec):
-    """The spec the fake score's optimizer and schedule are built from: its own learning rate, and as many
-    scheduler steps as it takes (fake_updates per generator update)."""
-    t, n = spec.train, spec.distill.fake_updates
-    return dataclasses.replace(spec, train=dataclasses.replace(t, learning_rate=spec.distill.fake_learning_rate,
-                                                               steps=t.steps * n, warmup_steps=t.warmup_steps * n))
-
-
-def peak_rss_per_rank() -> list:
-    """Each process's peak resident memory in bytes (VmHWM, since the first network's load began; None where
-    unknown), gathered on every rank: what ZeRO-3 saves per process."""
-    from .os_support import host_memory
-    peak = host_memory()[1]
-    if world_size() == 1:
-        return [peak]
-    gathered: list = [None] * world_size()
-    torch.distributed.all_gather_object(gathered, peak)
-    return gathered
-
-
-def held_weight_bytes(*modules) -> int:
-    """Bytes of the modules' weights this process holds: under ZeRO-3 its partitions, else whole tensors."""
-    held = 0
-    for module in modules:
-        for p in module.parameters():
-            part = getattr(p, "ds_tensor", None)
-            held += (part.numel() * part.element_size()) if part is not None else p.numel() * p.element_size()
-    return held
-
-
-class Distiller(TrainingTask):
+class Distiller(DMD2Objective, TrainingTask):
     # --- building ------------------------------------------------------------------------------------------
     def load(self, precision: str):
         family = load_family(self.spec.model, precision=precision)
@@ -412,14 +232,6 @@ class Distiller(TrainingTask):
         self.health.step(step, **{f"train/{k}": v for k, v in losses.items()}, **{
             "train/lr": lr, "train/grad_norm": grad_norm, "perf/step_time_s": step_time})
 
-    # --- draws ---------------------------------------------------------------------------------------------
-    def draw_normal(self, shape, *key) -> torch.Tensor:
-        """Standard normal draws for the whole global batch (slice with self.slots)."""
-        return torch.randn((self.global_batch, *shape), generator=seeded_generator(self.spec.train.seed, *key))
-
-    def draw_uniform(self, *key) -> torch.Tensor:
-        return torch.rand((self.global_batch,), generator=seeded_generator(self.spec.train.seed, *key))
-
     # --- one generator update ------------------------------------------------------------------------------
     def update(self, step: int, micro_batches) -> tuple[dict, float | None]:
         """The generator's update (sub-step 0), then the fake score's updates (sub-steps 1..fake_updates), the
@@ -479,115 +291,3 @@ class Distiller(TrainingTask):
             losses["gan_loss"] = out["gan"]
         reported = engine.get_global_grad_norm()
         return losses, float(reported) if reported else (own_norm.item() if own_norm is not None else None)
-
-    def student_x0(self, step: int, sub: int, m: int, shape, latents, cond, pooled, references,
-                   from_dataset: bool = False, only_step: int | None = None):
-        """(the student's x0 at its step k, its input, k): k drawn per slot (`only_step`: that step for every slot,
-        as a step's own fake score takes it); the input at sigma_k is pure noise
-        (k = 0), the student's own earlier steps from pure noise (backward simulation), or the dataset's latents
-        noised (`from_dataset`, and k > 0 without backward simulation). Gradients flow as the caller's mode says."""
-        dd, slots = self.spec.distill, self.slots[m]
-        sampling = self.generator_family.base_model.model_sampling
-        n = len(self.sigmas)
-        every_k = (self.draw_uniform(STUDENT_STEP_STREAM, step, sub) * n).long().clamp(max=n - 1)
-        if only_step is not None:
-            every_k = torch.full_like(every_k, only_step)
-        k = every_k[slots].to(self.device)
-        sigmas = torch.tensor(self.sigmas, dtype=torch.float32, device=self.device)
-        sigma_k = sigmas[k]
-        noise = self.draw_normal(shape, START_NOISE_STREAM, step, sub)[slots].to(self.device)
-        view = (-1,) + (1,) * len(shape)
-        noised_data = sampling.noise_scaling(sigma_k.view(view), noise, latents)
-        if from_dataset:
-            x = noised_data
-        else:
-            pure = sampling.noise_scaling(sigmas[0].view(1), noise, torch.zeros_like(noise), self.first_at_max)
-            x = torch.where((k == 0).view(view), pure, noised_data)
-            # as many student steps on every process (under ZeRO-3 each forward pass gathers weights collectively):
-            # the deepest step of the global batch
-            deepest = int(every_k.max())
-            if dd.backward_simulation and deepest > 0:
-                with torch.no_grad():
-                    current = pure
-                    for j in range(deepest):
-                        denoised = self.generator.engine("x0", current, sigmas[j].expand(len(k)), cond, pooled,
-                                                         references)
-                        fresh = self.draw_normal(shape, SIMULATION_NOISE_STREAM, step, sub, j)[slots].to(self.device)
-                        current = sampling.noise_scaling(sigmas[j + 1].view(1), fresh, denoised)
-                        x = torch.where((k == j + 1).view(view), current, x)
-        return self.generator.engine("x0", x, sigma_k, cond, pooled, references), x, k
-
-    def generator_loss(self, step, m, shape, latents, cond, pooled, references, regression: bool):
-        """(the student's x0, {"generator": the loss to back-propagate, "dmd", "gan": its parts})."""
-        dd = self.spec.distill
-        x0, _, k = self.student_x0(step, 0, m, shape, latents, cond, pooled, references, from_dataset=regression)
-        zero = torch.zeros((), device=self.device)
-        if regression:
-            loss = torch.nn.functional.mse_loss(x0.float(), latents.float())
-            return x0, {"generator": loss, "dmd": zero, "gan": zero}
-        slots = self.slots[m]
-        sampling = self.generator_family.base_model.model_sampling
-        t_place = dd.min_t + (dd.max_t - dd.min_t) * self.draw_uniform(DMD_TIME_STREAM, step, 0)[slots]
-        sigma_t = self.generator_family.sigmas(t_place).to(self.device)
-        noise = self.draw_normal(shape, DMD_NOISE_STREAM, step, 0)[slots].to(self.device)
-        view = (-1,) + (1,) * len(shape)
-        with torch.no_grad():
-            x_t = sampling.noise_scaling(sigma_t.view(view), noise, x0.detach())
-            real = self.real_x0(x_t, sigma_t, cond, pooled, references)
-            fake = self.fake_x0(x_t, sigma_t, cond, pooled, references, k)
-            dims = tuple(range(1, x0.dim()))
-            normaliser = (x0.detach().float() - real).abs().mean(dim=dims, keepdim=True)
-            grad = torch.nan_to_num((fake - real) / normaliser)
-        dmd = 0.5 * torch.nn.functional.mse_loss(x0.float(), (x0.float() - grad).detach())
-        loss = dd.dmd_weight * dmd
-        gan = zero
-        if dd.gan_weight > 0:  # through the fake score's module (frozen by the caller), not its engine, which
-            # takes any backward pass through its outputs for its own
-            x_t_grad = sampling.noise_scaling(sigma_t.view(view), noise, x0)
-            gan = torch.nn.functional.softplus(-self.fake.engine.module("logit", x_t_grad, sigma_t, cond, pooled,
-                                                                        references)).mean()
-            loss = loss + dd.gan_weight * gan
-        return x0, {"generator": loss, "dmd": dmd, "gan": gan}
-
-    def fake_x0(self, x_t, sigma_t, cond, pooled, references, k):
-        """The fake score's x0; with one per student step, each sample's from the fake score of the step that made
-        it (every fake score runs on the whole batch: under ZeRO-3 a forward pass is collective)."""
-        if len(self.fakes) == 1:
-            return self.fake.engine("x0", x_t, sigma_t, cond, pooled, references)
-        every = torch.stack([f.engine("x0", x_t, sigma_t, cond, pooled, references) for f in self.fakes])
-        return every[k, torch.arange(x_t.shape[0], device=every.device)]
-
-    def real_x0(self, x_t, sigma_t, cond, pooled, references):
-        """The teacher's x0, guided: uncond + guidance_scale * (cond - uncond), with the empty caption."""
-        scale = self.spec.distill.guidance_scale
-        cond_x0 = self.teacher("x0", x_t, sigma_t, cond, pooled, references)
-        if scale == 1.0:
-            return cond_x0
-        count = x_t.shape[0]
-        empty_cond = stack_conds([self.empty_text["cond"]] * count).to(self.device)
-        empty_pooled = torch.stack([self.empty_text["pooled"]] * count).to(self.device) \
-            if pooled is not None and "pooled" in self.empty_text else None
-        uncond_x0 = self.teacher("x0", x_t, sigma_t, empty_cond, empty_pooled, references)
-        return uncond_x0 + scale * (cond_x0 - uncond_x0)
-
-    def fake_loss(self, step, sub, m, shape, x0, latents, cond, pooled, references, fake: Network):
-        """The fake score's loss on the generator's detached x0: the family's own training loss with x0 as the
-        clean latents (times denoising_weight), plus the GAN classifier's loss where on."""
-        dd, slots = self.spec.distill, self.slots[m]
-        family = self.fake_family
-        t_place = dd.min_t + (dd.max_t - dd.min_t) * self.draw_uniform(FAKE_TIME_STREAM, step, sub)[slots]
-        noise = self.draw_normal(shape, FAKE_NOISE_STREAM, step, sub)[slots].to(self.device)
-        raw = family.base_model.process_latent_out(x0.detach().float())  # the family's loss takes cached latents
-        per_sample = fake.engine("loss", raw, cond, pooled, noise, t_place.to(self.device), references)
-        loss = dd.denoising_weight * per_sample.mean()
-        if dd.gan_weight > 0:
-            sampling = family.base_model.model_sampling
-            sigma_t = family.sigmas(t_place).to(self.device)
-            view = (-1,) + (1,) * len(shape)
-            generated = sampling.noise_scaling(sigma_t.view(view), noise, x0.detach())
-            real = sampling.noise_scaling(sigma_t.view(view), noise, latents)
-            softplus = torch.nn.functional.softplus
-            loss = loss + dd.gan_weight * (
-                softplus(fake.engine("logit", generated, sigma_t, cond, pooled, references)).mean()
-                + softplus(-fake.engine("logit", real, sigma_t, cond, pooled, references)).mean())
-        return loss
