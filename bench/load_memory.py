@@ -32,7 +32,7 @@ def measure(path: str, fmt: str, hold: str, how: str) -> dict:
     from tools.prepare_run import _bootstrap
     _bootstrap()
     import comfy.sd  # noqa: F401  (imports before the baseline)
-    from ingraph_trainer.trainer.config import ModelSpec
+    from ingraph_trainer.trainer.spec import ModelSpec
     from ingraph_trainer.trainer.memory import load_peak
     from ingraph_trainer.trainer.models import load_family  # noqa: F401  (imports before the baseline)
 

@@ -61,7 +61,7 @@ def prepare_sdxl(unet: Path, checkpoint: Path, images: Path, work: Path, resolut
     sys.path.insert(0, str(REPO / "tests" / "comfy_nodes"))
     from ingraph_test_nodes import SyntheticClip
     from ingraph_trainer.runner.session import prepare_run
-    from ingraph_trainer.trainer.config import ModelSpec, TrainSpec
+    from ingraph_trainer.trainer.spec import ModelSpec, TrainSpec
     from tools.cache_dataset import encode_folder
     vae = comfy.sd.load_checkpoint_guess_config(str(checkpoint), output_clip=False)[2]
     dataset, _ = encode_folder(images, work / "cache_sdxl", SyntheticClip("sdxl"), vae, resolution)
@@ -74,7 +74,7 @@ def prepare_sdxl(unet: Path, checkpoint: Path, images: Path, work: Path, resolut
 
 
 def run_setting(base_spec: Path, work: Path, name: str, steps: int, timeout: float) -> dict:
-    from ingraph_trainer.trainer.config import dump_run_spec, load_run_spec
+    from ingraph_trainer.trainer.spec import dump_run_spec, load_run_spec
     from ingraph_trainer.trainer.events import read_events
     spec = load_run_spec(base_spec)
     run_dir = work / f"run_{base_spec.parent.name}_{name}"

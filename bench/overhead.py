@@ -34,7 +34,7 @@ def bench_spec(work: Path, steps: int, base: Path | None) -> Path:
     """A copy of the run spec with `steps` steps, no evaluation in between and no checkpoints."""
     from bench.step_losses import fresh_run, prepared_spec
     _register_package()
-    from ingraph_trainer.trainer.config import dump_run_spec, load_run_spec
+    from ingraph_trainer.trainer.spec import dump_run_spec, load_run_spec
     spec_path = fresh_run(base or prepared_spec(work), work / "overhead")
     spec = load_run_spec(spec_path)
     spec.train.steps, spec.train.save_every, spec.train.eval_every = steps, 0, 0
@@ -79,7 +79,7 @@ class BareLoop:
         import torch
         from ingraph_trainer.trainer.adapters import inject_adapter
         from ingraph_trainer.trainer.comfy_env import import_comfy
-        from ingraph_trainer.trainer.config import load_run_spec
+        from ingraph_trainer.trainer.spec import load_run_spec
         from ingraph_trainer.trainer.batch_mix import StepBatches, build_training_data
         from ingraph_trainer.trainer.models import load_family
         from ingraph_trainer.trainer.optim import build_optimizer, build_scheduler

@@ -1,6 +1,6 @@
 from comfy_api.latest import io
 
-from ..trainer.config import TARGET_CHOICES, AdapterSpec, choice_labels, choices_tooltip, choice_value
+from ..trainer.spec import TARGET_CHOICES, AdapterSpec, choice_labels, choices_tooltip, choice_value
 from .types import CATEGORY, Adapter
 
 KINDS = {"LoRA": "lora", "LoHa": "loha", "LoKr": "lokr", "DoRA": "dora", "Full fine-tune": "full"}

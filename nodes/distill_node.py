@@ -1,6 +1,6 @@
 from comfy_api.latest import io
 
-from ..trainer.config import PRECISION_CHOICES, DistillSpec, TrainSpec, choice_value
+from ..trainer.spec import PRECISION_CHOICES, DistillSpec, TrainSpec, choice_value
 from .train_node import _resumable, progress_relay
 from .inputs import output_file_inputs, precision_input
 from .types import CATEGORY, Adapter, Dataset, Distributed, Previews

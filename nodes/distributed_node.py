@@ -1,6 +1,6 @@
 from comfy_api.latest import io
 
-from ..trainer.config import DistributedSpec
+from ..trainer.spec import DistributedSpec
 from .types import CATEGORY, Distributed
 
 

@@ -1,6 +1,6 @@
 from comfy_api.latest import io
 
-from ..trainer.config import DEFAULT_EVAL_QUANTILES_TEXT
+from ..trainer.spec import DEFAULT_EVAL_QUANTILES_TEXT
 from .types import CATEGORY, Dataset, Distributed
 
 

@@ -3,7 +3,7 @@ and place in the node's list (saved workflows map widget values by position); a 
 shared tooltip where its run differs."""
 from comfy_api.latest import io
 
-from ..trainer.config import PRECISION_CHOICES, choice_labels
+from ..trainer.spec import PRECISION_CHOICES, choice_labels
 
 
 def precision_input():

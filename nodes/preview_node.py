@@ -46,7 +46,7 @@ class SamplePreviews(io.ComfyNode):
                 height) -> io.NodeOutput:
         from ..runner.compare import parse_prompts
         from ..runner.previews import PreviewSettings, encode_prompts
-        from ..trainer.config import SampleSpec
+        from ..trainer.spec import SampleSpec
         texts = parse_prompts(prompts)
         if width % 8 or height % 8:
             raise ValueError(f"width and height must be multiples of 8 (got {width}x{height})")

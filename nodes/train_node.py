@@ -2,7 +2,7 @@ import logging
 
 from comfy_api.latest import io
 
-from ..trainer.config import (ADAPTER_FORMAT_CHOICES, BASE_PRECISION_CHOICES, DEFAULT_EVAL_QUANTILES_TEXT,
+from ..trainer.spec import (ADAPTER_FORMAT_CHOICES, BASE_PRECISION_CHOICES, DEFAULT_EVAL_QUANTILES_TEXT,
                                LOSS_CHOICES, MEMORY_CHOICES, OPTIMIZER_CHOICES, PRECISION_CHOICES, SCHEDULE_CHOICES,
                                TIMESTEP_SAMPLING_CHOICES, TrainSpec, choice_labels, choice_value, choices_tooltip)
 from .inputs import output_file_inputs, precision_input

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from ..trainer.config import (ADAPTER_KIND_CHOICES, DISTILL_STUDENT_KINDS, AdapterSpec, DistillSpec, DistributedSpec,
+from ..trainer.spec import (ADAPTER_KIND_CHOICES, DISTILL_STUDENT_KINDS, AdapterSpec, DistillSpec, DistributedSpec,
                               RunSpec, TrainSpec)
 from .train_run import TrainOutcome, check_family_settings, run_trainer_node
 
@@ -16,7 +16,7 @@ TASK = "distill"
 
 
 def check_student_adapter(adapter: AdapterSpec):
-    """The adapter input: a LoRA or a full fine-tune (trainer.config.DISTILL_STUDENT_KINDS: the other kinds make no
+    """The adapter input: a LoRA or a full fine-tune (trainer.spec.DISTILL_STUDENT_KINDS: the other kinds make no
     turbo LoRA that ComfyUI users load, and the trainer refuses them)."""
     if adapter.kind not in DISTILL_STUDENT_KINDS:
         labels = {c.value: c.label for c in ADAPTER_KIND_CHOICES}
@@ -29,7 +29,7 @@ def check_student_adapter(adapter: AdapterSpec):
 
 
 def refuse(problems: list[str]):
-    """The spec's problems (trainer.config) as the node's error: its inputs carry the spec's field names without
+    """The spec's problems (trainer.spec) as the node's error: its inputs carry the spec's field names without
     the table ("distill.fake_updates" -> fake_updates)."""
     if problems:
         raise ValueError(f"{TITLE}: " + "; ".join(p.removeprefix("distill.") for p in problems))
@@ -53,7 +53,7 @@ def parse_student_timesteps(text: str, student_steps: int) -> list[float]:
 
 def check_distill_settings(adapter: AdapterSpec, train: TrainSpec, distill: DistillSpec,
                            distributed: DistributedSpec | None):
-    """Refuses, before anything is written, what the run spec would refuse (trainer.config.DistillSpec.problems):
+    """Refuses, before anything is written, what the run spec would refuse (trainer.spec.DistillSpec.problems):
     the error names the node's inputs."""
     check_student_adapter(adapter)
     spec = RunSpec(task=TASK, adapter=adapter, train=train, distributed=distributed or DistributedSpec(),

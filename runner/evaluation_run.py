@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..trainer.config import DistributedSpec, TrainSpec
+from ..trainer.spec import DistributedSpec, TrainSpec
 
 
 def parse_quantiles(text: str, name: str = "quantiles", allow_empty: bool = False) -> list[float]:

@@ -40,7 +40,7 @@ class Undescribable(Exception):
 class ModelSource:
     """Where a MODEL's weights come from: a file as its loader read it, then adapter files applied in order."""
     path: str
-    format: str = "diffusion_model"  # trainer.config.MODEL_FORMATS
+    format: str = "diffusion_model"  # trainer.spec.MODEL_FORMATS
     weight_dtype: str = "default"
     loras: tuple = ()  # ((path, strength), ...)
 
@@ -49,7 +49,7 @@ class ModelSource:
 
     def model_spec(self, prediction: str):
         """The run spec's model section for this source, stamped now."""
-        from ..trainer.config import ModelSpec
+        from ..trainer.spec import ModelSpec
         lora_paths = [p for p, _ in self.loras]
         return ModelSpec(path=self.path, format=self.format, weight_dtype=self.weight_dtype, lora_paths=lora_paths,
                          lora_strengths=[s for _, s in self.loras],
@@ -59,7 +59,7 @@ class ModelSource:
 @dataclass(frozen=True)
 class VaeSource:
     path: str
-    format: str  # trainer.config.VAE_FORMATS
+    format: str  # trainer.spec.VAE_FORMATS
 
 
 def file_stamp(path: str | Path) -> str:
@@ -148,7 +148,7 @@ def _walk(prompt: dict, link, resolve, depth: int = 0) -> tuple[ModelSource, obj
     if kind == "CheckpointLoaderSimple":
         return ModelSource(_file(node_id, node, "ckpt_name", "checkpoints", resolve), "checkpoint"), None
     if kind == "UNETLoader":
-        from ..trainer.config import WEIGHT_DTYPES
+        from ..trainer.spec import WEIGHT_DTYPES
         dtype = _literal(node_id, node, "weight_dtype", str)
         if dtype not in WEIGHT_DTYPES:
             raise Undescribable(node_id, kind, f"weight_dtype {dtype!r} is not one of {WEIGHT_DTYPES}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..trainer.config import SampleSpec
+from ..trainer.spec import SampleSpec
 
 CONDITIONING_FILE = "sample_conditioning.safetensors"
 

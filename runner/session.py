@@ -11,7 +11,7 @@ from typing import Callable
 
 from ..cache.files import atomic_write_text
 from ..cache.store import write_manifest
-from ..trainer.config import AdapterSpec, DistributedSpec, ModelSpec, RunSpec, TrainSpec, dump_run_spec
+from ..trainer.spec import AdapterSpec, DistributedSpec, ModelSpec, RunSpec, TrainSpec, dump_run_spec
 from ..trainer.trust import sign_run
 from .launcher import TrainerProcess
 from .runs import MANIFEST_FILE, SPEC_FILE, create_run_dir

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..trainer.config import AdapterSpec, DistributedSpec, TrainSpec
+from ..trainer.spec import AdapterSpec, DistributedSpec, TrainSpec
 
 log = logging.getLogger("ingraph_trainer")
 
@@ -24,7 +24,7 @@ def check_family_settings(model, prediction: str, train, adapter, file_format: s
                           title: str = "Train LoRA"):
     """Rejects, before anything is written, settings the MODEL's family cannot honour (the trainer checks again).
     `title`: the node the error names."""
-    from ..trainer.config import DistributedSpec, OutputSpec, RunSpec
+    from ..trainer.spec import DistributedSpec, OutputSpec, RunSpec
     from ..trainer.models import UnsupportedSetting, family_for
     from .launcher import check_local_processes
     if distributed is not None and distributed.processes > 1 and not distributed.hostfile:
@@ -106,7 +106,7 @@ def train_lora(model, dataset, *, adapter: AdapterSpec, train: TrainSpec, output
     """One Train node run. `on_run(run id, steps)` gives the event handler; `prompt` and `node_id` (the node's
     hidden inputs) say where its MODEL and previews VAE come from, so they reach the trainer as files.
     `prior_dataset`: prior (regularisation) images, `prior_fraction` of every batch, loss weight `prior_weight`.
-    `base_precision` (config.BASE_PRECISIONS): how the trainer holds the frozen base weights (fp8 halves bf16)."""
+    `base_precision` (spec.BASE_PRECISIONS): how the trainer holds the frozen base weights (fp8 halves bf16)."""
     def check_new_run(prediction: str):
         check_family_settings(model, prediction, train, adapter, file_format, distributed)
         if prior_dataset is not None:
@@ -140,7 +140,7 @@ def run_trainer_node(model, dataset, *, task: str, title: str, adapter: AdapterS
     from .run_record import trainer_running
     from .runs import SPEC_FILE, resolve_resume_choice, write_owner
     from .session import prepare_run, watch_run
-    from ..trainer.config import load_run_spec
+    from ..trainer.spec import load_run_spec
 
     began = time.perf_counter()
     timings = {}  # what the node spends before the trainer starts, for the log (the hand-off's cost)

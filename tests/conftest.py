@@ -32,7 +32,7 @@ COMFYUI_MISSING = f"skipped: ComfyUI not found at {comfyui_path()} (set COMFYUI_
 from ingraph_trainer.trainer.comfy_compat import comfyui_version  # noqa: E402
 # the ComfyUI under test is 0.33 or later (scripts/test.sh's second tier); () where none is found
 ON_COMFYUI_033 = comfyui_version(comfyui_path()) >= (0, 33)
-from ingraph_trainer.trainer.config import deepspeed_installed  # noqa: E402
+from ingraph_trainer.trainer.spec import deepspeed_installed  # noqa: E402
 # the tests of what only DeepSpeed does (several processes, ZeRO, pipelines): a one-GPU install has no DeepSpeed
 requires_deepspeed = pytest.mark.skipif(not deepspeed_installed(), reason="skipped: DeepSpeed is not installed "
                                         "(the multi-GPU extra, requirements-multi-gpu.txt)")

@@ -12,7 +12,7 @@ import pytest
 from safetensors import safe_open
 
 from conftest import evaluate_on_one_image, load_workflow
-from ingraph_trainer.trainer.config import DEFAULT_EVAL_QUANTILES_TEXT
+from ingraph_trainer.trainer.spec import DEFAULT_EVAL_QUANTILES_TEXT
 
 pytestmark = pytest.mark.comfyui
 

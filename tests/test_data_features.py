@@ -25,7 +25,7 @@ data = importlib.import_module("ingraph_trainer.trainer.data")
 mix = importlib.import_module("ingraph_trainer.trainer.batch_mix")
 dataset_checks = importlib.import_module("ingraph_trainer.trainer.dataset_checks")
 objectives = importlib.import_module("ingraph_trainer.trainer.objectives")
-config = importlib.import_module("ingraph_trainer.trainer.config")
+config = importlib.import_module("ingraph_trainer.trainer.spec")
 
 
 class AreaVAE:

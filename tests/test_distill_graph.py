@@ -21,7 +21,7 @@ from conftest import REPO, load_workflow, wait_first_step
 
 from ingraph_trainer.runner import distill_run, runs
 from ingraph_trainer.trainer import checkpoint as ckpt
-from ingraph_trainer.trainer import config, trust
+from ingraph_trainer.trainer import spec as config, trust
 
 WORKFLOW = "distill_turbo_lora_api.json"
 DISTILL = "6"  # the Distill node of the shipped workflow

@@ -255,7 +255,7 @@ def test_killed_worker_fails_the_node_within_5s(comfy, client):
 
 def test_evaluation_is_identical_on_1_and_2_processes(one_process_runs):
     """The evaluate task of the same model and data: 1 process and 2 processes give the same numbers."""
-    from ingraph_trainer.trainer.config import dump_run_spec, load_run_spec
+    from ingraph_trainer.trainer.spec import dump_run_spec, load_run_spec
     one = one_process_runs("evaluate")
     spec = load_run_spec(one)
     two = one.parent.with_name(one.parent.name + "-2proc")

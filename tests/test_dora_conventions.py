@@ -31,7 +31,7 @@ def setup(assets):
     _bootstrap()
     import torch
     from ingraph_trainer.trainer.adapters import inject_adapter
-    from ingraph_trainer.trainer.config import ModelSpec
+    from ingraph_trainer.trainer.spec import ModelSpec
     from ingraph_trainer.trainer.models import load_family
     from tools.diffusers_roundtrip import diffusers_unet
     family = load_family(ModelSpec(path=str(assets["checkpoint"]), format="checkpoint"), precision="fp32")

@@ -13,8 +13,8 @@ import torch
 
 from conftest import REPO, requires_deepspeed
 
-from ingraph_trainer.trainer import config
-from ingraph_trainer.trainer.config import (DataSpec, DistributedSpec, ModelSpec, OutputSpec, RunSpec, RunSpecError,
+from ingraph_trainer.trainer import spec as config
+from ingraph_trainer.trainer.spec import (DataSpec, DistributedSpec, ModelSpec, OutputSpec, RunSpec, RunSpecError,
                                             TrainSpec)
 
 # ademamix: added as one record in trainer/optim.py (issue 33), nothing else
@@ -106,7 +106,7 @@ def test_each_optimizer_imports_only_its_own_library():
 import sys
 sys.path.insert(0, {str(REPO)!r}); sys.path.insert(0, {str(REPO / 'tests')!r})
 import conftest, torch
-from ingraph_trainer.trainer.config import RunSpec
+from ingraph_trainer.trainer.spec import RunSpec
 from ingraph_trainer.trainer.optim import build_optimizer
 libraries = {LIBRARIES!r}
 spec = RunSpec()

@@ -106,7 +106,7 @@ def test_previews_do_not_change_training(prepared):
                   train__eval_quantiles=[0.5])
     with_previews = prepared(**common, samples__every=3, samples__steps=2, samples__width=64, samples__height=64,
                              samples__prompts=["a red circle", "a blue square"])
-    from ingraph_trainer.trainer.config import dump_run_spec, load_run_spec
+    from ingraph_trainer.trainer.spec import dump_run_spec, load_run_spec
     spec = load_run_spec(with_previews)
     plain = with_previews.parent.with_name(with_previews.parent.name + "-plain")
     plain.mkdir()

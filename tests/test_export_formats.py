@@ -27,7 +27,7 @@ def test_format_loads_in_diffusers_and_reproduces_comfyui(trained_in_format, too
     assert keys and all(k.startswith(prefix) for k in keys) and meta["format"] == file_format
     if file_format == "diffusers":
         assert not any(k.endswith(".alpha") for k in keys)
-    from ingraph_trainer.trainer.config import load_run_spec
+    from ingraph_trainer.trainer.spec import load_run_spec
     model = load_run_spec(spec).model.path
     out = tools("diffusers_roundtrip", ["--model", model, "--adapter", finished["adapter"]])  # the tool's own main
     result = json.loads(out.strip().splitlines()[-1])

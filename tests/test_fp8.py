@@ -21,7 +21,7 @@ def test_fp8_base_weights_are_half_of_bf16_and_stay_fp8(tiny_unet):
     from tools.prepare_run import _bootstrap
     _bootstrap()
     from ingraph_trainer.trainer.adapters import FP8_DTYPES, inject_adapter
-    from ingraph_trainer.trainer.config import ModelSpec
+    from ingraph_trainer.trainer.spec import ModelSpec
     from ingraph_trainer.trainer.models import load_family
     bf16 = load_family(ModelSpec(path=str(tiny_unet)), precision="bf16")
     fp8 = load_family(ModelSpec(path=str(tiny_unet), weight_dtype="fp8_e4m3fn"), precision="bf16")
@@ -142,7 +142,7 @@ def test_an_fp8_base_saves_no_more_for_backward_than_bf16_and_the_same_gradients
     sys.path.insert(0, str(REPO))
     from tools.prepare_run import _bootstrap
     _bootstrap()
-    from ingraph_trainer.trainer.config import ModelSpec
+    from ingraph_trainer.trainer.spec import ModelSpec
     from ingraph_trainer.trainer.models import load_family
 
     def family(weight_dtype):
@@ -206,7 +206,7 @@ def test_an_fp8_base_with_a_lora_upstream_loads_in_the_trainer(tiny_unet, tmp_pa
     from tools.prepare_run import _bootstrap
     _bootstrap()
     from safetensors.torch import load_file, save_file
-    from ingraph_trainer.trainer.config import ModelSpec
+    from ingraph_trainer.trainer.spec import ModelSpec
     from ingraph_trainer.trainer.models import load_base_model
     as_checkpoint = tmp_path / "as_checkpoint.safetensors"  # write_upstream_lora reads a checkpoint's key names
     save_file({f"model.diffusion_model.{k}": v for k, v in load_file(tiny_unet).items()}, as_checkpoint)

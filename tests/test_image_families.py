@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from conftest import SUITE_EVAL_QUANTILES
 from ingraph_trainer.runner.evaluation_run import parse_quantiles
-from ingraph_trainer.trainer.config import DEFAULT_EVAL_QUANTILES_TEXT
+from ingraph_trainer.trainer.spec import DEFAULT_EVAL_QUANTILES_TEXT
 from family_graphs import EDIT_FOLDER, EDIT_REFERENCE, IMAGE_FAMILIES, IMAGE_TINY_MODELS as TINY_MODELS, SINGLE_FOLDER
 from family_graphs import image_family_models  # noqa: F401  (a fixture)
 from family_graphs import bootstrap_comfy, sampling_graph, saved_latent, training_graph

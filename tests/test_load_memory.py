@@ -49,7 +49,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_weights_equal_comfyuis_own_load_bit_for_bit(unet_files, assets, case, caplog):
     import comfy.sd
-    from ingraph_trainer.trainer.config import ModelSpec
+    from ingraph_trainer.trainer.spec import ModelSpec
     from ingraph_trainer.trainer.models import load_base_model
     source, fields, precision, dtype = CASES[case]
     path = str(assets["checkpoint"] if source == "checkpoint" else unet_files[source])
@@ -103,7 +103,7 @@ sys.path.insert(0, {repo!r})
 from tools.prepare_run import _bootstrap
 _bootstrap()
 import comfy.sd
-from ingraph_trainer.trainer.config import ModelSpec
+from ingraph_trainer.trainer.spec import ModelSpec
 from ingraph_trainer.trainer.memory import load_peak
 from ingraph_trainer.trainer.models import load_base_model
 gc.collect()

@@ -31,7 +31,7 @@ def test_the_meta_pass_counts_exactly_what_a_real_forward_saves(tiny_unet, laten
         import comfy.ldm.modules.attention as comfy_attention
         monkeypatch.setattr(comfy_attention, "optimized_attention", comfy_attention.attention_pytorch)
     from ingraph_trainer.trainer.adapters import inject_adapter
-    from ingraph_trainer.trainer.config import ModelSpec
+    from ingraph_trainer.trainer.spec import ModelSpec
     from ingraph_trainer.trainer.memory_sizes import activation_profile
     from ingraph_trainer.trainer.models import Batch, load_family
     family = load_family(ModelSpec(path=str(tiny_unet)), precision="bf16")
@@ -87,7 +87,7 @@ def test_the_plan_measures_the_longest_caption_where_it_saves_more_than_the_larg
     from safetensors.torch import save_file
     from ingraph_trainer.cache.shards import entry_path
     from ingraph_trainer.trainer import memory_sizes
-    from ingraph_trainer.trainer.config import ModelSpec
+    from ingraph_trainer.trainer.spec import ModelSpec
     from ingraph_trainer.trainer.models import Batch, load_family
 
     class Captioned:  # what largest_items reads of a CachedDataset: latent shapes, the cache root, the text keys
@@ -192,7 +192,7 @@ def test_auto_checkpoints_to_fit_a_budget_manual_warns_and_nothing_fitting_is_re
 def test_on_a_gpu_auto_swaps_the_fewest_blocks_that_fit_and_the_refusal_names_the_count():
     """The decision on a card, from the plan's figures alone (no GPU here): checkpointing first, then the fewest
     swapped blocks that fit; "manual" keeps the settings; a budget nothing fits names the swap that would."""
-    from ingraph_trainer.trainer.config import RunSpec
+    from ingraph_trainer.trainer.spec import RunSpec
     from ingraph_trainer.trainer.memory_plan import choose, refusal, warning
     from ingraph_trainer.trainer.memory_sizes import ActivationProfile, ModelBytes
     blocks = 10
@@ -248,7 +248,7 @@ def test_the_load_is_sized_from_the_files_header_and_refused_when_ram_cannot_hol
     from tools.prepare_run import _bootstrap
     _bootstrap()
     from ingraph_trainer.trainer import os_support
-    from ingraph_trainer.trainer.config import ModelSpec
+    from ingraph_trainer.trainer.spec import ModelSpec
     from ingraph_trainer.trainer.memory_plan import host_refusal
     from ingraph_trainer.trainer.memory_sizes import load_bytes
     from ingraph_trainer.trainer.models import load_family
@@ -298,7 +298,7 @@ def test_with_block_swap_only_the_plans_resident_weights_reach_the_device(tiny_u
 
 
 def load_tiny(path):
-    from ingraph_trainer.trainer.config import ModelSpec
+    from ingraph_trainer.trainer.spec import ModelSpec
     from ingraph_trainer.trainer.models import load_family
     return load_family(ModelSpec(path=str(path)), precision="bf16")
 
@@ -306,7 +306,7 @@ def load_tiny(path):
 def test_a_run_beyond_all_the_devices_memory_is_refused_even_when_manual():
     """Issue 28's last finding: a client may ask for what no machine holds (batch 1024 at 4096 px, rank 1024).
     "manual" only warns where free memory is short; beyond all the device's memory the run is refused."""
-    from ingraph_trainer.trainer.config import RunSpec
+    from ingraph_trainer.trainer.spec import RunSpec
     from ingraph_trainer.trainer.memory_plan import beyond_the_machine, choose
     from ingraph_trainer.trainer.memory_sizes import ActivationProfile, ModelBytes
     weights = ModelBytes(frozen=2 * GiB, frozen_per_block=[GiB // 5] * 10, trained=GiB // 100,
@@ -327,7 +327,7 @@ def test_zero_and_offload_shares_and_a_model_without_blocks():
     """One process's share under ZeRO (1: masters and optimizer state split over the data-parallel processes; 2:
     the gradients too) and with optimizer offload (masters and state in host memory); a model without a block
     list is planned as given, "auto" having nothing to checkpoint or swap."""
-    from ingraph_trainer.trainer.config import RunSpec
+    from ingraph_trainer.trainer.spec import RunSpec
     from ingraph_trainer.trainer.memory_plan import plan_for
     from ingraph_trainer.trainer.memory_sizes import shared_out
     from ingraph_trainer.trainer.memory_sizes import ActivationProfile, ModelBytes
@@ -452,7 +452,7 @@ def test_a_resume_reads_the_settings_its_run_began_with_only_from_its_own_signed
     """The record "auto"'s choice is kept in (memory_choice.json, under output/ where any client writes): read
     back as written; refused when altered, when another run's, or when it names more blocks than the model has."""
     import json
-    from ingraph_trainer.trainer.config import RunSpec
+    from ingraph_trainer.trainer.spec import RunSpec
     from ingraph_trainer.trainer.layout import MEMORY_CHOICE_FILE
     from ingraph_trainer.trainer.memory_plan import MemoryPlan, earlier_choice, record_choice
     monkeypatch.setenv("INGRAPH_SECRET_FILE", str(tmp_path / "secret"))

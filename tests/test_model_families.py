@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, evaluate_on_one_image, requires_deepspeed
-from ingraph_trainer.trainer.config import DEFAULT_EVAL_QUANTILES_TEXT
+from ingraph_trainer.trainer.spec import DEFAULT_EVAL_QUANTILES_TEXT
 
 from family_graphs import FAMILY_TINY_MODELS as TINY_MODELS, family_models  # noqa: F401  (a fixture)
 from family_graphs import run_events, sampling_graph, saved_latent, training_graph

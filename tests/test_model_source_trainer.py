@@ -44,7 +44,7 @@ def test_rebuild_equals_comfyuis_checkpoint_with_loras(comfy_env, assets, tmp_pa
     from safetensors.torch import load_file, save_file
 
     from ingraph_trainer.trainer import export
-    from ingraph_trainer.trainer.config import ModelSpec
+    from ingraph_trainer.trainer.spec import ModelSpec
     from ingraph_trainer.trainer.models import file_stamp, load_family
 
     checkpoint = str(assets["checkpoint"])
@@ -79,7 +79,7 @@ def test_rebuild_equals_comfyuis_checkpoint_with_loras(comfy_env, assets, tmp_pa
 
 
 def test_a_changed_source_file_is_refused_naming_it(comfy_env, assets, tmp_path):
-    from ingraph_trainer.trainer.config import ModelSpec
+    from ingraph_trainer.trainer.spec import ModelSpec
     from ingraph_trainer.trainer.models import check_stamps, file_stamp, load_family
     lora = tmp_path / "upstream.safetensors"
     lora.write_bytes(b"0" * 16)
@@ -115,7 +115,7 @@ def test_family_and_settings_check_leave_the_graphs_flux_model_untouched(comfy_e
     """What the ComfyUI process does with the graph's live MODEL (runner/train_run.py: family_for, then
     check_settings) leaves every block's forward the original bound method and the model's output identical;
     only the trainer's prepare_for_training patches them (once, however often it is called)."""
-    from ingraph_trainer.trainer.config import RunSpec
+    from ingraph_trainer.trainer.spec import RunSpec
     from ingraph_trainer.trainer.models import family_for
     patcher = _narrow_flux()
     model = patcher.model.diffusion_model

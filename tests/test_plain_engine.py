@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, read_events, requires_deepspeed, run_trainer
-from ingraph_trainer.trainer.config import deepspeed_installed
+from ingraph_trainer.trainer.spec import deepspeed_installed
 
 pytestmark = pytest.mark.comfyui
 ON_GPU = torch.cuda.is_available()  # the trainer's children compute on it (asked through NVML: no context here)

@@ -124,7 +124,7 @@ def _quantized_family(quantized, layout):
 
 
 def test_other_adapter_kinds_are_refused_at_queue_time_naming_the_layout(quantized):
-    from ingraph_trainer.trainer.config import AdapterSpec, RunSpec
+    from ingraph_trainer.trainer.spec import AdapterSpec, RunSpec
     from ingraph_trainer.trainer.models import UnsupportedSetting
     family = _quantized_family(quantized, "int8_tensorwise")
     with torch.inference_mode():  # as ComfyUI runs every node
@@ -140,7 +140,7 @@ def test_a_layout_the_device_cannot_run_is_refused_naming_it_and_the_device(quan
     """As a GPU-only layout is on a CPU: the layout's kernels raise there (faked: ComfyUI 0.33 runs every layout
     it defines on the CPU, slowly)."""
     import comfy.quant_ops
-    from ingraph_trainer.trainer.config import AdapterSpec, RunSpec
+    from ingraph_trainer.trainer.spec import AdapterSpec, RunSpec
     from ingraph_trainer.trainer.models import UnsupportedSetting
     family = _quantized_family(quantized, "mxfp8")
     real = comfy.quant_ops.QuantizedTensor.from_float
@@ -230,7 +230,7 @@ def _train_lora_in_process(path, steps: int = STEPS):
     half-way a preview's load of the model by ComfyUI."""
     import comfy.sd
     from ingraph_trainer.trainer.adapters import inject_adapter
-    from ingraph_trainer.trainer.config import AdapterSpec, RunSpec
+    from ingraph_trainer.trainer.spec import AdapterSpec, RunSpec
     from ingraph_trainer.trainer.models import Batch, family_for
     patcher = comfy.sd.load_diffusion_model(str(path), model_options={"dtype": torch.float32})
     family = family_for(patcher.model, patcher=patcher)

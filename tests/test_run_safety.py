@@ -14,7 +14,7 @@ import pytest
 
 from conftest import REPO, requires_deepspeed  # noqa: E402  (conftest registers the pack as the package ingraph_trainer)
 
-config = importlib.import_module("ingraph_trainer.trainer.config")
+config = importlib.import_module("ingraph_trainer.trainer.spec")
 events = importlib.import_module("ingraph_trainer.trainer.events")
 hostfile = importlib.import_module("ingraph_trainer.trainer.hostfile")
 
@@ -201,7 +201,7 @@ def test_a_refused_spec_leaves_no_half_written_run_folder(tmp_path):
     honour) removes the folder it made, so no half-written run is offered for resume."""
     import types
     from ingraph_trainer.runner.session import prepare_run
-    from ingraph_trainer.trainer.config import ModelSpec, RunSpecError, TrainSpec
+    from ingraph_trainer.trainer.spec import ModelSpec, RunSpecError, TrainSpec
     dataset = types.SimpleNamespace(cache_keys=lambda: [], folder=str(tmp_path), repeats=1, items=[], empty_text=None,
                                     caption_dropout=0.0)
     runs = tmp_path / "runs"

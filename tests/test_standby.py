@@ -272,7 +272,7 @@ def test_bitsandbytes_is_imported_only_by_runs_with_8bit_adamw():
         pkg = types.ModuleType("ingraph_trainer"); pkg.__path__ = [{str(REPO)!r}]
         sys.modules["ingraph_trainer"] = pkg
         from ingraph_trainer.trainer import main
-        from ingraph_trainer.trainer.config import RunSpec
+        from ingraph_trainer.trainer.spec import RunSpec
         main.hide_optional_modules()
         import peft
         assert sys.modules.get("bitsandbytes") is None, "peft imported bitsandbytes"

@@ -73,7 +73,7 @@ def test_manifest_writes_go_through_the_atomic_writer(tmp_path, monkeypatch):
 
 
 def test_each_choice_is_defined_once_with_the_labels_saved_workflows_hold():
-    from ingraph_trainer.trainer import config, export, objectives
+    from ingraph_trainer.trainer import spec as config, export, objectives
     # saved workflows store these labels by position: they may grow, never change
     assert config.choice_labels(config.OPTIMIZER_CHOICES)[:2] == ["AdamW", "AdamW 8-bit"]
     assert config.choice_labels(config.ADAPTER_FORMAT_CHOICES) == ["ComfyUI", "kohya (lora_unet_*)", "diffusers (peft)"]

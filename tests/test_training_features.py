@@ -17,7 +17,7 @@ import torch
 
 from conftest import read_events, run_trainer
 
-config = importlib.import_module("ingraph_trainer.trainer.config")
+config = importlib.import_module("ingraph_trainer.trainer.spec")
 mix = importlib.import_module("ingraph_trainer.trainer.batch_mix")
 
 STEPS, PRIOR_WEIGHT = 3, 0.5
@@ -284,7 +284,7 @@ def test_the_train_node_offers_base_precision_and_hands_it_to_the_spec(monkeypat
     _bootstrap()
     from ingraph_trainer.nodes.train_node import TrainLoRA
     from ingraph_trainer.runner import train_run
-    from ingraph_trainer.trainer import config
+    from ingraph_trainer.trainer import spec as config
     last = next(i for i in TrainLoRA.define_schema().inputs if i.id == "base_precision")
     assert last.optional and "fp8" in last.tooltip
     assert [config.choice_value(config.BASE_PRECISION_CHOICES, o, "base_precision") for o in last.options] \
@@ -320,7 +320,7 @@ def test_the_train_node_offers_the_evaluation_inputs_last_and_refuses_a_bad_one_
     _bootstrap()
     from ingraph_trainer.nodes.train_node import TrainLoRA
     from ingraph_trainer.runner.evaluation_run import parse_quantiles
-    from ingraph_trainer.trainer import config
+    from ingraph_trainer.trainer import spec as config
     *_, last, items, before, after_stop, memory, budget = TrainLoRA.define_schema().inputs
     assert last.id == "eval_quantiles" and last.optional and "forward pass" in last.tooltip
     assert (items.id, before.id, after_stop.id) == ("eval_items", "eval_before", "eval_after_stop")

@@ -15,7 +15,8 @@ if "ingraph_trainer" not in sys.modules:
     pkg.__path__ = [str(REPO)]
     sys.modules["ingraph_trainer"] = pkg
 
-config = importlib.import_module("ingraph_trainer.trainer.config")
+config = importlib.import_module("ingraph_trainer.trainer.spec")
+spec_sections = importlib.import_module("ingraph_trainer.trainer.spec.sections")  # where DistributedSpec asks for DeepSpeed
 events = importlib.import_module("ingraph_trainer.trainer.events")
 folder_scan_mod = importlib.import_module("ingraph_trainer.cache.folder_scan")
 pixels_mod = importlib.import_module("ingraph_trainer.cache.pixels")
@@ -187,7 +188,7 @@ def test_pack_import_is_light():
     """Loading the pack's modules outside the trainer never imports the heavy training stack."""
     code = ("import sys, types; p = types.ModuleType('ingraph_trainer'); p.__path__ = [%r]; "
             "sys.modules['ingraph_trainer'] = p; "
-            "import ingraph_trainer.trainer.config, ingraph_trainer.runner.session, ingraph_trainer.cache.encoding; "
+            "import ingraph_trainer.trainer.spec, ingraph_trainer.runner.session, ingraph_trainer.cache.encoding; "
             "heavy = [m for m in ('peft', 'diffusers', 'deepspeed', 'bitsandbytes', 'torch') if sys.modules.get(m) is not None]; "
             "print(heavy)") % str(REPO)
     import subprocess
@@ -412,7 +413,7 @@ def test_block_swap_refuses_full_fine_tuning_and_pipelines_refuse_previews():
 
 
 def test_distributed_layout_problems_are_one_list_for_the_node_and_the_spec(tmp_path, monkeypatch):
-    monkeypatch.setattr(config, "deepspeed_installed", lambda: True)  # the layout's own rules (DeepSpeed's below)
+    monkeypatch.setattr(spec_sections, "deepspeed_installed", lambda: True)  # the layout's own rules (DeepSpeed's below)
     layout = config.DistributedSpec(processes=3, pipeline_stages=2, zero_stage=2, offload_optimizer=False)
     assert layout.problems() == ["distributed.pipeline_stages: 2 stages do not divide 3 processes",
                                  "distributed.pipeline_stages: DeepSpeed pipelines take ZeRO stage 0 or 1 "
@@ -427,7 +428,7 @@ def test_distributed_layout_problems_are_one_list_for_the_node_and_the_spec(tmp_
 def test_a_layout_that_needs_deepspeed_is_refused_with_its_install_command_where_it_is_missing(monkeypatch):
     """One GPU needs no DeepSpeed; every setting that does is refused, named, with the command that installs it
     (DistributedSpec.problems: the DeepSpeed Settings node, the Train node and the spec all ask it)."""
-    monkeypatch.setattr(config, "deepspeed_installed", lambda: False)
+    monkeypatch.setattr(spec_sections, "deepspeed_installed", lambda: False)
     assert config.DistributedSpec().problems() == []
     assert config.DistributedSpec(processes=1, block_swap=2).problems() == []
     for kwargs, field in (({"processes": 2}, "processes"), ({"zero_stage": 2}, "zero_stage"),
@@ -439,7 +440,7 @@ def test_a_layout_that_needs_deepspeed_is_refused_with_its_install_command_where
     spec = config.RunSpec(distributed=config.DistributedSpec(zero_stage=2))
     with pytest.raises(config.RunSpecError, match="distributed.zero_stage: 2 needs DeepSpeed"):
         spec.validate("run.toml")
-    monkeypatch.setattr(config, "deepspeed_installed", lambda: True)
+    monkeypatch.setattr(spec_sections, "deepspeed_installed", lambda: True)
     assert config.DistributedSpec(zero_stage=2).problems() == []
 
 
@@ -447,7 +448,7 @@ def test_zero3_across_machines_partitions_weights_again_within_each_machine(monk
     """ZeRO++ hpZ (FSDP's hybrid sharding) where ZeRO-3 spans machines of several processes each; nowhere else.
     (Measured once by hand: 2 machines x 2 processes over loopback give 1 process's losses to 1e-7, and DeepSpeed
     holds each weight's second partition, `ds_secondary_tensor`, after a forward pass.)"""
-    from trainer.config import DistributedSpec, RunSpec
+    from trainer.spec import DistributedSpec, RunSpec
     from trainer.distributed import deepspeed_config
 
     def zero(stage, world, per_machine, variable="LOCAL_WORLD_SIZE"):
@@ -633,7 +634,7 @@ def test_previews_keep_the_training_model_on_its_device_and_out_of_comfyuis_list
 def test_the_out_of_memory_message_names_the_peak_and_only_settings_not_yet_used(monkeypatch):
     """On a GPU the message gives the run's peak against the card; suggestions already taken are left out."""
     from ingraph_trainer.trainer import device, memory
-    from ingraph_trainer.trainer.config import RunSpec
+    from ingraph_trainer.trainer.spec import RunSpec
     monkeypatch.setattr(device, "local_cuda_index", lambda: 0)
     monkeypatch.setattr(device, "device_memory", lambda dev: {"peak_allocated": 10 * 2**30, "total": 24 * 2**30})
     spec = RunSpec()

@@ -171,7 +171,7 @@ def write_run(work: Path, name: str, model_path: Path, dataset, overrides: dict,
     """A run spec written by the Train node's own runner.session.prepare_run; `overrides`: {"table.key": value}."""
     import dataclasses
     from ingraph_trainer.runner.session import prepare_run
-    from ingraph_trainer.trainer.config import ModelSpec, TrainSpec, spec_from_dict
+    from ingraph_trainer.trainer.spec import ModelSpec, TrainSpec, spec_from_dict
 
     def adjust(spec):
         data = dataclasses.asdict(spec)

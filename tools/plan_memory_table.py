@@ -93,7 +93,7 @@ def plans(name: str, side: int, fp8: bool, cards: list[float], batch: int = 1) -
     import comfy.ldm.modules.attention as comfy_attention
     from ingraph_trainer.trainer import memory_plan as mp
     from ingraph_trainer.trainer.memory_sizes import activation_profile, model_bytes
-    from ingraph_trainer.trainer.config import RunSpec
+    from ingraph_trainer.trainer.spec import RunSpec
     config_class, unet_config, inputs = models()[name]
     family = build(config_class, unet_config, fp8)
     blocks = family.checkpoint_blocks()

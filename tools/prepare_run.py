@@ -48,7 +48,7 @@ def prepare(checkpoint: Path, images: Path, run_dir: Path, overrides: dict, reso
     import comfy.sd
     from ingraph_trainer.runner.model_source import hand_off_model, hand_off_vae
     from ingraph_trainer.runner.session import prepare_run
-    from ingraph_trainer.trainer.config import SampleSpec, TrainSpec, spec_from_dict
+    from ingraph_trainer.trainer.spec import SampleSpec, TrainSpec, spec_from_dict
     from tools.cache_dataset import encode_folder
 
     checkpoint = Path(checkpoint).resolve()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ADAPTER_KINDS
+from .spec import ADAPTER_KINDS
 
 ADAPTER_NAME = "default"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import ADAPTER_FORMATS  # each choice is defined once, with its label, in config
+from .spec import ADAPTER_FORMATS  # each choice is defined once, with its label, in spec/choices.py
 DIFFUSERS_KINDS = ("lora",)
 PREFIX = "diffusion_model."
 

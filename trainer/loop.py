@@ -11,7 +11,7 @@ import torch
 from .adapters import dora_norm_for, inject_adapter, load_adapter_weights
 from .checkpoint import Checkpointer
 from .comfy_env import import_comfy
-from .config import RunSpec
+from .spec import RunSpec
 from .batch_mix import StepBatches, build_training_data, prior_report
 from .data import load_cached_dataset, step_loader
 from .device import device_memory, training_device

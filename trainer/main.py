@@ -10,7 +10,7 @@ import time
 import traceback
 from pathlib import Path
 
-from .config import RunSpecError, load_run_spec, parse_run_spec
+from .spec import RunSpecError, load_run_spec, parse_run_spec
 from .events import EVENTS_FILE, EventWriter
 from .optim import OPTIMIZERS_KNOWN
 from .os_support import process_gone, process_started

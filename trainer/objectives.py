@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import LOSSES, TIMESTEP_SAMPLING
+from .spec import LOSSES, TIMESTEP_SAMPLING
 
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Optimizer:
-    """One optimizer. `value`, `label`, `tooltip`: as config.Choice (saved workflows store the label: never rename
+    """One optimizer. `value`, `label`, `tooltip`: as spec.Choice (saved workflows store the label: never rename
     one). The class is `module`.`cls` from the package `library`, built with (params, lr=, weight_decay=, **kwargs);
     a keyword ending in `_dtype` names a torch dtype. What DeepSpeed's wrappers would change, which RunSpec.validate
     refuses: `factored` (it factors each weight matrix's second moment; DeepSpeed's bf16 and ZeRO optimizers hand it

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .comfy_compat import dequantize_per_matmul_again, forget_loaded
-from .config import SampleSpec
+from .spec import SampleSpec
 from .layout import SAMPLES_DIR
 
 log = logging.getLogger("ingraph_trainer.sampling")

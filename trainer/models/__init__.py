@@ -116,7 +116,7 @@ def base_storage_options(model, precision: str | None) -> dict:
 
 
 def _as_model_spec(model, family: str, prediction: str):
-    from ..config import ModelSpec
+    from ..spec import ModelSpec
     if isinstance(model, ModelSpec):
         return model
     return ModelSpec(path=str(model), family=family, prediction=prediction)

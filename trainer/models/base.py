@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..adapters import FP8_DTYPES
-from ..config import PREDICTIONS as SPEC_PREDICTIONS
+from ..spec import PREDICTIONS as SPEC_PREDICTIONS
 
 PREDICTIONS = tuple(p for p in SPEC_PREDICTIONS if p != "auto")
 
