@@ -326,3 +326,34 @@ def test_the_coverage_tool_builds_every_family_files_model():
     qwen = type("QwenImage", (), {"latent_format": wan.latent_format})
     audio = type("StableAudio", (), {"latent_format": type("StableAudio1", (), {"latent_dimensions": 1})})
     assert [family_coverage.kind_of(c) for c in (lumina, wan, qwen, audio)] == ["image", "video", "image", "audio"]
+
+
+def test_the_readmes_coverage_sections_are_the_coverage_runs():
+    """Issue 34: the README's coverage section for each ComfyUI is what tools/family_coverage.py --readme wrote
+    from the run whose full table is in docs/: the same classes trained, each built by a family file; and every
+    family file that builds a model trains some ComfyUI class on one of the two ComfyUIs."""
+    import re
+    from tools.family_coverage import README_BEGIN, README_END
+    readme = (conftest.REPO / "README.md").read_text(encoding="utf-8")
+    families = set()
+    for version, table in (("0.3.64", "coverage-comfyui-0.3.64.md"), ("0.33.0", "coverage-comfyui-0.33.md")):
+        begin, end = README_BEGIN.format(version=version), README_END.format(version=version)
+        assert begin in readme and end in readme, version
+        section = readme.split(begin, 1)[1].split(end, 1)[0]
+        rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
+        full = (conftest.REPO / "docs" / table).read_text(encoding="utf-8")
+        trained = {line.split(" | ")[0].strip("| ") for line in full.splitlines()
+                   if line.startswith("| ") and line.rstrip().endswith("| yes |")}
+        assert {row[0].strip("| ") for row in rows} == trained and trained, version
+        assert f"[docs/{table}](docs/{table})" in section
+        summary = re.search(r"\*\*(ComfyUI [^*]+)\*\*", section).group(1)
+        assert full.startswith(summary), (version, summary)  # the count line of the same run
+        families |= {row[2].strip() for row in rows}
+    sys.path.insert(0, str(conftest.REPO))
+    from tools.prepare_run import _bootstrap
+    _bootstrap()
+    from ingraph_trainer.trainer.models import FAMILIES
+    from ingraph_trainer.trainer.models.base import ModelFamily
+    builds = {c.name for c in FAMILIES if c.scratch_state_dict.__func__ is not ModelFamily.scratch_state_dict.__func__}
+    assert builds <= families, builds - families
+
