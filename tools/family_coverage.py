@@ -36,8 +36,14 @@ VARIANTS = {
     "wan ti2v_5b": ("WanFamily", dict(dim=128, ffn_dim=256, num_layers=1, variant="ti2v_5b")),
     "lumina2 z_image": ("Lumina2Family", dict(n_layers=1, variant="z_image")),  # ComfyUI 0.33's Z-Image
     "flux schnell": ("FluxFamily", dict(depth=1, depth_single_blocks=0, vec_in_dim=64, guidance_embed=False)),
+    # SDXL's own classes are told apart by their transformer depths (ComfyUI's unet_config): each at width 320
+    "sdxl (SDXL's depths)": ("SDXLFamily", dict(num_res_blocks=(2, 2, 2), transformer_depth=(0, 0, 2, 2, 10, 10))),
+    "sdxl (SSD-1B's depths)": ("SDXLFamily", dict(num_res_blocks=(2, 2, 2), transformer_depth=(0, 0, 2, 2, 4, 4))),
+    "sdxl (Vega's depths)": ("SDXLFamily", dict(num_res_blocks=(2, 2, 2), transformer_depth=(0, 0, 1, 1, 2, 2))),
+    "sdxl (KOALA-1B's depths)": ("SDXLFamily", dict(transformer_depth=(0, 2, 6))),
 }
-TEXT_OF_BUILDER = {"lumina2 z_image": (8, 2560, None)}  # Qwen3-4B's width
+TEXT_OF_BUILDER = {"lumina2 z_image": (8, 2560, None),  # Qwen3-4B's width
+                   "sd_unet (tiny SD2)": (8, 1024, None)}  # OpenCLIP-H's
 # text (tokens, width, pooled width or None) each family's tiny model takes in --train (its conditioning's shapes)
 TEXT = {"sd_unet": (8, 768, None), "sdxl": (8, 2048, 1280), "sd3": (8, 64, 32), "flux": (8, 4096, 64),
         "wan": (8, 4096, None), "hunyuan_video": (8, 4096, 768), "ltxv": (8, 4096, None),
@@ -84,7 +90,15 @@ def builders() -> list:
             path = build_checkpoint(Path(tmp) / "sd15.safetensors")
             prefix = "model.diffusion_model."
             return {k[len(prefix):]: v for k, v in load_file(str(path)).items() if k.startswith(prefix)}
-    out = [("sd_unet (embedded SD1.5)", sd15)]
+    def sd2():  # the embedded default's UNet with SD2's text width and linear projections: ComfyUI's SD20
+        import comfy.ops
+        from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
+        from ingraph_trainer.trainer.models.base import init_weights
+        from tools.embedded_default import TINY_UNET_CONFIG
+        unet = UNetModel(**{**TINY_UNET_CONFIG, "context_dim": 1024, "use_linear_in_transformer": True},
+                         operations=comfy.ops.disable_weight_init)
+        return {k: v.contiguous() for k, v in init_weights(unet, 0).state_dict().items()}
+    out = [("sd_unet (embedded SD1.5)", sd15), ("sd_unet (tiny SD2)", sd2)]
     for cls in FAMILIES:
         if cls.scratch_state_dict.__func__ is ModelFamily.scratch_state_dict.__func__:  # builds none (SD1.5: above)
             continue

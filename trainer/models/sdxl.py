@@ -12,11 +12,14 @@ from .base import Batch, UnsupportedSetting, init_weights
 from .sd_unet import SDUNetFamily, is_unet
 
 
-def sdxl_unet_config(channel_mult=(1, 1, 1), transformer_depth=(0, 2, 5),
-                     transformer_depth_output=(0, 0, 0, 0, 0, 0)) -> dict:
-    """A small UNet ComfyUI detects as SDXL-family: KOALA-700M's model width and input depths (what detection
-    matches), every level at that width, no transformer blocks on the output side."""
-    return dict(image_size=32, in_channels=4, out_channels=4, model_channels=320, num_res_blocks=[1, 1, 1],
+def sdxl_unet_config(channel_mult=(1, 1, 1), transformer_depth=(0, 2, 5), transformer_depth_output=None,
+                     num_res_blocks=(1, 1, 1)) -> dict:
+    """A small UNet ComfyUI detects as SDXL-family: the model width and input depths detection matches (KOALA-700M's
+    by default; SDXL's, SSD-1B's or Vega's with two blocks a level), every level at that width, no transformer blocks
+    on the output side."""
+    if transformer_depth_output is None:
+        transformer_depth_output = [0] * sum(n + 1 for n in num_res_blocks)
+    return dict(image_size=32, in_channels=4, out_channels=4, model_channels=320, num_res_blocks=list(num_res_blocks),
                 channel_mult=list(channel_mult), transformer_depth=list(transformer_depth), transformer_depth_middle=-2,
                 transformer_depth_output=list(transformer_depth_output), num_head_channels=64, context_dim=2048,
                 adm_in_channels=2816, num_classes="sequential", use_spatial_transformer=True,
@@ -49,9 +52,11 @@ class SDXLFamily(SDUNetFamily):
 
 
     @classmethod
-    def scratch_state_dict(cls, seed: int = 0, channel_mult=(1, 1, 1), **_):
+    def scratch_state_dict(cls, seed: int = 0, channel_mult=(1, 1, 1), transformer_depth=(0, 2, 5),
+                           num_res_blocks=(1, 1, 1), **_):
         """Random weights of a small SDXL-family UNet ComfyUI detects (see sdxl_unet_config)."""
         import comfy.ops
         from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
-        model = UNetModel(**sdxl_unet_config(channel_mult), operations=comfy.ops.disable_weight_init)
+        model = UNetModel(**sdxl_unet_config(channel_mult, transformer_depth, num_res_blocks=num_res_blocks),
+                          operations=comfy.ops.disable_weight_init)
         return {k: v.contiguous() for k, v in init_weights(model, seed).state_dict().items()}
