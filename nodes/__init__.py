@@ -17,9 +17,10 @@ from .train_node import TrainLoRA
 
 def titled_errors(node: type[io.ComfyNode]) -> type[io.ComfyNode]:
     """The node's errors start with its title ("Load Training Images: ..."): ComfyUI's error dialog and its log head
-    them with the class id (InGraphLoadTrainingImages), which is not what the graph shows. The exception itself is
-    kept (its type, traceback and cause): ComfyUI tells interrupts and out-of-memory errors apart by type, and those
-    two carry no message of ours, so they pass untouched."""
+    them with the class id (InGraphLoadTrainingImages), which is not what the graph shows. A message that names the
+    node already ("Distill: ...", "Train LoRA (Flux model): ...") is left as it is. The exception itself is kept (its
+    type, traceback and cause): ComfyUI tells interrupts and out-of-memory errors apart by type, and those two carry
+    no message of ours, so they pass untouched."""
     execute = node.execute.__func__
 
     @functools.wraps(execute)
@@ -28,9 +29,13 @@ def titled_errors(node: type[io.ComfyNode]) -> type[io.ComfyNode]:
             return execute(cls, *args, **kwargs)
         except Exception as error:
             first = error.args[0] if error.args else None
-            title = node.define_schema().display_name  # asked only now: a schema lists files, which takes time
-            if isinstance(first, str) and first and not first.startswith(f"{title}: "):
-                error.args = (f"{title}: {first}", *error.args[1:])
+            if isinstance(first, str) and first:
+                try:
+                    title = node.define_schema().display_name  # asked only now: a schema lists files
+                except Exception:  # the error being raised is the one to show, as it is
+                    title = None
+                if title and not first.startswith((title, title.split(" (")[0])):
+                    error.args = (f"{title}: {first}", *error.args[1:])
             raise
 
     node.execute = classmethod(titled)

@@ -173,7 +173,7 @@ from tools.prepare_run import _bootstrap
 _bootstrap()
 import torch
 import comfy.model_management as mm
-from ingraph_trainer.trainer.config import ModelSpec
+from ingraph_trainer.trainer.spec import ModelSpec
 from ingraph_trainer.trainer.models import load_family
 from ingraph_trainer.trainer.adapters import inject_adapter
 print("supports_fp8_compute", mm.supports_fp8_compute(mm.get_torch_device()))

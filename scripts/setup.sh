@@ -69,7 +69,7 @@ fi
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   torch_source
   # shellcheck disable=SC2086
-  "${PIP[@]}" "${TORCH_INDEX_ARGS[@]}" $TORCH_PINS
+  "${PIP[@]}" ${TORCH_INDEX_ARGS[@]+"${TORCH_INDEX_ARGS[@]}"} $TORCH_PINS  # (bash before 4.4: an empty array is unset)
 fi
 constraints="$VENV/.torch-constraints.txt"
 "$VENV/bin/python" -m pip freeze | grep -E '^(torch|torchvision|nvidia-[a-z0-9-]+|triton)==' > "$constraints" || true

@@ -163,6 +163,13 @@ def test_day0_family_is_detected_its_loss_is_comfyuis_and_its_lora_loads_whole(n
     with torch.no_grad():
         got = family.loss(batch, reduce=False)
     assert torch.allclose(got, expected, rtol=1e-6, atol=0), (got, expected)
+    if family.reference_input == "reference_latents":  # Flux.2's edits: a source image as ReferenceLatent gives it
+        edit = _batch(latent, text, references=(latent,))
+        expected = comfyui_losses(family, edit, extras)  # raw latents, as ReferenceLatent hands them
+        with torch.no_grad():
+            got = family.loss(edit, reduce=False)
+            plain = family.loss(_batch(latent, text), reduce=False)
+        assert torch.allclose(got, expected, rtol=1e-6, atol=0) and not torch.allclose(got, plain), (got, expected)
     family.diffusion_model.requires_grad_(False)
     weight = dict(family.diffusion_model.named_modules())[family.adapter_targets("attention")[0]].weight
     weight.requires_grad_(True)

@@ -125,7 +125,8 @@ def test_setup_takes_the_cpu_build_of_torch_where_there_is_no_gpu_and_the_cpu_in
         assert "the CUDA build" in said and "an NVIDIA GPU found" in said, said
     finally:
         server.shutdown()
-    said = setup_torch_plan(tmp_path, "/usr/bin:/bin", answering)  # the server is gone
+        server.server_close()
+    said = setup_torch_plan(tmp_path, "/usr/bin:/bin", answering)  # the server is gone: refused at once
     assert "the CUDA build" in said and f"{answering} does not answer" in said, said
 
 
@@ -150,5 +151,7 @@ def test_an_extra_cpu_index_makes_pip_choose_the_cpu_build_of_the_same_pin(tmp_p
             zf.writestr(name, text)
         zf.writestr(f"torch-{version}.dist-info/RECORD", record + f"torch-{version}.dist-info/RECORD,,\n")
     (wheel.parent / "index.html").write_text(f'<html><body><a href="{wheel.name}">{wheel.name}</a></body></html>')
+    alone = resolve(tmp_path, ["--no-deps", pin])  # the precondition: the default index has the pin's own build
+    assert [item["metadata"]["version"] for item in alone["install"]] == [pin.split("==")[1]]
     report = resolve(tmp_path, ["--no-deps", "--extra-index-url", (tmp_path / "index").as_uri(), pin])
     assert [item["metadata"]["version"] for item in report["install"]] == [version]

@@ -273,10 +273,14 @@ def item_inputs(family, dataset, item: int, batch_size: int):
 
 
 def largest_activation_profile(family, dataset, batch_size: int, blocks, compute_dtype, device) -> ActivationProfile:
-    """The activation profile of the step that saves the most (largest_items, each measured)."""
+    """What the step that saves the most saves: largest_items, each measured, and of every part (each block's saved
+    activations and inputs, what lies outside the blocks) the larger, so that whichever checkpointing or swap the
+    plan weighs, neither candidate needs more than it counts."""
     profiles = [activation_profile(family, item_inputs(family, dataset, item, batch_size), blocks, compute_dtype,
                                    device) for item in largest_items(dataset)]
-    return max(profiles, key=lambda p: p.held(0))
+    return ActivationProfile(max(p.outside for p in profiles), [max(s) for s in zip(*(p.saved for p in profiles))],
+                             [max(i) for i in zip(*(p.inputs for p in profiles))], max(p.loss for p in profiles),
+                             measured=all(p.measured for p in profiles))
 
 
 DIFFUSION_MODEL_PREFIX = "model.diffusion_model."  # a whole checkpoint's diffusion model keys

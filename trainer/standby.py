@@ -45,8 +45,10 @@ def warm_up(wanted=lambda: True) -> bool:
     return True
 
 
-def wait_for_command(channel: socket.socket, parent_pid: int, idle_s: float) -> tuple[list[str], int] | None:
-    """(argv, log descriptor) from the launcher, or None when the launcher is gone or the wait ran out."""
+def wait_for_command(channel: socket.socket, parent_pid: int, idle_s: float,
+                     on_message=lambda: None) -> tuple[list[str], int] | None:
+    """(argv, log descriptor) from the launcher, or None when the launcher is gone or the wait ran out.
+    `on_message()` runs once something is there to read, before it is read (a run sent is the run's from then)."""
     from .os_support import process_gone
     deadline = time.monotonic() + idle_s
     while time.monotonic() < deadline:
@@ -55,6 +57,7 @@ def wait_for_command(channel: socket.socket, parent_pid: int, idle_s: float) -> 
             if parent_pid > 0 and (os.getppid() != parent_pid or process_gone(parent_pid)):
                 return None
             continue
+        on_message()
         message, fds, _, _ = socket.recv_fds(channel, MAX_MESSAGE, 1)
         if not message:  # the launcher closed the socket (or exited)
             for fd in fds:
@@ -135,10 +138,11 @@ def serve(argv: list[str], run_main) -> int:
     except OSError:
         pass  # the launcher sent the run before the imports were done and closed its end: the run is still there
     warm_at = time.strftime("%H:%M:%S")
-    command = wait_for_command(channel, opts.parent_pid, opts.idle_s)
+    # a run sent and then its launcher gone: the run is the trainer's to end (its orphan handling writes the last
+    # event), so the watch stops as soon as a message is there to read
+    command = wait_for_command(channel, opts.parent_pid, opts.idle_s, on_message=orphan_watch.taken)
     if command is None:
         return 0 if opts.parent_pid <= 0 or not _parent_gone(opts.parent_pid) else EXIT_ORPHANED
-    orphan_watch.taken()
     run_argv, log_fd = command
     take_over_output(log_fd)
     channel.close()

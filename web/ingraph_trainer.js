@@ -51,8 +51,15 @@ export class Panel {
     this.$("stop").addEventListener("click", () => this.stop());
     this.$("copy").addEventListener("click", () => this.copyPath());
     // drawn at the size the canvas has on screen: a panel drawn before the node was laid out (a reopened graph
-    // restoring a finished run gets no later event) would otherwise stay a stretched, blurred 100-pixel chart
-    if (typeof ResizeObserver === "function") new ResizeObserver(() => this.invalidate()).observe(this.$("chart"));
+    // restoring a finished run gets no later event) would otherwise stay a stretched, blurred 100-pixel chart.
+    // Only a change of the on-screen size redraws (a redraw sets the canvas's own size, which must not loop)
+    if (typeof ResizeObserver === "function") {
+      this.resized = new ResizeObserver(() => {
+        const c = this.$("chart");
+        if (c.clientWidth !== this.drawnWidth || c.clientHeight !== this.drawnHeight) this.invalidate();
+      });
+      this.resized.observe(this.$("chart"));
+    }
     this.loss = new Series(); this.smooth = new Series(); this.evals = new Series(); this.smoother = new Smoother();
     this.fake = new Series(); // a distillation's fake-score loss
     this.reset();
@@ -87,7 +94,7 @@ export class Panel {
       copy.textContent = "copied";
     } catch (e) {
       const range = document.createRange();
-      range.selectNodeContents(this.$("state"));
+      range.selectNodeContents(this.$("state")); // the path is the line's end: Ctrl+C copies the line
       const selection = window.getSelection();
       selection.removeAllRanges(); selection.addRange(range);
       copy.textContent = "Ctrl+C";
@@ -108,7 +115,7 @@ export class Panel {
     this.runId = runId;
     switch (event.type) {
       case "started":
-        this.state = "running"; this.total = event.total;
+        this.state = "running"; this.total = event.total; this.path = ""; // a resumed run writes its file again
         this.message = `run ${runId}` + (event.resumed_from ? ` (resumed at step ${event.start_step})` : "");
         this.plan = typeof event.memory_plan?.summary === "string" ? event.memory_plan.summary : "";
         break;
@@ -211,6 +218,7 @@ export class Panel {
   draw() {
     const canvas = this.$("chart");
     const dpr = window.devicePixelRatio || 1; // sharp lines and text on high-density screens
+    this.drawnWidth = canvas.clientWidth; this.drawnHeight = canvas.clientHeight;
     const w = Math.max(100, canvas.clientWidth), h = Math.max(60, canvas.clientHeight);
     canvas.width = Math.round(w * dpr);
     canvas.height = Math.round(h * dpr);
@@ -266,6 +274,7 @@ app.registerExtension({
     const onRemoved = nodeType.prototype.onRemoved;
     nodeType.prototype.onRemoved = function () {
       panels.delete(String(this.id));
+      this.ingraphPanel?.resized?.disconnect();
       return onRemoved?.apply(this, arguments);
     };
   },

@@ -27,8 +27,10 @@ class Flux2Family(FluxFamily):
         return flux2 is not None and type(base_model) is flux2
 
     def extra_cond_inputs(self, batch: Batch, x_noisy: torch.Tensor) -> dict:
-        # no pooled vector (ComfyUI's Flux extra_conds reads pooled_output, None here), the text padded by extra_conds
-        return {**ModelFamily.extra_cond_inputs(self, batch, x_noisy), "pooled_output": None,
+        # Flux's own refuses a batch without the pooled vector; past it, the reference images (ReferenceLatentsInput,
+        # as ReferenceLatent gives them) and the text, which extra_conds pads; no pooled vector (None: ComfyUI's Flux
+        # extra_conds reads pooled_output)
+        return {**super(FluxFamily, self).extra_cond_inputs(batch, x_noisy), "pooled_output": None,
                 "guidance": self.guidance if self.guidance_distilled else None}
 
     def pipeline_layers(self):
