@@ -87,6 +87,7 @@ def test_the_plan_measures_the_longest_caption_where_it_saves_more_than_the_larg
     from safetensors.torch import save_file
     from ingraph_trainer.cache.shards import entry_path
     from ingraph_trainer.trainer import memory_sizes
+    from ingraph_trainer.trainer.adapters import inject_adapter
     from ingraph_trainer.trainer.spec import ModelSpec
     from ingraph_trainer.trainer.models import Batch, load_family
 
@@ -108,6 +109,8 @@ def test_the_plan_measures_the_longest_caption_where_it_saves_more_than_the_larg
     assert memory_sizes.largest_items(Captioned([small, large_image, small])) == [1]  # padded captions: one pass
 
     family = load_family(ModelSpec(path=str(tiny_unet)), precision="bf16")
+    torch.manual_seed(0)
+    inject_adapter(family.diffusion_model, family.adapter_targets("attention_ff"), "lora", 4, 4.0, 0.0)  # as planned
     family.prepare_for_training()
 
     def item_inputs(family, dataset, item, batch_size):  # the item's shapes, as training_batch would give them
@@ -122,6 +125,7 @@ def test_the_plan_measures_the_longest_caption_where_it_saves_more_than_the_larg
     measure = lambda item: memory_sizes.activation_profile(  # noqa: E731
         family, item_inputs(family, dataset, item, 2), blocks, torch.bfloat16, torch.device("cpu"))
     caption, image = measure(2), measure(1)
+    assert sum(image.saved) > 0  # the precondition: a pass that saves activations (an adapter trains)
     assert caption.held(0) > image.held(0)  # the premise: the long caption saves more than the large image
     planned = memory_sizes.largest_activation_profile(family, dataset, 2, blocks, torch.bfloat16, torch.device("cpu"))
     for k in range(len(blocks) + 1):  # whatever the plan checkpoints, it counts at least what either item needs
