@@ -115,11 +115,7 @@ def test_family_detected_and_its_loss_is_comfyuis(image_family_models, name, cap
         got = family.loss(batch, reduce=False)
     assert torch.allclose(got, expected, rtol=1e-6, atol=0), (name, got, expected)
     if name == "chroma":  # ComfyUI's own Chroma blocks add residuals in place: autograd refuses them
-        family.diffusion_model.requires_grad_(False)
-        weight = dict(family.diffusion_model.named_modules())[family.adapter_targets("attention")[0]].weight
-        weight.requires_grad_(True)
-        family.loss(batch).backward()
-        assert weight.grad is not None and weight.grad.abs().sum() > 0
+        first_adapted_layer_takes_gradients(family, batch)
         lora_loads_whole_in_comfyui(family, caplog)
 
 
@@ -170,12 +166,18 @@ def test_day0_family_is_detected_its_loss_is_comfyuis_and_its_lora_loads_whole(n
             got = family.loss(edit, reduce=False)
             plain = family.loss(_batch(latent, text), reduce=False)
         assert torch.allclose(got, expected, rtol=1e-6, atol=0) and not torch.allclose(got, plain), (got, expected)
+    first_adapted_layer_takes_gradients(family, batch)
+    lora_loads_whole_in_comfyui(family, caplog)
+
+
+def first_adapted_layer_takes_gradients(family, batch):
+    """The loss's gradient reaches the first layer the attention preset adapts (the rest frozen): the trainer's
+    copy of the model passes gradients through every block before it."""
     family.diffusion_model.requires_grad_(False)
     weight = dict(family.diffusion_model.named_modules())[family.adapter_targets("attention")[0]].weight
     weight.requires_grad_(True)
     family.loss(batch).backward()
     assert weight.grad is not None and weight.grad.abs().sum() > 0
-    lora_loads_whole_in_comfyui(family, caplog)
 
 
 def lora_loads_whole_in_comfyui(family, caplog):

@@ -35,6 +35,14 @@ class Batch:
     text_mask: torch.Tensor | None = None
 
 
+def is_comfy_model(base_model, class_name: str) -> bool:
+    """Whether ComfyUI's model is exactly comfy.model_base.<class_name> (a family's match: never a subclass, which
+    is another family's); False on a ComfyUI that has no such class (0.3.64 has no Flux2, Krea2, HunyuanVideo15)."""
+    import comfy.model_base
+    model_class = getattr(comfy.model_base, class_name, None)
+    return model_class is not None and type(base_model) is model_class
+
+
 class UnsupportedSetting(ValueError):
     """A run setting this model family cannot honour; the message names the setting."""
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Batch, ModelFamily, init_weights
+from .base import Batch, ModelFamily, init_weights, is_comfy_model
 from .flux import FluxFamily
 
 
@@ -22,9 +22,7 @@ class Flux2Family(FluxFamily):
 
     @classmethod
     def matches(cls, base_model) -> bool:
-        import comfy.model_base
-        flux2 = getattr(comfy.model_base, "Flux2", None)
-        return flux2 is not None and type(base_model) is flux2
+        return is_comfy_model(base_model, "Flux2")
 
     def extra_cond_inputs(self, batch: Batch, x_noisy: torch.Tensor) -> dict:
         # Flux's own refuses a batch without the pooled vector; past it, the reference images (ReferenceLatentsInput,

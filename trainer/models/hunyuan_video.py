@@ -7,7 +7,7 @@ import torch
 
 from ..comfy_compat import joint_sequence_text_first
 from .base import (Batch, ModelFamily, StageInput, UnsupportedSetting, ends_here, init_weights,
-                   residuals_out_of_place)
+                   is_comfy_model, residuals_out_of_place)
 
 ATTENTION = (r"double_blocks\.\d+\.(img|txt)_attn\.(qkv|proj)$", r"single_blocks\.\d+\.linear[12]$")
 FEED_FORWARD = (r"double_blocks\.\d+\.(img|txt)_mlp\.[02]$",)
@@ -166,9 +166,7 @@ class HunyuanVideo15Family(HunyuanVideoFamily):
 
     @classmethod
     def matches(cls, base_model) -> bool:
-        import comfy.model_base
-        hunyuan15 = getattr(comfy.model_base, "HunyuanVideo15", None)
-        return hunyuan15 is not None and type(base_model) is hunyuan15
+        return is_comfy_model(base_model, "HunyuanVideo15")
 
     def pipeline_layers(self):
         return ModelFamily.pipeline_layers(self)  # HunyuanVideo's stage split knows none of 1.5's inputs

@@ -5,7 +5,7 @@ tensor, tokens x layers*width), which its own text-fusion transformer mixes. Rec
 ComfyUI 0.3.64 has no Krea 2: there this family matches nothing and builds nothing."""
 from __future__ import annotations
 
-from .base import ModelFamily, init_weights
+from .base import ModelFamily, init_weights, is_comfy_model
 
 ATTENTION = (r"blocks\.\d+\.attn\.(wq|wk|wv|wo|gate)$",)
 FEED_FORWARD = (r"blocks\.\d+\.mlp\.(gate|up|down)$",)
@@ -25,9 +25,7 @@ class Krea2Family(ModelFamily):
 
     @classmethod
     def matches(cls, base_model) -> bool:
-        import comfy.model_base
-        krea2 = getattr(comfy.model_base, "Krea2", None)
-        return krea2 is not None and type(base_model) is krea2
+        return is_comfy_model(base_model, "Krea2")
 
     def checkpoint_blocks(self):
         return list(self.diffusion_model.blocks)
