@@ -424,7 +424,7 @@ def test_data_features_are_spec_fields_with_errors_that_name_them():
     d = spec.data
     assert (d.caption_dropout, d.shuffle_tags, d.masked_loss, d.prior_manifest, d.prior_weight, d.prior_fraction) \
         == (0.1, False, False, "/p.json", 0.5, 0.25)
-    assert config.spec_from_dict(config.tomllib.loads(config.dump_run_spec(spec))).data == d
+    assert config.parse_run_spec(config.dump_run_spec(spec).encode(), "run.toml").data == d
     for field, value, needle in (("caption_dropout", 1.0, "data.caption_dropout: must be in [0, 1)"),
                                  ("prior_weight", -1.0, "data.prior_weight: must be 0 or more"),
                                  ("prior_fraction", 1.0, "data.prior_fraction: must be in (0, 1)"),
