@@ -25,37 +25,27 @@ MAX_MESSAGE = 1 << 20
 READY = b"ready\n"  # sent once the imports are done (the launcher may wait for it; it need not)
 
 
-def warm_up(wanted=lambda: True) -> bool:
+def warm_up() -> None:
     """The imports of every one-process run, in the order a run does them; bitsandbytes stays hidden (see
     main.py), and so does DeepSpeed: a one-process run trains without it (plain_engine.py), and the rare one that
-    needs it (ZeRO or optimizer offload in one process) imports it itself. Between its steps, `wanted()` says
-    whether the launcher still wants this standby; False: the rest is skipped (returns False)."""
-    if not wanted():
-        return False
+    needs it (ZeRO or optimizer offload in one process) imports it itself. A launcher gone meanwhile ends the
+    process (OrphanWatch), whichever import is running."""
     import torch  # noqa: F401
-    if not wanted():
-        return False
     from .comfy_env import import_comfy
     import_comfy()  # COMFYUI_PATH is the launching server's, set in this process's environment
-    if not wanted():
-        return False
     import peft  # noqa: F401
     import torch.utils.tensorboard  # noqa: F401  the health log's writer
     from . import evaluation, hostfile, loop, objectives, plain_engine, training_module  # noqa: F401
-    return True
 
 
-def wait_for_command(channel: socket.socket, parent_pid: int, idle_s: float,
-                     on_message=lambda: None) -> tuple[list[str], int] | None:
-    """(argv, log descriptor) from the launcher, or None when the launcher is gone or the wait ran out.
-    `on_message()` runs once something is there to read, before it is read (a run sent is the run's from then)."""
-    from .os_support import process_gone
+def wait_for_command(channel: socket.socket, idle_s: float, on_message=lambda: None) -> tuple[list[str], int] | None:
+    """(argv, log descriptor) from the launcher, or None when the launcher closed its end or the wait ran out (a
+    launcher gone ends the process before: OrphanWatch). `on_message()` runs once something is there to read,
+    before it is read (a run sent is the run's from then)."""
     deadline = time.monotonic() + idle_s
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([channel], [], [], 1.0)
+        ready, _, _ = select.select([channel], [], [], max(0.0, deadline - time.monotonic()))
         if not ready:
-            if parent_pid > 0 and (os.getppid() != parent_pid or process_gone(parent_pid)):
-                return None
             continue
         on_message()
         message, fds, _, _ = socket.recv_fds(channel, MAX_MESSAGE, 1)
@@ -129,10 +119,12 @@ def serve(argv: list[str], run_main) -> int:
     parser.add_argument("--idle-s", type=float, default=900.0)
     opts = parser.parse_args(argv)
     channel = socket.socket(fileno=os.dup(0))
-    orphan_watch = OrphanWatch(opts.parent_pid)
-    # a launcher gone already (a main job that ended, a server stopped) wants no standby: no seconds of imports
-    if not warm_up(lambda: opts.parent_pid <= 0 or not _parent_gone(opts.parent_pid)):
+    # a launcher gone already (a main job that ended, a server stopped) wants no standby: no seconds of imports;
+    # one gone later ends the process from the watch, whatever it is doing, until a run is there to read
+    if opts.parent_pid > 0 and _parent_gone(opts.parent_pid):
         return EXIT_ORPHANED
+    orphan_watch = OrphanWatch(opts.parent_pid)
+    warm_up()
     try:
         channel.sendall(READY)
     except OSError:
@@ -140,7 +132,7 @@ def serve(argv: list[str], run_main) -> int:
     warm_at = time.strftime("%H:%M:%S")
     # a run sent and then its launcher gone: the run is the trainer's to end (its orphan handling writes the last
     # event), so the watch stops as soon as a message is there to read
-    command = wait_for_command(channel, opts.parent_pid, opts.idle_s, on_message=orphan_watch.taken)
+    command = wait_for_command(channel, opts.idle_s, on_message=orphan_watch.taken)
     if command is None:
         return 0 if opts.parent_pid <= 0 or not _parent_gone(opts.parent_pid) else EXIT_ORPHANED
     run_argv, log_fd = command
