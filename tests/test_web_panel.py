@@ -115,15 +115,16 @@ def test_panel_shows_rising_steps_and_a_loss_chart(comfy, tmp_path):
             page.keyboard.press("Escape")
             page.evaluate("async (wf) => { await window.app.loadGraphData(wf); }", workflow)
             page.wait_for_selector(".ingraph-panel", state="attached", timeout=30_000)
-            # the panel may first show an older run of a node with the same id (restored from the run records)
+            # the panel may first show an older run of a node with the same id (restored from the run records, maybe
+            # after this line: the restore is asynchronous), so the new run is one the server did not list before
             run_of = "() => window.app.graph._nodes.find(n => n.type === 'InGraphTrainLoRA').ingraphPanel.runId"
-            old_run = page.evaluate(run_of)
+            old_runs = [r["id"] for r in ComfyClient(comfy.address).get("/ingraph/runs")["runs"]]
             page.evaluate("async () => { await window.app.queuePrompt(0, 1); }")
 
             step_of = ("() => { const s = document.querySelector('.ingraph-panel [data-role=step]');"
                        " const m = s && s.textContent.match(/^(\\d+) \\/ (\\d+)$/); return m ? Number(m[1]) : 0; }")
-            page.wait_for_function(f"() => ({run_of})() !== {json.dumps(old_run)} && ({step_of})() >= 1",
-                                   timeout=180_000)
+            page.wait_for_function(f"() => !{json.dumps(old_runs)}.includes(({run_of})()) && ({run_of})() != null"
+                                   f" && ({step_of})() >= 1", timeout=180_000)
             first = page.evaluate(step_of)
             page.wait_for_function(f"() => ({step_of})() >= {min(first + 3, STEPS)}", timeout=120_000)
             later = page.evaluate(step_of)
