@@ -11,8 +11,8 @@ class DeepSpeedSettings(io.ComfyNode):
             node_id="InGraphDeepSpeedSettings",
             display_name="DeepSpeed Settings",
             category=CATEGORY,
-            description="How Train LoRA runs: how many processes (GPUs), ZeRO memory sharding, optimizer offload, "
-                        "and a hostfile for several machines. Without this node a run uses one process.",
+            description="How Train LoRA runs: how many processes (GPUs), ZeRO memory sharding, optimizer and "
+                        "weight offload, and a hostfile for several machines. Without this node a run uses one process.",
             inputs=[
                 io.Int.Input("processes", default=1, min=1, max=1024,
                              tooltip="Processes on this machine, normally one per GPU (data parallel)."),
@@ -29,6 +29,10 @@ class DeepSpeedSettings(io.ComfyNode):
                                      "partitioned by trainable parameters), for models too big for one GPU. "
                                      "Must divide the number of processes; the rest is data parallel. Takes ZeRO "
                                      "0 or 1; no previews. SD1.x/SD2.x, SDXL, SD3, Flux and Wan models."),
+                io.Boolean.Input("offload_params", default=False, optional=True,
+                                 tooltip="ZeRO stage 3: keep each GPU's share of the model's weights in CPU memory "
+                                         "and fetch each layer's weights to the GPUs as it runs (the least GPU "
+                                         "memory for a model too big for the cards, slower steps)."),
                 io.Int.Input("block_swap", default=0, min=0, max=1000, optional=True,
                              tooltip="Adapter training on one stage: keep this many blocks' frozen weights in CPU "
                                      "memory and copy each to the GPU only while it runs (less GPU memory, slower "
@@ -39,9 +43,10 @@ class DeepSpeedSettings(io.ComfyNode):
 
     @classmethod
     def execute(cls, processes, zero_stage, offload_optimizer, hostfile, pipeline_stages=1,
-                block_swap=0) -> io.NodeOutput:
+                block_swap=0, offload_params=False) -> io.NodeOutput:
         spec = DistributedSpec(processes=processes, zero_stage=int(zero_stage), offload_optimizer=offload_optimizer,
-                               hostfile=hostfile.strip(), pipeline_stages=pipeline_stages, block_swap=block_swap)
+                               hostfile=hostfile.strip(), pipeline_stages=pipeline_stages, block_swap=block_swap,
+                               offload_params=offload_params)
         problems = spec.problems()
         if problems:
             raise ValueError("DeepSpeed Settings: " + "; ".join(problems))

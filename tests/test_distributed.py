@@ -1,6 +1,7 @@
 """DeepSpeed layouts on CPU over gloo: parity of data parallel and ZeRO stages, resume, several machines."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -99,12 +100,19 @@ def test_two_processes_match_one_process_with_accumulation(reference, two_proces
 
 @pytest.mark.parametrize("stage", [2, 3])  # stage 1: test_two_machines_over_loopback_match_one_machine
 def test_zero_stages_match_zero_0(prepared, two_process_zero0, stage):
-    spec = prepared(**COMMON, distributed__processes=2, distributed__zero_stage=stage)
+    """Stage 3 with its weights offloaded to host memory and loaded straight into partitions (plain stage 3 is the
+    full fine-tune's below, and the partitioned load's memory test)."""
+    offload = {"distributed__offload_params": True} if stage == 3 else {}
+    spec = prepared(**COMMON, distributed__processes=2, distributed__zero_stage=stage, **offload)
     launch(spec, 2)
     ref, got = step_losses(two_process_zero0), step_losses(spec.parent)
     assert len(ref) == len(got) == 5  # the same steps, all of them, before they are compared
     assert max(abs(a - b) for a, b in zip(ref, got)) < 1e-5, (stage, ref, got)
     adapters_agree(two_process_zero0, spec.parent)
+    if stage == 3:  # the weights went straight into each process's partitions (the memory: the test below)
+        started = read_events(spec.parent)[0]
+        assert started["load_memory"].get("partitioned") is True
+        assert started["memory_plan"]["host_parts"].get("offloaded weights", 0) > 0
 
 
 def test_two_process_stop_then_resume_matches_uninterrupted(prepared, two_process_zero0):
@@ -266,6 +274,44 @@ def test_evaluation_is_identical_on_1_and_2_processes(one_process_runs):
     results = [next(e for e in read_events(d) if e["type"] == "finished")["evaluation"] for d in (one.parent, two)]
     assert results[0] == results[1]
     assert results[0]["items"] == 8 and len(results[0]["quantiles"]) == 5
+
+
+@pytest.fixture(scope="module")
+def wide_checkpoint(assets, tmp_path_factory):
+    """The embedded default checkpoint with a wider, three-level SD1.5 UNet (323M parameters, 1.29 GB in fp32), so
+    that a process's share of the weights stands out from what a run's start-up holds besides (~80 MB: the memory
+    plan's pass, the adapter, the pages the kernel reads ahead in the file)."""
+    from tools.embedded_default import TINY_UNET_CONFIG, _bootstrap, _init_weights, save_safetensors
+    _bootstrap()
+    import comfy.ops
+    from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
+    config = dict(TINY_UNET_CONFIG, channel_mult=[1, 2, 4], num_res_blocks=[1, 1, 1], transformer_depth=[1, 1, 1],
+                  transformer_depth_output=[1] * 6)
+    unet = UNetModel(**config, operations=comfy.ops.disable_weight_init)
+    _init_weights(unet, torch.Generator().manual_seed(0))
+    state = {k: v for k, v in load_file(assets["checkpoint"]).items() if not k.startswith("model.diffusion_model.")}
+    state.update({f"model.diffusion_model.{k}": v.contiguous() for k, v in unet.state_dict().items()})
+    del unet
+    return save_safetensors(state, tmp_path_factory.mktemp("wide") / "wide_sd15.safetensors")
+
+
+def test_zero3_loads_each_process_share_of_the_weights_not_the_whole_model(wide_checkpoint, assets, tools, tmp_path):
+    """ZeRO-3 on 2 processes: ComfyUI builds the model unfilled, DeepSpeed partitions it, and each process copies its
+    half of every weight from the file (trainer/partitioned_load.py). Each process's host memory rises by at most
+    0.6x the model's weights during the load (it was over 1x: the whole model, built and filled, in each)."""
+    args = ["--checkpoint", str(wide_checkpoint), "--images", str(assets["images"]), "--run-dir", str(tmp_path / "run")]
+    for key, value in dict(train__steps=1, train__batch_size=1, train__precision="fp32", train__eval_items=0,
+                           train__save_every=0, distributed__processes=2, distributed__zero_stage=3).items():
+        args += ["--set", f"{key.replace('__', '.')}={json.dumps(value)}"]
+    spec = Path(tools("prepare_run", args).strip().splitlines()[-1])
+    run_trainer(spec, processes=2, kill_on="started")  # the load is over once the run starts (a step takes 20 s)
+    started = read_events(spec.parent)[0]
+    memory, whole = started["load_memory"], started["base_weight_bytes"]
+    assert started["type"] == "started" and started["world_size"] == 2 and whole > 1.2e9
+    print(f"\nZeRO-3 load, {whole / 1e6:.0f} MB of weights: each process's host memory rose "
+          f"{[round(r / 1e6) for r in memory.get('rank_rises', [])]} MB")
+    assert memory.get("partitioned") is True and len(memory["rank_rises"]) == 2, memory
+    assert all(0 < rise <= 0.6 * whole for rise in memory["rank_rises"]), (memory, whole)
 
 
 def test_zero3_full_fine_tune_on_2_processes_matches_1_process(prepared, one_process_runs):

@@ -269,6 +269,11 @@ def test_the_load_is_sized_from_the_files_header_and_refused_when_ram_cannot_hol
     message = host_refusal(model, "bf16")
     assert message.startswith(f"not enough memory: loading {tiny_unet} needs ") and "GiB of RAM" in message
     assert ("set base_precision to fp8" in message) == (weight_dtype == "default"), message
+    # RAM for one copy and a half: 2 processes on this machine cannot each load their own; with ZeRO-3's partitioned
+    # load each holds half of one copy, which fits
+    monkeypatch.setattr(os_support, "available_memory", lambda: held * 3 // 2)
+    assert host_refusal(model, "bf16", processes=2) is not None
+    assert host_refusal(model, "bf16", processes=2, share=0.5) is None
 
 
 def test_with_block_swap_only_the_plans_resident_weights_reach_the_device(tiny_unet):
@@ -358,6 +363,15 @@ def test_zero_and_offload_shares_and_a_model_without_blocks():
     offloaded = plan(2, offload=True)
     assert "optimizer" not in offloaded.parts and "master weights" not in offloaded.parts
     assert offloaded.host_parts["offloaded optimizer"] == GiB + 2 * GiB + GiB
+    # ZeRO-3's weight offload: this process's share of the frozen weights in host memory; the device holds the
+    # block computing and the next one, whole (gathered)
+    adapter = ModelBytes(frozen=8 * GiB, frozen_per_block=[GiB, 3 * GiB, 2 * GiB, 2 * GiB], trained=GiB // 8,
+                         trained_count=GiB // 16)
+    kept, offloaded_weights = (plan_for(spec, shared_out(adapter, 3, 4, 1, False, offload_params), profile, False, 0,
+                                        "cuda", None) for offload_params in (False, True))
+    assert kept.parts["weights"] == 2 * GiB and "offloaded weights" not in kept.host_parts
+    assert offloaded_weights.parts["weights"] == 2 * 3 * GiB and offloaded_weights.host_parts["offloaded weights"] == 2 * GiB
+    assert shared_out(adapter, 2, 4, 1, False, True).weights_offloaded is False  # stage 3's alone
 
     from ingraph_trainer.trainer.memory_plan import choose
     none = ActivationProfile(outside=GiB, saved=[], inputs=[])

@@ -423,6 +423,11 @@ def test_distributed_layout_problems_are_one_list_for_the_node_and_the_spec(tmp_
     monkeypatch.setenv("INGRAPH_ALLOWED_HOSTS", "a b")
     assert config.DistributedSpec(processes=3, pipeline_stages=2, hostfile=str(hosts)).problems() == []
     assert config.DistributedSpec(processes=4, pipeline_stages=2, zero_stage=1).problems() == []
+    assert config.DistributedSpec(processes=2, zero_stage=2, offload_params=True).problems() == [
+        "distributed.offload_params: needs ZeRO stage 3 (the stage that partitions the weights)"]
+    assert config.DistributedSpec(processes=2, zero_stage=3, offload_params=True).problems() == []
+    assert config.DistributedSpec(offload_params=True, zero_stage=3).deepspeed_settings() == ["zero_stage",
+                                                                                               "offload_params"]
 
 
 def test_a_layout_that_needs_deepspeed_is_refused_with_its_install_command_where_it_is_missing(monkeypatch):
@@ -462,6 +467,31 @@ def test_zero3_across_machines_partitions_weights_again_within_each_machine(monk
     assert "zero_hpz_partition_size" not in zero(3, 2, 2)  # one machine: nothing to keep inside it
     assert "zero_hpz_partition_size" not in zero(3, 2, 1)  # one process per machine: no second partition
     assert "zero_hpz_partition_size" not in zero(2, 4, 2)  # ZeRO-2 keeps whole weights on every process
+
+
+def test_zero3_loads_into_partitions_where_nothing_reads_the_whole_weights_first(monkeypatch):
+    """trainer/partitioned_load.why_not_partitioned: ZeRO-3 adapter runs load each process's share straight from the
+    file; a full fine-tune or DoRA (the optimizer's copies, the weight norms, taken at start) or LoRAs baked in
+    upstream load whole first. Weight offload is DeepSpeed's offload_param, which zero.Init reads too."""
+    import torch
+    from trainer.spec import AdapterSpec, DistributedSpec, ModelSpec, RunSpec
+    from trainer.distributed import deepspeed_config
+    from trainer.partitioned_load import why_not_partitioned
+
+    def spec(zero=3, kind="lora", loras=(), stages=1, offload=False):
+        return RunSpec(distributed=DistributedSpec(processes=2, zero_stage=zero, pipeline_stages=stages,
+                                                   offload_params=offload),
+                       adapter=AdapterSpec(kind=kind), model=ModelSpec(path="m.safetensors", lora_paths=list(loras)))
+    assert why_not_partitioned(spec()) is None and why_not_partitioned(spec(kind="loha")) is None
+    assert why_not_partitioned(spec(zero=2)) == "not ZeRO-3"
+    assert "adapter.kind full" in why_not_partitioned(spec(kind="full"))
+    assert "adapter.kind dora" in why_not_partitioned(spec(kind="dora"))
+    assert "baked" in why_not_partitioned(spec(loras=["up.safetensors"]))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert deepspeed_config(spec(offload=True))["zero_optimization"]["offload_param"] == {"device": "cpu",
+                                                                                          "pin_memory": True}
+    assert "offload_param" not in deepspeed_config(spec())["zero_optimization"]
 
 
 def test_checkpoints_carry_the_cuda_generator_where_a_device_computes(monkeypatch):

@@ -107,6 +107,8 @@ def deepspeed_config(spec) -> dict:
     }
     if spec.distributed.offload_optimizer:
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if spec.distributed.offload_params:  # zero.Init (partitioned_load) reads it too: the partitions start there
+        config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     per_machine = processes_per_machine()
     if spec.distributed.zero_stage == 3 and 1 < per_machine < world_size():
         # ZeRO++ hpZ: a second copy of each weight partitioned within a machine, so the forward and backward

@@ -15,6 +15,7 @@ from .spec import RunSpec
 from .batch_mix import StepBatches, build_training_data, prior_report
 from .data import load_cached_dataset, step_loader
 from .device import device_memory, training_device
+from .os_support import map_large_allocations
 from .distributed import data_parallel_size, deepspeed_config, uses_deepspeed, world_size
 from .ema import build_average, exported_weights
 from .evaluation import eval_subset
@@ -27,6 +28,7 @@ from .memory_plan import plan_memory, refuse_unloadable
 from .memory_sizes import low_precision_dtype
 from .models import load_family
 from .optim import averaged_weights, build_optimizer, build_scheduler
+from .partitioned_load import DeferredWeights, each_process_peak, load_partitions, why_not_partitioned
 from .result import write_result
 from .run_control import RunControl, TrainingTask
 from .sampling import PreviewSampler
@@ -62,9 +64,19 @@ class Trainer(TrainingTask):
         import_comfy()  # the launching server's ComfyUI, never the spec's
         self.load_memory: dict = {}
         began = time.perf_counter()
-        refuse_unloadable(spec.model, spec.train.precision, full=spec.adapter.kind == "full")
+        # the engine (DeepSpeed's process group, or plain PyTorch) first: pipeline stages need the process group to
+        # build, and the model's load is measured on its own
+        deepspeed = choose_engine(spec)
+        # ZeRO-3: the weights go straight into each process's partitions (partitioned_load.py), once the engine's
+        # layout is known; until then the model's parameters stay unfilled
+        self.deferred = DeferredWeights(spec.model.path) if why_not_partitioned(spec) is None else None
+        refuse_unloadable(spec.model, spec.train.precision, full=spec.adapter.kind == "full",
+                          partitioned=self.deferred is not None)
+        if self.deferred is not None:  # the whole weights each process receives from rank 0 (zero.Init's broadcast),
+            map_large_allocations(1 << 20)  # one at a time, leave its memory once partitioned, not stay on the heap
         with load_peak(self.load_memory):
-            self.family = family = load_family(spec.model, precision=spec.train.precision)
+            self.family = family = load_family(spec.model, precision=spec.train.precision, deferred=self.deferred)
+        self.base_weight_bytes = family.base_weight_bytes()  # ZeRO-3 leaves a slice of them here once it starts
         self.build_s = {"model": time.perf_counter() - began}  # where the start-up went (the started event)
         family.set_objective(t.loss, t.huber_delta, t.min_snr_gamma, t.flow_shift, t.guidance)
         family.check_settings(spec)
@@ -89,7 +101,6 @@ class Trainer(TrainingTask):
                 load_adapter_weights(family.diffusion_model, a.kind, a.init_from,
                                      diffusers_module_names(family.base_model))
         self.build_s["adapter"] = time.perf_counter() - began - sum(self.build_s.values())
-        deepspeed = choose_engine(spec)  # before the model: pipeline stages need the process group
         # before anything reaches the device: "auto"'s checkpointing and block swap, or the run refused
         self.memory_plan = plan_memory(spec, family, self.dataset, training_device(), data_parallel_size(spec),
                                        self.log)
@@ -102,6 +113,11 @@ class Trainer(TrainingTask):
         layout.check_data(self.dataset)
         optimizer = build_optimizer(spec, layout.trainable)
         self.optimizer = optimizer
+        if self.deferred is not None:
+            if self.deferred.sources:  # else the model was filled as usual (loading.why_not_deferred, logged)
+                load_partitions(deepspeed, layout.module, self.deferred, deepspeed_config(spec))
+                self.load_memory.update(partitioned=True, **each_process_peak(self.load_memory))
+            map_large_allocations(32 << 20)  # glibc's own upper bound for its moving threshold
         layout.initialize(deepspeed, optimizer, build_scheduler(spec, optimizer), deepspeed_config(spec))
         self.ema = build_average(spec, self.params)  # after initialize: on the device the engine put them on
         if swapped_blocks and not swap_first:
@@ -171,7 +187,7 @@ class Trainer(TrainingTask):
                          prediction=family.prediction, objective={"loss": t.loss, "min_snr_gamma": t.min_snr_gamma},
                          adapted_modules=len(self.targets), trainable_params=sum(p.numel() for p in self.params),
                          dataset_items=len(self.dataset.unique), samples=len(self.dataset),
-                         eval_items=len(self.eval_items), base_weight_bytes=family.base_weight_bytes(),
+                         eval_items=len(self.eval_items), base_weight_bytes=self.base_weight_bytes,
                          load_memory=self.load_memory, build_s={k: round(v, 3) for k, v in self.build_s.items()},
                          resumed_from=str(resumed_from) if resumed_from else None, **prior)
         if prior_warning:

@@ -112,6 +112,9 @@ def plan_for(spec, weights: ModelBytes, profile: ActivationProfile, checkpointin
     # pinned host memory: PyTorch's pinned allocator rounds each tensor up to a power of two
     host = {"swapped weights": sum(weights.pinned_per_block[:block_swap])} if device_type == "cuda" else \
         {"runtime": HOST_RUNTIME}
+    if weights.weights_offloaded:  # the block computing and the next one, fetched ahead
+        host["offloaded weights"] = parts["weights"]
+        parts["weights"] = 2 * weights.gathered_block
     if weights.offloaded:
         host["offloaded optimizer"] = sum(state.values()) + master_gradients
         master_gradients = 0
@@ -167,6 +170,9 @@ def suggestions(spec, plan: MemoryPlan, weights: ModelBytes, profile: Activation
                 if plan_for(spec, weights, profile, True, k, plan.device, plan.budget).fits()]
         if more:
             what.insert(0, f"set gradient_checkpointing on and block_swap to {more[0]} or more")
+    d = spec.distributed
+    if plan.device == "cuda" and d.zero_stage == 3 and not d.offload_params:
+        what.append("set offload_params on (DeepSpeed Settings: each process's share of the weights in CPU memory)")
     return what
 
 
@@ -287,7 +293,8 @@ def _measured(spec, family, blocks, dataset, device, data_parallel: int, log):
         log("warning", f"memory plan: activations not measured ({type(e).__name__}: {e}); the plan counts "
                        f"weights and optimizer state only")
         profile = ActivationProfile(0, [0] * len(blocks), [0] * len(blocks), measured=False)
-    weights = shared_out(weights, d.zero_stage, data_parallel, d.pipeline_stages, d.offload_optimizer)
+    weights = shared_out(weights, d.zero_stage, data_parallel, d.pipeline_stages, d.offload_optimizer,
+                         d.offload_params)
     budget = device_budget(spec, device, weights.frozen if device.type == "cpu" else 0)
     budget = global_min(math.inf if budget is None else budget, device)
     capacity = device_capacity(device)
@@ -352,19 +359,22 @@ def record_choice(spec, plan: MemoryPlan) -> None:
                            "block_swap": plan.block_swap})
 
 
-def refuse_unloadable(model, precision: str, full: bool = False) -> None:
+def refuse_unloadable(model, precision: str, full: bool = False, partitioned: bool = False) -> None:
     """Before a load (a training run's, the evaluate task's): MemoryPlanRefused where this machine's RAM cannot
-    hold the model once for every process of the run on it (host_refusal)."""
-    from .distributed import processes_per_machine
-    refused = host_refusal(model, precision, full=full, processes=processes_per_machine())
+    hold the model once for every process of the run on it (host_refusal); `partitioned` (ZeRO-3's partitioned
+    load): each process holds its share, so the machine's processes hold their part of one copy."""
+    from .distributed import processes_per_machine, world_size
+    refused = host_refusal(model, precision, full=full, processes=processes_per_machine(),
+                           share=1 / world_size() if partitioned else 1.0)
     if refused:
         raise MemoryPlanRefused(refused)
 
 
-def host_refusal(model, precision: str, full: bool = False, processes: int = 1) -> str | None:
+def host_refusal(model, precision: str, full: bool = False, processes: int = 1, share: float = 1.0) -> str | None:
     """Before the load: the reason the model cannot be loaded into this machine's RAM by the `processes` of the
-    run on it (each loads its own copy), naming the file and the numbers; None where it fits, or where the system
-    or the file's header tells nothing. `full`: a full fine-tune (which cannot take an fp8 base)."""
+    run on it (each loads its own copy, or its `share` of one), naming the file and the numbers; None where it
+    fits, or where the system or the file's header tells nothing. `full`: a full fine-tune (which cannot take an
+    fp8 base)."""
     from .os_support import available_memory
     if not getattr(model, "path", ""):  # no file to size (ComfyUI's loader says what is missing)
         return None
@@ -372,6 +382,7 @@ def host_refusal(model, precision: str, full: bool = False, processes: int = 1) 
     one = load_bytes(model, precision)
     if available is None or one is None:
         return None
+    one = int(one * share)
     needed = one * processes
     if needed <= available * MARGIN:
         return None

@@ -129,6 +129,23 @@ def restart_memory_peak() -> None:
         pass
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def map_large_allocations(threshold: int) -> bool:
+    """Where glibc is the allocator: allocations of `threshold` bytes and more get their own memory mapping, given
+    back to the system when freed, instead of the heap, whose freed pages stay resident (glibc raises its threshold
+    up to 32 MiB as tensors are freed, so weights land on the heap). Fixes the threshold for the process's life; False
+    where it could not (not glibc)."""
+    if windows():
+        return False
+    import ctypes
+    try:
+        return bool(ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, int(threshold)))
+    except (OSError, AttributeError):
+        return False
+
+
 def standby_supported() -> bool:
     """The standby hands its run over a Unix socket with the log's descriptor attached (send_fds): POSIX only.
     Elsewhere every run starts its own process, as multi-process runs always do."""

@@ -122,21 +122,31 @@ def _as_model_spec(model, family: str, prediction: str):
     return ModelSpec(path=str(model), family=family, prediction=prediction)
 
 
-def load_base_model(model, precision: str | None = None):
+def load_base_model(model, precision: str | None = None, deferred=None):
     """ComfyUI's ModelPatcher for a run spec's model section: the source file loaded as its loader node loaded
     it (Load Checkpoint or Load Diffusion Model with its weight_dtype), then the upstream LoRAs applied in order
     with ComfyUI's own code and baked into the weights with ComfyUI's own patching code. The load peaks at about
-    the weights held, not the weights plus the file (see loading.py)."""
+    the weights held, not the weights plus the file (see loading.py).
+
+    With `deferred` (a partitioned_load.DeferredWeights), the diffusion model's parameters are left unfilled where
+    the model allows it (loading.why_not_deferred), their file tensors recorded in it for a ZeRO-3 partitioned load;
+    its sources stay empty where they were filled as usual."""
     from ..comfy_compat import load_model_file
     from .loading import released_after_copy
     check_stamps(model)
     options = base_storage_options(model, precision)
     if model.format not in ("checkpoint", "diffusion_model"):
         raise ValueError(f"model.format: {model.format!r} is not one of diffusion_model, checkpoint")
-    with released_after_copy(model.path) as released:  # the file's pages leave memory as each tensor is copied
+    if deferred is not None and model.lora_paths:
+        raise ValueError("a deferred load cannot bake the upstream LoRAs into weights it has not read")
+    sources = deferred.sources if deferred is not None else None
+    with released_after_copy(model.path, sources) as released:  # the file's pages leave memory once copied
         patcher = load_model_file(model.path, from_checkpoint=model.format == "checkpoint", options=options)
-    logging.getLogger(__name__).debug("%s: %.1f MiB of the file's pages dropped once copied into the model",
-                                      model.path, released["released_bytes"] / 2**20)
+    log = logging.getLogger(__name__)
+    log.debug("%s: %.1f MiB of the file's pages dropped once copied into the model",
+              model.path, released["released_bytes"] / 2**20)
+    if deferred is not None and released.get("deferred"):
+        log.info("%s: loaded whole, not into partitions: %s", model.path, released["deferred"])
     if patcher is None:
         raise ValueError(f"{model.path}: ComfyUI does not recognise this diffusion model")
     for path, strength in zip(model.lora_paths, model.lora_strengths):
@@ -171,14 +181,16 @@ def bake_patches(patcher) -> None:
     patcher.patches_uuid = uuid.uuid4()
 
 
-def load_family(model, family: str = "auto", prediction: str = "auto", *, precision: str | None = None) -> ModelFamily:
+def load_family(model, family: str = "auto", prediction: str = "auto", *, precision: str | None = None,
+                deferred=None) -> ModelFamily:
     """The trainer's model: a run spec's ModelSpec (or, as before, a diffusion-model path with family and
     prediction) rebuilt with ComfyUI's code, ready to train (see ModelFamily.prepare_for_training).
-    `precision` is train.precision: the dtype the base is held and computed in (fp8 bases: computed in)."""
+    `precision` is train.precision: the dtype the base is held and computed in (fp8 bases: computed in).
+    `deferred`: see load_base_model."""
     import torch
     model = _as_model_spec(model, family, prediction)
     check_family_name(model.family)  # before the load, which can take minutes
-    patcher = load_base_model(model, precision)
+    patcher = load_base_model(model, precision, deferred)
     result = family_for(patcher.model, model.family, model.prediction, patcher)
     if precision is not None:
         result.compute_dtype = getattr(torch, PRECISION_DTYPES[precision])

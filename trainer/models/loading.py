@@ -72,6 +72,15 @@ class PageReleaser:
         return all(not (e & (PAGEMAP_PRESENT | PAGEMAP_SWAPPED)) or e & PAGEMAP_FILE_OR_SHARED
                    for e in struct.unpack(f"<{count}Q", entries))
 
+    def release_all(self, chunk: int = 1 << 20) -> None:
+        """Every clean page of the file's mappings (a page written to keeps its chunk), e.g. those the kernel read
+        ahead while ComfyUI read the file's header and detected the model."""
+        for lo, hi in self.ranges:
+            for start in range(lo, hi, chunk):
+                end = min(hi, start + chunk)
+                if self._all_file_pages(start, end) and self.madvise(start, end - start, MADV_DONTNEED) == 0:
+                    self.released_bytes += end - start
+
     def release(self, tensor) -> None:
         if tensor.device.type != "cpu" or tensor.numel() == 0:
             return
@@ -88,11 +97,69 @@ class PageReleaser:
             self.released_bytes += end - start
 
 
+def why_not_deferred(diffusion_model) -> str | None:
+    """Why the parameters of this freshly built model cannot be left unfilled for a later, partitioned load
+    (None: they can): a module whose own state-dict loading would do more than copy each tensor into its parameter
+    (a scaled-fp8 or quantized layer), or weights ComfyUI creates while loading (0.33's dynamic VRAM)."""
+    import torch
+    own = torch.nn.Module._load_from_state_dict
+    for name, module in diffusion_model.named_modules():
+        loader = type(module)._load_from_state_dict
+        # ComfyUI's plain ops override it only to create the weights lazily (0.33's dynamic VRAM), else defer to
+        # torch's own, which is what a deferred load repeats
+        plain_comfy_op = loader.__module__ == "comfy.ops" and loader.__qualname__.startswith("disable_weight_init.")
+        if loader is not own and not plain_comfy_op:
+            return f"{name or 'the model'} ({type(module).__name__}) loads its weights its own way"
+        if plain_comfy_op and getattr(module, "weight", 0) is None:
+            return f"{name} creates its weights while loading (ComfyUI's dynamic VRAM)"
+    return None
+
+
+def _deferring_load(diffusion_model, deferred: dict):
+    """A load_state_dict for `diffusion_model` that loads its buffers and records, for each parameter, the file's
+    tensor (memory-mapped, not read) in `deferred` instead of copying it: ComfyUI's key processing and checks run as
+    before, and the parameters stay as built (torch.empty: no page of them is touched until a partition is taken)."""
+    import torch
+
+    def load_state_dict(state_dict, strict=True, assign=False):
+        params = dict(diffusion_model.named_parameters(remove_duplicate=False))
+        rest = {k: v for k, v in state_dict.items() if k not in params}
+        result = torch.nn.Module.load_state_dict(diffusion_model, rest, strict=False)
+        missing = [k for k in result.missing_keys if k not in params]
+        for name, param in params.items():
+            source = state_dict.get(name)
+            if source is None:
+                missing.append(name)
+                continue
+            if tuple(source.shape) != tuple(param.shape):
+                raise RuntimeError(f"size mismatch for {name}: the file has {tuple(source.shape)}, "
+                                   f"the model {tuple(param.shape)}")
+            deferred[param] = source
+        return result._replace(missing_keys=missing)
+    return load_state_dict
+
+
+def _release_mapped_file(path: str, report: dict) -> None:
+    ranges = file_mappings(path)
+    try:
+        releaser = PageReleaser(ranges) if ranges else None
+    except (OSError, AttributeError):
+        return
+    if releaser is not None:
+        releaser.release_all()
+        report["released_bytes"] += releaser.released_bytes
+        releaser.close()
+
+
 @contextlib.contextmanager
-def released_after_copy(path: str):
+def released_after_copy(path: str, deferred: dict | None = None):
     """While ComfyUI loads `path` (comfy.sd.load_diffusion_model, load_checkpoint_guess_config), each tensor of
     the file leaves the process's memory as soon as the model holds its copy. Yields a dict whose
-    "released_bytes" tells how much was dropped (0 where nothing could be)."""
+    "released_bytes" tells how much was dropped (0 where nothing could be).
+
+    With `deferred` (a dict), the diffusion model's parameters are not filled at all where why_not_deferred allows:
+    `deferred` maps each parameter to its tensor of the file, for a partitioned load (partitioned_load.py), and the
+    report's "deferred" says why not where they were filled."""
     import comfy.model_base
     from ..comfy_compat import wrap_method
     report = {"released_bytes": 0}
@@ -102,7 +169,17 @@ def released_after_copy(path: str):
             if kwargs.get("assign") or (len(args) > 1 and args[1]):
                 # the model takes the file's tensors as its own (ComfyUI 0.33's dynamic VRAM): nothing is copied,
                 # so nothing may be released
+                report["deferred"] = "the model takes the file's tensors as its own (ComfyUI's dynamic VRAM)"
                 return original(self, sd, *args, **kwargs)
+            if deferred is not None:
+                report["deferred"] = why_not_deferred(self.diffusion_model)
+                if report["deferred"] is None:
+                    self.diffusion_model.load_state_dict = _deferring_load(self.diffusion_model, deferred)
+                    try:
+                        return original(self, sd, *args, **kwargs)
+                    finally:
+                        del self.diffusion_model.load_state_dict
+                        _release_mapped_file(path, report)  # its pages are read again, a slice each, later
             ranges = file_mappings(path)
             try:
                 releaser = PageReleaser(ranges) if ranges else None

@@ -188,6 +188,7 @@ class DistributedSpec:
     processes: int = 1  # processes (GPUs) per machine
     zero_stage: int = 0
     offload_optimizer: bool = False  # optimizer state in CPU memory (ZeRO 1-3)
+    offload_params: bool = False  # ZeRO-3: each process's share of the weights in CPU memory, fetched per layer
     hostfile: str = ""  # DeepSpeed hostfile for several machines ("" = this machine only)
     pipeline_stages: int = 1  # the model split across this many processes (layers partitioned by parameters)
     block_swap: int = 0  # adapter training: this many blocks keep their frozen weights in CPU memory
@@ -199,6 +200,8 @@ class DistributedSpec:
             (self.zero_stage in (0, 1, 2, 3), "zero_stage", f"must be 0, 1, 2 or 3 (got {self.zero_stage})"),
             (self.processes >= 1, "processes", f"must be at least 1 (got {self.processes})"),
             (not self.offload_optimizer or self.zero_stage >= 1, "offload_optimizer", "needs ZeRO stage 1, 2 or 3"),
+            (not self.offload_params or self.zero_stage == 3, "offload_params",
+             "needs ZeRO stage 3 (the stage that partitions the weights)"),
             (hostfile_problem is None, "hostfile", hostfile_problem),
             (self.pipeline_stages >= 1, "pipeline_stages", f"must be at least 1 (got {self.pipeline_stages})"),
             (bool(self.hostfile) or self.pipeline_stages < 1 or self.processes % self.pipeline_stages == 0,
@@ -224,7 +227,8 @@ class DistributedSpec:
         return [name for name, on in (("processes", self.processes > 1), ("hostfile", bool(self.hostfile)),
                                       ("zero_stage", self.zero_stage > 0),
                                       ("pipeline_stages", self.pipeline_stages > 1),
-                                      ("offload_optimizer", self.offload_optimizer)) if on]
+                                      ("offload_optimizer", self.offload_optimizer),
+                                      ("offload_params", self.offload_params)) if on]
 
     @property
     def needs_deepspeed(self) -> bool:
