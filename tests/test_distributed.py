@@ -98,11 +98,11 @@ def test_two_processes_match_one_process_with_accumulation(reference, two_proces
     assert kinds.count("started") == 1 and kinds.count("finished") == 1
 
 
-@pytest.mark.parametrize("stage", [2, 3])  # stage 1: test_two_machines_over_loopback_match_one_machine
+@pytest.mark.parametrize("stage", [2, 3, "3 offload"])  # stage 1: test_two_machines_over_loopback_match_one_machine
 def test_zero_stages_match_zero_0(prepared, two_process_zero0, stage):
-    """Stage 3 with its weights offloaded to host memory and loaded straight into partitions (plain stage 3 is the
-    full fine-tune's below, and the partitioned load's memory test)."""
-    offload = {"distributed__offload_params": True} if stage == 3 else {}
+    """Stage 3 loads its weights straight into partitions; "3 offload" also keeps them in host memory."""
+    offload = {"distributed__offload_params": True} if stage == "3 offload" else {}
+    stage = 3 if stage == "3 offload" else stage
     spec = prepared(**COMMON, distributed__processes=2, distributed__zero_stage=stage, **offload)
     launch(spec, 2)
     ref, got = step_losses(two_process_zero0), step_losses(spec.parent)
@@ -112,7 +112,7 @@ def test_zero_stages_match_zero_0(prepared, two_process_zero0, stage):
     if stage == 3:  # the weights went straight into each process's partitions (the memory: the test below)
         started = read_events(spec.parent)[0]
         assert started["load_memory"].get("partitioned") is True
-        assert started["memory_plan"]["host_parts"].get("offloaded weights", 0) > 0
+        assert (started["memory_plan"]["host_parts"].get("offloaded weights", 0) > 0) == bool(offload)
 
 
 def test_two_process_stop_then_resume_matches_uninterrupted(prepared, two_process_zero0):

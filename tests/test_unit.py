@@ -479,14 +479,23 @@ def test_zero3_loads_into_partitions_where_nothing_reads_the_whole_weights_first
     from trainer.partitioned_load import why_not_partitioned
 
     def spec(zero=3, kind="lora", loras=(), stages=1, offload=False):
-        return RunSpec(distributed=DistributedSpec(processes=2, zero_stage=zero, pipeline_stages=stages,
-                                                   offload_params=offload),
-                       adapter=AdapterSpec(kind=kind), model=ModelSpec(path="m.safetensors", lora_paths=list(loras)))
+        run = RunSpec(distributed=DistributedSpec(processes=2, zero_stage=zero, pipeline_stages=stages,
+                                                  offload_params=offload),
+                      adapter=AdapterSpec(kind=kind), model=ModelSpec(path="m.safetensors", lora_paths=list(loras)))
+        run.train.precision = "fp32"
+        return run
     assert why_not_partitioned(spec()) is None and why_not_partitioned(spec(kind="loha")) is None
     assert why_not_partitioned(spec(zero=2)) == "not ZeRO-3"
     assert "adapter.kind full" in why_not_partitioned(spec(kind="full"))
     assert "adapter.kind dora" in why_not_partitioned(spec(kind="dora"))
     assert "baked" in why_not_partitioned(spec(loras=["up.safetensors"]))
+    bf16 = spec()
+    bf16.train.precision = "bf16"  # zero.Init leaves DeepSpeed's cast out: these load whole first, as before
+    assert "train.precision bf16" in why_not_partitioned(bf16)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # 2 machines of 2: ZeRO++'s second partition (hpZ)
+    assert "second partition" in why_not_partitioned(spec())
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert deepspeed_config(spec(offload=True))["zero_optimization"]["offload_param"] == {"device": "cpu",

@@ -63,10 +63,10 @@ class Trainer(TrainingTask):
         spec, t, a, d = self.spec, self.spec.train, self.spec.adapter, self.spec.distributed
         import_comfy()  # the launching server's ComfyUI, never the spec's
         self.load_memory: dict = {}
-        began = time.perf_counter()
         # the engine (DeepSpeed's process group, or plain PyTorch) first: pipeline stages need the process group to
         # build, and the model's load is measured on its own
         deepspeed = choose_engine(spec)
+        began = time.perf_counter()
         # ZeRO-3: the weights go straight into each process's partitions (partitioned_load.py), once the engine's
         # layout is known; until then the model's parameters stay unfilled
         self.deferred = DeferredWeights(spec.model.path) if why_not_partitioned(spec) is None else None

@@ -129,7 +129,8 @@ def restart_memory_peak() -> None:
         pass
 
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameters
+M_TRIM_THRESHOLD = -1
 
 
 def map_large_allocations(threshold: int) -> bool:
@@ -141,7 +142,11 @@ def map_large_allocations(threshold: int) -> bool:
         return False
     import ctypes
     try:
-        return bool(ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, int(threshold)))
+        libc = ctypes.CDLL(None)
+        # a fixed threshold also fixes the trim threshold (glibc's moving one keeps it at twice the threshold): kept
+        # above it, so freed blocks at the heap's top are not given back and faulted in again every step
+        libc.mallopt(M_TRIM_THRESHOLD, 2 * int(threshold))
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold)))
     except (OSError, AttributeError):
         return False
 

@@ -27,6 +27,11 @@ def why_not_partitioned(spec) -> str | None:
     d, a = spec.distributed, spec.adapter
     if d.zero_stage != 3 or d.pipeline_stages > 1:
         return "not ZeRO-3"
+    from .distributed import processes_per_machine, world_size
+    if 1 < processes_per_machine() < world_size():  # hpZ's second partition is built from the unfilled weights
+        return "ZeRO++'s second partition within each machine is not filled by this load"
+    if spec.train.precision != "fp32":  # zero.Init leaves DeepSpeed's own cast to bf16/fp16 out (is_zero_init_model)
+        return f"train.precision {spec.train.precision}: only fp32 runs load into partitions so far"
     if a.kind in ("full", "dora"):  # the optimizer's copies, DoRA's weight norms: taken from the weights at start
         return f"adapter.kind {a.kind} reads the base weights before the engine starts"
     if spec.model.lora_paths:
@@ -41,6 +46,12 @@ def load_partitions(deepspeed, module, weights: DeferredWeights, config: dict) -
     import torch
     import deepspeed.comm as dist
     from .models.loading import PageReleaser, file_mappings
+    from .device import training_device
+    device = training_device()
+    for sub in module.modules():  # deepspeed.initialize moves nothing of a model zero.Init partitioned: buffers too
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and buffer.device != device:
+                sub._buffers[name] = buffer.to(device)
     deepspeed.zero.Init(module=module, config_dict_or_path=config)
     ranges = file_mappings(weights.path)
     try:
