@@ -45,7 +45,7 @@ def load_partitions(deepspeed, module, weights: DeferredWeights, config: dict) -
     slice of each deferred parameter from the file. Returns the bytes copied."""
     import torch
     import deepspeed.comm as dist
-    from .models.loading import PageReleaser, file_mappings
+    from .models.loading import file_releaser
     from .device import training_device
     device = training_device()
     for sub in module.modules():  # deepspeed.initialize moves nothing of a model zero.Init partitioned: buffers too
@@ -53,11 +53,7 @@ def load_partitions(deepspeed, module, weights: DeferredWeights, config: dict) -
             if buffer is not None and buffer.device != device:
                 sub._buffers[name] = buffer.to(device)
     deepspeed.zero.Init(module=module, config_dict_or_path=config)
-    ranges = file_mappings(weights.path)
-    try:
-        releaser = PageReleaser(ranges) if ranges else None
-    except (OSError, AttributeError):
-        releaser = None
+    releaser = file_releaser(weights.path)
     copied = 0
     try:
         with torch.no_grad():

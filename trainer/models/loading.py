@@ -139,12 +139,18 @@ def _deferring_load(diffusion_model, deferred: dict):
     return load_state_dict
 
 
-def _release_mapped_file(path: str, report: dict) -> None:
+def file_releaser(path: str) -> PageReleaser | None:
+    """A PageReleaser for this process's mappings of `path`; None where it has none, or where the system has no
+    pagemap or madvise (then nothing is dropped: ComfyUI's load as it is)."""
     ranges = file_mappings(path)
     try:
-        releaser = PageReleaser(ranges) if ranges else None
+        return PageReleaser(ranges) if ranges else None
     except (OSError, AttributeError):
-        return
+        return None
+
+
+def _release_mapped_file(path: str, report: dict) -> None:
+    releaser = file_releaser(path)
     if releaser is not None:
         releaser.release_all()
         report["released_bytes"] += releaser.released_bytes
@@ -180,11 +186,7 @@ def released_after_copy(path: str, deferred: dict | None = None):
                     finally:
                         del self.diffusion_model.load_state_dict
                         _release_mapped_file(path, report)  # its pages are read again, a slice each, later
-            ranges = file_mappings(path)
-            try:
-                releaser = PageReleaser(ranges) if ranges else None
-            except (OSError, AttributeError):  # no pagemap or madvise here: ComfyUI's load as it is
-                releaser = None
+            releaser = file_releaser(path)
             if releaser is None:
                 return original(self, sd, *args, **kwargs)
             copied: list = []  # the file tensors of the module load_state_dict is filling now
