@@ -27,15 +27,16 @@ def eval_chunks(dataset: CachedDataset, indices: list[int], batch_size: int) -> 
 
 @contextlib.contextmanager
 def layout_independent_threads(device):
-    """CPU kernels split their sums by thread count, and CPU workers share the cores: one thread each makes
-    the numbers independent of the number of processes."""
+    """CPU kernels split their sums by thread count, and CPU workers share the cores: one thread per computation
+    makes the numbers independent of the number of processes. Yields how many computations may run side by side,
+    each on a thread of its own (the process's CPU threads; 1 on a GPU)."""
     if torch.device(device).type != "cpu":
-        yield
+        yield 1
         return
     threads = torch.get_num_threads()
     set_cpu_threads(1)
     try:
-        yield
+        yield threads
     finally:
         set_cpu_threads(threads)
 
@@ -59,37 +60,53 @@ def eval_subset(items: list[int], count: int, seed: int) -> list[int]:
 def evaluate(module, dataset: CachedDataset, indices: list[int], quantiles: list[float], seed: int,
              batch_size: int, device) -> dict:
     """{"loss": mean over quantiles, "quantiles": {"0.1": loss, ...}}. Every rank must call it."""
-    with layout_independent_threads(device):
-        return _evaluate(module, dataset, indices, quantiles, seed, batch_size, device)
+    with layout_independent_threads(device) as side_by_side:
+        return _evaluate(module, dataset, indices, quantiles, seed, batch_size, device, side_by_side)
 
 
-@torch.no_grad()
-def _evaluate(module, dataset, indices, quantiles, seed, batch_size, device) -> dict:
+def _evaluate(module, dataset, indices, quantiles, seed, batch_size, device, side_by_side: int = 1) -> dict:
     was_training = module.training
     module.eval()
     chunks = eval_chunks(dataset, indices, batch_size)
     world, me = world_size(), rank()
     position = {item: n for n, item in enumerate(indices)}
     per_item = torch.zeros(len(quantiles), len(indices), dtype=torch.float64)
-    # the same number of forward passes on every rank: ZeRO-3 gathers weights collectively in each one
-    rounds = -(-len(chunks) // world)
-    for r in range(rounds):
-        slot = r * world + me
-        chunk = chunks[slot] if slot < len(chunks) else chunks[-1]
-        latents, cond, pooled = dataset.batch(chunk)
-        references = dataset.references(chunk) if getattr(dataset, "reference_slots", 0) else None
-        text_mask = dataset.text_masks(chunk)
-        noise = eval_noise(latents.shape[1:], chunk, seed)
-        for qn, q in enumerate(quantiles):
-            batch = Batch(latents=latents.to(device), cond=cond.to(device),
-                          pooled=pooled.to(device) if pooled is not None else None, noise=noise.to(device),
-                          timesteps=torch.full((len(chunk),), float(q), device=device),
-                          references=references.to(device) if references is not None else None,
-                          text_mask=text_mask.to(device) if text_mask is not None else None)
-            losses = module.family.loss(batch, reduce=False, weighted=False).double().cpu()
-            if slot < len(chunks):
-                for item, loss in zip(chunk, losses):
-                    per_item[qn, position[item]] = loss
+
+    def forward_passes():
+        """(chunk, quantile's index, whether this rank's figures count, the chunk's batch at that quantile), in one
+        fixed order: the same number on every rank, because ZeRO-3 gathers weights collectively in each pass."""
+        for r in range(-(-len(chunks) // world)):
+            slot = r * world + me
+            chunk = chunks[slot] if slot < len(chunks) else chunks[-1]
+            latents, cond, pooled = dataset.batch(chunk)
+            references = dataset.references(chunk) if getattr(dataset, "reference_slots", 0) else None
+            text_mask = dataset.text_masks(chunk)
+            noise = eval_noise(latents.shape[1:], chunk, seed)
+            for qn, q in enumerate(quantiles):
+                yield chunk, qn, slot < len(chunks), Batch(
+                    latents=latents.to(device), cond=cond.to(device),
+                    pooled=pooled.to(device) if pooled is not None else None, noise=noise.to(device),
+                    timesteps=torch.full((len(chunk),), float(q), device=device),
+                    references=references.to(device) if references is not None else None,
+                    text_mask=text_mask.to(device) if text_mask is not None else None)
+
+    def losses_of(batch):
+        with torch.no_grad():  # grad mode is per thread
+            return module.family.loss(batch, reduce=False, weighted=False).double().cpu()
+
+    if side_by_side > 1 and world == 1:
+        # on CPU, one process alone: its cores each run whole forward passes on one thread, so the numbers are those
+        # of one thread in one order, and the evaluation takes 1/threads of the time
+        from concurrent.futures import ThreadPoolExecutor
+        passes = list(forward_passes())
+        with ThreadPoolExecutor(side_by_side, initializer=set_cpu_threads, initargs=(1,)) as pool:
+            done = list(zip(passes, pool.map(losses_of, [batch for *_, batch in passes])))
+    else:
+        done = ((one, losses_of(one[-1])) for one in forward_passes())
+    for (chunk, qn, counts, _), losses in done:
+        if counts:
+            for item, loss in zip(chunk, losses):
+                per_item[qn, position[item]] = loss
     if world > 1:
         per_item = per_item.to(device)
         torch.distributed.all_reduce(per_item)
