@@ -490,8 +490,8 @@ def test_zero3_loads_into_partitions_where_nothing_reads_the_whole_weights_first
     assert "adapter.kind dora" in why_not_partitioned(spec(kind="dora"))
     assert "baked" in why_not_partitioned(spec(loras=["up.safetensors"]))
     bf16 = spec()
-    bf16.train.precision = "bf16"  # zero.Init leaves DeepSpeed's cast out: these load whole first, as before
-    assert "train.precision bf16" in why_not_partitioned(bf16)
+    bf16.train.precision = "bf16"  # DeepSpeed's cast, which it leaves out for a partitioned model, is done here
+    assert why_not_partitioned(bf16) is None
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # 2 machines of 2: ZeRO++'s second partition (hpZ)
     assert "second partition" in why_not_partitioned(spec())
@@ -501,6 +501,33 @@ def test_zero3_loads_into_partitions_where_nothing_reads_the_whole_weights_first
     assert deepspeed_config(spec(offload=True))["zero_optimization"]["offload_param"] == {"device": "cpu",
                                                                                           "pin_memory": True}
     assert "offload_param" not in deepspeed_config(spec())["zero_optimization"]
+
+
+def test_a_bf16_partitioned_load_casts_what_deepspeed_would_and_leaves_unfilled_weights_unread():
+    """deepspeed.initialize casts no parameter of a model zero.Init partitioned (is_zero_init_model), so the load
+    does DeepSpeed's cast first: filled parameters (the adapter's) are cast, unfilled ones get new unfilled storage of
+    the engine's dtype (the fill casts each slice from the file), fp8 ones stay; nothing is cast in an fp32 run."""
+    import torch
+    from trainer.distributed import deepspeed_config
+    from trainer.partitioned_load import DeferredWeights, engine_dtype, in_engine_dtype
+    from trainer.spec import DistributedSpec, RunSpec
+    module = torch.nn.Module()
+    module.unfilled = torch.nn.Parameter(torch.empty(4, 4), requires_grad=False)
+    module.adapter = torch.nn.Parameter(torch.full((2, 4), 0.5))
+    module.fp8 = torch.nn.Parameter(torch.zeros(4, dtype=torch.float8_e4m3fn), requires_grad=False)
+    weights = DeferredWeights("m.safetensors", {module.unfilled: torch.ones(4, 4)})
+    unfilled_storage = module.unfilled.data.data_ptr()
+    run = RunSpec(distributed=DistributedSpec(processes=2, zero_stage=3))
+    run.train.precision = "fp32"
+    assert engine_dtype(deepspeed_config(run)) is None
+    run.train.precision = "bf16"
+    dtype = engine_dtype(deepspeed_config(run))
+    assert dtype == torch.bfloat16
+    in_engine_dtype(module, dtype, weights)
+    assert module.unfilled.dtype == module.adapter.dtype == torch.bfloat16
+    assert module.unfilled.data.data_ptr() != unfilled_storage and module.unfilled in weights.sources
+    assert torch.equal(module.adapter.data, torch.full((2, 4), 0.5, dtype=torch.bfloat16))
+    assert module.fp8.dtype == torch.float8_e4m3fn
 
 
 def test_checkpoints_carry_the_cuda_generator_where_a_device_computes(monkeypatch):

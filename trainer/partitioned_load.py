@@ -30,8 +30,6 @@ def why_not_partitioned(spec) -> str | None:
     from .distributed import processes_per_machine, world_size
     if 1 < processes_per_machine() < world_size():  # hpZ's second partition is built from the unfilled weights
         return "ZeRO++'s second partition within each machine is not filled by this load"
-    if spec.train.precision != "fp32":  # zero.Init leaves DeepSpeed's own cast to bf16/fp16 out (is_zero_init_model)
-        return f"train.precision {spec.train.precision}: only fp32 runs load into partitions so far"
     if a.kind in ("full", "dora"):  # the optimizer's copies, DoRA's weight norms: taken from the weights at start
         return f"adapter.kind {a.kind} reads the base weights before the engine starts"
     if spec.model.lora_paths:
@@ -52,6 +50,7 @@ def load_partitions(deepspeed, module, weights: DeferredWeights, config: dict) -
         for name, buffer in sub._buffers.items():
             if buffer is not None and buffer.device != device:
                 sub._buffers[name] = buffer.to(device)
+    in_engine_dtype(module, engine_dtype(config), weights)
     deepspeed.zero.Init(module=module, config_dict_or_path=config)
     releaser = file_releaser(weights.path)
     copied = 0
@@ -76,6 +75,30 @@ def load_partitions(deepspeed, module, weights: DeferredWeights, config: dict) -
             releaser.close()
     weights.sources.clear()  # the file's tensors: nothing keeps the mapping once the load is done
     return copied
+
+
+def engine_dtype(config: dict):
+    """The dtype DeepSpeed's engine holds parameters in: bf16 or fp16 where the config enables it, else None."""
+    import torch
+    if config.get("bf16", {}).get("enabled"):
+        return torch.bfloat16
+    if config.get("fp16", {}).get("enabled"):
+        return torch.float16
+    return None
+
+
+def in_engine_dtype(module, dtype, weights: DeferredWeights) -> None:
+    """DeepSpeed's own cast to bf16/fp16 (engine._cast_module_mixed_precision), which deepspeed.initialize leaves out
+    for a model zero.Init partitioned: every floating-point parameter in the engine's dtype (fp8 and quantized ones
+    stay). An unfilled parameter gets unfilled storage of that dtype: the fill casts each slice as it copies it."""
+    import torch
+    if dtype is None:
+        return
+    castable = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    for param in module.parameters():
+        if param.dtype in castable and param.dtype != dtype:
+            param.data = torch.empty(param.shape, dtype=dtype, device=param.device) if param in weights.sources \
+                else param.data.to(dtype)
 
 
 def each_process_peak(load_memory: dict) -> dict:
