@@ -51,6 +51,34 @@ def test_the_load_wrapper_passes_every_argument_comfyui_gives(comfy_model_base, 
     assert report["released_bytes"] == 0
 
 
+def test_a_partitioned_load_that_must_load_whole_checks_the_host_again_before_anything_is_filled(comfy_model_base,
+                                                                                                 tmp_path):
+    """ZeRO-3's RAM check counted one share of the weights; where the model turns out to need a whole load (a layer
+    that loads its weights its own way, or 0.33's dynamic VRAM taking the file's tensors), the check for a whole copy
+    runs first, and its refusal stops the load before ComfyUI fills anything."""
+    import torch
+
+    class OwnLoader(torch.nn.Module):  # as a scaled-fp8 or quantized layer: its own _load_from_state_dict
+        def _load_from_state_dict(self, *args, **kwargs):
+            return super()._load_from_state_dict(*args, **kwargs)
+    model = _FutureBaseModel()
+    model.diffusion_model = torch.nn.Sequential(OwnLoader())
+    checked = []
+
+    def refuse(why):
+        checked.append((why, len(_FutureBaseModel.calls)))
+        raise MemoryError(f"refused: {why}")
+    for assign in (False, True):
+        with loading.released_after_copy(str(tmp_path / "model.safetensors"), {}, refuse):
+            with pytest.raises(MemoryError, match="refused"):
+                model.load_model_weights({"a": 1}, "model.", assign=assign)
+    assert [calls for _, calls in checked] == [0, 0] and _FutureBaseModel.calls == []  # nothing reached ComfyUI
+    assert "OwnLoader" in checked[0][0] and "dynamic VRAM" in checked[1][0]
+    with loading.released_after_copy(str(tmp_path / "model.safetensors"), None, refuse):
+        model.load_model_weights({"a": 1}, "model.")  # no partitioned load asked: no second check
+    assert len(checked) == 2 and len(_FutureBaseModel.calls) == 1
+
+
 def test_wrap_method_puts_the_original_back_after_an_error():
     class Owner:
         def method(self, a, b=1, **kw):

@@ -69,9 +69,10 @@ class Trainer(TrainingTask):
         began = time.perf_counter()
         # ZeRO-3: the weights go straight into each process's partitions (partitioned_load.py), once the engine's
         # layout is known; until then the model's parameters stay unfilled
-        self.deferred = DeferredWeights(spec.model.path) if why_not_partitioned(spec) is None else None
-        refuse_unloadable(spec.model, spec.train.precision, full=spec.adapter.kind == "full",
-                          partitioned=self.deferred is not None)
+        full = spec.adapter.kind == "full"
+        self.deferred = DeferredWeights(spec.model.path, before_whole_load=lambda why: refuse_unloadable(
+            spec.model, spec.train.precision, full=full)) if why_not_partitioned(spec) is None else None
+        refuse_unloadable(spec.model, spec.train.precision, full=full, partitioned=self.deferred is not None)
         if self.deferred is not None:  # the whole weights each process receives from rank 0 (zero.Init's broadcast),
             map_large_allocations(1 << 20)  # one at a time, leave its memory once partitioned, not stay on the heap
         with load_peak(self.load_memory):

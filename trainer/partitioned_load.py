@@ -10,6 +10,7 @@ during the load peaks at about its share of the weights, not the whole model (or
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 COPY_CHUNK = 1 << 20  # elements
@@ -17,9 +18,12 @@ COPY_CHUNK = 1 << 20  # elements
 
 @dataclass
 class DeferredWeights:
-    """The file's tensor (memory-mapped) for each parameter of the model left unfilled at its load."""
+    """The file's tensor (memory-mapped) for each parameter of the model left unfilled at its load.
+    `before_whole_load(why)` runs where the model turns out to need a whole load after all (loading.why_not_deferred),
+    before anything is filled: the host check made for a share is made again for the whole copy."""
     path: str
     sources: dict = field(default_factory=dict)
+    before_whole_load: Callable[[str], None] | None = None
 
 
 def why_not_partitioned(spec) -> str | None:

@@ -140,7 +140,8 @@ def load_base_model(model, precision: str | None = None, deferred=None):
     if deferred is not None and model.lora_paths:
         raise ValueError("a deferred load cannot bake the upstream LoRAs into weights it has not read")
     sources = deferred.sources if deferred is not None else None
-    with released_after_copy(model.path, sources) as released:  # the file's pages leave memory once copied
+    before_whole = deferred.before_whole_load if deferred is not None else None
+    with released_after_copy(model.path, sources, before_whole) as released:  # the file's pages leave once copied
         patcher = load_model_file(model.path, from_checkpoint=model.format == "checkpoint", options=options)
     log = logging.getLogger(__name__)
     log.debug("%s: %.1f MiB of the file's pages dropped once copied into the model",

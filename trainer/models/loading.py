@@ -158,14 +158,15 @@ def _release_mapped_file(path: str, report: dict) -> None:
 
 
 @contextlib.contextmanager
-def released_after_copy(path: str, deferred: dict | None = None):
+def released_after_copy(path: str, deferred: dict | None = None, before_whole_load=None):
     """While ComfyUI loads `path` (comfy.sd.load_diffusion_model, load_checkpoint_guess_config), each tensor of
     the file leaves the process's memory as soon as the model holds its copy. Yields a dict whose
     "released_bytes" tells how much was dropped (0 where nothing could be).
 
     With `deferred` (a dict), the diffusion model's parameters are not filled at all where why_not_deferred allows:
     `deferred` maps each parameter to its tensor of the file, for a partitioned load (partitioned_load.py), and the
-    report's "deferred" says why not where they were filled."""
+    report's "deferred" says why not where they were filled; `before_whole_load(why)` is called then, before the
+    model is filled."""
     import comfy.model_base
     from ..comfy_compat import wrap_method
     report = {"released_bytes": 0}
@@ -176,9 +177,13 @@ def released_after_copy(path: str, deferred: dict | None = None):
                 # the model takes the file's tensors as its own (ComfyUI 0.33's dynamic VRAM): nothing is copied,
                 # so nothing may be released
                 report["deferred"] = "the model takes the file's tensors as its own (ComfyUI's dynamic VRAM)"
+                if deferred is not None and before_whole_load is not None:
+                    before_whole_load(report["deferred"])
                 return original(self, sd, *args, **kwargs)
             if deferred is not None:
                 report["deferred"] = why_not_deferred(self.diffusion_model)
+                if report["deferred"] is not None and before_whole_load is not None:
+                    before_whole_load(report["deferred"])
                 if report["deferred"] is None:
                     self.diffusion_model.load_state_dict = _deferring_load(self.diffusion_model, deferred)
                     try:
