@@ -364,12 +364,13 @@ def test_zero_and_offload_shares_and_a_model_without_blocks():
     assert "optimizer" not in offloaded.parts and "master weights" not in offloaded.parts
     assert offloaded.host_parts["offloaded optimizer"] == GiB + 2 * GiB + GiB
     # ZeRO-3's weight offload: this process's share of the frozen weights in host memory; the device holds the
-    # block computing and the next one, whole (gathered)
+    # block computing and the next one, whole (gathered), as it does without offload beside its share
     adapter = ModelBytes(frozen=8 * GiB, frozen_per_block=[GiB, 3 * GiB, 2 * GiB, 2 * GiB], trained=GiB // 8,
                          trained_count=GiB // 16)
     kept, offloaded_weights = (plan_for(spec, shared_out(adapter, 3, 4, 1, False, offload_params), profile, False, 0,
                                         "cuda", None) for offload_params in (False, True))
-    assert kept.parts["weights"] == 2 * GiB and "offloaded weights" not in kept.host_parts
+    assert kept.parts["weights"] == 2 * GiB + 2 * 3 * GiB and "offloaded weights" not in kept.host_parts
+    assert kept.device_peak - offloaded_weights.device_peak == 2 * GiB  # offload saves exactly the share it moves
     assert offloaded_weights.parts["weights"] == 2 * 3 * GiB and offloaded_weights.host_parts["offloaded weights"] == 2 * GiB
     assert shared_out(adapter, 2, 4, 1, False, True).weights_offloaded is False  # stage 3's alone
 

@@ -112,9 +112,12 @@ def plan_for(spec, weights: ModelBytes, profile: ActivationProfile, checkpointin
     # pinned host memory: PyTorch's pinned allocator rounds each tensor up to a power of two
     host = {"swapped weights": sum(weights.pinned_per_block[:block_swap])} if device_type == "cuda" else \
         {"runtime": HOST_RUNTIME}
-    if weights.weights_offloaded:  # the block computing and the next one, fetched ahead
+    if weights.weights_offloaded:  # this process's share waits in host memory
         host["offloaded weights"] = parts["weights"]
-        parts["weights"] = 2 * weights.gathered_block
+        parts["weights"] = 0
+    # ZeRO 3, its weights offloaded or not: the block computing and the next one, fetched ahead, held whole (DeepSpeed
+    # gathers module by module within a prefetch bucket: an upper bound, the same with and without offload)
+    parts["weights"] += 2 * weights.gathered_block
     if weights.offloaded:
         host["offloaded optimizer"] = sum(state.values()) + master_gradients
         master_gradients = 0

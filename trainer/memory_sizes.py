@@ -195,7 +195,7 @@ class ModelBytes:
     gradient_share: int = 1  # ZeRO 2+: and of the gradients
     offloaded: bool = False  # distributed.offload_optimizer: masters and optimizer state in host memory
     weights_offloaded: bool = False  # distributed.offload_params: the frozen share in host memory, fetched per block
-    gathered_block: int = 0  # with it: the largest block's whole frozen bytes, which a process gathers to compute it
+    gathered_block: int = 0  # ZeRO 3: the largest block's whole frozen bytes, which a process gathers to compute it
     pinned_per_block: list[int] = field(default_factory=list)  # the frozen bytes once pinned (powers of two)
 
 
@@ -323,8 +323,10 @@ def shared_out(weights: ModelBytes, zero_stage: int, data_parallel: int, stages:
     ZeRO 2 the gradients too, ZeRO 3 the weights as well; pipeline stages split the blocks (evenly, an estimate);
     optimizer offload keeps the masters and optimizer state in host memory, weight offload (ZeRO 3) the weights."""
     shares = {}
+    if zero_stage >= 3 and (data_parallel > 1 or offload_params):  # a block's weights are gathered whole to compute
+        shares["gathered_block"] = max(weights.frozen_per_block, default=weights.frozen)
     if offload_params and zero_stage >= 3:
-        shares.update(weights_offloaded=True, gathered_block=max(weights.frozen_per_block, default=weights.frozen))
+        shares["weights_offloaded"] = True
     if data_parallel > 1 and zero_stage >= 1:
         shares["state_share"] = data_parallel
     if data_parallel > 1 and zero_stage == 2:  # ZeRO 3's gradients are its divided trained weights' already
