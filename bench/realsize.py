@@ -379,6 +379,26 @@ class TimedRun:
         steps = self.train_events("step")
         return steps[0][0] - self.t_queue if steps else None
 
+    def before_first_step(self, titles: dict) -> str:
+        """Where queue -> first step went: each node's seconds until the first step ("title 1.2 s, ...")."""
+        steps = self.train_events("step")
+        end = steps[0][0] if steps else float("inf")
+        parts, previous = [], (self.t_queue, "queued")
+        for t, node in [*self.node_starts, (end, None)]:
+            if t > end:
+                t = end
+            start, name = previous
+            if t - start >= 0.05:
+                # a node that ran the trainer: when its process started working (the started event's own clock)
+                began = next((e["time"] for when, e in self.events if start <= when <= t
+                              and e.get("type") == "started" and isinstance(e.get("time"), (int, float))), None)
+                parts.append(f"{name} {t - start:.1f} s" + (f" (its trainer started at {began - start:.1f} s)"
+                                                             if began is not None else ""))
+            if t >= end:
+                break
+            previous = (t, titles.get(node, node))
+        return ", ".join(parts)
+
     def hand_off_s(self) -> float | None:
         start, started = self.node_start(self.train_node), self.started()
         if start is None or not started or not isinstance(started.get("time"), (int, float)):
@@ -534,6 +554,8 @@ def bench(opts, base: Path):
             print(f"run {n}: queue -> first step {fmt_s(run.first_step_s())}; hand-off (Train node start -> started) "
                   f"{fmt_s(run.hand_off_s())}; ours {fmt_s(run.step_seconds())}/step; whole workflow "
                   f"{fmt_s(run.node_starts[-1][0] - run.t_queue)}")
+            titles = {k: (v.get("_meta") or {}).get("title") or v["class_type"] for k, v in wf.items()}
+            print(f"  until the first step: {run.before_first_step(titles)}")
             run.bytes_written = report_files(run, monitor, wf)
             comfy_peak = monitor.phase_peaks.get((run.phase, "comfyui"), 0) * 1024
             print(f"  ComfyUI process: peak RSS sampled {fmt_bytes(comfy_peak)}, VmHWM so far "
