@@ -820,3 +820,46 @@ def test_a_stop_left_before_a_standby_took_the_run_is_stale(tmp_path, monkeypatc
     os.utime(stop, (time.time() + 1, time.time() + 1))  # the user's Stop during the run (file clocks are coarse)
     requests.drop_stale(time.time())
     assert stop.exists()
+
+
+def test_cpu_evaluation_runs_passes_side_by_side_with_one_threads_numbers_and_not_under_zero3_or_block_swap():
+    """On a CPU, one process evaluates its passes in threads, each pass on one thread and every quantile of a chunk
+    in one pass: the numbers equal one thread's in order (a model whose output depends on its batch's rows would show
+    a wrong row), and the threads really ran; ZeRO-3's gathered weights and block swap's swapped ones keep it to one
+    pass at a time."""
+    import threading
+    import types
+    import torch
+    from ingraph_trainer.trainer import evaluation
+
+    class Family:
+        threads: set = set()
+
+        def loss(self, batch, reduce=False, weighted=False):
+            self.threads.add(threading.get_ident())
+            threading.Event().wait(0.02)  # long enough that a second worker takes the next pass
+            return (batch.latents.flatten(1).sum(1) * (1 + batch.timesteps) + batch.noise.flatten(1).mean(1)).float()
+
+    dataset = types.SimpleNamespace(
+        buckets=[(8, 8)] * 5, reference_slots=0, text_masks=lambda chunk: None,
+        batch=lambda chunk: (torch.stack([torch.full((1, 2, 2), float(i)) for i in chunk]),
+                             torch.zeros(len(chunk), 3, 4), None))
+    module = torch.nn.Linear(2, 2)
+    module.family = Family()
+    quantiles = [0.1, 0.5, 0.9]  # 5 items in batches of 3: chunks of 3 and 2
+    one = evaluation._evaluate(module, dataset, list(range(5)), quantiles, 7, 3, "cpu", side_by_side=1)
+    Family.threads = set()
+    two = evaluation._evaluate(module, dataset, list(range(5)), quantiles, 7, 3, "cpu", side_by_side=2)
+    assert one == two and one["items"] == 5 and len(one["quantiles"]) == 3
+    # each item at each quantile, as the loss above gives it for that item's rows and that quantile's timestep
+    for q in quantiles:
+        expected = sum(4 * i * (1 + q) + evaluation.eval_noise((1, 2, 2), [i], 7).mean().item() for i in range(5)) / 5
+        assert one["quantiles"][f"{q:g}"] == pytest.approx(expected, rel=1e-6), q
+    assert len(Family.threads) == 2 and threading.get_ident() not in Family.threads
+    for mark in ("ds_id", "host_resident"):
+        setattr(module.weight, mark, True)
+        assert not evaluation.passes_may_run_side_by_side(module), mark
+        Family.threads = set()
+        assert evaluation._evaluate(module, dataset, list(range(5)), quantiles, 7, 3, "cpu", side_by_side=2) == one
+        assert Family.threads == {threading.get_ident()}
+        delattr(module.weight, mark)

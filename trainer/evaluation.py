@@ -46,6 +46,16 @@ def eval_noise(shape, items: list[int], seed: int) -> torch.Tensor:
     return torch.stack([torch.randn(shape, generator=seeded_generator(seed, EVAL_NOISE_STREAM, i)) for i in items])
 
 
+def repeated_rows(x, times: int, device):
+    """A batch field's rows `times` over (a chunk once per quantile), on the device; a list of tensors (the reference
+    slots) keeps its type; None stays None."""
+    if x is None:
+        return None
+    if isinstance(x, list):
+        return type(x)(repeated_rows(t, times, device) for t in x)
+    return (torch.cat([x] * times) if times > 1 else x).to(device)
+
+
 def eval_subset(items: list[int], count: int, seed: int) -> list[int]:
     """The items a training run evaluates: all of them up to `count`, else a fixed subset drawn with the run's seed
     (the same on every resume, every rank and every evaluation, so the figures compare), in dataset order."""
@@ -72,9 +82,15 @@ def _evaluate(module, dataset, indices, quantiles, seed, batch_size, device, sid
     position = {item: n for n, item in enumerate(indices)}
     per_item = torch.zeros(len(quantiles), len(indices), dtype=torch.float64)
 
+    # on a CPU, where a pass at a small size reads the whole model for little compute, every quantile of a chunk goes
+    # in one pass (the same rows wherever the chunk is computed); a device keeps its batch at the run's batch size
+    quantile_groups = [list(range(len(quantiles)))] if torch.device(device).type == "cpu" else \
+        [[qn] for qn in range(len(quantiles))]
+
     def forward_passes():
-        """(chunk, quantile's index, whether this rank's figures count, the chunk's batch at that quantile), in one
-        fixed order: the same number on every rank, because ZeRO-3 gathers weights collectively in each pass."""
+        """(chunk, the quantiles' indices, whether this rank's figures count, the chunk's batch at those quantiles,
+        quantile by quantile), in one fixed order: the same number on every rank, because ZeRO-3 gathers weights
+        collectively in each pass."""
         for r in range(-(-len(chunks) // world)):
             slot = r * world + me
             chunk = chunks[slot] if slot < len(chunks) else chunks[-1]
@@ -82,37 +98,55 @@ def _evaluate(module, dataset, indices, quantiles, seed, batch_size, device, sid
             references = dataset.references(chunk) if getattr(dataset, "reference_slots", 0) else None
             text_mask = dataset.text_masks(chunk)
             noise = eval_noise(latents.shape[1:], chunk, seed)
-            for qn, q in enumerate(quantiles):
-                yield chunk, qn, slot < len(chunks), Batch(
-                    latents=latents.to(device), cond=cond.to(device),
-                    pooled=pooled.to(device) if pooled is not None else None, noise=noise.to(device),
-                    timesteps=torch.full((len(chunk),), float(q), device=device),
-                    references=references.to(device) if references is not None else None,
-                    text_mask=text_mask.to(device) if text_mask is not None else None)
+            for group in quantile_groups:
+                def rows(x):
+                    return repeated_rows(x, len(group), device)
+                timesteps = torch.tensor([float(quantiles[qn]) for qn in group for _ in chunk], device=device)
+                yield chunk, group, slot < len(chunks), Batch(
+                    latents=rows(latents), cond=rows(cond), pooled=rows(pooled), noise=rows(noise),
+                    timesteps=timesteps, references=rows(references), text_mask=rows(text_mask))
 
     def losses_of(batch):
         with torch.no_grad():  # grad mode is per thread
             return module.family.loss(batch, reduce=False, weighted=False).double().cpu()
 
-    if side_by_side > 1 and world == 1:
-        # on CPU, one process alone: its cores each run whole forward passes on one thread, so the numbers are those
-        # of one thread in one order, and the evaluation takes 1/threads of the time
-        from concurrent.futures import ThreadPoolExecutor
-        passes = list(forward_passes())
-        with ThreadPoolExecutor(side_by_side, initializer=set_cpu_threads, initargs=(1,)) as pool:
-            done = list(zip(passes, pool.map(losses_of, [batch for *_, batch in passes])))
+    if side_by_side > 1 and world == 1 and passes_may_run_side_by_side(module):
+        done = side_by_side_results(forward_passes(), losses_of, side_by_side)
     else:
         done = ((one, losses_of(one[-1])) for one in forward_passes())
-    for (chunk, qn, counts, _), losses in done:
+    for (chunk, group, counts, _), losses in done:
         if counts:
-            for item, loss in zip(chunk, losses):
-                per_item[qn, position[item]] = loss
+            for qn, at_quantile in zip(group, losses.view(len(group), len(chunk))):
+                for item, loss in zip(chunk, at_quantile):
+                    per_item[qn, position[item]] = loss
     if world > 1:
         per_item = per_item.to(device)
         torch.distributed.all_reduce(per_item)
         per_item = per_item.cpu()
     module.train(was_training)
     return summarise(per_item, quantiles, len(indices))
+
+
+def passes_may_run_side_by_side(module) -> bool:
+    """Whether forward passes of `module` may run in threads at once: not where ZeRO-3 gathers and releases its
+    weights around each module (DeepSpeed tracks which modules use a weight per process, not per thread), nor where
+    block swap brings a block's weights in for the pass (memory.enable_block_swap swaps them in place)."""
+    return not any(hasattr(p, "ds_id") or getattr(p, "host_resident", False) for p in module.parameters())
+
+
+def side_by_side_results(passes, losses_of, workers: int):
+    """(pass, its losses) in the passes' order, `workers` passes computing at a time, each on one thread: on a CPU
+    one process's cores each run whole passes, so the numbers are those of one thread in order, in about
+    1/workers of the time; at most `workers` batches are built ahead."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(workers, initializer=set_cpu_threads, initargs=(1,)) as pool:
+        window = []
+        for one in passes:
+            window.append((one, pool.submit(losses_of, one[-1])))
+            if len(window) == workers:
+                yield from ((done, future.result()) for done, future in window)
+                window = []
+        yield from ((done, future.result()) for done, future in window)
 
 
 def summarise(per_item: torch.Tensor, quantiles: list[float], items: int) -> dict:
