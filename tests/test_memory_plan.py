@@ -3,6 +3,7 @@ turns on checkpointing where the run would not fit its budget (and its measured 
 nothing fits is refused before its first step naming the numbers, and "manual" warns and runs."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -363,15 +364,19 @@ def test_zero_and_offload_shares_and_a_model_without_blocks():
     offloaded = plan(2, offload=True)
     assert "optimizer" not in offloaded.parts and "master weights" not in offloaded.parts
     assert offloaded.host_parts["offloaded optimizer"] == GiB + 2 * GiB + GiB
-    # ZeRO-3's weight offload: this process's share of the frozen weights in host memory; the device holds the
-    # block computing and the next one, whole (gathered), as it does without offload beside its share
+    # ZeRO-3's weight offload: this process's share of the frozen weights in host memory; with or without it, what
+    # DeepSpeed keeps gathered at the peak is on the device: up to its 1e9 live parameters (here 4e9 in 8 GiB)
     adapter = ModelBytes(frozen=8 * GiB, frozen_per_block=[GiB, 3 * GiB, 2 * GiB, 2 * GiB], trained=GiB // 8,
-                         trained_count=GiB // 16)
+                         trained_count=GiB // 16, frozen_count=4 * 10 ** 9)
     kept, offloaded_weights = (plan_for(spec, shared_out(adapter, 3, 4, 1, False, offload_params), profile, False, 0,
                                         "cuda", None) for offload_params in (False, True))
-    assert kept.parts["weights"] == 2 * GiB + 2 * 3 * GiB and "offloaded weights" not in kept.host_parts
+    assert (kept.parts["weights"], kept.parts["gathered weights"]) == (2 * GiB, 2 * GiB)
+    assert "offloaded weights" not in kept.host_parts
     assert kept.device_peak - offloaded_weights.device_peak == 2 * GiB  # offload saves exactly the share it moves
-    assert offloaded_weights.parts["weights"] == 2 * 3 * GiB and offloaded_weights.host_parts["offloaded weights"] == 2 * GiB
+    assert offloaded_weights.parts["weights"] == 0 and offloaded_weights.host_parts["offloaded weights"] == 2 * GiB
+    # a model under 1e9 parameters ends its forward pass gathered whole
+    small = shared_out(dataclasses.replace(adapter, frozen_count=10 ** 8), 3, 4, 1, False)
+    assert plan_for(spec, small, profile, False, 0, "cuda", None).parts["gathered weights"] == 8 * GiB
     assert shared_out(adapter, 2, 4, 1, False, True).weights_offloaded is False  # stage 3's alone
 
     from ingraph_trainer.trainer.memory_plan import choose

@@ -115,9 +115,9 @@ def plan_for(spec, weights: ModelBytes, profile: ActivationProfile, checkpointin
     if weights.weights_offloaded:  # this process's share waits in host memory
         host["offloaded weights"] = parts["weights"]
         parts["weights"] = 0
-    # ZeRO 3, its weights offloaded or not: the block computing and the next one, fetched ahead, held whole (DeepSpeed
-    # gathers module by module within a prefetch bucket: an upper bound, the same with and without offload)
-    parts["weights"] += 2 * weights.gathered_block
+    # ZeRO 3, its weights offloaded or not: what DeepSpeed keeps gathered at the peak (memory_sizes.gathered)
+    if weights.gathered:
+        parts["gathered weights"] = weights.gathered
     if weights.offloaded:
         host["offloaded optimizer"] = sum(state.values()) + master_gradients
         master_gradients = 0

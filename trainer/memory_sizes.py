@@ -195,8 +195,15 @@ class ModelBytes:
     gradient_share: int = 1  # ZeRO 2+: and of the gradients
     offloaded: bool = False  # distributed.offload_optimizer: masters and optimizer state in host memory
     weights_offloaded: bool = False  # distributed.offload_params: the frozen share in host memory, fetched per block
-    gathered_block: int = 0  # ZeRO 3: the largest block's whole frozen bytes, which a process gathers to compute it
+    gathered: int = 0  # ZeRO 3: the frozen bytes gathered whole on a process at the peak (DEEPSPEED_LIVE_PARAMETERS)
     pinned_per_block: list[int] = field(default_factory=list)  # the frozen bytes once pinned (powers of two)
+    frozen_count: int = 0  # frozen parameters' elements (0: unknown)
+
+
+# DeepSpeed's stage3_max_live_parameters and stage3_max_reuse_distance, which the run's config leaves at their default:
+# a gathered weight used again within this many parameters (a forward's weights, by the backward) stays gathered, up to
+# this many in all, so a model smaller than it ends its forward pass whole on every process
+DEEPSPEED_LIVE_PARAMETERS = 10 ** 9
 
 
 def model_bytes(model, blocks, compute_dtype) -> ModelBytes:
@@ -219,8 +226,9 @@ def model_bytes(model, blocks, compute_dtype) -> ModelBytes:
     trained = [p for p in model.parameters() if p.requires_grad]
     element = torch.empty((), dtype=compute_dtype).element_size() if compute_dtype is not None else None
     trained_bytes = sum(p.numel() * (element or p.element_size()) for p in trained)
+    frozen_params = {_storage_key(p): p.numel() for p in model.parameters() if not p.requires_grad}
     return ModelBytes(rest + sum(per_block), per_block, trained_bytes, sum(p.numel() for p in trained),
-                      pinned_per_block=pinned)
+                      pinned_per_block=pinned, frozen_count=sum(frozen_params.values()))
 
 
 def _pinned_bytes(tensor: torch.Tensor, compute_dtype) -> int:
@@ -323,8 +331,9 @@ def shared_out(weights: ModelBytes, zero_stage: int, data_parallel: int, stages:
     ZeRO 2 the gradients too, ZeRO 3 the weights as well; pipeline stages split the blocks (evenly, an estimate);
     optimizer offload keeps the masters and optimizer state in host memory, weight offload (ZeRO 3) the weights."""
     shares = {}
-    if zero_stage >= 3 and (data_parallel > 1 or offload_params):  # a block's weights are gathered whole to compute
-        shares["gathered_block"] = max(weights.frozen_per_block, default=weights.frozen)
+    if zero_stage >= 3 and (data_parallel > 1 or offload_params):  # weights are gathered whole to compute
+        live = min(1.0, DEEPSPEED_LIVE_PARAMETERS / weights.frozen_count) if weights.frozen_count else 1.0
+        shares["gathered"] = int(weights.frozen * live)
     if offload_params and zero_stage >= 3:
         shares["weights_offloaded"] = True
     if data_parallel > 1 and zero_stage >= 1:
