@@ -195,7 +195,7 @@ class ModelBytes:
     gradient_share: int = 1  # ZeRO 2+: and of the gradients
     offloaded: bool = False  # distributed.offload_optimizer: masters and optimizer state in host memory
     weights_offloaded: bool = False  # distributed.offload_params: the frozen share in host memory, fetched per block
-    gathered: int = 0  # ZeRO 3: the frozen bytes gathered whole on a process at the peak (DEEPSPEED_LIVE_PARAMETERS)
+    gathered: int = 0  # ZeRO 3: the weights' bytes gathered whole on a process at the peak (DEEPSPEED_LIVE_PARAMETERS)
     pinned_per_block: list[int] = field(default_factory=list)  # the frozen bytes once pinned (powers of two)
     frozen_count: int = 0  # frozen parameters' elements (0: unknown)
 
@@ -332,8 +332,9 @@ def shared_out(weights: ModelBytes, zero_stage: int, data_parallel: int, stages:
     optimizer offload keeps the masters and optimizer state in host memory, weight offload (ZeRO 3) the weights."""
     shares = {}
     if zero_stage >= 3 and (data_parallel > 1 or offload_params):  # weights are gathered whole to compute
-        live = min(1.0, DEEPSPEED_LIVE_PARAMETERS / weights.frozen_count) if weights.frozen_count else 1.0
-        shares["gathered"] = int(weights.frozen * live)
+        count = weights.frozen_count + weights.trained_count  # a full fine-tune's trained weights are gathered too
+        live = min(1.0, DEEPSPEED_LIVE_PARAMETERS / count) if count else 1.0
+        shares["gathered"] = int((weights.frozen + weights.trained) * live)
     if offload_params and zero_stage >= 3:
         shares["weights_offloaded"] = True
     if data_parallel > 1 and zero_stage >= 1:
