@@ -503,6 +503,16 @@ def test_zero3_loads_into_partitions_where_nothing_reads_the_whole_weights_first
     assert "offload_param" not in deepspeed_config(spec())["zero_optimization"]
 
 
+def test_a_refused_whole_load_after_a_partitioned_one_was_planned_says_why_it_loads_whole(monkeypatch):
+    from trainer import memory_plan
+    monkeypatch.setattr(memory_plan, "host_refusal",
+                        lambda *a, **k: "not enough memory: loading m.safetensors needs 9 GiB")
+    said = r"^ZeRO-3 .* loads whole \(input_blocks.1 .*\): not enough memory: .* needs 9 GiB"
+    with pytest.raises(memory_plan.MemoryPlanRefused, match=said):
+        memory_plan.refuse_unloadable(object(), "bf16",
+                                      whole_because="input_blocks.1 (Linear) loads its weights its own way")
+
+
 def test_a_bf16_partitioned_load_casts_what_deepspeed_would_and_leaves_unfilled_weights_unread():
     """deepspeed.initialize casts no parameter of a model zero.Init partitioned (is_zero_init_model), so the load
     does DeepSpeed's cast first: filled parameters (the adapter's) are cast, unfilled ones get new unfilled storage of

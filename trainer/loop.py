@@ -71,7 +71,8 @@ class Trainer(TrainingTask):
         # layout is known; until then the model's parameters stay unfilled
         full = spec.adapter.kind == "full"
         self.deferred = DeferredWeights(spec.model.path, before_whole_load=lambda why: refuse_unloadable(
-            spec.model, spec.train.precision, full=full)) if why_not_partitioned(spec) is None else None
+            spec.model, spec.train.precision, full=full, whole_because=why)) if why_not_partitioned(spec) is None \
+            else None
         refuse_unloadable(spec.model, spec.train.precision, full=full, partitioned=self.deferred is not None)
         if self.deferred is not None:  # the whole weights each process receives from rank 0 (zero.Init's broadcast),
             map_large_allocations(1 << 20)  # one at a time, leave its memory once partitioned, not stay on the heap

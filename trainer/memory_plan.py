@@ -362,15 +362,19 @@ def record_choice(spec, plan: MemoryPlan) -> None:
                            "block_swap": plan.block_swap})
 
 
-def refuse_unloadable(model, precision: str, full: bool = False, partitioned: bool = False) -> None:
+def refuse_unloadable(model, precision: str, full: bool = False, partitioned: bool = False,
+                      whole_because: str | None = None) -> None:
     """Before a load (a training run's, the evaluate task's): MemoryPlanRefused where this machine's RAM cannot
     hold the model once for every process of the run on it (host_refusal); `partitioned` (ZeRO-3's partitioned
-    load): each process holds its share, so the machine's processes hold their part of one copy."""
+    load): each process holds its share, so the machine's processes hold their part of one copy; `whole_because`:
+    why a partitioned load turned out to need whole copies after all (said in the refusal)."""
     from .distributed import processes_per_machine, world_size
     refused = host_refusal(model, precision, full=full, processes=processes_per_machine(),
                            share=1 / world_size() if partitioned else 1.0)
     if refused:
-        raise MemoryPlanRefused(refused)
+        raise MemoryPlanRefused(refused if whole_because is None else
+                                f"ZeRO-3 loads each process's share of the weights, but this model loads whole "
+                                f"({whole_because}): {refused}")
 
 
 def host_refusal(model, precision: str, full: bool = False, processes: int = 1, share: float = 1.0) -> str | None:
