@@ -35,6 +35,8 @@ VARIANTS = {
     "wan i2v_2.2": ("WanFamily", dict(dim=128, ffn_dim=256, num_layers=1, variant="i2v_2.2")),
     "wan ti2v_5b": ("WanFamily", dict(dim=128, ffn_dim=256, num_layers=1, variant="ti2v_5b")),
     "lumina2 z_image": ("Lumina2Family", dict(n_layers=1, variant="z_image")),  # ComfyUI 0.33's Z-Image
+    "hunyuan_video i2v": ("HunyuanVideoFamily", dict(in_channels=33)),  # the start image's latent and a mask
+    "hunyuan_video skyreels i2v": ("HunyuanVideoFamily", dict(in_channels=32, guidance_embed=False)),
     "flux schnell": ("FluxFamily", dict(depth=1, depth_single_blocks=0, vec_in_dim=64, guidance_embed=False)),
     # SDXL's own classes are told apart by their transformer depths (ComfyUI's unet_config): each at width 320
     "sdxl (SDXL's depths)": ("SDXLFamily", dict(num_res_blocks=(2, 2, 2), transformer_depth=(0, 0, 2, 2, 10, 10))),
@@ -43,7 +45,13 @@ VARIANTS = {
     "sdxl (KOALA-1B's depths)": ("SDXLFamily", dict(transformer_depth=(0, 2, 6))),
 }
 TEXT_OF_BUILDER = {"lumina2 z_image": (8, 2560, None),  # Qwen3-4B's width
-                   "sd_unet (tiny SD2)": (8, 1024, None)}  # OpenCLIP-H's
+                   "sd_unet (tiny SD2)": (8, 1024, None),  # OpenCLIP-H's
+                   "generic (SD2.1 unCLIP-L)": (8, 1024, None), "generic (SD2.1 unCLIP-H)": (8, 1024, None),
+                   "generic (SDXL refiner)": (8, 1280, 1280),  # OpenCLIP-G alone, its pooled vector too
+                   "tiny CosmosT2IPredict2": (8, 1024, None), "tiny CosmosI2VPredict2": (8, 1024, None),
+                   "tiny HunyuanDiT": (8, 1024, None), "tiny HunyuanDiT1": (8, 1024, None),  # CLIP's (mT5's: none)
+                   "tiny AuraFlow": (8, 2048, None),
+                   "hunyuan_video i2v": (8, 4096, 768), "hunyuan_video skyreels i2v": (8, 4096, 768)}  # Pile-T5-XL's
 # text (tokens, width, pooled width or None) each family's tiny model takes in --train (its conditioning's shapes)
 TEXT = {"sd_unet": (8, 768, None), "sdxl": (8, 2048, 1280), "sd3": (8, 64, 32), "flux": (8, 4096, 64),
         "wan": (8, 4096, None), "hunyuan_video": (8, 4096, 768), "ltxv": (8, 4096, None),
@@ -52,6 +60,86 @@ TEXT = {"sd_unet": (8, 768, None), "sdxl": (8, 2048, 1280), "sd3": (8, 64, 32), 
         "krea2": (8, 320, None),  # 2 encoder layers of 160 side by side (the real one: 12 of Qwen3-VL-4B)
         "hunyuan_video15": (8, 64, None)}
 
+
+# ComfyUI class -> why no tiny model here trains it (for a class that trains: what the training leaves out)
+COSMOS_FLOW = ("Cosmos's flow objective (ComfyUI's FLOW_COSMOS sampling, EDM-style scaling): the trainer's "
+               "objectives are epsilon, v and plain flow")
+NO_EXTRA = "trains as ComfyUI runs it without its {} (ComfyUI leaves them out or zero); the trainer gives none"
+WHY_NOT = {
+    # trained, with what the training leaves out
+    "SD15_instructpix2pix": "trains with ComfyUI's zeros for the image to edit (the trainer gives no edit pairs)",
+    "SDXL_instructpix2pix": "trains with ComfyUI's zeros for the image to edit (the trainer gives no edit pairs)",
+    "SD21UnclipL": NO_EXTRA.format("CLIP-vision image embedding"),
+    "SD21UnclipH": NO_EXTRA.format("CLIP-vision image embedding"),
+    "SDXLRefiner": "generic family: ComfyUI's default aesthetic score (6) and sizes",
+    "WAN21_FunControl2V": NO_EXTRA.format("control video and start image"),
+    "WAN21_Camera": NO_EXTRA.format("camera poses"), "WAN22_Camera": NO_EXTRA.format("camera poses"),
+    "WAN21_Vace": NO_EXTRA.format("VACE control frames and mask"),
+    "WAN21_HuMo": NO_EXTRA.format("audio embedding and reference images"),
+    "WAN22_S2V": NO_EXTRA.format("audio, reference image, motion and pose inputs"),
+    "WAN22_Animate": NO_EXTRA.format("face video and pose latents"),
+    "WAN_Animate2": NO_EXTRA.format("pose video and reference inputs"),
+    "WAN21_SCAIL": NO_EXTRA.format("pose and reference latents"),
+    "WAN21_SCAIL2": NO_EXTRA.format("pose, reference and identity-mask latents"),
+    "WAN22_WanDancer": NO_EXTRA.format("audio and reference-image inputs"),
+    "WAN21_FlowRVS": "generic family (a Wan 2.1 told apart by its file's metadata)",
+    "WAN21_CausalAR_T2V": "generic family, trained as a whole clip (not causally, frame block by block)",
+    # built, not trained: what stops it
+    "HunyuanVideoI2V": "the generic family passes no latent_image, which ComfyUI's concat_cond needs for this model",
+    "HunyuanVideoSkyreelsI2V": "the generic family passes no latent_image, which ComfyUI's concat_cond needs for "
+                               "this model",
+    "FluxInpaint": "trains with ComfyUI's defaults for the inpaint image and mask (the flux family gives none); "
+                   "built on ComfyUI 0.33 only (0.3.64's Flux takes no txt_ids_dims)",
+    "AuraFlow": "the generic family's attention preset matches none of AuraFlow's layer names (w1q, w2k, ...)",
+    "PixArtAlpha": "fails in ComfyUI's PixArt forward from the generic family's inputs (see the error)",
+    "PixArtSigma": "fails in ComfyUI's PixArt forward from the generic family's inputs (see the error)",
+    "HunyuanDiT": "needs its mT5 embedding and attention masks, which the generic family does not give",
+    "HunyuanDiT1": "needs its mT5 embedding and attention masks, which the generic family does not give",
+    "CosmosT2IPredict2": COSMOS_FLOW,
+    "CosmosI2VPredict2": COSMOS_FLOW,
+    # not built here
+    "HiDream": "ComfyUI fixes the size (16 double and 32 single MoE blocks, 2560 wide: ~17B parameters)",
+    "Omnigen2": "ComfyUI fixes the size (32 layers, 2520 wide: ~4B parameters)",
+    "GenmoMochi": "ComfyUI fixes the size (48 blocks, 3072 wide: ~10B parameters)",
+    "CosmosT2V": "ComfyUI fixes the depth (28 or 36 blocks at 4096 or 5120 wide: 7B or 14B) and the objective is "
+                 "EDM", "CosmosI2V": "ComfyUI fixes the depth (28 or 36 blocks at 4096 or 5120 wide: 7B or 14B) "
+                                     "and the objective is EDM",
+    "SeedVR2": "video restoration (upscaler), detected only at its released 3B and 7B depths",
+    "ChromaRadiance": "pixel-space model: no VAE latents, the cache encodes latents",
+    "ZImagePixelSpace": "pixel-space model: no VAE latents, the cache encodes latents",
+    "HiDreamO1": "pixel-space model (HiDreamO1Pixel latents): the cache encodes VAE latents; ComfyUI reads no size",
+    "PixelDiTT2I": "pixel-space model (PixelDiTPixel latents): the cache encodes VAE latents; ComfyUI reads no size",
+    "PiD": "pixel diffusion decoder: turns another model's latents into pixels, not text-to-image",
+    "SD_X4Upscaler": "upscaler, not text-to-image (needs the low-resolution image and noise level)",
+    "HunyuanImage21Refiner": "refiner of HunyuanImage 2.1's output (image-to-image), not built here",
+    "HunyuanVideo15_SR_Distilled": "super-resolution of HunyuanVideo 1.5's output, not text-to-video",
+    "LotusD": "depth/normal estimator (ComfyUI's IMG_TO_IMG), not text-to-image",
+    "Stable_Zero123": "novel-view model: needs the input view and camera angles, which the trainer does not give",
+    "SVD_img2vid": "image-to-video without text: needs the start image and its CLIP-vision embedding, which the "
+                   "trainer does not give",
+    "LTXAV": "joint audio-video model: the trainer's batches carry no audio latents",
+    "MiniMaxH3": "joint audio-video model: the trainer's batches carry no audio latents",
+    "Stable_Cascade_B": "Stable Cascade stage B: ComfyUI knows only the released sizes; needs stage C's output",
+    "Stable_Cascade_C": "Stable Cascade stage C: ComfyUI knows only the released sizes (1536 or 2048 wide)",
+    "ErnieImage": "ComfyUI reads no size from the weights: only the released model loads",
+    "MageFlow": "ComfyUI fixes the input width (128 channels, 2560-wide text): no builder written yet",
+    "Ideogram4": "ComfyUI reads no width from the weights: no builder written yet",
+    "CogVideoX_T2V": "no builder written yet (ComfyUI reads its size from the weights; the generic family may take it)",
+    "CogVideoX_I2V": "no builder written yet; needs the start image, which the generic family does not give",
+    "CogVideoX_Inpaint": "no builder written yet; needs the inpaint video and mask",
+    "Kandinsky5": "no builder written yet (ComfyUI reads its size from the weights)",
+    "Kandinsky5Image": "no builder written yet (ComfyUI reads its size from the weights)",
+    "LongCatImage": "no builder written yet (a Flux-layout model told apart by 3584-wide text)",
+    "Lens": "no builder written yet (ComfyUI reads its size from the weights)",
+    "JoyImage": "no builder written yet",
+    "Boogu": "no builder written yet (ComfyUI reads its size from the weights)",
+    "HunyuanImage21": "no builder written yet",
+    "Anima": "no builder written yet (Cosmos Predict2 with an LLM adapter, on ComfyUI's plain flow objective)",
+}
+
+OUT_OF_SCOPE = {"audio": "audio model: this pack trains image and video models",
+                "3D": "3-D generator: this pack trains image and video models",
+                "other": "not a diffusion model (no latents to denoise: detection, segmentation, depth)"}
 
 VIDEO_FAMILIES = ("wan", "hunyuan_video", "hunyuan_video15", "ltxv")
 # classes the latent format misnames: an image model on a video VAE's latents, 3-D generators with image-like ones
@@ -77,6 +165,101 @@ def kind_of(config_class) -> str:
     return "image"
 
 
+def unet_state_dict(config: dict) -> dict:
+    """Random weights of a ComfyUI UNet of this config."""
+    import comfy.ops
+    from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
+    from ingraph_trainer.trainer.models.base import init_weights
+    unet = UNetModel(**config, operations=comfy.ops.disable_weight_init)
+    return {k: v.contiguous() for k, v in init_weights(unet, 0).state_dict().items()}
+
+
+def unet_variants() -> dict:
+    """label -> UNet config of the SD and SDXL classes ComfyUI tells apart by input channels, adm width or model
+    width (supported_models' unet_config): the embedded SD1.5's and the SDXL scratch model's configs, changed there."""
+    from ingraph_trainer.trainer.models.sdxl import sdxl_unet_config
+    from tools.embedded_default import TINY_UNET_CONFIG
+    sd2 = {**TINY_UNET_CONFIG, "context_dim": 1024, "use_linear_in_transformer": True}
+    sdxl = sdxl_unet_config(transformer_depth=(0, 0, 2, 2, 10, 10), num_res_blocks=(2, 2, 2))
+    return {
+        # InstructPix2Pix: the edited image's latent joins the noisy one (8 input channels)
+        "sd_unet (SD1.5 InstructPix2Pix)": {**TINY_UNET_CONFIG, "in_channels": 8},
+        "sdxl (SDXL InstructPix2Pix)": {**sdxl, "in_channels": 8},
+        # SD2.1 unCLIP: the CLIP-vision embedding (and its noise level) as the adm vector
+        "generic (SD2.1 unCLIP-L)": {**sd2, "adm_in_channels": 1536, "num_classes": "sequential"},
+        "generic (SD2.1 unCLIP-H)": {**sd2, "adm_in_channels": 2048, "num_classes": "sequential"},
+        # the SDXL refiner: 384 wide, 4 levels of 2 blocks, transformers in the middle two, 1280-wide text
+        "generic (SDXL refiner)": {**sdxl, "model_channels": 384, "channel_mult": [1, 1, 1, 1],
+                                   "num_res_blocks": [2, 2, 2, 2], "transformer_depth": [0, 0, 4, 4, 4, 4, 0, 0],
+                                   "transformer_depth_output": [0] * 12, "context_dim": 1280,
+                                   "adm_in_channels": 2560},
+    }
+
+
+# Wan 2.1's tiny size (the wan family's own), as a ComfyUI unet_config
+WAN_TINY = dict(dim=128, ffn_dim=256, num_heads=1, num_layers=1, patch_size=(1, 2, 2), freq_dim=256,
+                window_size=(-1, -1), qk_norm=True, cross_attn_norm=True, eps=1e-6, in_dim=16, out_dim=16)
+# Cosmos Predict2 text-to-image at 256 wide, 1 block (ComfyUI reads width and depth from the weights; 16 heads,
+# its default, below 2048 wide)
+COSMOS2_TINY = dict(max_img_h=240, max_img_w=240, max_frames=128, in_channels=16, out_channels=16, patch_spatial=2,
+                    patch_temporal=1, model_channels=256, num_heads=16, concat_padding_mask=True,
+                    crossattn_emb_channels=1024, pos_emb_cls="rope3d", pos_emb_learnable=True,
+                    pos_emb_interpolation="crop", min_fps=1, max_fps=30, use_adaln_lora=True, adaln_lora_dim=256,
+                    num_blocks=1, extra_per_block_abs_pos_emb=False, rope_h_extrapolation_ratio=4.0,
+                    rope_w_extrapolation_ratio=4.0, rope_t_extrapolation_ratio=1.0, extra_h_extrapolation_ratio=1.0,
+                    extra_w_extrapolation_ratio=1.0, extra_t_extrapolation_ratio=1.0, rope_enable_fps_modulation=False)
+# ComfyUI class -> (its unet_config at a tiny size, the file metadata it is told apart by or None): built by
+# ComfyUI's own get_model for that class, then detected from the weights like any other file. Classes a family
+# file builds (and so the New Model node offers) are built there; these are the rest a family trains.
+CLASS_BUILT = {
+    "WAN21_FunControl2V": (dict(WAN_TINY, in_dim=48), None),  # the control video's 16 + 16 channels + the mask's
+    "WAN21_Camera": (dict(WAN_TINY, in_dim=32), None),
+    "WAN22_Camera": (dict(WAN_TINY, in_dim=36), None),
+    "WAN21_Vace": (dict(WAN_TINY, vace_layers=1, vace_in_dim=96), None),
+    "WAN21_HuMo": (WAN_TINY, None),
+    "WAN22_S2V": (dict(WAN_TINY, audio_inject_layers=[0]), None),
+    "WAN22_Animate": (dict(WAN_TINY, num_layers=5), None),  # a face adapter every 5 blocks: 5 to have one
+    "WAN21_SCAIL": (WAN_TINY, None),
+    "WAN21_SCAIL2": (WAN_TINY, None),
+    "WAN22_WanDancer": (dict(WAN_TINY, in_dim=36), None),
+    "FluxInpaint": (dict(image_model="flux", in_channels=96, out_channels=16, vec_in_dim=64, context_in_dim=4096,
+                         hidden_size=128, mlp_ratio=4.0, num_heads=1, depth=1, depth_single_blocks=0,
+                         axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True, guidance_embed=True,
+                         txt_ids_dims=[]), None),  # txt_ids_dims: ComfyUI 0.33's Flux (0.3.64's has none)
+    # PixArt: ComfyUI fixes the width (1152, 16 heads); one block of it
+    "PixArtAlpha": (dict(num_heads=16, patch_size=2, hidden_size=1152, in_channels=4, depth=1, micro_condition=True),
+                    None),
+    "PixArtSigma": (dict(num_heads=16, patch_size=2, hidden_size=1152, in_channels=4, depth=1,
+                         micro_condition=False), None),
+    "HunyuanDiT": (dict(depth=1, hidden_size=256), None),
+    # HunyuanDiT 1.0's size and style inputs: detected by the extra embedder's 3968 inputs, which fixes 1408 wide
+    "HunyuanDiT1": (dict(depth=1, hidden_size=1408, size_cond=True, use_style_cond=True), None),
+    "CosmosT2IPredict2": (COSMOS2_TINY, None),
+    "CosmosI2VPredict2": (dict(COSMOS2_TINY, in_channels=17, rope_h_extrapolation_ratio=3.0,
+                               rope_w_extrapolation_ratio=3.0), None),
+    # AuraFlow: ComfyUI reads no width from the weights (3072, its default); one double block, no single ones
+    "AuraFlow": (dict(n_double_layers=1, n_layers=1, max_seq=64), None),
+    # told apart by the file's metadata alone (ComfyUI reads model_type from its "config")
+    "WAN_Animate2": (WAN_TINY, {"config": '{"transformer": {"model_type": "animate2"}}'}),
+    "WAN21_FlowRVS": (WAN_TINY, {"config": '{"transformer": {"model_type": "flow_rvs"}}'}),
+    "WAN21_CausalAR_T2V": (WAN_TINY, {"config": '{"transformer": {"causal_ar": true}}'}),
+}
+
+
+def class_state_dict(class_name: str, unet_config: dict, metadata: dict | None):
+    """Random weights of ComfyUI's model for `class_name` at `unet_config`, built by the class's own get_model:
+    the state dict, or (state dict, file metadata) where the class is told apart by metadata."""
+    import comfy.supported_models
+    import torch
+    from ingraph_trainer.trainer.models.base import init_weights
+    cls = getattr(comfy.supported_models, class_name)
+    config = cls({**cls.unet_config, **unet_config})
+    config.set_inference_dtype(torch.float32, None)
+    model = config.get_model({}).diffusion_model
+    state = {k: v.contiguous() for k, v in init_weights(model, 0).state_dict().items()}
+    return (state, metadata) if metadata else state
+
+
 def builders() -> list:
     """(label, a function building its state dict) of every tiny model this pack builds: each family file's, its
     variants, SD1.5's (the embedded default checkpoint)."""
@@ -99,37 +282,56 @@ def builders() -> list:
                          operations=comfy.ops.disable_weight_init)
         return {k: v.contiguous() for k, v in init_weights(unet, 0).state_dict().items()}
     out = [("sd_unet (embedded SD1.5)", sd15), ("sd_unet (tiny SD2)", sd2)]
+    out += [(label, lambda config=config: unet_state_dict(config)) for label, config in unet_variants().items()]
     for cls in FAMILIES:
         if cls.scratch_state_dict.__func__ is ModelFamily.scratch_state_dict.__func__:  # builds none (SD1.5: above)
             continue
         out.append((cls.name, lambda cls=cls: cls.scratch_state_dict(0, **cls.scratch_sizes.get("tiny", {}))))
+    out += [(f"tiny {name}", lambda name=name, c=c, m=m: class_state_dict(name, c, m))
+            for name, (c, m) in CLASS_BUILT.items()]
     by_name = {c.__name__: c for c in FAMILIES}
     for label, (cls_name, size) in VARIANTS.items():
         out.append((label, lambda c=by_name[cls_name], size=size: c.scratch_state_dict(0, **size)))
     return out
 
 
-def train_two_steps(family, builder: str) -> str:
+LORA_RANK, LORA_ALPHA = 2, 2.0
+
+
+def latent_shape(family, kind: str) -> tuple:
+    """The latent batch a family's tiny model trains on: video models (a video family's, or the generic family on
+    a video class) on 3 latent frames; everything else on image latents (the family lays them out as its model
+    takes them: Qwen-Image's one-frame videos, say)."""
+    channels = family.base_model.latent_format.latent_channels
+    video = family.name in VIDEO_FAMILIES or (family.name == "generic" and kind == "video")
+    return (2, channels, 3, 4, 8) if video else (2, channels, 8, 8)
+
+
+def random_batch(family, builder: str, shape: tuple, generator):
+    """Random latents, text of the family's shapes (its conditioning's), noise and timesteps."""
+    import torch
+    from ingraph_trainer.trainer.models import Batch
+    tokens, width, pooled = TEXT_OF_BUILDER.get(builder) or TEXT.get(family.name, (8, 4096, None))
+    return Batch(torch.randn(shape, generator=generator), torch.randn(2, tokens, width, generator=generator),
+                 torch.randn(2, pooled, generator=generator) if pooled else None,
+                 torch.randn(shape, generator=generator), torch.rand(2, generator=generator))
+
+
+def train_two_steps(family, builder: str, shape: tuple) -> str:
     """2 LoRA steps on random inputs of the family's shapes: "yes", or why not."""
     import torch
     from ingraph_trainer.trainer.adapters import inject_adapter
-    from ingraph_trainer.trainer.models import Batch
-    tokens, width, pooled = TEXT_OF_BUILDER.get(builder) or TEXT.get(family.name, (8, 4096, None))
-    channels = family.base_model.latent_format.latent_channels
-    # video families on 3 latent frames; everything else on image latents (the family lays them out as its model
-    # takes them: Qwen-Image's one-frame videos, say)
-    shape = (2, channels, 3, 4, 8) if family.name in VIDEO_FAMILIES else (2, channels, 8, 8)
     family.prepare_for_training()  # as the trainer does (residuals out of place, ...)
-    params = inject_adapter(family.diffusion_model, family.adapter_targets("attention"), "lora", 2, 2.0, 0.0)
+    params = inject_adapter(family.diffusion_model, family.adapter_targets("attention"), "lora", LORA_RANK,
+                            LORA_ALPHA, 0.0)
+    if not params:
+        return "no: the attention preset finds no layer to adapt"
     family.compute_dtype = torch.float32
     family.diffusion_model.float()
-    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    optimizer = torch.optim.AdamW(params, lr=1e-3)  # 2 steps at 1e-3: lora_up leaves zero, the LoRA does something
     g = torch.Generator().manual_seed(1)
     for _ in range(2):
-        batch = Batch(torch.randn(shape, generator=g), torch.randn(2, tokens, width, generator=g),
-                      torch.randn(2, pooled, generator=g) if pooled else None, torch.randn(shape, generator=g),
-                      torch.rand(2, generator=g))
-        loss = family.loss(batch)
+        loss = family.loss(random_batch(family, builder, shape, g))
         loss.backward()
         if not torch.isfinite(loss):
             return f"no: loss {float(loss)}"
@@ -138,6 +340,75 @@ def train_two_steps(family, builder: str) -> str:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return "yes"
+
+
+def load_model(state: dict, metadata: dict | None):
+    """ComfyUI's MODEL of these weights, as Load Diffusion Model loads a file of them (float32), from copies: ComfyUI's
+    loader may take the tensors over, and the LoRA check loads the same weights afresh."""
+    import comfy.sd
+    import torch
+    state = {k: v.clone() for k, v in state.items()}
+    extra = {"metadata": metadata} if metadata else {}  # ComfyUI 0.3.64 takes none (nor has the classes needing it)
+    return comfy.sd.load_diffusion_model_state_dict(state, model_options={"dtype": torch.float32}, **extra)
+
+
+def model_output(family, batch):
+    """The diffusion model's raw output on a batch, called as the family's loss calls it."""
+    x_in, timestep, kwargs = family.model_inputs(batch)
+    return family.diffusion_model(x_in, timestep, transformer_options={}, **kwargs)
+
+
+def lora_in_comfyui(state: dict, metadata: dict | None, trained, builder: str, shape: tuple) -> tuple[str, str]:
+    """The trained adapter written as the trainer exports it (ComfyUI format, through the pack's file writer), read
+    back as Load LoRA reads a file and applied by what LoraLoaderModelOnly runs (comfy.sd.load_lora_for_models) to
+    a freshly loaded MODEL of the same weights: (loads, output changes), each "yes" or why not. Loads: no "lora key
+    not loaded" in ComfyUI's log and a weight patch on every layer in the file. Output changes: the patched model's
+    output on one input differs from the unpatched one's by more than a rerun of the unpatched one does."""
+    import logging
+
+    import comfy.sd
+    import comfy.utils
+    import torch
+    from ingraph_trainer.trainer import export
+    from ingraph_trainer.trainer.adapters import comfy_adapter_state_dict, save_adapter_atomic
+    from ingraph_trainer.trainer.models import family_for
+    tensors = comfy_adapter_state_dict(trained.diffusion_model, "lora", LORA_ALPHA, "comfyui")
+    tensors = export.convert(tensors, "comfyui", export.diffusers_module_names(trained.base_model))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = save_adapter_atomic(Path(tmp) / "lora.safetensors", tensors, {})
+        lora = comfy.utils.load_torch_file(str(path), safe_load=True)
+    fresh = load_model(state, metadata)
+    messages = []
+    catcher = logging.Handler(logging.WARNING)
+    catcher.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger().addHandler(catcher)
+    try:
+        patched = comfy.sd.load_lora_for_models(fresh, None, lora, 1.0, 0.0)[0]
+    finally:
+        logging.getLogger().removeHandler(catcher)
+    missed = [m for m in messages if "lora key not loaded" in m]
+    layers = {export.split_key(k)[0] for k in lora}
+    if missed:
+        loads = f"no: {len(missed)} keys not loaded ({missed[0][:80]})"
+    elif len(patched.patches) != len(layers):
+        loads = f"no: {len(patched.patches)} of the file's {len(layers)} layers patched"
+    else:
+        loads = "yes"
+    family = family_for(fresh.model, family=trained.name, patcher=fresh)
+    family.compute_dtype = torch.float32
+    batch = random_batch(family, builder, shape, torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        before, rerun = model_output(family, batch), model_output(family, batch)
+        patched.patch_model()
+        try:
+            after = model_output(family, batch)
+        finally:
+            patched.unpatch_model()
+    change, noise = float((after - before).abs().max()), float((rerun - before).abs().max())
+    scale = float(before.abs().max()) or 1.0
+    changes = f"yes ({change / scale:.0e})" if change > max(noise * 10, 1e-7 * scale) else \
+        f"no: max change {change:.1e} (rerun {noise:.1e})"
+    return loads, changes
 
 
 README_BEGIN = "<!-- family-coverage: ComfyUI {version} (written by tools/family_coverage.py --train --readme) -->"
@@ -153,8 +424,9 @@ def readme_section(version: str, summary: str, rows: list[dict], full_table: str
              "| ComfyUI class | kind | family | tiny model here |", "|---|---|---|---|"]
     lines += [f"| {r['class']} | {r['kind']} | {', '.join(r['family'])} | {', '.join(r['builders'])} |"
               for r in sorted(trained, key=lambda r: (r["kind"], r["class"]))]
-    lines += ["", f"Not yet ({len(left)} image or video classes): " + ", ".join(r["class"] for r in left)
-              + f". Every class, audio, 3-D and other models included: [{full_table}]({full_table}).",
+    lines += ["", f"Not trained ({len(left)} image or video classes): " + ", ".join(r["class"] for r in left)
+              + f". Why not, for each, and every class, audio, 3-D and other models included: "
+                f"[{full_table}]({full_table}).",
               README_END.format(version=version)]
     return "\n".join(lines)
 
@@ -176,6 +448,8 @@ def main(argv=None):
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--readme", type=Path, help="rewrite this ComfyUI version's coverage section of this README "
                                                     "(with --markdown: the full table it links to)")
+    parser.add_argument("--only", help="only the builders whose label contains this (a quick look; the tables "
+                                            "of a partial run are partial)")
     opts = parser.parse_args(argv)
     _bootstrap()
     import comfy.model_detection
@@ -189,27 +463,51 @@ def main(argv=None):
     classes = list(comfy.supported_models.models)
     reached = {}  # class name -> list of (builder, family, trained)
     for label, build in builders():
+        if opts.only and opts.only not in label:
+            continue
         began = time.perf_counter()
         try:
             torch.manual_seed(0)
             state = build()
+            state, metadata = state if isinstance(state, tuple) else (state, None)
         except Exception as exc:  # noqa: BLE001 - a variant this ComfyUI's model classes cannot build
             print(f"{label}: not built on this ComfyUI ({type(exc).__name__}: {str(exc)[:120]})", flush=True)
             continue
-        config = comfy.model_detection.model_config_from_unet(state, "")
+        config = comfy.model_detection.model_config_from_unet(state, "", metadata=metadata)
         if config is None:
             print(f"{label}: ComfyUI detects no class", flush=True)
             continue
-        patcher = comfy.sd.load_diffusion_model_state_dict(state, model_options={"dtype": torch.float32})
-        family = family_for(patcher.model, patcher=patcher)
+        name = type(config).__name__
         try:
-            trained = train_two_steps(family, label) if opts.train else "not tried"
+            patcher = load_model(state, metadata)
+        except Exception as exc:  # noqa: BLE001 - detected, but ComfyUI's loader builds another shape
+            print(f"{label}: detected as {name}, not loaded ({type(exc).__name__}: {str(exc)[:120]})", flush=True)
+            continue
+        loads = changes = "not tried"
+        try:
+            family = family_for(patcher.model, patcher=patcher)
+        except ValueError as exc:  # an objective no family trains (Cosmos's EDM, ...)
+            reached.setdefault(name, []).append({"builder": label, "family": "none", "trained": f"no: {exc}",
+                                                 "loads": loads, "changes": changes})
+            print(f"{label}: detected as {name}, no family takes it ({exc})", flush=True)
+            continue
+        shape = latent_shape(family, kind_of(type(config)))
+        try:
+            trained = train_two_steps(family, label, shape) if opts.train else "not tried"
         except Exception as exc:  # noqa: BLE001 - the table says why, the walk goes on
             trained = f"no: {type(exc).__name__}: {str(exc)[:120]}"
-        name = type(config).__name__
-        reached.setdefault(name, []).append({"builder": label, "family": family.name, "trained": trained})
-        print(f"{label}: detected as {name}, family {family.name}, trained {trained} "
-              f"({time.perf_counter() - began:.1f} s)", flush=True)
+            if opts.only:
+                import traceback
+                traceback.print_exc()
+        if trained == "yes":
+            try:
+                loads, changes = lora_in_comfyui(state, metadata, family, label, shape)
+            except Exception as exc:  # noqa: BLE001
+                loads = changes = f"no: {type(exc).__name__}: {str(exc)[:120]}"
+        reached.setdefault(name, []).append({"builder": label, "family": family.name, "trained": trained,
+                                             "loads": loads, "changes": changes})
+        print(f"{label}: detected as {name}, family {family.name}, trained {trained}, LoRA loads {loads}, "
+              f"output changes {changes} ({time.perf_counter() - began:.1f} s)", flush=True)
         del patcher, family, state
     rows = []
     for cls in classes:
@@ -217,18 +515,25 @@ def main(argv=None):
         rows.append({"class": cls.__name__, "kind": kind_of(cls),
                      "latent_format": getattr(getattr(cls, "latent_format", None), "__name__", "?"),
                      "builders": [h["builder"] for h in hits], "family": sorted({h["family"] for h in hits}),
-                     "trained": [h["trained"] for h in hits]})
+                     "trained": [h["trained"] for h in hits], "loads": [h["loads"] for h in hits],
+                     "changes": [h["changes"] for h in hits], "why": WHY_NOT.get(cls.__name__, "")})
     diffusion = [r for r in rows if r["kind"] in ("image", "video")]  # audio, 3D and other: out of this pack's scope
     covered = [r for r in diffusion if r["builders"]]
     trained = [r for r in covered if "yes" in r["trained"]]
+    loading = [r for r in trained if "yes" in r["loads"]]
+    changing = [r for r in trained if any(c.startswith("yes") for c in r["changes"])]
     lines = [f"ComfyUI {version}: {len(rows)} model classes; {len(diffusion)} image or video diffusion classes, "
              f"{len(covered)} of them built here as a tiny model ComfyUI detects as that class"
-             + (f", {len(trained)} trained 2 steps" if opts.train else "") + ".", "",
-             "| ComfyUI class | kind | latent format | tiny model here | family | 2 LoRA steps |",
-             "|---|---|---|---|---|---|"]
+             + (f", {len(trained)} trained 2 steps, whose LoRA loads in ComfyUI for {len(loading)} and changes "
+                f"the output for {len(changing)}" if opts.train else "") + ".", "",
+             "| ComfyUI class | kind | latent format | tiny model here | family | 2 LoRA steps | LoRA loads "
+             "| output changes | why not / note |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["kind"] not in ("image", "video"), not r["builders"], r["class"])):
-        lines.append(f"| {r['class']} | {r['kind']} | {r['latent_format']} | {', '.join(r['builders']) or 'not yet'} "
-                     f"| {', '.join(r['family']) or ''} | {', '.join(sorted(set(r['trained']))) or ''} |")
+        cells = [r["class"], r["kind"], r["latent_format"], ", ".join(r["builders"]) or "not built",
+                 ", ".join(r["family"]), *(", ".join(sorted(set(r[k]))) for k in ("trained", "loads", "changes")),
+                 r["why"] or ("" if "yes" in r["trained"] else OUT_OF_SCOPE.get(r["kind"], "no reason recorded yet"))]
+        lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     if opts.markdown:
         opts.markdown.write_text(table + "\n")

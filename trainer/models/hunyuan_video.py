@@ -62,15 +62,16 @@ class HunyuanVideoFamily(ModelFamily):
 
     @classmethod
     def scratch_state_dict(cls, seed: int = 0, hidden_size: int = 128, depth: int = 1, depth_single_blocks: int = 1,
-                           context_in_dim: int = 4096, guidance_embed: bool = True, **_):
+                           context_in_dim: int = 4096, guidance_embed: bool = True, in_channels: int = 16, **_):
         import comfy.ops
         from comfy.ldm.hunyuan_video.model import HunyuanVideo, HunyuanVideoParams
         from ..comfy_compat import build_dit
         model = build_dit(
-            HunyuanVideo, HunyuanVideoParams, in_channels=16, out_channels=16, patch_size=[1, 2, 2], vec_in_dim=768,
-            context_in_dim=context_in_dim, hidden_size=hidden_size, mlp_ratio=4.0, num_heads=hidden_size // 128,
-            depth=depth, depth_single_blocks=depth_single_blocks, axes_dim=[16, 56, 56], theta=256, qkv_bias=True,
-            guidance_embed=guidance_embed, byt5=False, meanflow=False, operations=comfy.ops.disable_weight_init)
+            HunyuanVideo, HunyuanVideoParams, in_channels=in_channels, out_channels=16, patch_size=[1, 2, 2],
+            vec_in_dim=768, context_in_dim=context_in_dim, hidden_size=hidden_size, mlp_ratio=4.0,
+            num_heads=hidden_size // 128, depth=depth, depth_single_blocks=depth_single_blocks, axes_dim=[16, 56, 56],
+            theta=256, qkv_bias=True, guidance_embed=guidance_embed, byt5=False, meanflow=False,
+            operations=comfy.ops.disable_weight_init)
         return {k: v.contiguous() for k, v in init_weights(model, seed).state_dict().items()}
 
 
