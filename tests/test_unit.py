@@ -519,7 +519,8 @@ def test_a_bf16_partitioned_load_casts_what_deepspeed_would_and_leaves_unfilled_
     the engine's dtype (the fill casts each slice from the file), fp8 ones stay; nothing is cast in an fp32 run."""
     import torch
     from trainer.distributed import deepspeed_config
-    from trainer.partitioned_load import DeferredWeights, engine_dtype, in_engine_dtype
+    from trainer.memory_sizes import low_precision_dtype
+    from trainer.partitioned_load import DeferredWeights, in_engine_dtype
     from trainer.spec import DistributedSpec, RunSpec
     module = torch.nn.Module()
     module.unfilled = torch.nn.Parameter(torch.empty(4, 4), requires_grad=False)
@@ -528,11 +529,11 @@ def test_a_bf16_partitioned_load_casts_what_deepspeed_would_and_leaves_unfilled_
     weights = DeferredWeights("m.safetensors", {module.unfilled: torch.ones(4, 4)})
     unfilled_storage = module.unfilled.data.data_ptr()
     run = RunSpec(distributed=DistributedSpec(processes=2, zero_stage=3))
-    run.train.precision = "fp32"
-    assert engine_dtype(deepspeed_config(run)) is None
+    run.train.precision = "fp32"  # the dtype the loop hands the load is the one DeepSpeed's config runs in
+    assert low_precision_dtype(run.train.precision) is None and not deepspeed_config(run)["bf16"]["enabled"]
     run.train.precision = "bf16"
-    dtype = engine_dtype(deepspeed_config(run))
-    assert dtype == torch.bfloat16
+    dtype = low_precision_dtype(run.train.precision)
+    assert dtype == torch.bfloat16 and deepspeed_config(run)["bf16"]["enabled"]
     in_engine_dtype(module, dtype, weights)
     assert module.unfilled.dtype == module.adapter.dtype == torch.bfloat16
     assert module.unfilled.data.data_ptr() != unfilled_storage and module.unfilled in weights.sources

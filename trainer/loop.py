@@ -117,7 +117,8 @@ class Trainer(TrainingTask):
         self.optimizer = optimizer
         if self.deferred is not None:
             if self.deferred.sources:  # else the model was filled as usual (loading.why_not_deferred, logged)
-                load_partitions(deepspeed, layout.module, self.deferred, deepspeed_config(spec))
+                load_partitions(deepspeed, layout.module, self.deferred, deepspeed_config(spec),
+                                low_precision_dtype(t.precision))
                 self.load_memory.update(partitioned=True, **each_process_peak(self.load_memory))
             map_large_allocations(32 << 20)  # glibc's own upper bound for its moving threshold
         layout.initialize(deepspeed, optimizer, build_scheduler(spec, optimizer), deepspeed_config(spec))

@@ -192,6 +192,7 @@ def enable_block_swap(blocks, device, dtype=None, copies=BlockCopies) -> BlockCo
     `dtype`: the training precision, given where the engine casts the model after this (plain_engine), which
     leaves these weights alone."""
     import threading
+    from .plain_engine import LOW_PRECISION_CASTABLE
     state = threading.local()
     pinned = torch.cuda.is_available()
     hosts = []
@@ -199,7 +200,7 @@ def enable_block_swap(blocks, device, dtype=None, copies=BlockCopies) -> BlockCo
         frozen = {name: p for name, p in block.named_parameters() if not p.requires_grad}
         if dtype is not None:  # the precision the engine gives every other weight (fp8 and integers stay as they are)
             for p in frozen.values():
-                if p.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) and p.dtype != dtype:
+                if p.dtype in LOW_PRECISION_CASTABLE and p.dtype != dtype:
                     p.data = p.data.to(dtype)
         host = {name: (p.detach().cpu().pin_memory() if pinned else p.detach().cpu()) for name, p in frozen.items()}
         for name, p in frozen.items():

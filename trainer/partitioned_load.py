@@ -41,10 +41,11 @@ def why_not_partitioned(spec) -> str | None:
     return None
 
 
-def load_partitions(deepspeed, module, weights: DeferredWeights, config: dict) -> int:
+def load_partitions(deepspeed, module, weights: DeferredWeights, config: dict, dtype=None) -> int:
     """Partitions `module`'s parameters as ZeRO-3 does (deepspeed.zero.Init on the built module, before
     deepspeed.initialize, which then finds them partitioned and moves nothing whole), then fills this process's
-    slice of each deferred parameter from the file. Returns the bytes copied."""
+    slice of each deferred parameter from the file. `dtype`: the engine's (bf16, fp16; None in fp32), which the
+    parameters take first (in_engine_dtype). Returns the bytes copied."""
     import torch
     import deepspeed.comm as dist
     from .models.loading import file_releaser
@@ -54,7 +55,7 @@ def load_partitions(deepspeed, module, weights: DeferredWeights, config: dict) -
         for name, buffer in sub._buffers.items():
             if buffer is not None and buffer.device != device:
                 sub._buffers[name] = buffer.to(device)
-    in_engine_dtype(module, engine_dtype(config), weights)
+    in_engine_dtype(module, dtype, weights)
     deepspeed.zero.Init(module=module, config_dict_or_path=config)
     releaser = file_releaser(weights.path)
     copied = 0
@@ -81,26 +82,16 @@ def load_partitions(deepspeed, module, weights: DeferredWeights, config: dict) -
     return copied
 
 
-def engine_dtype(config: dict):
-    """The dtype DeepSpeed's engine holds parameters in: bf16 or fp16 where the config enables it, else None."""
-    import torch
-    if config.get("bf16", {}).get("enabled"):
-        return torch.bfloat16
-    if config.get("fp16", {}).get("enabled"):
-        return torch.float16
-    return None
-
-
 def in_engine_dtype(module, dtype, weights: DeferredWeights) -> None:
     """DeepSpeed's own cast to bf16/fp16 (engine._cast_module_mixed_precision), which deepspeed.initialize leaves out
     for a model zero.Init partitioned: every floating-point parameter in the engine's dtype (fp8 and quantized ones
     stay). An unfilled parameter gets unfilled storage of that dtype: the fill casts each slice as it copies it."""
     import torch
+    from .plain_engine import LOW_PRECISION_CASTABLE
     if dtype is None:
         return
-    castable = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
     for param in module.parameters():
-        if param.dtype in castable and param.dtype != dtype:
+        if param.dtype in LOW_PRECISION_CASTABLE and param.dtype != dtype:
             param.data = torch.empty(param.shape, dtype=dtype, device=param.device) if param in weights.sources \
                 else param.data.to(dtype)
 
