@@ -169,19 +169,21 @@ def unet_state_dict(config: dict) -> dict:
     """Random weights of a ComfyUI UNet of this config."""
     import comfy.ops
     from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
-    from ingraph_trainer.trainer.models.base import init_weights
+    from ingraph_trainer.trainer.models.base import random_state_dict
     unet = UNetModel(**config, operations=comfy.ops.disable_weight_init)
-    return {k: v.contiguous() for k, v in init_weights(unet, 0).state_dict().items()}
+    return random_state_dict(unet, 0)
 
 
 def unet_variants() -> dict:
-    """label -> UNet config of the SD and SDXL classes ComfyUI tells apart by input channels, adm width or model
-    width (supported_models' unet_config): the embedded SD1.5's and the SDXL scratch model's configs, changed there."""
+    """label -> UNet config of the SD and SDXL classes ComfyUI tells apart by text width, input channels, adm width
+    or model width (supported_models' unet_config): the embedded SD1.5's and the SDXL scratch model's configs,
+    changed there."""
     from ingraph_trainer.trainer.models.sdxl import sdxl_unet_config
     from tools.embedded_default import TINY_UNET_CONFIG
     sd2 = {**TINY_UNET_CONFIG, "context_dim": 1024, "use_linear_in_transformer": True}
     sdxl = sdxl_unet_config(transformer_depth=(0, 0, 2, 2, 10, 10), num_res_blocks=(2, 2, 2))
     return {
+        "sd_unet (tiny SD2)": sd2,  # the embedded default's UNet with SD2's text width and linear projections: SD20
         # InstructPix2Pix: the edited image's latent joins the noisy one (8 input channels)
         "sd_unet (SD1.5 InstructPix2Pix)": {**TINY_UNET_CONFIG, "in_channels": 8},
         "sdxl (SDXL InstructPix2Pix)": {**sdxl, "in_channels": 8},
@@ -251,12 +253,12 @@ def class_state_dict(class_name: str, unet_config: dict, metadata: dict | None):
     the state dict, or (state dict, file metadata) where the class is told apart by metadata."""
     import comfy.supported_models
     import torch
-    from ingraph_trainer.trainer.models.base import init_weights
+    from ingraph_trainer.trainer.models.base import random_state_dict
     cls = getattr(comfy.supported_models, class_name)
     config = cls({**cls.unet_config, **unet_config})
     config.set_inference_dtype(torch.float32, None)
     model = config.get_model({}).diffusion_model
-    state = {k: v.contiguous() for k, v in init_weights(model, 0).state_dict().items()}
+    state = random_state_dict(model, 0)
     return (state, metadata) if metadata else state
 
 
@@ -273,15 +275,7 @@ def builders() -> list:
             path = build_checkpoint(Path(tmp) / "sd15.safetensors")
             prefix = "model.diffusion_model."
             return {k[len(prefix):]: v for k, v in load_file(str(path)).items() if k.startswith(prefix)}
-    def sd2():  # the embedded default's UNet with SD2's text width and linear projections: ComfyUI's SD20
-        import comfy.ops
-        from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
-        from ingraph_trainer.trainer.models.base import init_weights
-        from tools.embedded_default import TINY_UNET_CONFIG
-        unet = UNetModel(**{**TINY_UNET_CONFIG, "context_dim": 1024, "use_linear_in_transformer": True},
-                         operations=comfy.ops.disable_weight_init)
-        return {k: v.contiguous() for k, v in init_weights(unet, 0).state_dict().items()}
-    out = [("sd_unet (embedded SD1.5)", sd15), ("sd_unet (tiny SD2)", sd2)]
+    out = [("sd_unet (embedded SD1.5)", sd15)]
     out += [(label, lambda config=config: unet_state_dict(config)) for label, config in unet_variants().items()]
     for cls in FAMILIES:
         if cls.scratch_state_dict.__func__ is ModelFamily.scratch_state_dict.__func__:  # builds none (SD1.5: above)
@@ -352,12 +346,6 @@ def load_model(state: dict, metadata: dict | None):
     return comfy.sd.load_diffusion_model_state_dict(state, model_options={"dtype": torch.float32}, **extra)
 
 
-def model_output(family, batch):
-    """The diffusion model's raw output on a batch, called as the family's loss calls it."""
-    x_in, timestep, kwargs = family.model_inputs(batch)
-    return family.diffusion_model(x_in, timestep, transformer_options={}, **kwargs)
-
-
 def lora_in_comfyui(state: dict, metadata: dict | None, trained, builder: str, shape: tuple) -> tuple[str, str]:
     """The trained adapter written as the trainer exports it (ComfyUI format, through the pack's file writer), read
     back as Load LoRA reads a file and applied by what LoraLoaderModelOnly runs (comfy.sd.load_lora_for_models) to
@@ -398,10 +386,10 @@ def lora_in_comfyui(state: dict, metadata: dict | None, trained, builder: str, s
     family.compute_dtype = torch.float32
     batch = random_batch(family, builder, shape, torch.Generator().manual_seed(2))
     with torch.no_grad():
-        before, rerun = model_output(family, batch), model_output(family, batch)
+        before, rerun = family.model_output(batch), family.model_output(batch)
         patched.patch_model()
         try:
-            after = model_output(family, batch)
+            after = family.model_output(batch)
         finally:
             patched.unpatch_model()
     change, noise = float((after - before).abs().max()), float((rerun - before).abs().max())

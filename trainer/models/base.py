@@ -262,11 +262,15 @@ class ModelFamily:
                                         mask)
         return per_sample.mean() if reduce else per_sample
 
+    def model_output(self, batch: Batch) -> torch.Tensor:
+        """The diffusion model's raw output on a batch, called as ComfyUI's apply_model calls it."""
+        x_in, timestep, kwargs = self.model_inputs(batch)
+        return self.diffusion_model(x_in, timestep, transformer_options={}, **kwargs)
+
     def loss(self, batch: Batch, reduce: bool = True, weighted: bool = True) -> torch.Tensor:
         """The diffusion loss of a batch: noised with ComfyUI's noise scaling, run as ComfyUI runs the model."""
-        x_in, timestep, kwargs = self.model_inputs(batch)
-        out = self.diffusion_model(x_in, timestep, transformer_options={}, **kwargs)
-        return self.loss_of_output(out, batch.latents, batch.noise, batch.timesteps, reduce, weighted, batch.mask)
+        return self.loss_of_output(self.model_output(batch), batch.latents, batch.noise, batch.timesteps, reduce,
+                                   weighted, batch.mask)
 
     def pipeline_layers(self) -> list[torch.nn.Module]:
         """The model as a sequence of layers for pipeline stages: each takes and returns a tuple of tensors;
@@ -304,6 +308,12 @@ def init_weights(module: torch.nn.Module, seed: int) -> torch.nn.Module:
             else:
                 param.zero_()
     return module
+
+
+def random_state_dict(module: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """The state dict of `module` given init_weights' random start, each tensor contiguous (as a file holds it): a
+    family's scratch_state_dict, and the coverage tool's builders."""
+    return {k: v.contiguous() for k, v in init_weights(module, seed).state_dict().items()}
 
 
 def block_lists(module: torch.nn.Module) -> list[torch.nn.Module]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Batch, ModelFamily, UnsupportedSetting, init_weights
+from .base import Batch, ModelFamily, UnsupportedSetting, random_state_dict
 from .flux import ATTENTION, FEED_FORWARD
 
 
@@ -56,7 +56,7 @@ class ChromaFamily(ModelFamily):
             n_layers=5, context_in_dim=4096, hidden_size=3072, mlp_ratio=4.0, num_heads=24, depth=depth,
             depth_single_blocks=depth_single_blocks, axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True,
             operations=comfy.ops.disable_weight_init)
-        return {k: v.contiguous() for k, v in init_weights(model, seed).state_dict().items()}
+        return random_state_dict(model, seed)
 
 
 # comfy/ldm/chroma/layers.py (ComfyUI 0.3.64) DoubleStreamBlock.forward and SingleStreamBlock.forward, each

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import (Batch, ModelFamily, StageInput, UnsupportedSetting, ends_here, init_weights,
+from .base import (Batch, ModelFamily, StageInput, UnsupportedSetting, ends_here, random_state_dict,
                    residuals_out_of_place)
 from .references import ReferenceLatentsInput
 
@@ -70,7 +70,7 @@ class FluxFamily(ReferenceLatentsInput, ModelFamily):
             hidden_size=3072, mlp_ratio=4.0, num_heads=24, depth=depth, depth_single_blocks=depth_single_blocks,
             axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True, guidance_embed=guidance_embed,
             operations=comfy.ops.disable_weight_init)
-        return {k: v.contiguous() for k, v in init_weights(model, seed).state_dict().items()}
+        return random_state_dict(model, seed)
 
 
 class FluxBegin(StageInput):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Batch, ModelFamily, init_weights, is_comfy_model
+from .base import Batch, ModelFamily, random_state_dict, is_comfy_model
 from .flux import FluxFamily
 
 
@@ -48,4 +48,4 @@ class Flux2Family(FluxFamily):
             patch_size=1, qkv_bias=False, guidance_embed=guidance_embed, txt_ids_dims=[3], global_modulation=True,
             mlp_silu_act=True, ops_bias=False, default_ref_method="index", ref_index_scale=10.0,
             operations=comfy.ops.disable_weight_init)
-        return {k: v.contiguous() for k, v in init_weights(model, seed).state_dict().items()}
+        return random_state_dict(model, seed)

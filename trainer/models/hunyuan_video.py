@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..comfy_compat import joint_sequence_text_first
-from .base import (Batch, ModelFamily, StageInput, UnsupportedSetting, ends_here, init_weights,
+from .base import (Batch, ModelFamily, StageInput, UnsupportedSetting, ends_here, random_state_dict,
                    is_comfy_model, residuals_out_of_place)
 
 ATTENTION = (r"double_blocks\.\d+\.(img|txt)_attn\.(qkv|proj)$", r"single_blocks\.\d+\.linear[12]$")
@@ -72,7 +72,7 @@ class HunyuanVideoFamily(ModelFamily):
             num_heads=hidden_size // 128, depth=depth, depth_single_blocks=depth_single_blocks, axes_dim=[16, 56, 56],
             theta=256, qkv_bias=True, guidance_embed=guidance_embed, byt5=False, meanflow=False,
             operations=comfy.ops.disable_weight_init)
-        return {k: v.contiguous() for k, v in init_weights(model, seed).state_dict().items()}
+        return random_state_dict(model, seed)
 
 
 class HunyuanVideoBegin(StageInput):
@@ -186,4 +186,4 @@ class HunyuanVideo15Family(HunyuanVideoFamily):
             depth=depth, depth_single_blocks=depth_single_blocks, axes_dim=[16, 56, 56], theta=256, qkv_bias=True,
             guidance_embed=False, byt5=False, meanflow=False, use_cond_type_embedding=True, vision_in_dim=1152,
             meanflow_sum=True, operations=comfy.ops.disable_weight_init)
-        return {k: v.contiguous() for k, v in init_weights(model, seed).state_dict().items()}
+        return random_state_dict(model, seed)

@@ -5,7 +5,7 @@ tensor, tokens x layers*width), which its own text-fusion transformer mixes. Rec
 ComfyUI 0.3.64 has no Krea 2: there this family matches nothing and builds nothing."""
 from __future__ import annotations
 
-from .base import ModelFamily, init_weights, is_comfy_model
+from .base import ModelFamily, random_state_dict, is_comfy_model
 
 ATTENTION = (r"blocks\.\d+\.attn\.(wq|wk|wv|wo|gate)$",)
 FEED_FORWARD = (r"blocks\.\d+\.mlp\.(gate|up|down)$",)
@@ -38,4 +38,4 @@ class Krea2Family(ModelFamily):
         heads = features // 128
         model = SingleStreamDiT(features=features, heads=heads, kvheads=heads, layers=layers, channels=16,
                                 txtlayers=txtlayers, txtdim=txtdim, operations=comfy.ops.disable_weight_init)
-        return {k: v.contiguous() for k, v in init_weights(model, seed).state_dict().items()}
+        return random_state_dict(model, seed)

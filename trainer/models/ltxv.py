@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..comfy_compat import ltx_rope_split_mode
-from .base import (Batch, ModelFamily, StageInput, UnsupportedSetting, ends_here, init_weights,
+from .base import (Batch, ModelFamily, StageInput, UnsupportedSetting, ends_here, random_state_dict,
                    residuals_out_of_place)
 
 ATTENTION = (r"transformer_blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_out\.0)$",)
@@ -60,7 +60,7 @@ class LTXVFamily(ModelFamily):
         model = LTXVModel(in_channels=128, cross_attention_dim=width, attention_head_dim=attention_head_dim,
                           num_attention_heads=32, caption_channels=4096, num_layers=num_layers,
                           operations=comfy.ops.disable_weight_init)
-        return {k: v.contiguous() for k, v in init_weights(model, seed).state_dict().items()}
+        return random_state_dict(model, seed)
 
 
 class LTXVBegin(StageInput):

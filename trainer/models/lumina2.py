@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Batch, ModelFamily, init_weights
+from .base import Batch, ModelFamily, random_state_dict
 
 _BLOCKS = r"(layers|noise_refiner|context_refiner)\.\d+\."
 ATTENTION = (_BLOCKS + r"attention\.(qkv|out)$",)
@@ -54,4 +54,4 @@ class Lumina2Family(ModelFamily):
                          axes_dims=[32, 32, 32], axes_lens=[300, 512, 512])
         model = NextDiT(patch_size=2, in_channels=16, n_layers=n_layers, qk_norm=True,
                         operations=comfy.ops.disable_weight_init, **shape)
-        return {k: v.contiguous() for k, v in init_weights(model, seed).state_dict().items()}
+        return random_state_dict(model, seed)

@@ -6,7 +6,7 @@ ReferenceLatent conditioning (what TextEncodeQwenImageEdit adds), so items with 
 model and items without train text-to-image."""
 from __future__ import annotations
 
-from .base import ModelFamily, UnsupportedSetting, init_weights
+from .base import ModelFamily, UnsupportedSetting, random_state_dict
 from .references import ReferenceLatentsInput
 
 ATTENTION = (r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)$",)
@@ -44,4 +44,4 @@ class QwenImageFamily(ReferenceLatentsInput, ModelFamily):
         from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
         model = QwenImageTransformer2DModel(in_channels=64, out_channels=16, num_layers=num_layers,
                                             joint_attention_dim=TEXT_WIDTH, operations=comfy.ops.disable_weight_init)
-        return {k: v.contiguous() for k, v in init_weights(model, seed).state_dict().items()}
+        return random_state_dict(model, seed)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Batch, UnsupportedSetting, init_weights
+from .base import Batch, UnsupportedSetting, random_state_dict
 from .sd_unet import SDUNetFamily, is_unet
 
 
@@ -59,4 +59,4 @@ class SDXLFamily(SDUNetFamily):
         from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
         model = UNetModel(**sdxl_unet_config(channel_mult, transformer_depth, num_res_blocks=num_res_blocks),
                           operations=comfy.ops.disable_weight_init)
-        return {k: v.contiguous() for k, v in init_weights(model, seed).state_dict().items()}
+        return random_state_dict(model, seed)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Batch, ModelFamily, StageInput, UnsupportedSetting, ends_here, init_weights
+from .base import Batch, ModelFamily, StageInput, UnsupportedSetting, ends_here, random_state_dict
 
 ATTENTION = (r"blocks\.\d+\.(self_attn|cross_attn)\.[qkvo]$",)
 FEED_FORWARD = (r"blocks\.\d+\.ffn\.[02]$",)
@@ -174,7 +174,7 @@ class WanFamily(ModelFamily):
         model_type, in_dim, out_dim = cls.SCRATCH_VARIANTS[variant]
         model = WanModel(model_type=model_type, in_dim=in_dim, out_dim=out_dim, dim=dim, ffn_dim=ffn_dim,
                          num_heads=dim // 128, num_layers=num_layers, operations=comfy.ops.disable_weight_init)
-        return {k: v.contiguous() for k, v in init_weights(model, seed).state_dict().items()}
+        return random_state_dict(model, seed)
 
 
 class WanBegin(StageInput):
