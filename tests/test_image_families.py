@@ -353,3 +353,26 @@ def test_chroma_trains_in_the_graph_and_loads_in_lora_loader(image_family_models
     assert outcome.ok, outcome.error
     trained_two_steps(comfy, outcome, "8", "chroma", "image_chroma")
     lora_loads_and_changes_sampling(comfy, client, "chroma", None, "image_chroma", steps=1)
+
+
+def test_the_generic_presets_find_auraflows_attention_and_feed_forward_layers():
+    """Issue 34: AuraFlow names its projections w1q..w2o and its feed-forward c_fc1/c_fc2/c_proj; the generic
+    family's presets matched none of them ("the adapter preset selects no layers of this model")."""
+    from types import SimpleNamespace
+    bootstrap_comfy()
+    import comfy.latent_formats
+    import comfy.ops
+    from comfy.ldm.aura.mmdit import MMDiT
+    from ingraph_trainer.trainer.models.generic import GenericFamily
+    with torch.device("meta"):
+        model = MMDiT(dim=64, n_layers=2, n_double_layers=1, n_heads=2, global_conddim=64, cond_seq_dim=32,
+                      max_seq=64, operations=comfy.ops.disable_weight_init)
+    family = GenericFamily(SimpleNamespace(diffusion_model=model, model_config=type("AuraFlow", (), {})(),
+                                           latent_format=comfy.latent_formats.SDXL()), "flow")
+    attention = family.adapter_targets("attention")
+    assert {n for n in attention if n.startswith("double_layers.0.")} == {
+        f"double_layers.0.attn.w{stream}{p}" for stream in (1, 2) for p in "qkvo"}
+    assert {n for n in attention if n.startswith("single_layers.0.")} == {
+        f"single_layers.0.attn.w1{p}" for p in "qkvo"}
+    feed_forward = set(family.adapter_targets("attention_ff")) - set(attention)
+    assert {"double_layers.0.mlpX.c_fc1", "double_layers.0.mlpX.c_proj", "single_layers.0.mlp.c_fc2"} <= feed_forward

@@ -16,7 +16,7 @@ import torch
 
 from conftest import ON_COMFYUI_033
 from family_graphs import REFERENCE_FOLDER, VAE_CHANNELS, VIDEO_MODELS, merged, run_events
-from family_graphs import sampling_graph, saved_latent, training_graph
+from family_graphs import bootstrap_comfy, sampling_graph, saved_latent, training_graph
 from family_graphs import video_model_files, video_models_in_server  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.comfyui
@@ -364,3 +364,56 @@ def test_wan_i2v_trains_on_a_clip_with_its_start_image_and_works_in_the_stock_i2
     base, trained = saved_latent(comfy, "clip_i2v_base"), saved_latent(comfy, "clip_i2v_lora")
     assert base.shape == trained.shape == (1, 16, 5, SIDE // 8, SIDE // 8)
     assert (base - trained).abs().max() > 1e-6, "the LoRA did not change the i2v output"
+
+
+@pytest.mark.parametrize("config_class, variant", [("HunyuanVideoI2V", dict(in_channels=33)),
+                                                   ("HunyuanVideoSkyreelsI2V", dict(in_channels=32,
+                                                                                    guidance_embed=False))])
+def test_hunyuan_video_i2v_trains_as_comfyui_samples_it_without_a_start_image(config_class, variant):
+    """Issue 34: HunyuanVideo's image-to-video weights (their input concatenates a start image's latent, and a mask)
+    are the HunyuanVideo family's, trained without a start image: the loss is that of ComfyUI's sampler given an
+    empty latent (its latent_image, which concat_cond falls back on), and the adapters take gradients. Before, the
+    generic family gave no latent_image and ComfyUI's concat_cond failed on None."""
+    bootstrap_comfy()
+    import comfy.sd
+    from ingraph_trainer.trainer.models import family_for
+    from ingraph_trainer.trainer.models.hunyuan_video import HunyuanVideoFamily
+    state = HunyuanVideoFamily.scratch_state_dict(seed=0, **variant)
+    patcher = comfy.sd.load_diffusion_model_state_dict(state, model_options={"dtype": torch.float32})
+    assert type(patcher.model).__name__ == config_class
+    family = family_for(patcher.model, patcher=patcher)
+    assert family.name == "hunyuan_video" and family.latent_ndim == 5
+    batch = random_batch(16, "hunyuan_video")
+    x, x0, noise, sigma = noisy(family, batch)
+    with torch.no_grad():
+        ours = family.loss(batch, reduce=False)
+        empty_latent = patcher.model.process_latent_in(torch.zeros_like(x))  # what the sampler passes (samplers.py)
+        out = comfy_sampler_output(patcher, x, sigma, conditioning_of(batch, guidance=family.guidance), noise,
+                                   latent_image=empty_latent)
+    theirs = (out - family.target(x0, noise, sigma.view(-1, 1, 1, 1, 1))).pow(2).mean(dim=(1, 2, 3, 4))
+    torch.testing.assert_close(ours, theirs, **SAME)
+    family.prepare_for_training()
+    targets = family.adapter_targets("attention")
+    modules = dict(family.diffusion_model.named_modules())
+    for t in targets:
+        modules[t].weight.requires_grad_(True)
+    family.loss(batch).backward()
+    assert targets and all(modules[t].weight.grad is not None and modules[t].weight.grad.abs().sum() > 0
+                           for t in targets)
+
+
+def test_the_generic_family_lays_an_image_dataset_out_as_one_frame_videos_for_a_video_model():
+    """A video class the generic family trains (its latent format has a frame axis) takes B C T H W: cached image
+    latents (B C H W) become one-frame videos, as the video families make them; an image class keeps them."""
+    from types import SimpleNamespace
+    bootstrap_comfy()
+    import comfy.latent_formats
+    from ingraph_trainer.trainer.models.generic import GenericFamily
+
+    def family(latent_format):
+        config = type("SomeClass", (), {})()
+        return GenericFamily(SimpleNamespace(diffusion_model=torch.nn.Linear(1, 1), model_config=config,
+                                             latent_format=latent_format()), "flow")
+    images = torch.zeros(2, 16, 4, 8)
+    assert family(comfy.latent_formats.Wan21).to_model_layout(images).shape == (2, 16, 1, 4, 8)
+    assert family(comfy.latent_formats.SD3).to_model_layout(images).shape == (2, 16, 4, 8)

@@ -84,15 +84,11 @@ WHY_NOT = {
     "WAN22_WanDancer": NO_EXTRA.format("audio and reference-image inputs"),
     "WAN21_FlowRVS": "generic family (a Wan 2.1 told apart by its file's metadata)",
     "WAN21_CausalAR_T2V": "generic family, trained as a whole clip (not causally, frame block by block)",
+    "HunyuanVideoI2V": NO_EXTRA.format("start image's latent and mask"),
+    "HunyuanVideoSkyreelsI2V": NO_EXTRA.format("start image's latent"),
     # built, not trained: what stops it
-    "HunyuanVideoI2V": "the generic family passes no latent_image, which ComfyUI's concat_cond needs for this model",
-    "HunyuanVideoSkyreelsI2V": "the generic family passes no latent_image, which ComfyUI's concat_cond needs for "
-                               "this model",
     "FluxInpaint": "trains with ComfyUI's defaults for the inpaint image and mask (the flux family gives none); "
                    "built on ComfyUI 0.33 only (0.3.64's Flux takes no txt_ids_dims)",
-    "AuraFlow": "the generic family's attention preset matches none of AuraFlow's layer names (w1q, w2k, ...)",
-    "PixArtAlpha": "fails in ComfyUI's PixArt forward from the generic family's inputs (see the error)",
-    "PixArtSigma": "fails in ComfyUI's PixArt forward from the generic family's inputs (see the error)",
     "HunyuanDiT": "needs its mT5 embedding and attention masks, which the generic family does not give",
     "HunyuanDiT1": "needs its mT5 embedding and attention masks, which the generic family does not give",
     "CosmosT2IPredict2": COSMOS_FLOW,
@@ -239,8 +235,10 @@ CLASS_BUILT = {
     "CosmosT2IPredict2": (COSMOS2_TINY, None),
     "CosmosI2VPredict2": (dict(COSMOS2_TINY, in_channels=17, rope_h_extrapolation_ratio=3.0,
                                rope_w_extrapolation_ratio=3.0), None),
-    # AuraFlow: ComfyUI reads no width from the weights (3072, its default); one double block, no single ones
-    "AuraFlow": (dict(n_double_layers=1, n_layers=1, max_seq=64), None),
+    # AuraFlow: ComfyUI reads no width from the weights (3072, its default); one double block and one single one
+    # (a double block that is also the last layer is built with the final layer's 2-way modulation, which its own
+    # forward cannot run: real AuraFlow ends in single blocks)
+    "AuraFlow": (dict(n_double_layers=1, n_layers=2, max_seq=64), None),
     # told apart by the file's metadata alone (ComfyUI reads model_type from its "config")
     "WAN_Animate2": (WAN_TINY, {"config": '{"transformer": {"model_type": "animate2"}}'}),
     "WAN21_FlowRVS": (WAN_TINY, {"config": '{"transformer": {"model_type": "flow_rvs"}}'}),
@@ -292,13 +290,18 @@ def builders() -> list:
 LORA_RANK, LORA_ALPHA = 2, 2.0
 
 
-def latent_shape(family, kind: str) -> tuple:
+# ComfyUI class -> the latent side its tiny model trains at, where 8 cannot run: PixArt scales its position
+# embedding by round(side / 64), which is 0 (a division by zero) below a 48-latent (384 px) image
+LATENT_SIDE = {"PixArtAlpha": 64, "PixArtSigma": 64}
+
+
+def latent_shape(family, kind: str, side: int = 8) -> tuple:
     """The latent batch a family's tiny model trains on: video models (a video family's, or the generic family on
     a video class) on 3 latent frames; everything else on image latents (the family lays them out as its model
     takes them: Qwen-Image's one-frame videos, say)."""
     channels = family.base_model.latent_format.latent_channels
     video = family.name in VIDEO_FAMILIES or (family.name == "generic" and kind == "video")
-    return (2, channels, 3, 4, 8) if video else (2, channels, 8, 8)
+    return (2, channels, 3, 4, 8) if video else (2, channels, side, side)
 
 
 def random_batch(family, builder: str, shape: tuple, generator):
@@ -479,7 +482,7 @@ def main(argv=None):
                                                  "loads": loads, "changes": changes})
             print(f"{label}: detected as {name}, no family takes it ({exc})", flush=True)
             continue
-        shape = latent_shape(family, kind_of(type(config)))
+        shape = latent_shape(family, kind_of(type(config)), LATENT_SIDE.get(name, 8))
         try:
             trained = train_two_steps(family, label, shape) if opts.train else "not tried"
         except Exception as exc:  # noqa: BLE001 - the table says why, the walk goes on

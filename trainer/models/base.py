@@ -202,8 +202,13 @@ class ModelFamily:
         return out
 
     def extra_cond_inputs(self, batch: Batch, x_noisy: torch.Tensor) -> dict:
-        """What extra_conds is given: the cached text embedding (and pooled vector), the noisy latent's shape."""
+        """What extra_conds is given: the cached text embedding (and pooled vector), the noisy latent's shape, and
+        for a model that concatenates an image to its input (ComfyUI's concat_keys: HunyuanVideo's image-to-video,
+        inpainting models) the sampler's latent_image as an empty latent gives it, which concat_cond falls back on
+        where the trainer has no image to give."""
         inputs = {"noise": x_noisy, "device": x_noisy.device, "cross_attn": batch.cond}
+        if getattr(self.base_model, "concat_keys", ()):
+            inputs["latent_image"] = self.base_model.process_latent_in(torch.zeros_like(x_noisy))
         if batch.pooled is not None:
             inputs["pooled_output"] = batch.pooled
         return inputs

@@ -25,8 +25,10 @@ class HunyuanVideoFamily(ModelFamily):
 
     @classmethod
     def matches(cls, base_model) -> bool:
-        import comfy.model_base
-        return type(base_model) is comfy.model_base.HunyuanVideo  # not the I2V variants (their concat inputs)
+        # the image-to-video variants too: their start image's latent (and mask) is ComfyUI's concat_cond's default
+        # where none is given (base.extra_cond_inputs), text-to-video training on the I2V weights
+        return any(is_comfy_model(base_model, name)
+                   for name in ("HunyuanVideo", "HunyuanVideoI2V", "HunyuanVideoSkyreelsI2V"))
 
     def prepare_for_training(self) -> None:
         super().prepare_for_training()
