@@ -51,10 +51,10 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # the tests on a background run's result last (the distillation quality check's figures, pip's resolution of a
+    # plain install), so the run (pytest_collection_finish) has the whole suite's idle core time to finish in
+    items.sort(key=_needs_background_run)
     if comfyui_available():
-        # the tests on the distillation quality check's figures last, so its background run (below) has the whole
-        # suite's idle core time to finish in
-        items.sort(key=_needs_distill_quality)
         return
     skip = pytest.mark.skip(reason=COMFYUI_MISSING)
     for item in items:
@@ -64,6 +64,14 @@ def pytest_collection_modifyitems(config, items):
 
 def _needs_distill_quality(item) -> bool:
     return "distill_quality_figures" in getattr(item, "fixturenames", ())
+
+
+def _needs_plain_install(item) -> bool:
+    return "plain_install_report" in getattr(item, "fixturenames", ())
+
+
+def _needs_background_run(item) -> bool:
+    return _needs_distill_quality(item) or _needs_plain_install(item)
 
 
 def _set_autogroup_nice(pid: int | str, nice: int):
@@ -95,18 +103,19 @@ class BackgroundRun:
     so it runs in a session of its own whose autogroup is at nice 19. One thread: more would oversubscribe the
     cores the tests' own processes use, and torch's threads then wait on each other."""
 
-    def __init__(self, tool: str):
+    def __init__(self, tool: str, command: list | None = None):
+        """`tool`: a file in tools/ (run with this Python), or the name of `command` where one is given."""
         self.tool = tool
+        self.command = command or [sys.executable, str(REPO / "tools" / tool)]
         self.proc: subprocess.Popen | None = None
         self.work: Path | None = None
 
-    def start(self, work: Path, argv: list):
+    def start(self, work: Path, argv: list, env: dict | None = None):
         self.work = work
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"}
         with open(work / "stdout.txt", "w") as out, open(work / "stderr.txt", "w") as err:
-            self.proc = subprocess.Popen([sys.executable, str(REPO / "tools" / self.tool), *map(str, argv)],
-                                         stdout=out, stderr=err, start_new_session=True, env=env,
-                                         preexec_fn=_lowest_priority)
+            self.proc = subprocess.Popen([*self.command, *map(str, argv)], stdout=out, stderr=err,
+                                         start_new_session=True, env=env, preexec_fn=_lowest_priority)
 
     def _priority(self, nice: int):
         """Its autogroup's and its processes' nice value; back to 0 only where this process may (as root; otherwise
@@ -121,26 +130,32 @@ class BackgroundRun:
     def _failed(self, what: str):
         _kill_group(self.proc)
         stderr = (self.work / "stderr.txt").read_text()
-        raise AssertionError(f"tools/{self.tool} {what}; its stderr ends:\n{stderr[-4000:]}")
+        raise AssertionError(f"{self.tool} {what}; its stderr ends:\n{stderr[-4000:]}")
 
-    def output(self, timeout: float = 1800) -> str:
-        """What it printed, once it ends: waited on at normal priority, with a limit generous for a machine that
-        other work keeps busy."""
-        assert self.proc is not None, f"tools/{self.tool} was not started at collection"
+    def ended(self, timeout: float = 1800) -> tuple[int, str, str]:
+        """(exit status, stdout, stderr) once it ends: waited on at normal priority, with a limit generous for a
+        machine that other work keeps busy."""
+        assert self.proc is not None, f"{self.tool} was not started at collection"
         self._priority(0)
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self._failed(f"ended not within {timeout:.0f} s of being waited on")
-        if self.proc.returncode != 0:
-            self._failed(f"failed (exit status {self.proc.returncode})")
-        return (self.work / "stdout.txt").read_text()
+        return (self.proc.returncode, (self.work / "stdout.txt").read_text(),
+                (self.work / "stderr.txt").read_text())
+
+    def output(self, timeout: float = 1800) -> str:
+        """What it printed, once it ends (it failing fails the test)."""
+        status, stdout, _ = self.ended(timeout)
+        if status != 0:
+            self._failed(f"failed (exit status {status})")
+        return stdout
 
     def wait_for(self, names: list[str], timeout: float = 900) -> list[Path]:
         """Its files `names` (in its work folder), once it has written them all (each by an atomic rename), at
         normal priority while waited on and back at the lowest after, if it goes on to write more."""
         import time
-        assert self.proc is not None, f"tools/{self.tool} was not started at collection"
+        assert self.proc is not None, f"{self.tool} was not started at collection"
         paths = [self.work / name for name in names]
         deadline = time.monotonic() + timeout
         self._priority(0)
@@ -162,6 +177,12 @@ class BackgroundRun:
 
 
 DISTILL_QUALITY = BackgroundRun("distill_quality.py")  # ~3.5 minutes of one core
+PYPI_INDEX = "https://pypi.org/simple"
+PIP_COMMAND = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--isolated",
+               "--disable-pip-version-check", "--index-url", PYPI_INDEX, "--quiet"]
+PIP_ENV = {"PATH": "/usr/bin:/bin"}  # PyPI only: the machine's pip configuration and this venv's variables left out
+# pip's whole resolution of the README's install (~40 s, mostly pip's own CPU time): from the session's start
+PLAIN_INSTALL = BackgroundRun("pip's dry run of a plain install", PIP_COMMAND)
 TINY_MODEL_BUILD = BackgroundRun("tiny_models.py")  # the tiny models the selected tests put into the server
 TINY_VAE_FLAGS = {"vae16": "--vae16", "vae4": "--vae4", "wan_vae": "--wan-vae"}  # tiny_models' VAEs: the tool's flags
 _TINY_MODELS_PREBUILT: dict = {"families": {}}  # what TINY_MODEL_BUILD makes: tiny_models' keyword arguments
@@ -187,9 +208,15 @@ def _tiny_models_wanted(items) -> dict:
 
 
 def pytest_collection_finish(session):
-    if not comfyui_available() or session.config.option.collectonly:
+    if session.config.option.collectonly:
         return
     temp = session.config._tmp_path_factory
+    if any(map(_needs_plain_install, session.items)):
+        work = temp.mktemp("plain_install")
+        PLAIN_INSTALL.start(work, ["--report", work / "report.json", "-r", REPO / readme_requirement_files()[0]],
+                            env=PIP_ENV)
+    if not comfyui_available():
+        return
     if any(map(_needs_distill_quality, session.items)) and not SKIP_DISTILL_QUALITY:
         work = temp.mktemp("distill_quality")
         DISTILL_QUALITY.start(work, ["--work", work / "check"])
@@ -202,6 +229,12 @@ def pytest_collection_finish(session):
                 argv += [flag, out / wanted[key]]
         TINY_MODEL_BUILD.start(out, argv)
         _TINY_MODELS_PREBUILT.update(wanted)
+
+
+def readme_requirement_files() -> list[str]:
+    """The requirement files the README's install commands hand pip (`-r <folder>/<file>`), as files of the pack."""
+    install = (REPO / "README.md").read_text(encoding="utf-8").split("## Install", 1)[1].split("\n## ", 1)[0]
+    return [re.split(r"[/\\]", path)[-1] for path in re.findall(r"pip install -r ([^\s`]+)", install)]
 
 
 @pytest.fixture(scope="session")
@@ -481,6 +514,7 @@ class _TrainerWorker:
 def pytest_sessionfinish(session, exitstatus):
     _TrainerWorker.stop()
     DISTILL_QUALITY.stop()
+    PLAIN_INSTALL.stop()
     TINY_MODEL_BUILD.stop()
 
 

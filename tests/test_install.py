@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import PIP_COMMAND, PIP_ENV, PLAIN_INSTALL, PYPI_INDEX, REPO, readme_requirement_files
 
-INDEX = "https://pypi.org/simple"
 MANYLINUX = ["manylinux_2_28_{arch}", "manylinux_2_27_{arch}", "manylinux_2_24_{arch}", "manylinux_2_17_{arch}",
              "manylinux2014_{arch}"]
 TARGETS = {
@@ -32,16 +31,27 @@ def requirements(name: str) -> list[str]:
     return [line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()]
 
 
+def report_of(status: int, stderr: str, report: Path) -> dict:
+    if status != 0 and any(marker in stderr for marker in UNREACHABLE):
+        pytest.skip(f"skipped: no package index reachable at {PYPI_INDEX}")
+    assert status == 0, stderr[-3000:]
+    return json.loads(report.read_text())
+
+
 def resolve(tmp_path, args: list[str]) -> dict:
     """pip's dry-run report for `args` (PyPI only, the machine's pip configuration left out)."""
     report = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--isolated",
-                           "--disable-pip-version-check", "--index-url", INDEX, "--quiet", "--report", str(report),
-                           *args], capture_output=True, text=True, timeout=600, env={"PATH": "/usr/bin:/bin"})
-    if proc.returncode != 0 and any(marker in proc.stderr for marker in UNREACHABLE):
-        pytest.skip(f"skipped: no package index reachable at {INDEX}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(report.read_text())
+    proc = subprocess.run([*PIP_COMMAND, "--report", str(report), *args], capture_output=True, text=True,
+                          timeout=600, env=PIP_ENV)
+    return report_of(proc.returncode, proc.stderr, report)
+
+
+@pytest.fixture
+def plain_install_report() -> dict:
+    """pip's whole resolution of the README's install command (requirements.txt, dependencies included), for this
+    machine (Linux): started with the session (conftest.PLAIN_INSTALL), since it takes ~40 s."""
+    status, _, stderr = PLAIN_INSTALL.ended(timeout=600)
+    return report_of(status, stderr, PLAIN_INSTALL.work / "report.json")
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
@@ -66,13 +76,6 @@ def test_deepspeed_is_only_in_the_multi_gpu_extra():
     assert sorted(runtime) == sorted(project["dependencies"])  # the two lists of runtime requirements agree
 
 
-def readme_requirement_files() -> list[str]:
-    """The requirement files the README's install commands hand pip (`-r <folder>/<file>`), as files of the pack."""
-    import re
-    install = (REPO / "README.md").read_text(encoding="utf-8").split("## Install", 1)[1].split("\n## ", 1)[0]
-    return [re.split(r"[/\\]", path)[-1] for path in re.findall(r"pip install -r ([^\s`]+)", install)]
-
-
 def test_the_readmes_install_commands_name_the_packs_requirement_files():
     named = readme_requirement_files()
     assert named[:3] == ["requirements.txt"] * 3  # a venv, a manual install, Windows portable
@@ -80,10 +83,10 @@ def test_the_readmes_install_commands_name_the_packs_requirement_files():
     assert all((REPO / name).is_file() for name in named), named
 
 
-def test_a_plain_install_pulls_in_no_deepspeed(tmp_path):
+def test_a_plain_install_pulls_in_no_deepspeed(plain_install_report):
     """The whole resolution, dependencies included, for this machine (Linux), of the file the README's install
     command names: DeepSpeed is not among them."""
-    report = resolve(tmp_path, ["-r", str(REPO / readme_requirement_files()[0])])
+    report = plain_install_report
     names = {item["metadata"]["name"].lower() for item in report["install"]}
     assert "diffusers" in names and "peft" in names
     assert "deepspeed" not in names
