@@ -376,3 +376,48 @@ def test_the_generic_presets_find_auraflows_attention_and_feed_forward_layers():
         f"single_layers.0.attn.w1{p}" for p in "qkvo"}
     feed_forward = set(family.adapter_targets("attention_ff")) - set(attention)
     assert {"double_layers.0.mlpX.c_fc1", "double_layers.0.mlpX.c_proj", "single_layers.0.mlp.c_fc2"} <= feed_forward
+
+
+def test_the_generic_attention_preset_finds_kandinsky5s_projections():
+    """Kandinsky 5 names its attention projections to_query/to_key/to_value/out_layer (issue 34)."""
+    import re
+    from ingraph_trainer.trainer.models.generic import ATTENTION
+    names = [f"visual_transformer_blocks.0.{a}.{p}" for a in ("self_attention", "cross_attention")
+             for p in ("to_query", "to_key", "to_value", "out_layer")]
+    assert all(any(re.search(p, n) for p in ATTENTION) for n in names)
+    assert not any(re.search(p, "visual_transformer_blocks.0.feed_forward.in_layer") for p in ATTENTION)
+
+
+def test_the_generic_family_trains_models_built_of_comfyuis_flux_blocks():
+    """LongCat-Image and HunyuanImage 2.1 are built of ComfyUI's Flux blocks, which add residuals in place, and no
+    Flux-layout family takes them: the generic family makes those adds out of place, as the flux family does (a tiny
+    Flux stands in for them here: the blocks are the same classes)."""
+    bootstrap_comfy()
+    import comfy.supported_models
+    from comfy.ldm.flux.model import FluxParams
+    from ingraph_trainer.trainer.comfy_compat import dit_config
+    from ingraph_trainer.trainer.models import Batch
+    from ingraph_trainer.trainer.models.base import init_weights
+    from ingraph_trainer.trainer.models.generic import GenericFamily
+    # 128 wide (ComfyUI's detection would read Flux as 3072 wide: built by its model class instead, as a loader does)
+    config = comfy.supported_models.Flux(dit_config(FluxParams, dict(
+        image_model="flux", in_channels=16, out_channels=16, vec_in_dim=64, context_in_dim=32, hidden_size=128,
+        mlp_ratio=4.0, num_heads=1, depth=1, depth_single_blocks=1, axes_dim=[16, 56, 56], theta=10000, patch_size=2,
+        qkv_bias=True, guidance_embed=False)))
+    config.set_inference_dtype(torch.float32, None)
+    base_model = config.get_model({})
+    init_weights(base_model.diffusion_model, 0)
+    family = GenericFamily(base_model, "flow")
+    family.prepare_for_training()
+    modules = dict(family.diffusion_model.named_modules())
+    targets = [t for t in family.adapter_targets("all_linear") if "_blocks." in t]  # every block's linear layers
+    assert any(".img_attn.qkv" in t for t in targets) and any("single_blocks" in t for t in targets)
+    for t in targets:
+        modules[t].weight.requires_grad_(True)
+    g = torch.Generator().manual_seed(0)
+    context = family.diffusion_model.params.context_in_dim
+    pooled = family.diffusion_model.params.vec_in_dim
+    batch = Batch(torch.randn(2, 16, 8, 8, generator=g), torch.randn(2, 8, context, generator=g),
+                  torch.randn(2, pooled, generator=g), torch.randn(2, 16, 8, 8, generator=g), torch.tensor([0.3, 0.8]))
+    family.loss(batch).backward()
+    assert all(modules[t].weight.grad is not None and modules[t].weight.grad.abs().sum() > 0 for t in targets)

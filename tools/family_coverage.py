@@ -51,6 +51,13 @@ TEXT_OF_BUILDER = {"lumina2 z_image": (8, 2560, None),  # Qwen3-4B's width
                    "tiny CosmosT2IPredict2": (8, 1024, None), "tiny CosmosI2VPredict2": (8, 1024, None),
                    "tiny HunyuanDiT": (8, 1024, None), "tiny HunyuanDiT1": (8, 1024, None),  # CLIP's (mT5's: none)
                    "tiny AuraFlow": (8, 2048, None),
+                   "tiny LongCatImage": (8, 3584, None),  # Qwen2.5-VL-7B's
+                   "tiny HunyuanImage21": (8, 3584, None),  # Qwen2.5-VL-7B's
+                   "tiny Anima": (8, 1024, None),  # Qwen3-0.6B's
+                   "tiny MageFlow": (8, 2560, None),  # Qwen3-VL-4B's
+                   "tiny Ideogram4": (8, 13 * 4096, None),  # 13 of Qwen3-VL-8B's layers side by side
+                   "tiny Lens": (8, 4 * 2880, None),  # GPT-OSS-20B's, 4 layers side by side
+                   "tiny Kandinsky5": (8, 3584, 768), "tiny Kandinsky5Image": (8, 3584, 768),  # Qwen2.5-VL's, CLIP-L's
                    "hunyuan_video i2v": (8, 4096, 768), "hunyuan_video skyreels i2v": (8, 4096, 768)}  # Pile-T5-XL's
 # text (tokens, width, pooled width or None) each family's tiny model takes in --train (its conditioning's shapes)
 TEXT = {"sd_unet": (8, 768, None), "sdxl": (8, 2048, 1280), "sd3": (8, 64, 32), "flux": (8, 4096, 64),
@@ -64,6 +71,11 @@ TEXT = {"sd_unet": (8, 768, None), "sdxl": (8, 2048, 1280), "sd3": (8, 64, 32), 
 # ComfyUI class -> why no tiny model here trains it (for a class that trains: what the training leaves out)
 COSMOS_FLOW = ("Cosmos's flow objective (ComfyUI's FLOW_COSMOS sampling, EDM-style scaling): the trainer's "
                "objectives are epsilon, v and plain flow")
+COGVIDEOX_DDPM = ("CogVideoX's objective (ComfyUI's V_PREDICTION_DDPM: v on the unscaled noisy input): the trainer's "
+                  "objectives are epsilon, v and plain flow; nor does the generic family's attention preset select its "
+                  "blocks' q, k, v and attn_out")
+NO_ATTENTION = ("the generic family's attention preset (trainer/models/generic.py ATTENTION) selects none of its "
+                "layers ({})")
 NO_EXTRA = "trains as ComfyUI runs it without its {} (ComfyUI leaves them out or zero); the trainer gives none"
 WHY_NOT = {
     # trained, with what the training leaves out
@@ -86,6 +98,13 @@ WHY_NOT = {
     "WAN21_CausalAR_T2V": "generic family, trained as a whole clip (not causally, frame block by block)",
     "HunyuanVideoI2V": NO_EXTRA.format("start image's latent and mask"),
     "HunyuanVideoSkyreelsI2V": NO_EXTRA.format("start image's latent"),
+    "MageFlow": "generic family, with the timestep in float32 (ComfyUI's process_timestep rounds it to bf16; the "
+                "trainer calls the diffusion model directly)",
+    "Kandinsky5": NO_EXTRA.format("start image and its mask"),
+    "LongCatImage": "generic family (its Flux blocks' residuals made out of place), without LongCat's text-length "
+                    "rope shift, which its _apply_model adds and the trainer's direct call of the model does not",
+    "HunyuanImage21": "generic family (its Flux blocks' residuals made out of place); built on ComfyUI 0.33 only "
+                      "(0.3.64's HunyuanVideo takes no use_cond_type_embedding)",
     # built, not trained: what stops it
     "FluxInpaint": "trains with ComfyUI's defaults for the inpaint image and mask (the flux family gives none); "
                    "built on ComfyUI 0.33 only (0.3.64's Flux takes no txt_ids_dims)",
@@ -93,6 +112,16 @@ WHY_NOT = {
     "HunyuanDiT1": "needs its mT5 embedding and attention masks, which the generic family does not give",
     "CosmosT2IPredict2": COSMOS_FLOW,
     "CosmosI2VPredict2": COSMOS_FLOW,
+    "CogVideoX_T2V": COGVIDEOX_DDPM,
+    "CogVideoX_I2V": COGVIDEOX_DDPM + "; and it would train without its start image (ComfyUI's zeros)",
+    "CogVideoX_Inpaint": COGVIDEOX_DDPM + "; and it would train without its inpaint video and mask (ComfyUI's zeros)",
+    "JoyImage": NO_ATTENTION.format("attn.img_attn_qkv, img_attn_proj, txt_attn_qkv, txt_attn_proj")
+                + "; past that, ComfyUI 0.33's JoyImage attention runs comfy-kitchen's rms_rope, which has no backward "
+                  "(in training too)",
+    "Boogu": "its forward needs num_tokens, which ComfyUI's extra_conds gives only with the text's attention mask "
+             "(one prompt's), and the trainer gives none (trainer/models/base.py extra_cond_inputs)",
+    "Anima": "ComfyUI 0.33's Cosmos Predict2 attention runs comfy-kitchen's rms_rope_split_half, which has no "
+             "backward, in training too; it would also train without its LLM adapter (the cache keeps no T5 token ids)",
     # not built here
     "HiDream": "ComfyUI fixes the size (16 double and 32 single MoE blocks, 2560 wide: ~17B parameters)",
     "Omnigen2": "ComfyUI fixes the size (32 layers, 2520 wide: ~4B parameters)",
@@ -118,19 +147,6 @@ WHY_NOT = {
     "Stable_Cascade_B": "Stable Cascade stage B: ComfyUI knows only the released sizes; needs stage C's output",
     "Stable_Cascade_C": "Stable Cascade stage C: ComfyUI knows only the released sizes (1536 or 2048 wide)",
     "ErnieImage": "ComfyUI reads no size from the weights: only the released model loads",
-    "MageFlow": "ComfyUI fixes the input width (128 channels, 2560-wide text): no builder written yet",
-    "Ideogram4": "ComfyUI reads no width from the weights: no builder written yet",
-    "CogVideoX_T2V": "no builder written yet (ComfyUI reads its size from the weights; the generic family may take it)",
-    "CogVideoX_I2V": "no builder written yet; needs the start image, which the generic family does not give",
-    "CogVideoX_Inpaint": "no builder written yet; needs the inpaint video and mask",
-    "Kandinsky5": "no builder written yet (ComfyUI reads its size from the weights)",
-    "Kandinsky5Image": "no builder written yet (ComfyUI reads its size from the weights)",
-    "LongCatImage": "no builder written yet (a Flux-layout model told apart by 3584-wide text)",
-    "Lens": "no builder written yet (ComfyUI reads its size from the weights)",
-    "JoyImage": "no builder written yet",
-    "Boogu": "no builder written yet (ComfyUI reads its size from the weights)",
-    "HunyuanImage21": "no builder written yet",
-    "Anima": "no builder written yet (Cosmos Predict2 with an LLM adapter, on ComfyUI's plain flow objective)",
 }
 
 OUT_OF_SCOPE = {"audio": "audio model: this pack trains image and video models",
@@ -206,6 +222,10 @@ COSMOS2_TINY = dict(max_img_h=240, max_img_w=240, max_frames=128, in_channels=16
                     num_blocks=1, extra_per_block_abs_pos_emb=False, rope_h_extrapolation_ratio=4.0,
                     rope_w_extrapolation_ratio=4.0, rope_t_extrapolation_ratio=1.0, extra_h_extrapolation_ratio=1.0,
                     extra_w_extrapolation_ratio=1.0, extra_t_extrapolation_ratio=1.0, rope_enable_fps_modulation=False)
+# CogVideoX 1.0 at 128 wide, 1 block: ComfyUI fixes 64-wide heads (reads their count from the weights); rotary
+# positions (a file with no learned position table)
+COGVIDEOX_TINY = dict(num_attention_heads=2, attention_head_dim=64, time_embed_dim=128, num_layers=1,
+                      use_rotary_positional_embeddings=True)
 # ComfyUI class -> (its unet_config at a tiny size, the file metadata it is told apart by or None): built by
 # ComfyUI's own get_model for that class, then detected from the weights like any other file. Classes a family
 # file builds (and so the New Model node offers) are built there; these are the rest a family trains.
@@ -243,6 +263,47 @@ CLASS_BUILT = {
     "WAN_Animate2": (WAN_TINY, {"config": '{"transformer": {"model_type": "animate2"}}'}),
     "WAN21_FlowRVS": (WAN_TINY, {"config": '{"transformer": {"model_type": "flow_rvs"}}'}),
     "WAN21_CausalAR_T2V": (WAN_TINY, {"config": '{"transformer": {"causal_ar": true}}'}),
+    "CogVideoX_T2V": (COGVIDEOX_TINY, None),
+    "CogVideoX_I2V": (dict(COGVIDEOX_TINY, in_channels=32), None),  # the start image's 16 channels join the latent's
+    # the inpaint video's and its mask's latents join the noisy one's 16 channels
+    "CogVideoX_Inpaint": (dict(COGVIDEOX_TINY, in_channels=48), None),
+    # Kandinsky 5 video: 64-wide heads (ComfyUI's default axes) at 128 wide, 1 text and 1 visual block; its
+    # 132 patch inputs are the noisy latent's 16, ComfyUI's zero image's 16 and the mask's 1, 2x2 each
+    "Kandinsky5": (dict(model_dim=128, time_dim=64, ff_dim=256, visual_embed_dim=132, num_text_blocks=1,
+                        num_visual_blocks=1), None),
+    # Kandinsky 5 image: ComfyUI tells it apart by its width, so fixes it (2560, 128-wide heads); 1 block of each
+    "Kandinsky5Image": (dict(model_dim=2560, time_dim=64, ff_dim=256, visual_embed_dim=64, num_text_blocks=1,
+                             num_visual_blocks=1, axes_dims=(32, 48, 48), rope_scale_factor=(1.0, 1.0, 1.0)), None),
+    # Lens: ComfyUI fixes 64-wide heads (reads their count): 2, 128 wide, 1 block; Flux.2's 128 latent channels in,
+    # GPT-OSS's 4 layers of 2880 side by side as its text
+    "Lens": (dict(in_channels=128, out_channels=32, num_layers=1, num_attention_heads=2, enc_hidden_dim=2880,
+                  multi_layer_encoder_feature=True, selected_layer_index=(0, 1, 2, 3)), None),
+    # Boogu: ComfyUI reads the width but fixes 28 heads (7 for keys and values) and 120-wide rope, so the width is
+    # 3360 too; 1 double-stream block (what it is detected by) and no refiner or single-stream one
+    "Boogu": (dict(hidden_size=3360, num_layers=0, num_double_stream_layers=1, num_refiner_layers=0), None),
+    # LongCat-Image: Flux's layout with 3584-wide text, no pooled vector nor guidance; one 128-wide head (ComfyUI's
+    # Flux heads are 128 wide), 1 double block
+    "LongCatImage": (dict(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=None, context_in_dim=3584,
+                          hidden_size=128, mlp_ratio=4.0, num_heads=1, depth=1, depth_single_blocks=0,
+                          axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True, guidance_embed=False,
+                          txt_ids_dims=[1, 2]), None),
+    # HunyuanImage 2.1: HunyuanVideo's layout on 2-D 64-channel latents, 1x1 patches, 3584-wide text, no pooled
+    # vector; ComfyUI fixes 128-wide heads (reads their count): one, 1 double block (0.33's HunyuanVideo parameters)
+    "HunyuanImage21": (dict(in_channels=64, out_channels=64, patch_size=[1, 1], vec_in_dim=None, axes_dim=[64, 64],
+                            meanflow=False, context_in_dim=3584, hidden_size=128, mlp_ratio=4.0, num_heads=1, depth=1,
+                            depth_single_blocks=0, theta=256, qkv_bias=True, byt5=False, guidance_embed=False,
+                            use_cond_type_embedding=False, vision_in_dim=None, meanflow_sum=False), None),
+    # JoyImage: ComfyUI fixes 128-wide heads (its rope; reads their count) and 4096-wide text: one head, 1 block
+    "JoyImage": (dict(in_channels=16, hidden_size=128, num_attention_heads=1, num_layers=1, patch_size=[1, 2, 2],
+                      text_dim=4096), None),
+    # Anima: Cosmos Predict2's tiny size; its LLM adapter's size is fixed (6 blocks at 1024 wide, ~130M parameters)
+    "Anima": (COSMOS2_TINY, None),
+    # Mage-Flow: ComfyUI reads only the depth (24 heads of 128: 3072 wide, Flux.2's 128 channels, 2560-wide text);
+    # 1 block of it
+    "MageFlow": (dict(num_layers=1), None),
+    # Ideogram 4: ComfyUI reads only the depth and input channels (18 heads of 256: 4608 wide, 53248-wide text);
+    # 1 layer of it on Flux.2's 128 channels (~0.5B parameters)
+    "Ideogram4": (dict(in_channels=128, num_layers=1), None),
 }
 
 

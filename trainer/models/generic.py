@@ -6,10 +6,12 @@ takes one); inputs a model needs beyond those (reference images, masks) are left
 """
 from __future__ import annotations
 
-from .base import ModelFamily, block_lists
+from .base import ModelFamily, block_lists, residuals_out_of_place
 
-# AuraFlow names its projections w1q..w2o (text and image streams) and c_fc1/c_fc2/c_proj
-ATTENTION = (r"(attn|attention)[^.]*\.(to_q|to_k|to_v|to_out\.0|q|k|v|o|qkv|proj|out|q_proj|k_proj|v_proj|o_proj|w[12][qkvo])$",)
+# AuraFlow names its projections w1q..w2o (text and image streams) and c_fc1/c_fc2/c_proj; Kandinsky 5 its
+# to_query/to_key/to_value/out_layer
+ATTENTION = (r"(attn|attention)[^.]*\.(to_q|to_k|to_v|to_out\.0|q|k|v|o|qkv|proj|out|q_proj|k_proj|v_proj|o_proj"
+             r"|w[12][qkvo]|to_query|to_key|to_value|out_layer)$",)
 FEED_FORWARD = (r"(mlp|ffn|ff|feed_forward)[^.]*\.(\d+|fc[12]|w[123]|net\.0\.proj|net\.2|proj|linear[12]|c_fc[12]|c_proj)$",)
 
 
@@ -30,6 +32,13 @@ class GenericFamily(ModelFamily):
     @classmethod
     def matches(cls, base_model) -> bool:
         return True
+
+    def prepare_for_training(self) -> None:
+        super().prepare_for_training()
+        # models built from ComfyUI's Flux blocks that no Flux-layout family takes (LongCat-Image, HunyuanImage 2.1):
+        # their blocks add residuals in place, as the flux and hunyuan_video families' own
+        flux_blocks = [b for b in block_lists(self.diffusion_model) if type(b).__module__ == "comfy.ldm.flux.layers"]
+        residuals_out_of_place(flux_blocks)
 
     def checkpoint_blocks(self):
         blocks = block_lists(self.diffusion_model)
