@@ -25,6 +25,32 @@ COMMON = dict(train__steps=5, train__batch_size=2, train__precision="fp32", trai
 BF16_LOSS_TOLERANCE = 1e-2  # bf16 against fp32 on the tiny model; a wrongly filled weight is off by far more
 
 
+@pytest.fixture(scope="module")
+def biased_checkpoint(assets, tmp_path_factory) -> Path:
+    """The suite's tiny checkpoint with its diffusion model's biases drawn at random (its own are zeros, as the
+    random-weight builders make them): a layout that fills a bias wrongly or not at all (ZeRO-3's partitioned load
+    copies each process's slice of every weight from the file) then changes the numbers."""
+    from safetensors.torch import save_file
+    generator = torch.Generator().manual_seed(11)
+    state = load_file(str(assets["checkpoint"]))
+    for key, value in state.items():
+        if key.startswith("model.diffusion_model.") and key.endswith(".bias"):
+            state[key] = (torch.randn(value.shape, generator=generator) * 0.05).to(value.dtype)
+    path = tmp_path_factory.mktemp("biased") / "tiny_sd15_biased.safetensors"
+    save_file(state, str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def prepared(prepared, biased_checkpoint):
+    """conftest's run specs, on the checkpoint with random biases unless a test names its own model."""
+    def make_run(*flags, **overrides) -> Path:
+        if "model__path" not in overrides:
+            overrides.update(model__path=str(biased_checkpoint), model__stamps=[])
+        return prepared(*flags, **overrides)
+    return make_run
+
+
 def launch(spec: Path, processes: int, *extra, timeout=300) -> subprocess.CompletedProcess:
     """The ranks forked from conftest's trainer worker with the DeepSpeed launcher's variables (its imports paid once,
     not once a rank and twice more by the launcher's own processes: ~15 s a run on 2 cores). The launcher itself
