@@ -219,24 +219,31 @@ def test_qwen_image_edit_trains_on_reference_latents_as_comfyui_runs_them(image_
     assert (got - without).abs().min() > 1e-4
 
 
-def test_flux_kontext_trains_on_reference_latents_as_comfyui_runs_them():
-    """Flux Kontext (a Flux dev model to ComfyUI): reference latents reach the model as ReferenceLatent hands them,
-    with FluxGuidance's guidance, so the loss is ComfyUI's; without references it is plain Flux. The model is a
-    narrow Flux built by ComfyUI's own Flux model config (detection of Flux: test_model_families)."""
+def narrow_flux_model(guidance_embed: bool = True):
+    """A 64-wide Flux built by ComfyUI's own Flux model config, random weights (ComfyUI's detection would read a Flux
+    file as 3072 wide: detection of Flux is test_model_families')."""
     bootstrap_comfy()
-    import comfy.model_patcher
     import comfy.supported_models
-    from ingraph_trainer.trainer.models import family_for
-    from ingraph_trainer.trainer.models.base import init_weights
     from comfy.ldm.flux.model import FluxParams
     from ingraph_trainer.trainer.comfy_compat import dit_config
+    from ingraph_trainer.trainer.models.base import init_weights
     config = comfy.supported_models.Flux(dit_config(FluxParams, dict(
         image_model="flux", in_channels=16, out_channels=16, vec_in_dim=64, context_in_dim=4096, hidden_size=64,
         mlp_ratio=4.0, num_heads=2, depth=1, depth_single_blocks=1, axes_dim=[8, 12, 12], theta=10000, patch_size=2,
-        qkv_bias=True, guidance_embed=True)))
+        qkv_bias=True, guidance_embed=guidance_embed)))
     config.set_inference_dtype(torch.float32, None)
     base = config.get_model({})
     init_weights(base.diffusion_model, 0)
+    return base
+
+
+def test_flux_kontext_trains_on_reference_latents_as_comfyui_runs_them():
+    """Flux Kontext (a Flux dev model to ComfyUI): reference latents reach the model as ReferenceLatent hands them,
+    with FluxGuidance's guidance, so the loss is ComfyUI's; without references it is plain Flux. The model is a
+    narrow Flux built by ComfyUI's own Flux model config (narrow_flux_model)."""
+    base = narrow_flux_model()
+    import comfy.model_patcher
+    from ingraph_trainer.trainer.models import family_for
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=torch.device("cpu"),
                                                offload_device=torch.device("cpu"))
     family = family_for(base, patcher=patcher)
@@ -392,22 +399,9 @@ def test_the_generic_family_trains_models_built_of_comfyuis_flux_blocks():
     """LongCat-Image and HunyuanImage 2.1 are built of ComfyUI's Flux blocks, which add residuals in place, and no
     Flux-layout family takes them: the generic family makes those adds out of place, as the flux family does (a tiny
     Flux stands in for them here: the blocks are the same classes)."""
-    bootstrap_comfy()
-    import comfy.supported_models
-    from comfy.ldm.flux.model import FluxParams
-    from ingraph_trainer.trainer.comfy_compat import dit_config
     from ingraph_trainer.trainer.models import Batch
-    from ingraph_trainer.trainer.models.base import init_weights
     from ingraph_trainer.trainer.models.generic import GenericFamily
-    # 128 wide (ComfyUI's detection would read Flux as 3072 wide: built by its model class instead, as a loader does)
-    config = comfy.supported_models.Flux(dit_config(FluxParams, dict(
-        image_model="flux", in_channels=16, out_channels=16, vec_in_dim=64, context_in_dim=32, hidden_size=128,
-        mlp_ratio=4.0, num_heads=1, depth=1, depth_single_blocks=1, axes_dim=[16, 56, 56], theta=10000, patch_size=2,
-        qkv_bias=True, guidance_embed=False)))
-    config.set_inference_dtype(torch.float32, None)
-    base_model = config.get_model({})
-    init_weights(base_model.diffusion_model, 0)
-    family = GenericFamily(base_model, "flow")
+    family = GenericFamily(narrow_flux_model(guidance_embed=False), "flow")
     family.prepare_for_training()
     modules = dict(family.diffusion_model.named_modules())
     targets = [t for t in family.adapter_targets("all_linear") if "_blocks." in t]  # every block's linear layers
