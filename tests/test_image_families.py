@@ -386,13 +386,16 @@ def test_the_generic_presets_find_auraflows_attention_and_feed_forward_layers():
 
 
 def test_the_generic_attention_preset_finds_kandinsky5s_projections():
-    """Kandinsky 5 names its attention projections to_query/to_key/to_value/out_layer (issue 34)."""
+    """Kandinsky 5 names its attention projections to_query/to_key/to_value/out_layer and its feed-forward layers
+    in_layer/out_layer (issue 34)."""
     import re
-    from ingraph_trainer.trainer.models.generic import ATTENTION
+    from ingraph_trainer.trainer.models.generic import ATTENTION, FEED_FORWARD
     names = [f"visual_transformer_blocks.0.{a}.{p}" for a in ("self_attention", "cross_attention")
              for p in ("to_query", "to_key", "to_value", "out_layer")]
     assert all(any(re.search(p, n) for p in ATTENTION) for n in names)
     assert not any(re.search(p, "visual_transformer_blocks.0.feed_forward.in_layer") for p in ATTENTION)
+    assert all(any(re.search(p, f"visual_transformer_blocks.0.feed_forward.{n}") for p in FEED_FORWARD)
+               for n in ("in_layer", "out_layer"))
 
 
 def test_the_generic_family_trains_models_built_of_comfyuis_flux_blocks():
@@ -415,3 +418,26 @@ def test_the_generic_family_trains_models_built_of_comfyuis_flux_blocks():
                   torch.randn(2, pooled, generator=g), torch.randn(2, 16, 8, 8, generator=g), torch.tensor([0.3, 0.8]))
     family.loss(batch).backward()
     assert all(modules[t].weight.grad is not None and modules[t].weight.grad.abs().sum() > 0 for t in targets)
+
+
+def test_longcat_image_trains_with_the_rope_shift_its_comfyui_model_applies():
+    """LongCat-Image (ComfyUI 0.33, the generic family): ComfyUI's _apply_model shifts the rotary positions by the
+    text's length; the family's loss is ComfyUI's sampler's with that shift (without it the positions differ)."""
+    bootstrap_comfy()
+    import comfy.model_base
+    import comfy.sd
+    from ingraph_trainer.trainer.models import family_for
+    from tools.family_coverage import CLASS_BUILT, class_state_dict
+    if not hasattr(comfy.model_base, "LongCatImage"):
+        pytest.skip("skipped: this ComfyUI has no LongCatImage (0.33 and later have)")
+    torch.manual_seed(0)
+    patcher = comfy.sd.load_diffusion_model_state_dict(class_state_dict("LongCatImage", *CLASS_BUILT["LongCatImage"]),
+                                                       model_options={"dtype": torch.float32})
+    family = family_for(patcher.model, patcher=patcher)
+    assert family.name == "generic" and type(patcher.model).__name__ == "LongCatImage"
+    batch = _batch((16, 8, 8), (8, 3584))
+    expected = comfyui_losses(family, batch, {})
+    family.prepare_for_training()
+    with torch.no_grad():
+        got = family.loss(batch, reduce=False)
+    assert torch.allclose(got, expected, rtol=1e-6, atol=0), (got, expected)

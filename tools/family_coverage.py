@@ -101,8 +101,8 @@ WHY_NOT = {
     "MageFlow": "generic family, with the timestep in float32 (ComfyUI's process_timestep rounds it to bf16; the "
                 "trainer calls the diffusion model directly)",
     "Kandinsky5": NO_EXTRA.format("start image and its mask"),
-    "LongCatImage": "generic family (its Flux blocks' residuals made out of place), without LongCat's text-length "
-                    "rope shift, which its _apply_model adds and the trainer's direct call of the model does not",
+    "LongCatImage": "generic family (its Flux blocks' residuals made out of place, its text-length rope shift as its "
+                    "_apply_model adds it)",
     "HunyuanImage21": "generic family (its Flux blocks' residuals made out of place); built on ComfyUI 0.33 only "
                       "(0.3.64's HunyuanVideo takes no use_cond_type_embedding)",
     # built, not trained: what stops it

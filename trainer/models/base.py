@@ -270,7 +270,11 @@ class ModelFamily:
     def model_output(self, batch: Batch) -> torch.Tensor:
         """The diffusion model's raw output on a batch, called as ComfyUI's apply_model calls it."""
         x_in, timestep, kwargs = self.model_inputs(batch)
-        return self.diffusion_model(x_in, timestep, transformer_options={}, **kwargs)
+        return self.diffusion_model(x_in, timestep, transformer_options=self.transformer_options(kwargs), **kwargs)
+
+    def transformer_options(self, kwargs: dict) -> dict:
+        """The transformer_options ComfyUI's own apply_model of this model class adds (model_inputs' kwargs given)."""
+        return {}
 
     def loss(self, batch: Batch, reduce: bool = True, weighted: bool = True) -> torch.Tensor:
         """The diffusion loss of a batch: noised with ComfyUI's noise scaling, run as ComfyUI runs the model."""

@@ -6,13 +6,14 @@ takes one); inputs a model needs beyond those (reference images, masks) are left
 """
 from __future__ import annotations
 
-from .base import ModelFamily, block_lists, residuals_out_of_place
+from .base import ModelFamily, block_lists, is_comfy_model, residuals_out_of_place
 
 # AuraFlow names its projections w1q..w2o (text and image streams) and c_fc1/c_fc2/c_proj; Kandinsky 5 its
-# to_query/to_key/to_value/out_layer
+# to_query/to_key/to_value/out_layer and its feed-forward in_layer/out_layer
 ATTENTION = (r"(attn|attention)[^.]*\.(to_q|to_k|to_v|to_out\.0|q|k|v|o|qkv|proj|out|q_proj|k_proj|v_proj|o_proj"
              r"|w[12][qkvo]|to_query|to_key|to_value|out_layer)$",)
-FEED_FORWARD = (r"(mlp|ffn|ff|feed_forward)[^.]*\.(\d+|fc[12]|w[123]|net\.0\.proj|net\.2|proj|linear[12]|c_fc[12]|c_proj)$",)
+FEED_FORWARD = (r"(mlp|ffn|ff|feed_forward)[^.]*\.(\d+|fc[12]|w[123]|net\.0\.proj|net\.2|proj|linear[12]|c_fc[12]|c_proj"
+                r"|in_layer|out_layer)$",)
 
 
 class GenericFamily(ModelFamily):
@@ -39,6 +40,13 @@ class GenericFamily(ModelFamily):
         # their blocks add residuals in place, as the flux and hunyuan_video families' own
         flux_blocks = [b for b in block_lists(self.diffusion_model) if type(b).__module__ == "comfy.ldm.flux.layers"]
         residuals_out_of_place(flux_blocks)
+
+    def transformer_options(self, kwargs: dict) -> dict:
+        if is_comfy_model(self.base_model, "LongCatImage"):  # its _apply_model shifts the rotary positions by the
+            text = kwargs.get("context")  # text's length (ComfyUI 0.33's model_base.LongCatImage)
+            length = float(text.shape[1]) if text is not None else 512.0
+            return {"rope_options": {"shift_t": 1.0, "shift_y": length, "shift_x": length}}
+        return {}
 
     def checkpoint_blocks(self):
         blocks = block_lists(self.diffusion_model)
