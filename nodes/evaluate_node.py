@@ -33,6 +33,13 @@ class Evaluate(io.ComfyNode):
                              tooltip="How many of the dataset's items are evaluated: a fixed subset drawn with the "
                                      "seed, the same items a Train node with the same seed and eval_items "
                                      "evaluates on this dataset. Each costs a forward pass per quantile."),
+                io.Model.Input("baseline", optional=True,
+                               tooltip="Optional: a model to compare with, e.g. the checkpoint before training. It is "
+                                       "evaluated just before `model`, on the same items, quantiles and noise; the "
+                                       "table and chart show both, mean_loss stays `model`'s. Wire the base model "
+                                       "here rather than into an Evaluate node of its own: ComfyUI may run that "
+                                       "node before the Train node, and its evaluation then delays the first "
+                                       "training step."),
             ],
             outputs=[
                 io.Float.Output(display_name="mean_loss", tooltip="Mean of the per-quantile losses."),
@@ -53,16 +60,23 @@ class Evaluate(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, dataset, quantiles, seed, batch_size, precision, distributed=None,
-                items=8) -> io.NodeOutput:
+                items=8, baseline=None) -> io.NodeOutput:
         from ..trainer.comfy_compat import raise_if_interrupted
         from ..runner.evaluation_run import evaluate_model, parse_quantiles, quantile_table
         from ..runner.loss_chart import chart_tensor, render_quantile_chart
         dataset.require_cached("dataset")
-        result = evaluate_model(model, dataset, quantiles=parse_quantiles(quantiles), seed=seed, batch_size=batch_size,
-                                items=8 if items is None else int(items),
-                                precision=precision, distributed=distributed, on_event=lambda event: None,
-                                check_interrupt=raise_if_interrupted,
-                                prompt=cls.hidden.prompt, node_id=cls.hidden.unique_id)
-        table = quantile_table({"loss": result})
-        chart = chart_tensor(render_quantile_chart({"model": result}))
-        return io.NodeOutput(result["loss"], table, chart, ui={"text": [table], "evaluation": [result]})
+        results = {}
+        for name, evaluated in (("baseline", baseline), ("model", model)):
+            if evaluated is not None:
+                results[name] = evaluate_model(
+                    evaluated, dataset, quantiles=parse_quantiles(quantiles), seed=seed, batch_size=batch_size,
+                    items=8 if items is None else int(items), precision=precision, distributed=distributed,
+                    on_event=lambda event: None, check_interrupt=raise_if_interrupted, prompt=cls.hidden.prompt,
+                    node_id=cls.hidden.unique_id, model_input=name)
+        result = results["model"]
+        table = quantile_table(results if baseline is not None else {"loss": result})
+        chart = chart_tensor(render_quantile_chart(results))
+        ui = {"text": [table], "evaluation": [result]}
+        if baseline is not None:
+            ui["baseline_evaluation"] = [results["baseline"]]
+        return io.NodeOutput(result["loss"], table, chart, ui=ui)

@@ -25,11 +25,12 @@ def parse_quantiles(text: str, name: str = "quantiles", allow_empty: bool = Fals
 
 def evaluate_model(model, dataset, *, quantiles: list[float], seed: int, batch_size: int, precision: str,
                    distributed: DistributedSpec | None, on_event: Callable[[dict], None], items: int = 8,
-                   check_interrupt: Callable[[], None], prompt: dict | None = None, node_id: str = "") -> dict:
+                   check_interrupt: Callable[[], None], prompt: dict | None = None, node_id: str = "",
+                   model_input: str = "model") -> dict:
     """{"loss", "quantiles": {"0.1": loss, ...}, "items"}: same inputs, same numbers, on any number of processes.
 
-    `prompt` and `node_id` (the node's hidden inputs) say where the MODEL comes from, so it reaches the trainer
-    as files (runner.model_source)."""
+    `prompt`, `node_id` and `model_input` (the node's hidden inputs and the name of the input `model` came in by)
+    say where the MODEL comes from, so it reaches the trainer as files (runner.model_source)."""
     from . import paths
     from .launcher import TrainerProcess
     from .model_source import hand_off_model, release_comfy_models
@@ -39,7 +40,7 @@ def evaluate_model(model, dataset, *, quantiles: list[float], seed: int, batch_s
     train = TrainSpec(steps=1, batch_size=batch_size, precision=precision, seed=seed, eval_quantiles=quantiles,
                       eval_items=items)
     release_comfy_models(model)  # the GPU goes to the trainer (and a fallback reads the weights unpatched)
-    hand_off = hand_off_model(model, prompt, node_id, "model", paths.models_root())
+    hand_off = hand_off_model(model, prompt, node_id, model_input, paths.models_root())
     run_dir, spec_path = prepare_run(runs_root=paths.evals_root(), name="eval", task="evaluate",
                                      model=hand_off.model_spec, dataset=dataset, cache_root=paths.cache_root(),
                                      train=train, distributed=distributed)

@@ -11,7 +11,7 @@ from conftest import load_workflow, read_events, run_trainers_forked
 pytestmark = pytest.mark.comfyui
 
 WORKFLOW = "train_evaluate_compare_api.json"
-TRAIN, EVAL_BASE, EVAL_TRAINED, COMPARE, SAVE_GRID = "7", "9", "10", "11", "12"
+TRAIN, EVAL_TRAINED, COMPARE, SAVE_GRID = "7", "10", "11", "12"
 
 
 def executed_outputs(outcome) -> dict[str, dict]:
@@ -20,12 +20,13 @@ def executed_outputs(outcome) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def workflow_run(comfy):
-    """The shipped train + evaluate + compare workflow, plus a second, identical evaluation of the trained model;
-    20 steps, not its 40 (suite time): still evaluations at 0, 10, 20 and previews at 20."""
+    """The shipped train + evaluate + compare workflow, plus a second, identical evaluation of the trained model
+    (without the baseline); 20 steps, not its 40 (suite time): still evaluations at 10, 20 and previews at 20."""
     from client.api import ComfyClient
     wf = load_workflow(WORKFLOW)
     wf[TRAIN]["inputs"].update(output_name="test_evaluate_compare", steps=20)
     wf["14"] = copy.deepcopy(wf[EVAL_TRAINED])
+    del wf["14"]["inputs"]["baseline"]
     client = ComfyClient(comfy.address)
     outcome = client.run(wf, timeout=600)
     client.close()
@@ -54,14 +55,40 @@ def test_workflow_runs_headless_and_saves_the_grid(workflow_run, client):
 
 
 def test_evaluate_node_adapter_beats_base_and_is_deterministic(workflow_run):
-    outcome, _ = workflow_run
+    outcome, wf = workflow_run
     out = executed_outputs(outcome)
-    base, trained, again = (out[n]["evaluation"][0] for n in (EVAL_BASE, EVAL_TRAINED, "14"))
+    assert wf[EVAL_TRAINED]["inputs"]["baseline"] == wf[TRAIN]["inputs"]["model"]  # the base, as the Train node gets it
+    base = out[EVAL_TRAINED]["baseline_evaluation"][0]
+    trained, again = (out[n]["evaluation"][0] for n in (EVAL_TRAINED, "14"))
+    assert "baseline_evaluation" not in out["14"]
     assert set(base["quantiles"]) == {"0.1", "0.3", "0.5", "0.7", "0.9"} and base["items"] == 8
     print(f"\nEvaluate: base {base['loss']:.6f}, trained {trained['loss']:.6f}")
     assert trained["loss"] < base["loss"]
     assert again == trained  # two evaluations of the same inputs: identical, to the last bit
-    assert "mean" in out[EVAL_TRAINED]["text"][0]
+    header, *rows = out[EVAL_TRAINED]["text"][0].splitlines()
+    assert header.split() == ["quantile", "baseline", "model"] and rows[-1].split() == \
+        ["mean", f"{base['loss']:.6f}", f"{trained['loss']:.6f}"]
+
+
+def test_no_evaluation_runs_before_the_first_training_step(workflow_run):
+    """The shipped graph evaluates the base model through the trained model's Evaluate node (its baseline input), so
+    nothing is evaluated between the queue and the first step: a separate Evaluate node on the base could run first
+    (ComfyUI runs ready output nodes in the order its set of outputs happens to iterate in)."""
+    outcome, wf = workflow_run
+    shipped = load_workflow(WORKFLOW)
+
+    def upstream(node: str) -> set[str]:
+        found = set()
+        for value in shipped[node]["inputs"].values():
+            if isinstance(value, list) and len(value) == 2 and value[0] not in found:
+                found |= {value[0]} | upstream(value[0])
+        return found
+    evaluate_nodes = [n for n, v in shipped.items() if v["class_type"] == "InGraphEvaluate"]
+    assert evaluate_nodes and all(TRAIN in upstream(n) for n in evaluate_nodes), evaluate_nodes
+    order = [m["data"]["node"] for m in outcome.messages
+             if m.get("type") == "executing" and m["data"].get("node") is not None]
+    assert TRAIN in order and EVAL_TRAINED in order
+    assert not [n for n in order[:order.index(TRAIN)] if wf[n]["class_type"] == "InGraphEvaluate"]
 
 
 def test_training_evaluates_and_previews_at_the_configured_steps(workflow_run, comfy, client):
