@@ -103,13 +103,21 @@ def materialise_model(model, root: str | Path, prompt: dict | None = None, link=
 
 
 def materialise_vae(vae, root: str | Path, prompt: dict | None = None, link=None) -> Path:
-    """The graph's VAE weights (ComfyUI keys, what comfy.sd.VAE reads) in a file keyed like a MODEL's."""
+    """The graph's VAE weights (ComfyUI keys, what comfy.sd.VAE reads) in a file keyed like a MODEL's. A TAE's
+    latent width goes with them where its weights do not give it (ComfyUI 0.33's taef2 takes Flux.2's 128 packed
+    channels into a 32-channel decoder; VAELoader tells its VAE so)."""
     state = vae.get_sd()
-    return materialise_state_dict(lambda: state, root, "VAE", graph_key(prompt, link, "vae", state))
+    metadata = {}
+    decoder_in = state.get("taesd_decoder.1.weight")
+    if decoder_in is not None and getattr(vae, "latent_channels", None) not in (None, decoder_in.shape[1]):
+        metadata["tae_latent_channels"] = str(vae.latent_channels)
+    return materialise_state_dict(lambda: state, root, "VAE", graph_key(prompt, link, "vae", state), metadata)
 
 
-def materialise_state_dict(produce, root: str | Path, what: str, key: str | None = None) -> Path:
-    """The weights `produce()` returns, in root/<key>.safetensors; produced only when no stored copy has the key."""
+def materialise_state_dict(produce, root: str | Path, what: str, key: str | None = None,
+                           metadata: dict[str, str] | None = None) -> Path:
+    """The weights `produce()` returns, in root/<key>.safetensors (with `metadata` beside the key); produced only
+    when no stored copy has the key."""
     state = None
     if key is None:
         log.info("InGraph Trainer: no graph keys the %s; hashing its weights to find a stored copy", what)
@@ -126,7 +134,7 @@ def materialise_state_dict(produce, root: str | Path, what: str, key: str | None
     from ..cache.files import atomic_write
     root.mkdir(parents=True, exist_ok=True)
     with atomic_write(path, prefix=".model-") as staged:  # fsynced: a reused copy is never a torn one
-        save_file({k: v.to("cpu").contiguous() for k, v in state.items()}, str(staged.path), metadata={"key": key})
+        save_file({k: v.to("cpu").contiguous() for k, v in state.items()}, str(staged.path), metadata={**(metadata or {}), "key": key})
     log.info("InGraph Trainer: wrote the graph's %s to %s", what, path)
     evict_materialised(root, keep=path)
     return path

@@ -25,7 +25,7 @@ OPTION_ONLY_NODES = {"ModelSamplingDiscrete", "ModelSamplingSD3", "ModelSampling
 LORA_LOADERS = {"LoraLoader", "LoraLoaderModelOnly"}
 TRAIN_NODES = {"InGraphTrainLoRA", "InGraphDistill"}  # their output MODEL is recorded (record_trained_output)
 # VAELoader names that are built in code, not read from a file in models/vae
-BUILT_IN_VAES = {"pixel_space", "taesd", "taesdxl", "taesd3", "taef1"}
+BUILT_IN_VAES = {"pixel_space", "taesd", "taesdxl", "taesd3", "taef1", "taef2"}  # taef2: ComfyUI 0.33's
 
 
 class Undescribable(Exception):

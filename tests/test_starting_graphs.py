@@ -1,5 +1,5 @@
 """The starting graphs for real models (tools/starting_graphs.py, issue 32): SD1.5, SDXL, Flux dev on an fp8 base,
-Wan 2.2 5B video and Qwen-Image-Edit. Every widget value is one the installed ComfyUI's /object_info accepts, and
+Wan 2.2 5B video and Qwen-Image-Edit, and on ComfyUI 0.33 Flux.2 dev and Z-Image (issue 34). Every widget value is one the installed ComfyUI's /object_info accepts, and
 each graph runs through the API with the family's tiny model, a synthetic text encoder and a tiny VAE in place of
 the real files (everything else as shipped: the fp8 load, checkpointing, previews, accumulation), trains and
 writes a LoRA with ComfyUI's keys."""
@@ -11,10 +11,11 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from conftest import CHECKPOINT_NAME, REPO
-from family_graphs import EDIT_FOLDER, FAMILY_FOLDER, FAMILY_TINY_MODELS, IMAGE_TINY_MODELS, VAE_CHANNELS, merged, run_events
+from conftest import CHECKPOINT_NAME, ON_COMFYUI_033, REPO, comfyui_path, comfyui_version
+from family_graphs import (EDIT_FOLDER, FAMILY_FOLDER, FAMILY_TINY_MODELS, IMAGE_TINY_MODELS, VAE_CHANNELS,
+                           bootstrap_comfy, merged, run_events)
 from family_graphs import family_models, image_family_models, video_model_files, video_models_in_server  # noqa: F401
-from tools.starting_graphs import RECIPES, api_graph
+from tools.starting_graphs import RECIPES, api_graph, needs_comfyui
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.tiny_models(**FAMILY_TINY_MODELS),
               pytest.mark.tiny_models(**IMAGE_TINY_MODELS)]
@@ -29,7 +30,15 @@ STAND_INS = {
     "start_wan22_5b_video_lora": ("wan", "tiny_wan22_ti2v.safetensors", "wan", VAE_CHANNELS[48], FAMILY_FOLDER),
     "start_qwen_image_edit_lora": ("qwen_image", "tiny_qwen_image.safetensors", "qwen_image",
                                    "tiny_wan_vae.safetensors", EDIT_FOLDER),
+    # ComfyUI 0.33's: the tiny models are written by day0_models below; Flux.2's VAE is the 128-channel TAE
+    "start_flux2_dev_lora": ("flux2", "tiny_flux2.safetensors", "flux2", VAE_CHANNELS[128], FAMILY_FOLDER),
+    "start_z_image_lora": ("lumina2", "tiny_z_image.safetensors", "z_image", VAE_CHANNELS[16], FAMILY_FOLDER),
 }
+# the recipes this ComfyUI loads (Flux.2 and Z-Image: 0.33 and later)
+HERE = sorted(name for name, recipe in RECIPES.items() if needs_comfyui(recipe) <= comfyui_version(comfyui_path()))
+# the 0.33 families' tiny models: (family class, its scratch sizes beyond "tiny")
+DAY0_MODELS = {"tiny_flux2.safetensors": ("Flux2Family", {}),
+               "tiny_z_image.safetensors": ("Lumina2Family", dict(n_layers=1, variant="z_image"))}
 
 
 def shipped(name: str) -> dict:
@@ -38,6 +47,7 @@ def shipped(name: str) -> dict:
 
 def test_the_shipped_files_are_the_recipes():
     assert sorted(STAND_INS) == sorted(RECIPES)
+    assert len(HERE) == len(RECIPES) - (0 if ON_COMFYUI_033 else 2), HERE
     for name, recipe in RECIPES.items():
         assert shipped(name) == api_graph(recipe), f"{name}: run python tools/starting_graphs.py"
 
@@ -67,7 +77,7 @@ def test_every_widget_value_is_one_the_installed_comfyui_accepts(client):
     widget value is of the input's type, inside its range and among its options; a model file input names a
     .safetensors file (the user's files are not on this server)."""
     info = client.get("/object_info")
-    for name in RECIPES:
+    for name in HERE:
         for node_id, node in shipped(name).items():
             where = f"{name} node {node_id} ({node['class_type']})"
             assert node["class_type"] in info, f"{where}: not a node of this ComfyUI"
@@ -112,18 +122,33 @@ def with_tiny_stand_ins(name: str, graph: dict) -> dict:
     return graph
 
 
+@pytest.fixture(scope="module")
+def day0_models(family_models):  # noqa: F811
+    """On ComfyUI 0.33: the tiny Flux.2 and Z-Image in the server's diffusion-models folder, in bf16."""
+    if not ON_COMFYUI_033:
+        return
+    bootstrap_comfy()
+    import torch
+    from ingraph_trainer.trainer import models
+    from tools.tiny_models import _save
+    for file_name, (cls_name, size) in DAY0_MODELS.items():
+        cls = getattr(models, cls_name)
+        state = cls.scratch_state_dict(0, **{**cls.scratch_sizes.get("tiny", {}), **size})
+        _save(state, family_models.dir("models", "diffusion_models") / file_name, torch.bfloat16)
+
+
 def test_each_starting_graph_trains_with_tiny_stand_ins(family_models, video_models_in_server,  # noqa: F811
-                                                         image_family_models, client):  # noqa: F811
+                                                         image_family_models, day0_models, client):  # noqa: F811
     comfy = family_models
-    prompt = merged({name: with_tiny_stand_ins(name, shipped(name)) for name in RECIPES})
+    prompt = merged({name: with_tiny_stand_ins(name, shipped(name)) for name in HERE})
     outcome = client.run(prompt, timeout=1200)
     assert outcome.ok, outcome.error
     events = run_events(outcome)
     started = {e["run_dir"].rsplit("-start_", 1)[1].rsplit("-", 1)[0]: e for e in events if e["type"] == "started"}
     assert {f"start_{name}": e["family"] for name, e in started.items()} == \
-        {name: family for name, (family, *_) in STAND_INS.items()}, started
+        {name: STAND_INS[name][0] for name in HERE}, started
     finished = [e for e in events if e["type"] == "finished"]
-    assert len(finished) == len(RECIPES)
-    for name in RECIPES:
+    assert len(finished) == len(HERE)
+    for name in HERE:
         adapter = load_file(str(comfy.base_dir / "models" / "loras" / f"{name}.safetensors"))
         assert adapter and all(k.startswith("diffusion_model.") for k in adapter), (name, sorted(adapter)[:3])

@@ -6,7 +6,8 @@ running server, in UI form to example_workflows/ with a thumbnail each).
     python tools/starting_graphs.py --server HOST:PORT   # and the UI graphs and thumbnails (the server's /object_info)
 
 Each recipe says what it loads (the file names ComfyUI's own templates and the model pages use) and why its
-settings are what they are. tests/test_starting_graphs.py checks every widget value against /object_info and runs
+settings are what they are, and the oldest ComfyUI that loads its files (`comfyui`, where newer than 0.3.64: Flux.2
+and Z-Image need 0.33). tests/test_starting_graphs.py checks every widget value against /object_info and runs
 each graph through the API with the family's tiny model in place of the real one.
 """
 from __future__ import annotations
@@ -94,7 +95,45 @@ RECIPES = {
                    output_name="my_qwen_edit_lora"),
         previews=dict(prompts="make the sky pink", cfg=2.5, steps=20, width=768, height=768, every=250,
                       scheduler="simple")),
+    # ComfyUI 0.33 and later (the loaders' files and text-encoder types are those of ComfyUI's own blueprints)
+    "start_flux2_dev_lora": dict(
+        # Flux.2 dev (32B) as ComfyUI ships it, fp8 with scales (about 35 GB): the LoRA trains on the quantized
+        # weights as they are. No single consumer card holds it: memory "auto" swaps blocks to host RAM (64 GB or
+        # more) on a 24-48 GB card, and says before the run what stays on the GPU
+        loaders=_diffusion_model(
+            "flux2_dev_fp8mixed.safetensors", "default",
+            {"class_type": "CLIPLoader", "_meta": {"title": "Load Mistral 3 Small"},
+             "inputs": {"clip_name": "mistral_3_small_flux2_bf16.safetensors", "type": "flux2"}},
+            "flux2-vae.safetensors"),
+        dataset=dict(folder="training_images", resolution=1024),
+        adapter=dict(rank=16, alpha=16.0, targets="attention + feed-forward"),
+        # guidance 1, as for Flux dev: Flux.2 dev is guidance-distilled (its blueprint samples at FluxGuidance 4)
+        train=dict(steps=1500, batch_size=1, learning_rate=1e-4, gradient_checkpointing=True, save_every=250,
+                   guidance=1.0, output_name="my_flux2_lora"),
+        previews=dict(prompts="a photo of my subject", cfg=1.0, steps=20, width=1024, height=1024, every=250,
+                      scheduler="simple"),
+        comfyui="0.33"),
+    "start_z_image_lora": dict(
+        # Z-Image (6B, the base model, not the distilled Turbo) in bf16 (12 GB) with checkpointing fits a 24 GB card
+        loaders=_diffusion_model(
+            "z_image_bf16.safetensors", "default",
+            {"class_type": "CLIPLoader", "_meta": {"title": "Load Qwen3 4B"},
+             "inputs": {"clip_name": "qwen_3_4b.safetensors", "type": "lumina2"}},
+            "ae.safetensors"),
+        dataset=dict(folder="training_images", resolution=1024),
+        adapter=dict(rank=16, alpha=16.0, targets="attention + feed-forward"),
+        train=dict(steps=1500, batch_size=1, learning_rate=1e-4, gradient_checkpointing=True, save_every=250,
+                   output_name="my_z_image_lora"),
+        # the base model's blueprint: 25 steps of res_multistep at cfg 4
+        previews=dict(prompts="a photo of my subject", cfg=4.0, steps=25, width=1024, height=1024, every=250,
+                      sampler_name="res_multistep", scheduler="simple"),
+        comfyui="0.33"),
 }
+
+
+def needs_comfyui(recipe: dict) -> tuple[int, ...]:
+    """The oldest ComfyUI whose loaders take the recipe's files (its `comfyui`; 0.3.64 where it names none)."""
+    return tuple(int(part) for part in recipe.get("comfyui", "0.3.64").split("."))
 
 
 def api_graph(recipe: dict) -> dict:

@@ -307,7 +307,13 @@ def load_vae_file(path: str, from_checkpoint: bool):
     if from_checkpoint:
         return comfy.sd.load_checkpoint_guess_config(str(path), output_vae=True, output_clip=False,
                                                      output_clipvision=False, output_model=False)[2]
-    return comfy.sd.VAE(sd=load_tensors(path))
+    import comfy.utils
+    # with the file's metadata, as VAELoader reads it: some VAEs carry their configuration there (LTX-Video's), and
+    # a materialised TAE its latent width (runner/materialise.py: ComfyUI 0.33's taef2 reads 128 packed channels)
+    sd, metadata = comfy.utils.load_torch_file(str(path), safe_load=True, return_metadata=True)
+    if metadata and "tae_latent_channels" in metadata:
+        metadata = {**metadata, "tae_latent_channels": int(metadata["tae_latent_channels"])}
+    return comfy.sd.VAE(sd=sd, metadata=metadata)
 
 
 def weight_decompose():

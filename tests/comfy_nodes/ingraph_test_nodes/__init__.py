@@ -20,11 +20,14 @@ FAMILY_TEXT = {
     "lumina2": (16, 2304, None),  # Gemma-2 2B's width (the tiny Lumina 2 is built for it)
     "hunyuan_video": (16, 4096, 768),  # LLaMA hidden states, CLIP-L pooled
     "ltxv": (16, 4096, None),
+    "flux2": (16, 64, None),  # the tiny Flux.2 reads 64-wide text (the real ones 7680 or 15360)
+    "z_image": (16, 2560, None),  # Qwen3-4B's width, fixed by ComfyUI's Z-Image
 }
 # conditioning values a family's model requires beside the embedding (LTXVModel takes T5's attention mask)
 FAMILY_EXTRAS = {"ltxv": lambda tokens: {"attention_mask": torch.ones((1, tokens), dtype=torch.long)},
                  # Gemma's mask gives Lumina 2 its token count; T5-only encoders hand a pooled_output of None
                  "lumina2": lambda tokens: {"attention_mask": torch.ones((1, tokens), dtype=torch.long)},
+                 "z_image": lambda tokens: {"attention_mask": torch.ones((1, tokens), dtype=torch.long)},
                  "chroma": lambda tokens: {"pooled_output": None}}
 
 
