@@ -330,57 +330,6 @@ def block_lists(module: torch.nn.Module) -> list[torch.nn.Module]:
     return [block for child in module.children() if isinstance(child, torch.nn.ModuleList) for block in child]
 
 
-class _OutOfPlaceAdd(torch.Tensor):
-    """`x += y` makes a new tensor: ComfyUI's inference code adds residuals in place into tensors a norm layer
-    saved for the backward pass, which autograd refuses. Everything else behaves as a plain tensor."""
-
-    def __iadd__(self, other):
-        return _residual(torch.add(self, other))
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        # ComfyUI 0.33's LTX-Video block normalises its residual and then adds into that same tensor in place
-        # (x.addcmul_), a call __iadd__ cannot see: the norm gets a copy of the residual to save, so the add changes
-        # nothing it saved. Only the residual stream (the block's input, each sum __iadd__ made): tensors computed
-        # from it are of this class too (a query a norm normalises, say), and copying those would cost memory
-        if func in _NORMS and args and getattr(args[0], "_ingraph_residual", False) and args[0].requires_grad \
-                and torch.is_grad_enabled():
-            args = (args[0].clone(), *args[1:])
-        return super().__torch_function__(func, types, args, kwargs)
-
-
-def _residual(tensor: torch.Tensor) -> torch.Tensor:
-    tensor._ingraph_residual = True
-    return tensor
-
-
-_NORMS = {torch.nn.functional.rms_norm, torch.rms_norm}
-
-
-def residuals_out_of_place(blocks) -> None:
-    """Wraps each block so the tensors it receives add out of place, and hands plain tensors back."""
-    def plain(value):
-        if isinstance(value, _OutOfPlaceAdd):
-            return value.as_subclass(torch.Tensor)
-        if isinstance(value, tuple):
-            return tuple(plain(v) for v in value)
-        return value
-
-    for block in blocks:
-        if getattr(block, "_ingraph_out_of_place", False):  # wrapped already: one shim per block
-            continue
-        forward = block.forward
-
-        def wrapped(*args, _forward=forward, **kwargs):
-            args = tuple(_residual(a.as_subclass(_OutOfPlaceAdd)) if isinstance(a, torch.Tensor)
-                         and a.is_floating_point() else a for a in args)
-            kwargs = {k: _residual(v.as_subclass(_OutOfPlaceAdd)) if k in ("img", "txt", "x")
-                      and isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-            return plain(_forward(*args, **kwargs))
-        block.forward = wrapped
-        block._ingraph_out_of_place = True
-
-
 class StageInput(torch.nn.Module):
     """A family's first pipeline layer: stage inputs (latents, cond, noise, timesteps[, pooled]) to what the
     model's blocks take. The family is kept out of the submodules: its model is split across the layers."""

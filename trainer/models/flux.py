@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import (Batch, ModelFamily, StageInput, UnsupportedSetting, ends_here, random_state_dict,
-                   residuals_out_of_place)
+from .base import Batch, ModelFamily, StageInput, UnsupportedSetting, ends_here, random_state_dict
+from .residuals import residuals_out_of_place
 from .references import ReferenceLatentsInput
 
 ATTENTION = (r"double_blocks\.\d+\.(img|txt)_attn\.(qkv|proj)$", r"single_blocks\.\d+\.linear[12]$")

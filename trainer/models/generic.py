@@ -6,7 +6,8 @@ takes one); inputs a model needs beyond those (reference images, masks) are left
 """
 from __future__ import annotations
 
-from .base import ModelFamily, block_lists, is_comfy_model, residuals_out_of_place
+from .base import ModelFamily, block_lists, is_comfy_model
+from .residuals import residuals_out_of_place
 
 # AuraFlow names its projections w1q..w2o (text and image streams) and c_fc1/c_fc2/c_proj; Kandinsky 5 its
 # to_query/to_key/to_value/out_layer and its feed-forward in_layer/out_layer

@@ -7,7 +7,8 @@ import torch
 
 from ..comfy_compat import joint_sequence_text_first
 from .base import (Batch, ModelFamily, StageInput, UnsupportedSetting, ends_here, random_state_dict,
-                   is_comfy_model, residuals_out_of_place)
+                   is_comfy_model)
+from .residuals import residuals_out_of_place
 
 ATTENTION = (r"double_blocks\.\d+\.(img|txt)_attn\.(qkv|proj)$", r"single_blocks\.\d+\.linear[12]$")
 FEED_FORWARD = (r"double_blocks\.\d+\.(img|txt)_mlp\.[02]$",)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..comfy_compat import ltx_rope_split_mode
-from .base import (Batch, ModelFamily, StageInput, UnsupportedSetting, ends_here, random_state_dict,
-                   residuals_out_of_place)
+from .base import Batch, ModelFamily, StageInput, UnsupportedSetting, ends_here, random_state_dict
+from .residuals import residuals_out_of_place
 
 ATTENTION = (r"transformer_blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_out\.0)$",)
 FEED_FORWARD = (r"transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)$",)
