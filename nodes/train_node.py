@@ -172,7 +172,8 @@ class TrainLoRA(io.ComfyNode):
                                      "0: no evaluation (no eval points on the chart)."),
                 io.Boolean.Input("eval_before", default=False, optional=True,
                                  tooltip="Also evaluate before the first step (a baseline for the chart). An "
-                                         "Evaluate node on the input MODEL measures the same."),
+                                         "Evaluate node after this one, with the input MODEL as its baseline, "
+                                         "measures the same without delaying the first step."),
                 io.Boolean.Input("eval_after_stop", default=False, optional=True,
                                  tooltip="Evaluate after a run ended by Stop too. Off: Stop ends the run as soon as "
                                          "the step in flight, the checkpoint and the LoRA are written."),

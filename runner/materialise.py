@@ -123,6 +123,10 @@ def materialise_state_dict(produce, root: str | Path, what: str, key: str | None
         log.info("InGraph Trainer: no graph keys the %s; hashing its weights to find a stored copy", what)
         state = produce()
         key = digest_state_dict(state)
+    if metadata:  # a copy written without it (an older pack's) is another file, never reused for this one
+        import hashlib
+        import json
+        key = hashlib.sha256(f"{key}|{json.dumps(metadata, sort_keys=True)}".encode()).hexdigest()
     root = Path(root)
     path = root / f"{key[:32]}.safetensors"
     if path.is_file():

@@ -152,3 +152,43 @@ def test_dequantizing_one_layer_leaves_every_other_layer_alone():
     comfy_compat.dequantize_per_matmul(quantized)  # twice: still one
     assert Op.weight_function == [] and other.weight_function == []
     assert len(quantized.weight_function) == 1 and quantized.comfy_force_cast_weights
+
+
+VAE_LOADER_0_3_64 = '''class VAELoader:
+    def load_vae(self, vae_name):
+        sd = comfy.utils.load_torch_file(vae_path)
+        vae = comfy.sd.VAE(sd=sd)
+        return (vae,)
+
+class ControlNetLoader:
+    pass
+'''
+VAE_LOADER_0_33 = VAE_LOADER_0_3_64.replace("load_torch_file(vae_path)", "load_torch_file(vae_path, return_metadata=True)")
+
+
+@pytest.mark.parametrize("loader, passed", [(VAE_LOADER_0_3_64, False), (VAE_LOADER_0_33, True)])
+def test_a_vae_file_is_read_with_its_metadata_only_where_comfyuis_vae_loader_passes_it(monkeypatch, tmp_path, loader,
+                                                                                       passed):
+    """0.33's VAELoader hands a file's metadata to comfy.sd.VAE (an LTX-Video VAE's configuration, taef2's latent
+    width), 0.3.64's does not; the previews' VAE in the trainer is built as the graph's own was."""
+    (tmp_path / "comfy").mkdir()
+    (tmp_path / "comfy" / "sd.py").write_text("")
+    (tmp_path / "nodes.py").write_text("class LoadImage:\n    return_metadata=True\n\n" + loader)
+    built = []
+    sd = types.ModuleType("comfy.sd")
+    sd.__file__ = str(tmp_path / "comfy" / "sd.py")
+    sd.VAE = lambda sd=None, metadata=None: built.append(metadata)
+    utils = types.ModuleType("comfy.utils")
+    utils.load_torch_file = lambda path, safe_load=False, return_metadata=False: (
+        {"w": 0}, {"config": "{}", "tae_latent_channels": "128"})
+    package = types.ModuleType("comfy")
+    package.sd, package.utils = sd, utils
+    monkeypatch.setitem(sys.modules, "comfy", package)
+    monkeypatch.setitem(sys.modules, "comfy.sd", sd)
+    monkeypatch.setitem(sys.modules, "comfy.utils", utils)
+    comfy_compat.vae_loader_reads_metadata.cache_clear()
+    try:
+        comfy_compat.load_vae_file("vae.safetensors", from_checkpoint=False)
+    finally:
+        comfy_compat.vae_loader_reads_metadata.cache_clear()
+    assert built == [{"config": "{}", "tae_latent_channels": 128} if passed else None]

@@ -73,7 +73,9 @@ def test_evaluate_node_adapter_beats_base_and_is_deterministic(workflow_run):
 def test_no_evaluation_runs_before_the_first_training_step(workflow_run):
     """The shipped graph evaluates the base model through the trained model's Evaluate node (its baseline input), so
     nothing is evaluated between the queue and the first step: a separate Evaluate node on the base could run first
-    (ComfyUI runs ready output nodes in the order its set of outputs happens to iterate in)."""
+    (ComfyUI runs ready output nodes in the order its set of outputs happens to iterate in). The guard is the graph's
+    shape (every Evaluate node of the shipped graph downstream of the Train node); the order this run took is
+    checked too, as what that shape gives."""
     outcome, wf = workflow_run
     shipped = load_workflow(WORKFLOW)
 
@@ -96,7 +98,7 @@ def test_training_evaluates_and_previews_at_the_configured_steps(workflow_run, c
     inputs = wf[TRAIN]["inputs"]
     steps, every = inputs["steps"], inputs["eval_every"]
     evals = [d["event"] for d in events_of(outcome, "eval") if d["node"] == TRAIN]
-    # before the first step only when asked (eval_before): the Evaluate node on the base gives that baseline
+    # before the first step only when asked (eval_before): the Evaluate node's baseline input gives that baseline
     assert [e["step"] for e in evals] == list(range(0 if inputs.get("eval_before") else every, steps + 1, every))
     assert all(e["items"] == min(inputs.get("eval_items", 8), 8) for e in evals)  # 8 example images
     samples = [d for d in events_of(outcome, "sample") if d["node"] == TRAIN]

@@ -874,3 +874,26 @@ def test_cpu_evaluation_runs_passes_side_by_side_with_one_threads_numbers_and_no
         assert evaluation._evaluate(module, dataset, list(range(5)), quantiles, 7, 3, "cpu", side_by_side=2) == one
         assert Family.threads == {threading.get_ident()}
         delattr(module.weight, mark)
+
+
+def test_pixart_is_refused_below_the_size_its_position_embedding_divides_by_zero_at():
+    """ComfyUI's PixArt forward divides by round(((H + W) // 2) / 64) of the latent's sides: a cached dataset of
+    256 px items (0.5, which Python rounds to 0) is refused at start-up naming the size; 272 x 256 px trains."""
+    from ingraph_trainer.trainer.dataset_checks import check_dataset_for_family
+    from ingraph_trainer.trainer.models.base import UnsupportedSetting
+    from ingraph_trainer.trainer.models.generic import GenericFamily
+
+    class PixArtMS:  # the attributes ComfyUI's PixArtMS computes its position embedding from
+        pe_interpolation, pe_precision = None, None
+
+    family = object.__new__(GenericFamily)
+    family.diffusion_model, family.display_name = PixArtMS(), "generic (PixArtAlpha)"
+    family.reference_input = None
+
+    def cached(*sizes):
+        return types.SimpleNamespace(buckets=list(sizes), reference_slots=0)
+    with pytest.raises(UnsupportedSetting, match=r"data\.manifest: items of 256x256 px: .*264 px"):
+        check_dataset_for_family(cached((512, 512), (256, 256)), family)
+    check_dataset_for_family(cached((272, 256), (512, 512, 17)), family)
+    PixArtMS.pe_interpolation = 1.0  # a fixed interpolation (no pe_precision): no division by the size
+    check_dataset_for_family(cached((256, 256)), family)

@@ -6,8 +6,8 @@ running server, in UI form to example_workflows/ with a thumbnail each).
     python tools/starting_graphs.py --server HOST:PORT   # and the UI graphs and thumbnails (the server's /object_info)
 
 Each recipe says what it loads (the file names ComfyUI's own templates and the model pages use) and why its
-settings are what they are, and the oldest ComfyUI that loads its files (`comfyui`, where newer than 0.3.64: Flux.2
-and Z-Image need 0.33). tests/test_starting_graphs.py checks every widget value against /object_info and runs
+settings are what they are, and the ComfyUI it needs (`comfyui`, where 0.3.64 does not load its files: Flux.2 and
+Z-Image are tested on 0.33). tests/test_starting_graphs.py checks every widget value against /object_info and runs
 each graph through the API with the family's tiny model in place of the real one.
 """
 from __future__ import annotations
@@ -95,15 +95,17 @@ RECIPES = {
                    output_name="my_qwen_edit_lora"),
         previews=dict(prompts="make the sky pink", cfg=2.5, steps=20, width=768, height=768, every=250,
                       scheduler="simple")),
-    # ComfyUI 0.33 and later (the loaders' files and text-encoder types are those of ComfyUI's own blueprints)
+    # ComfyUI 0.33 (the diffusion models, text encoders and their CLIPLoader types are those of ComfyUI's own
+    # blueprints; the VAEs are the full ones, for encoding the training images)
     "start_flux2_dev_lora": dict(
         # Flux.2 dev (32B) as ComfyUI ships it, fp8 with scales (about 35 GB): the LoRA trains on the quantized
-        # weights as they are. No single consumer card holds it: memory "auto" swaps blocks to host RAM (64 GB or
-        # more) on a 24-48 GB card, and says before the run what stays on the GPU
+        # weights as they are. No single consumer card holds it: memory "auto" swaps blocks to host RAM on a 24-48
+        # GB card, and says before the run what stays on the GPU. The text encoder in fp8 (24 GB; the blueprint's
+        # bf16 file is 48 GB), since ComfyUI keeps it in host RAM beside the model's copies
         loaders=_diffusion_model(
             "flux2_dev_fp8mixed.safetensors", "default",
             {"class_type": "CLIPLoader", "_meta": {"title": "Load Mistral 3 Small"},
-             "inputs": {"clip_name": "mistral_3_small_flux2_bf16.safetensors", "type": "flux2"}},
+             "inputs": {"clip_name": "mistral_3_small_flux2_fp8.safetensors", "type": "flux2"}},
             "flux2-vae.safetensors"),
         dataset=dict(folder="training_images", resolution=1024),
         adapter=dict(rank=16, alpha=16.0, targets="attention + feed-forward"),
@@ -132,7 +134,8 @@ RECIPES = {
 
 
 def needs_comfyui(recipe: dict) -> tuple[int, ...]:
-    """The oldest ComfyUI whose loaders take the recipe's files (its `comfyui`; 0.3.64 where it names none)."""
+    """The ComfyUI the recipe is tested on (its `comfyui`; 0.3.64 where it names none): older ones may lack its
+    loaders' types."""
     return tuple(int(part) for part in recipe.get("comfyui", "0.3.64").split("."))
 
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from .data import StepSampler, seeded_generator, stack_conds, stack_references, stack_text_masks
-from .dataset_checks import (check_caption_features, check_eval_references, check_reference_input, reads_text_masks,
+from .dataset_checks import (check_caption_features, check_dataset_for_family, check_eval_references, reads_text_masks,
                              reference_slots)
 
 # generator streams (data.py uses 1, 2 and 4, evaluation 3): one per kind of draw, so adding one changes no other
@@ -276,7 +276,7 @@ def build_training_data(data_spec, global_batch: int, seed: int, family=None, pi
         sampler = StepSampler(dataset.buckets, global_batch, seed, data_spec.shuffle)
     check_caption_features(dataset, data_spec.caption_dropout)
     if family is not None:
-        check_reference_input(dataset, family)
+        check_dataset_for_family(dataset, family)
     if getattr(data_spec, "eval_manifest", ""):  # a held-out evaluation set: its references checked now, too
         check_eval_references(dataset, load_cached_dataset(data_spec.eval_manifest), family)
     if pipeline_stages > 1 and reference_slots(dataset):

@@ -308,12 +308,29 @@ def load_vae_file(path: str, from_checkpoint: bool):
         return comfy.sd.load_checkpoint_guess_config(str(path), output_vae=True, output_clip=False,
                                                      output_clipvision=False, output_model=False)[2]
     import comfy.utils
-    # with the file's metadata, as VAELoader reads it: some VAEs carry their configuration there (LTX-Video's), and
-    # a materialised TAE its latent width (runner/materialise.py: ComfyUI 0.33's taef2 reads 128 packed channels)
     sd, metadata = comfy.utils.load_torch_file(str(path), safe_load=True, return_metadata=True)
-    if metadata and "tae_latent_channels" in metadata:
+    # with the file's metadata where this ComfyUI's VAELoader passes it on (0.33 does, 0.3.64 does not, and its VAE
+    # would build an LTX-Video VAE from a configuration the graph's VAE never read): some VAEs carry their
+    # configuration there, and a materialised TAE its latent width (runner/materialise.py: 0.33's taef2)
+    if not vae_loader_reads_metadata():
+        metadata = None
+    elif metadata and "tae_latent_channels" in metadata:
         metadata = {**metadata, "tae_latent_channels": int(metadata["tae_latent_channels"])}
     return comfy.sd.VAE(sd=sd, metadata=metadata)
+
+
+@functools.cache
+def vae_loader_reads_metadata() -> bool:
+    """Whether the running ComfyUI's VAELoader hands a VAE file's metadata to comfy.sd.VAE (read from its nodes.py
+    source, which the trainer does not import: its import loads every node's module)."""
+    import re
+    import comfy.sd
+    try:  # the ComfyUI the trainer imported (comfy_env checks it is COMFYUI_PATH's)
+        text = (Path(comfy.sd.__file__).resolve().parent.parent / "nodes.py").read_text(encoding="utf-8")
+    except OSError:
+        return False
+    loader = re.search(r"^class VAELoader\b.*?(?=^class )", text, re.S | re.M)
+    return bool(loader) and "return_metadata=True" in loader.group(0)
 
 
 def weight_decompose():

@@ -48,6 +48,27 @@ def check_reference_input(dataset, family, where: str = "data.manifest"):
                                  "name.ref.png only")
 
 
+def check_image_sizes(dataset, family, where: str = "data.manifest"):
+    """Fails at start-up, naming the setting and the size, where an item's size is one the family's model cannot
+    run at (ModelFamily.image_size_problem), rather than at the first step. `dataset`: a cached dataset (the
+    graph's TrainingDataset holds bucket settings, not the items' sizes: the trainer checks it at start-up)."""
+    size_problem = getattr(family, "image_size_problem", None)  # a ModelFamily's (reference_input's duck typing)
+    for part, name in _parts(dataset, where):
+        sizes = getattr(part, "buckets", None)
+        for bucket in sorted(set(sizes)) if isinstance(sizes, list) and size_problem else ():
+            problem = size_problem(int(bucket[0]), int(bucket[1]))
+            if problem:
+                from .models.base import UnsupportedSetting
+                raise UnsupportedSetting(f"{name}: items of {bucket[0]}x{bucket[1]} px: {problem}")
+
+
+def check_dataset_for_family(dataset, family, where: str = "data.manifest"):
+    """What every task that runs a family on a dataset checks first (training, distillation, the Evaluate node):
+    the reference images its items carry, and their sizes."""
+    check_reference_input(dataset, family, where)
+    check_image_sizes(dataset, family, where)
+
+
 def check_eval_references(dataset, eval_dataset, family=None,
                           where: str = "data.eval_manifest (the eval_dataset input)"):
     """Fails at start-up where the evaluation set's items carry another number of reference images than the
@@ -55,7 +76,7 @@ def check_eval_references(dataset, eval_dataset, family=None,
     would be measured at a task it is not trained for, and a batch cannot mix them."""
     train_slots, eval_slots = reference_slots(dataset), reference_slots(eval_dataset)
     if family is not None:
-        check_reference_input(eval_dataset, family, where)
+        check_dataset_for_family(eval_dataset, family, where)
     if eval_slots != train_slots:
         have = f"{eval_slots} reference image(s)" if eval_slots else "no reference images"
         raise ValueError(f"{where}: its items carry {have}, the training items {train_slots}; evaluate on images "

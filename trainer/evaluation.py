@@ -159,7 +159,7 @@ def run_evaluation(spec, events) -> dict:
     """The `evaluate` task: the loss of the model as given (adapters merged upstream) on a cached dataset."""
     import time
 
-    from .dataset_checks import check_reference_input
+    from .dataset_checks import check_dataset_for_family
     from .comfy_env import import_comfy
     from .data import load_cached_dataset
     from .distributed import init_distributed
@@ -175,7 +175,7 @@ def run_evaluation(spec, events) -> dict:
     family.set_objective(flow_shift=spec.train.flow_shift, guidance=spec.train.guidance)
     dataset = load_cached_dataset(spec.data.eval_manifest or spec.data.manifest)
     # the training check, before anything runs (the Evaluate node checked the graph's dataset already)
-    check_reference_input(dataset, family, "data.eval_manifest" if spec.data.eval_manifest
+    check_dataset_for_family(dataset, family, "data.eval_manifest" if spec.data.eval_manifest
                           else "data.manifest (the Evaluate node's dataset input)")
     if world_size() > 1:
         init_distributed()

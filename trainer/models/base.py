@@ -123,6 +123,10 @@ class ModelFamily:
             raise UnsupportedSetting(f"output.format: the diffusers layout is for SD1.x/SD2.x/SDXL UNets, not "
                                      f"{self.display_name}; use comfyui or kohya")
 
+    def image_size_problem(self, width: int, height: int) -> str | None:
+        """Why the model cannot run on items of this size (pixels), or None (trainer.dataset_checks)."""
+        return None
+
     def check_quantized_weights(self, spec) -> None:
         """A model loaded from a quantized file (ComfyUI 0.33's layouts) trains a LoRA, on a device that runs its
         layouts: refused naming the layer, layout and device otherwise, before anything starts."""

@@ -49,6 +49,18 @@ class GenericFamily(ModelFamily):
             return {"rope_options": {"shift_t": 1.0, "shift_y": length, "shift_x": length}}
         return {}
 
+    def image_size_problem(self, width: int, height: int) -> str | None:
+        model = self.diffusion_model
+        if type(model).__name__ == "PixArtMS" and (model.pe_interpolation is None or model.pe_precision is not None):
+            # its forward scales the position embedding by round(((H + W) // 2) / 64) of the latent's sides (a
+            # VAE's 8x), and divides by that: zero below an average side of 264 px (Python rounds 0.5 to 0)
+            c_res = (width // 8 + height // 8) // 2
+            if round(c_res / 64.0, model.pe_precision or 0) == 0:
+                return ("ComfyUI's PixArt computes its position embedding from the latent's size, which fails "
+                        "below an average side of 264 px (width + height at least 528); load the images at a "
+                        "larger resolution")
+        return None
+
     def checkpoint_blocks(self):
         blocks = block_lists(self.diffusion_model)
         if not blocks:

@@ -20,7 +20,7 @@ FAMILY_TEXT = {
     "lumina2": (16, 2304, None),  # Gemma-2 2B's width (the tiny Lumina 2 is built for it)
     "hunyuan_video": (16, 4096, 768),  # LLaMA hidden states, CLIP-L pooled
     "ltxv": (16, 4096, None),
-    "flux2": (16, 64, None),  # the tiny Flux.2 reads 64-wide text (the real ones 7680 or 15360)
+    "flux2": (16, 64, None),  # the tiny Flux.2 reads 64-wide text (the real ones 7680, 12288 or 15360)
     "z_image": (16, 2560, None),  # Qwen3-4B's width, fixed by ComfyUI's Z-Image
 }
 # conditioning values a family's model requires beside the embedding (LTXVModel takes T5's attention mask)
