@@ -36,7 +36,9 @@ class Evaluate(io.ComfyNode):
                 io.Model.Input("baseline", optional=True,
                                tooltip="Optional: a model to compare with, e.g. the checkpoint before training. It is "
                                        "evaluated just before `model`, on the same items, quantiles and noise; the "
-                                       "table and chart show both, mean_loss stays `model`'s. Wire the base model "
+                                       "table and chart show both, mean_loss stays `model`'s. Its result is "
+                                       "remembered: queued again with the same baseline, dataset and settings "
+                                       "(another trained model), only `model` is evaluated. Wire the base model "
                                        "here rather than into an Evaluate node of its own: ComfyUI may run that "
                                        "node before the Train node, and its evaluation then delays the first "
                                        "training step."),
@@ -72,7 +74,7 @@ class Evaluate(io.ComfyNode):
                     evaluated, dataset, quantiles=parse_quantiles(quantiles), seed=seed, batch_size=batch_size,
                     items=8 if items is None else int(items), precision=precision, distributed=distributed,
                     on_event=lambda event: None, check_interrupt=raise_if_interrupted, prompt=cls.hidden.prompt,
-                    node_id=cls.hidden.unique_id, model_input=name)
+                    node_id=cls.hidden.unique_id, model_input=name, remember=name == "baseline")
         result = results["model"]
         table = quantile_table(results if baseline is not None else {"loss": result})
         chart = chart_tensor(render_quantile_chart(results))

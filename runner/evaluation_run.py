@@ -1,6 +1,7 @@
 """The Evaluate node's work: the trainer program's `evaluate` task on the graph's MODEL and a cached dataset."""
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 from ..trainer.spec import DistributedSpec, TrainSpec
@@ -26,11 +27,13 @@ def parse_quantiles(text: str, name: str = "quantiles", allow_empty: bool = Fals
 def evaluate_model(model, dataset, *, quantiles: list[float], seed: int, batch_size: int, precision: str,
                    distributed: DistributedSpec | None, on_event: Callable[[dict], None], items: int = 8,
                    check_interrupt: Callable[[], None], prompt: dict | None = None, node_id: str = "",
-                   model_input: str = "model") -> dict:
+                   model_input: str = "model", remember: bool = False) -> dict:
     """{"loss", "quantiles": {"0.1": loss, ...}, "items"}: same inputs, same numbers, on any number of processes.
 
     `prompt`, `node_id` and `model_input` (the node's hidden inputs and the name of the input `model` came in by)
-    say where the MODEL comes from, so it reaches the trainer as files (runner.model_source)."""
+    say where the MODEL comes from, so it reaches the trainer as files (runner.model_source). `remember`: a result
+    of this server for the same files (their stamps), dataset and settings is given again without a run (the
+    Evaluate node's baseline: the base model's numbers, asked again each time the trained model changes)."""
     from . import paths
     from .launcher import TrainerProcess
     from .model_source import hand_off_model, release_comfy_models
@@ -41,15 +44,36 @@ def evaluate_model(model, dataset, *, quantiles: list[float], seed: int, batch_s
                       eval_items=items)
     release_comfy_models(model)  # the GPU goes to the trainer (and a fallback reads the weights unpatched)
     hand_off = hand_off_model(model, prompt, node_id, model_input, paths.models_root())
+    d = distributed or DistributedSpec()
+    key = _result_key(hand_off.model_spec, dataset, train, d) if remember else None
+    if key in _remembered:
+        return copy.deepcopy(_remembered[key])
     run_dir, spec_path = prepare_run(runs_root=paths.evals_root(), name="eval", task="evaluate",
                                      model=hand_off.model_spec, dataset=dataset, cache_root=paths.cache_root(),
                                      train=train, distributed=distributed)
-    d = distributed or DistributedSpec()
     # prime_beside: a Train node after this Evaluate node (the shipped workflow's order) finds its standby warm
     process = TrainerProcess(run_dir, spec_path, comfyui_path=paths.comfyui_root(), processes=d.processes,
                              hostfile=d.hostfile, prime_beside=True).start()
-    result = watch_run(process, on_event, check_interrupt)
-    return result.finished["evaluation"]
+    result = watch_run(process, on_event, check_interrupt).finished["evaluation"]
+    if key is not None:
+        _remembered[key] = copy.deepcopy(result)
+        while len(_remembered) > REMEMBERED_RESULTS:
+            del _remembered[next(iter(_remembered))]  # the oldest
+    return result
+
+
+REMEMBERED_RESULTS = 64
+_remembered: dict[str, dict] = {}  # this server's remembered evaluations (evaluate_model's `remember`), by _result_key
+
+
+def _result_key(model_spec, dataset, train: TrainSpec, distributed: DistributedSpec) -> str:
+    """Everything an evaluation's numbers follow from: the model's files with their stamps (size and time: a file
+    written again is another model), every cached item's keys and checksums, the settings."""
+    import dataclasses
+    import hashlib
+    import json
+    parts = [dataclasses.asdict(x) for x in (model_spec, dataset, train, distributed)]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def check_evaluation_references(model, dataset):

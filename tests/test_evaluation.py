@@ -70,6 +70,24 @@ def test_evaluate_node_adapter_beats_base_and_is_deterministic(workflow_run):
         ["mean", f"{base['loss']:.6f}", f"{trained['loss']:.6f}"]
 
 
+def test_the_baseline_is_remembered_and_its_remembered_numbers_are_a_fresh_evaluations(workflow_run, comfy, client):
+    """Queued again (another trained model, or here the base itself as `model`), the Evaluate node gives its
+    baseline's remembered result without a trainer run, and a fresh evaluation of the same base is bit-identical."""
+    outcome, wf = workflow_run
+    first_base = executed_outputs(outcome)[EVAL_TRAINED]["baseline_evaluation"][0]
+    graph = {k: copy.deepcopy(wf[k]) for k in ("1", "2", "3", "4")}
+    graph["20"] = copy.deepcopy(wf[EVAL_TRAINED])
+    graph["20"]["inputs"]["model"] = wf[EVAL_TRAINED]["inputs"]["baseline"]
+    evals = comfy.dir("output", "ingraph", "evals")
+    before = set(evals.iterdir())
+    again = client.run(graph, timeout=300)
+    assert again.ok, (again.status, again.error)
+    out = executed_outputs(again)["20"]
+    assert len(set(evals.iterdir()) - before) == 1  # `model` evaluated, the baseline remembered
+    assert out["baseline_evaluation"][0] == first_base
+    assert out["evaluation"][0] == first_base  # the fresh run: to the last bit
+
+
 def test_no_evaluation_runs_before_the_first_training_step(workflow_run):
     """The shipped graph evaluates the base model through the trained model's Evaluate node (its baseline input), so
     nothing is evaluated between the queue and the first step: a separate Evaluate node on the base could run first
