@@ -230,12 +230,15 @@ def test_on_a_gpu_auto_swaps_the_fewest_blocks_that_fit_and_the_refusal_names_th
             f"{swapped.block_swap} or more; or set base_precision to fp8") in message, message
     hopeless = plan("auto", 0.5)
     assert not hopeless.fits() and "block_swap" not in refusal(spec, hopeless, weights, profile)
-    spec.distributed.zero_stage = 1  # DeepSpeed's engine moves the whole model first: a swap does not fit it
+    spec.distributed.zero_stage = 1  # DeepSpeed's engine starts without the swapped weights (host_weights_set_aside)
     deepspeed = plan("auto", 10)
-    assert deepspeed.block_swap == 0 and not deepspeed.fits() and deepspeed.parts["weights"] == 12 * GiB
-    assert "block_swap" not in refusal(spec, deepspeed, weights, profile)
-    spec.train.memory, spec.distributed.block_swap = "manual", 4
-    assert plan("manual", 10).parts["weights"] == 12 * GiB  # a swap the user asked for, counted as it happens
+    assert (deepspeed.block_swap, deepspeed.parts["weights"]) == (swapped.block_swap, swapped.parts["weights"])
+    spec.distributed.zero_stage = 3  # ZeRO-3 partitions the weights itself: no swap to choose, none named
+    zero3 = plan("auto", 10)
+    assert zero3.block_swap == 0 and not zero3.fits() and zero3.parts["weights"] == 12 * GiB
+    assert "block_swap" not in refusal(spec, zero3, weights, profile)
+    spec.distributed.zero_stage, spec.train.memory, spec.distributed.block_swap = 1, "manual", 4
+    assert plan("manual", 10).parts["weights"] == 8 * GiB  # a swap the user asked for, under DeepSpeed too
     spec.distributed.zero_stage, spec.distributed.block_swap = 0, 0
     spec.adapter.kind = "full"  # block swap is for adapter training: auto never picks it, the refusal never names it
     spec.train.memory = "auto"

@@ -720,6 +720,10 @@ def test_the_out_of_memory_message_names_the_peak_and_only_settings_not_yet_used
         "out of GPU memory at step 7 (peak 10.0 GiB of 24.0 GiB): set block_swap (DeepSpeed Settings) to some of "
         "the model's blocks; or train at a lower resolution. The last complete checkpoint is intact.")
     assert memory.out_of_memory_message(spec, 0).startswith("out of GPU memory while loading the model (peak")
+    spec.distributed.processes, spec.distributed.zero_stage = 2, 2  # block swap works under DeepSpeed up to ZeRO-2
+    assert "set block_swap" in memory.out_of_memory_message(spec, 7)
+    spec.distributed.zero_stage = 3  # which partitions the weights itself
+    assert "block_swap" not in memory.out_of_memory_message(spec, 7)
 
 
 def test_verified_shards_are_read_once_while_they_fit_their_memory_budget(monkeypatch):
@@ -897,3 +901,21 @@ def test_pixart_is_refused_below_the_size_its_position_embedding_divides_by_zero
     check_dataset_for_family(cached((272, 256), (512, 512, 17)), family)
     PixArtMS.pe_interpolation = 1.0  # a fixed interpolation (no pe_precision): no division by the size
     check_dataset_for_family(cached((256, 256)), family)
+
+
+def test_deepspeeds_engine_start_leaves_block_swaps_weights_in_host_memory():
+    """Issue 30: DeepSpeed's engine moved its whole module to the device as it started, so block swap could not fit
+    a model larger than the card under DeepSpeed. Started through the trainer's layout, the real engine (ZeRO-1, bf16,
+    on this CPU) moves every weight but the swapped block's frozen ones, which stay the block's, in bf16; started by
+    deepspeed.initialize alone (the control), it moves them too."""
+    import json
+    import subprocess
+    probe = subprocess.run([sys.executable, str(Path(__file__).parent / "deepspeed_swap_probe.py")],
+                           capture_output=True, text=True, timeout=300)
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    seen = json.loads(probe.stdout.strip().splitlines()[-1])
+    layout, control = seen["layout"], seen["control"]
+    assert control["host_moved"] == ["0.bias", "0.weight"]  # what the engine does with a module as it is given
+    assert layout["host_moved"] == [] and layout["others_moved"] == ["0.adapter", "1.bias", "1.weight", "2.bias",
+                                                                     "2.weight"]
+    assert layout["host_still_there"] == ["weight", "bias", "adapter"] and layout["dtype"] == "torch.bfloat16"

@@ -34,9 +34,11 @@ class ParallelLayout:
         """Raises, naming the spec field, where this layout cannot train what the dataset holds."""
 
     def initialize(self, deepspeed, optimizer, scheduler, config: dict):
+        from .memory import host_weights_set_aside
         self.deepspeed = deepspeed
-        self.engine, _, _, _ = deepspeed.initialize(model=self.module, optimizer=optimizer, lr_scheduler=scheduler,
-                                                    config=config)
+        with host_weights_set_aside(self.module):  # block swap's weights stay in host memory (memory.py)
+            self.engine, _, _, _ = deepspeed.initialize(model=self.module, optimizer=optimizer,
+                                                        lr_scheduler=scheduler, config=config)
         return self.engine
 
     @property

@@ -16,7 +16,7 @@ from .batch_mix import StepBatches, build_training_data, prior_report
 from .data import load_cached_dataset, step_loader
 from .device import device_memory, training_device
 from .os_support import map_large_allocations
-from .distributed import data_parallel_size, deepspeed_config, uses_deepspeed, world_size
+from .distributed import data_parallel_size, deepspeed_config, world_size
 from .ema import build_average, exported_weights
 from .evaluation import eval_subset
 from .events import EVENTS_FILE, read_events
@@ -107,9 +107,8 @@ class Trainer(TrainingTask):
         self.memory_plan = plan_memory(spec, family, self.dataset, training_device(), data_parallel_size(spec),
                                        self.log)
         swapped_blocks = memory_savers(family, self.memory_plan.checkpointing, self.memory_plan.block_swap)
-        swap_first = bool(swapped_blocks) and not uses_deepspeed(spec)  # the plain engine leaves them on the host
         self.block_copies = None
-        if swap_first:
+        if swapped_blocks:  # before the engine, which leaves them on the host (plain_engine; layouts.initialize)
             self.block_copies = enable_block_swap(swapped_blocks, training_device(), low_precision_dtype(t.precision))
         self.layout = layout = choose_layout(spec, family, self.params)
         layout.check_data(self.dataset)
@@ -123,8 +122,6 @@ class Trainer(TrainingTask):
             map_large_allocations(32 << 20)  # glibc's own upper bound for its moving threshold
         layout.initialize(deepspeed, optimizer, build_scheduler(spec, optimizer), deepspeed_config(spec))
         self.ema = build_average(spec, self.params)  # after initialize: on the device the engine put them on
-        if swapped_blocks and not swap_first:
-            self.block_copies = enable_block_swap(swapped_blocks, layout.device)
         self.batches = StepBatches(self.dataset, self.sampler, t, spec.data, data_parallel_size(spec),
                                    layout.data_rank)
         checkpointer = Checkpointer(layout, self.run_dir, t.save_every, t.keep_last, self.is_rank0,

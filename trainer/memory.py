@@ -226,6 +226,23 @@ def enable_block_swap(blocks, device, dtype=None, copies=BlockCopies) -> BlockCo
     return arriving
 
 
+@contextlib.contextmanager
+def host_weights_set_aside(module: torch.nn.Module):
+    """Block swap's host-resident weights (enable_block_swap) out of the module for the duration: DeepSpeed's engine
+    moves its whole module to the device, and casts it, when it starts (engine.py, `module.to(device)`), which a
+    model larger than the card would not survive. Those weights are frozen, the same on every process (read from
+    the same file), and already in the training precision, so the engine has nothing to do with them."""
+    aside = [(m, name, p) for m in module.modules() for name, p in m._parameters.items()
+             if p is not None and getattr(p, "host_resident", False)]
+    for m, name, _ in aside:
+        m._parameters[name] = None  # Module._apply and parameters() skip a None entry
+    try:
+        yield
+    finally:
+        for m, name, p in aside:
+            m._parameters[name] = p
+
+
 def memory_savers(family, checkpointing: bool, block_swap: int) -> list:
     """Checkpoints the blocks asked for (the memory plan's choice, memory_plan.plan_memory); returns the blocks to
     swap (enable_block_swap: before the plain engine moves the model to the device, which leaves them in host
@@ -248,6 +265,13 @@ def checkpointed_with_fp8_kept(family, checkpointing: bool) -> None:
     keep_fp8_weights_for_backward(family.diffusion_model, skip=blocks)
 
 
+def swap_allowed(spec) -> bool:
+    """Where block swap may be suggested or chosen: adapter training on one pipeline stage, up to ZeRO-2 (ZeRO-3
+    partitions the weights itself: distributed.block_swap's rule), in the plain engine or DeepSpeed's."""
+    d = spec.distributed
+    return spec.adapter.kind != "full" and d.pipeline_stages <= 1 and d.zero_stage <= 2
+
+
 def memory_suggestions(spec) -> list[str]:
     """What would lower a run's device memory, cheapest in speed first, among the settings it does not use yet."""
     t, a, d, m = spec.train, spec.adapter, spec.distributed, spec.model
@@ -256,7 +280,7 @@ def memory_suggestions(spec) -> list[str]:
         found.append("turn on gradient_checkpointing")
     if a.kind not in ("full", "dora") and m.base_precision != "fp8" and "fp8" not in (m.weight_dtype or ""):
         found.append("set base_precision to fp8")
-    if a.kind != "full" and d.processes == 1 and not d.hostfile and not d.block_swap:
+    if swap_allowed(spec) and not d.block_swap:
         found.append("set block_swap (DeepSpeed Settings) to some of the model's blocks")
     if t.batch_size > 1:
         found.append(f"lower batch_size to {t.batch_size // 2} and raise gradient_accumulation to "

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from .distributed import global_min, uses_deepspeed
-from .memory import memory_suggestions
+from .distributed import global_min
+from .memory import memory_suggestions, swap_allowed
 from .memory_sizes import (ActivationProfile, ModelBytes, largest_activation_profile, load_bytes,
                            low_precision_dtype, model_bytes, shared_out)
 from .optim import optimizer_state_bytes
@@ -95,8 +95,8 @@ def plan_for(spec, weights: ModelBytes, profile: ActivationProfile, checkpointin
     checkpointed = n if checkpointing else block_swap  # swapped blocks are checkpointed by the swap itself
     # the checkpointed blocks are the first ones (memory_savers checkpoints blocks[swap:], swaps blocks[:swap])
     parts = {
-        # under DeepSpeed the engine moves the whole model to the device before block swap takes the blocks out
-        "weights": weights.frozen - (swapped if device_type == "cuda" and not uses_deepspeed(spec) else 0),
+        # the swapped blocks' frozen weights stay in host memory, under DeepSpeed too (memory.host_weights_set_aside)
+        "weights": weights.frozen - (swapped if device_type == "cuda" else 0),
         # the swapped block computing, the one before it finishing, and a third held by the caching allocator while
         # the copy queued on the stream is made (this plan was 1.06x what an H200 measured, 6 SD1.5 blocks swapped)
         "swapped blocks": 3 * max(weights.frozen_per_block[:block_swap], default=0) if device_type == "cuda" else 0,
@@ -131,12 +131,6 @@ def plan_for(spec, weights: ModelBytes, profile: ActivationProfile, checkpointin
     parts.update(backward if sum(backward.values()) >= sum(step.values()) else step)
     return MemoryPlan(device_type, checkpointing, block_swap, parts, host, budget,
                       activations_measured=profile.measured)
-
-
-def swap_allowed(spec) -> bool:
-    """Where block swap may be chosen to fit the device: adapter training in the plain engine (DeepSpeed's engine
-    moves the whole model to the device first, so a swap lowers its steps' memory but not its start-up peak)."""
-    return spec.adapter.kind != "full" and not uses_deepspeed(spec)
 
 
 def choose(spec, weights: ModelBytes, profile: ActivationProfile, device_type: str, budget: int | None):
