@@ -47,15 +47,17 @@ def start(through_layout: bool) -> dict:
         if through_layout:
             layout = layouts.ParallelLayout.__new__(layouts.ParallelLayout)
             layout.module = blocks
-            layout.initialize(deepspeed, optimizer, None, config)
+            engine = layout.initialize(deepspeed, optimizer, None, config)
         else:
-            deepspeed.initialize(model=blocks, optimizer=optimizer, config=config)
+            engine, *_ = deepspeed.initialize(model=blocks, optimizer=optimizer, config=config)
     finally:
         torch.Tensor.to = real_to
     names = {p.data_ptr(): f"{i}.{n}" for i, b in enumerate(blocks) for n, p in b.named_parameters()}
     return {"host_moved": sorted(names.get(p, "?") for p in set(moved) & host),
             "others_moved": sorted(names[p] for p in set(moved) if p in names and p not in host),
             "host_still_there": [n for n, _ in blocks[0].named_parameters()],
+            # DeepSpeed's parameter-name map (its checkpoints' frozen-parameter bookkeeping reads it)
+            "unnamed": sorted(names[p.data_ptr()] for p in blocks.parameters() if p not in engine.param_names),
             "dtype": str(blocks[0].weight.dtype)}
 
 

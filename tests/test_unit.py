@@ -919,3 +919,25 @@ def test_deepspeeds_engine_start_leaves_block_swaps_weights_in_host_memory():
     assert layout["host_moved"] == [] and layout["others_moved"] == ["0.adapter", "1.bias", "1.weight", "2.bias",
                                                                      "2.weight"]
     assert layout["host_still_there"] == ["weight", "bias", "adapter"] and layout["dtype"] == "torch.bfloat16"
+    assert layout["unnamed"] == control["unnamed"] == []
+
+
+def test_ranks_whose_swapped_weights_differ_are_refused(monkeypatch):
+    """The engine's start no longer broadcasts the swapped weights from rank 0: a rank that read another file (a
+    machine of a hostfile with a different copy at the same path) is refused, naming the setting and the rank."""
+    import torch
+    from ingraph_trainer.trainer import distributed, memory
+    block = torch.nn.Linear(4, 4)
+    block.requires_grad_(False)
+    memory.enable_block_swap([block], torch.device("cpu"))
+    mine = float(block.weight.double().sum()), float(block.bias.double().sum())
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    for other, refused in ((list(mine), False), ([mine[0] + 1e-3, mine[1]], True)):
+        monkeypatch.setattr(torch.distributed, "all_gather_object",
+                            lambda every, sums, _other=other: every.__setitem__(slice(None), [sums, _other]))
+        if refused:
+            with pytest.raises(RuntimeError, match=r"model\.path: .* rank\(s\) \[1\]"):
+                memory.check_swapped_weights_agree([block])
+        else:
+            memory.check_swapped_weights_agree([block])

@@ -194,7 +194,9 @@ def save_checkpoint(engine, run_dir: str | Path, step: int, state: dict, is_rank
     engine.save_checkpoint(str(root), tag=partial[0], client_state={"trainer": state, "rng": rng_state(),
                                                               **{name: c.state_dict()
                                                                  for name, c in (components or {}).items()}},
-                           save_latest=False, exclude_frozen_parameters=True)  # the base model is in the run spec
+                           # the base model is in the run spec (and block swap's weights, set aside while the
+                           # engine started, must stay out of DeepSpeed's frozen-parameter bookkeeping)
+                           save_latest=False, exclude_frozen_parameters=True)
     barrier()
     if is_rank0:
         written = root / partial[0]

@@ -39,6 +39,9 @@ class ParallelLayout:
         with host_weights_set_aside(self.module):  # block swap's weights stay in host memory (memory.py)
             self.engine, _, _, _ = deepspeed.initialize(model=self.module, optimizer=optimizer,
                                                         lr_scheduler=scheduler, config=config)
+        names = getattr(self.engine, "param_names", None)  # DeepSpeed's map, built while they were set aside
+        if isinstance(names, dict):
+            names.update({p: n for n, p in self.module.named_parameters()})
         return self.engine
 
     @property

@@ -22,7 +22,7 @@ from .evaluation import eval_subset
 from .events import EVENTS_FILE, read_events
 from .export import diffusers_module_names
 from .layouts import choose_engine, choose_layout
-from .memory import enable_block_swap, load_peak, memory_savers
+from .memory import check_swapped_weights_agree, enable_block_swap, load_peak, memory_savers
 from .metrics import HealthLog, param_norm, param_norm_due
 from .memory_plan import plan_memory, refuse_unloadable
 from .memory_sizes import low_precision_dtype
@@ -110,6 +110,7 @@ class Trainer(TrainingTask):
         self.block_copies = None
         if swapped_blocks:  # before the engine, which leaves them on the host (plain_engine; layouts.initialize)
             self.block_copies = enable_block_swap(swapped_blocks, training_device(), low_precision_dtype(t.precision))
+            check_swapped_weights_agree(swapped_blocks)
         self.layout = layout = choose_layout(spec, family, self.params)
         layout.check_data(self.dataset)
         optimizer = build_optimizer(spec, layout.trainable)

@@ -243,6 +243,24 @@ def host_weights_set_aside(module: torch.nn.Module):
             m._parameters[name] = p
 
 
+def check_swapped_weights_agree(blocks) -> None:
+    """Every process holds the same swapped weights: the engine's start no longer broadcasts them from rank 0
+    (host_weights_set_aside), so a rank that read another file (a machine of a hostfile with a different copy at the
+    same path) would train on other weights without a word. Compared across ranks: the float64 sum of 65536 evenly
+    spaced values of each weight (no whole-size copy of a large weight)."""
+    from .distributed import world_size
+    if world_size() == 1 or not torch.distributed.is_initialized() or not blocks:
+        return
+    sums = [float(w.reshape(-1)[::max(1, w.numel() // 65536)].double().sum())
+            for block in blocks for w in (p.detach() for p in block.parameters() if getattr(p, "host_resident", False))]
+    every = [None] * world_size()
+    torch.distributed.all_gather_object(every, sums)
+    differing = [rank for rank, other in enumerate(every) if other != every[0]]
+    if differing:
+        raise RuntimeError(f"model.path: the swapped blocks' weights differ between rank 0 and rank(s) {differing}: "
+                           "every machine must have the same model file at the same path")
+
+
 def memory_savers(family, checkpointing: bool, block_swap: int) -> list:
     """Checkpoints the blocks asked for (the memory plan's choice, memory_plan.plan_memory); returns the blocks to
     swap (enable_block_swap: before the plain engine moves the model to the device, which leaves them in host
