@@ -138,7 +138,8 @@ def materialise_state_dict(produce, root: str | Path, what: str, key: str | None
     from ..cache.files import atomic_write
     root.mkdir(parents=True, exist_ok=True)
     with atomic_write(path, prefix=".model-") as staged:  # fsynced: a reused copy is never a torn one
-        save_file({k: v.to("cpu").contiguous() for k, v in state.items()}, str(staged.path), metadata={**(metadata or {}), "key": key})
+        save_file({k: v.to("cpu").contiguous() for k, v in state.items()}, str(staged.path),
+                  metadata={**(metadata or {}), "key": key})
     log.info("InGraph Trainer: wrote the graph's %s to %s", what, path)
     evict_materialised(root, keep=path)
     return path

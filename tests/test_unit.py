@@ -256,6 +256,29 @@ def test_conditioning_survives_the_file_round_trip(tmp_path):
     assert set(back[0][1]) == {"pooled_output"}
 
 
+@pytest.mark.parametrize("section,values", [
+    ("adapter", {"kind": "full"}), ("distributed", {"zero_stage": 3}),
+    ("distributed", {"processes": 2, "pipeline_stages": 2}), ("task", "distill"), (None, None)])
+def test_block_swap_is_offered_exactly_where_a_spec_with_it_is_accepted(section, values):
+    """One rule: the memory plan and the out-of-memory suggestions offer block swap (memory.swap_allowed) where,
+    and only where, the same spec with block_swap set passes validation."""
+    from ingraph_trainer.trainer.memory import swap_allowed
+    data = valid_spec_dict()
+    if section == "task":
+        data["task"] = values
+    elif section:
+        data[section].update(values)
+    offered = swap_allowed(config.spec_from_dict(data))
+    data["distributed"]["block_swap"] = 2
+    try:
+        config.spec_from_dict(data)
+        accepted = True
+    except config.RunSpecError as e:
+        assert "block_swap" in str(e)
+        accepted = False
+    assert offered == accepted == (section is None)
+
+
 def test_a_distill_spec_refuses_what_distillation_does_not_keep_yet_when_it_is_read():
     """EMA and block swap are refused when a distill spec is read (before any model loads), naming the field;
     the same settings are a train spec's to use."""

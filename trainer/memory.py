@@ -284,10 +284,8 @@ def checkpointed_with_fp8_kept(family, checkpointing: bool) -> None:
 
 
 def swap_allowed(spec) -> bool:
-    """Where block swap may be suggested or chosen: adapter training on one pipeline stage, up to ZeRO-2 (ZeRO-3
-    partitions the weights itself: distributed.block_swap's rule), in the plain engine or DeepSpeed's."""
-    d = spec.distributed
-    return spec.adapter.kind != "full" and d.pipeline_stages <= 1 and d.zero_stage <= 2
+    """Where block swap may be suggested or chosen: where the spec's one block-swap rule finds no conflict."""
+    return not spec.block_swap_conflicts()
 
 
 def memory_suggestions(spec) -> list[str]:

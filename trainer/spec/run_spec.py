@@ -176,10 +176,23 @@ class RunSpec:
              "distributed.zero_stage 0")
         need(d.pipeline_stages <= 1 or not s.every, "samples.every", "previews need the whole model in one "
              "process; they are not available with pipeline stages")
-        need(not d.block_swap or a.kind != "full", "distributed.block_swap", "block swap keeps frozen weights in "
-             "CPU memory; a full fine-tune has none (use ZeRO-3 with offload instead)")
+        if d.block_swap:  # the layout's own conflicts are in distributed.problems()
+            problems += [f"distributed.{name}: {why}" for name, why in self._run_block_swap_conflicts()]
         if self.task == "distill":
             problems += self.distill.problems(self)
         if problems:
             raise RunSpecError(f"{source}: " + "; ".join(problems))
         return self
+
+    def block_swap_conflicts(self) -> list[tuple[str, str]]:
+        """Every setting block swap cannot run with, as (field under distributed, why), whether or not block_swap is
+        set: the one rule that validation, the memory plan's choice and the out-of-memory suggestions share."""
+        return self.distributed.block_swap_conflicts() + self._run_block_swap_conflicts()
+
+    def _run_block_swap_conflicts(self) -> list[tuple[str, str]]:
+        return [(name, why) for ok, name, why in (
+            (self.adapter.kind != "full", "block_swap", "block swap keeps frozen weights in CPU memory; a full "
+             "fine-tune has none (use ZeRO-3 with offload instead)"),
+            (self.task != "distill", "block_swap", "not yet for distillation (three models); use ZeRO-3 to spread "
+             "them over processes, or set block_swap to 0"),
+        ) if not ok]

@@ -166,8 +166,6 @@ class DistillSpec:
              f"the student trains as a LoRA or in full (got {spec.adapter.kind!r})"),
             (spec.distributed.pipeline_stages <= 1, "distributed.pipeline_stages",
              "distillation runs three models on whole-model layouts (ZeRO 0-3); use 1 stage"),
-            (not spec.distributed.block_swap, "distributed.block_swap", "not yet for distillation (three models); "
-             "use ZeRO-3 to spread them over processes, or set block_swap to 0"),
             (spec.train.ema_decay <= 0, "train.ema_decay", "the weight average is not yet kept for distillation; "
                                                           "set it to 0"),
         ]
@@ -208,11 +206,10 @@ class DistributedSpec:
              "pipeline_stages", f"{self.pipeline_stages} stages do not divide {self.processes} processes"),
             (self.pipeline_stages <= 1 or self.zero_stage <= 1, "pipeline_stages",
              f"DeepSpeed pipelines take ZeRO stage 0 or 1 (zero_stage is {self.zero_stage})"),
-            (self.pipeline_stages <= 1 or self.block_swap == 0, "block_swap", "block swap is for one pipeline stage"),
             (self.block_swap >= 0, "block_swap", f"must be 0 or more (got {self.block_swap})"),
-            (not self.block_swap or self.zero_stage <= 2, "block_swap",
-             "ZeRO-3 partitions the weights itself; use stage 0-2"),
         ]
+        if self.block_swap:
+            rules += [(False, name, why) for name, why in self.block_swap_conflicts()]
         problems = [f"distributed.{name}: {message}" for ok, name, message in rules if not ok]
         needs = self.deepspeed_settings()
         if needs and not problems and not deepspeed_installed():
@@ -220,6 +217,14 @@ class DistributedSpec:
                             f"installed in this Python; install the multi-GPU extra with `{MULTI_GPU_INSTALL}` (one "
                             "process without ZeRO, a pipeline or a hostfile needs none)")
         return problems
+
+    def block_swap_conflicts(self) -> list[tuple[str, str]]:
+        """The layout's settings block swap cannot run with, as (field, why), whether or not block_swap is set:
+        RunSpec.block_swap_conflicts adds the run's."""
+        return [(name, why) for ok, name, why in (
+            (self.pipeline_stages <= 1, "block_swap", "block swap is for one pipeline stage"),
+            (self.zero_stage <= 2, "block_swap", "ZeRO-3 partitions the weights itself; use stage 0-2"),
+        ) if not ok]
 
     def deepspeed_settings(self) -> list[str]:
         """The settings that make this layout DeepSpeed's (several processes, another machine, ZeRO, a pipeline);
