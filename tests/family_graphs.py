@@ -141,6 +141,8 @@ VIDEO_MODELS = {
     "tiny_hunyuan_video": ("HunyuanVideoFamily", {}, "HunyuanVideo", "hunyuan_video", None, 16, "hunyuan_video"),
     "tiny_ltxv": ("LTXVFamily", {}, "LTXV", "ltxv", None, 128, "ltxv"),
 }
+if ON_COMFYUI_033:  # LTX-2, sized by its file's metadata: built as tools/family_coverage.py builds it
+    VIDEO_MODELS["tiny_ltxav"] = ("LTXAV", {}, "LTXAV", "ltxav", None, 128, "ltxav")
 
 
 def write_video_models(folder) -> dict:
@@ -149,12 +151,18 @@ def write_video_models(folder) -> dict:
     from safetensors.torch import save_file
 
     from ingraph_trainer.trainer import models
+    from tools.family_coverage import CLASS_BUILT, class_state_dict
     paths = {}
     for stem, (cls_name, size, *_) in VIDEO_MODELS.items():
-        cls = getattr(models, cls_name)
-        state = cls.scratch_state_dict(0, **{**cls.scratch_sizes.get("tiny", {}), **size})
+        metadata = None
+        if cls_name in CLASS_BUILT:  # a ComfyUI class no family file builds
+            built = class_state_dict(cls_name, *CLASS_BUILT[cls_name])
+            state, metadata = built if isinstance(built, tuple) else (built, None)
+        else:
+            cls = getattr(models, cls_name)
+            state = cls.scratch_state_dict(0, **{**cls.scratch_sizes.get("tiny", {}), **size})
         paths[stem] = folder / f"{stem}.safetensors"
-        save_file(state, str(paths[stem]))
+        save_file(state, str(paths[stem]), metadata=metadata)
     return paths
 
 

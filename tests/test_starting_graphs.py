@@ -11,14 +11,17 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from conftest import CHECKPOINT_NAME, ON_COMFYUI_033, REPO, comfyui_path, comfyui_version
+from conftest import CHECKPOINT_NAME, ON_COMFYUI_033, REPO, comfyui_path, comfyui_version, tiny_models
 from family_graphs import (EDIT_FOLDER, FAMILY_FOLDER, FAMILY_TINY_MODELS, IMAGE_TINY_MODELS, VAE_CHANNELS,
-                           bootstrap_comfy, merged, run_events)
+                           merged, run_events)
 from family_graphs import family_models, image_family_models, video_model_files, video_models_in_server  # noqa: F401
 from tools.starting_graphs import RECIPES, api_graph, needs_comfyui
 
+# the 0.33 families' tiny models (tools/tiny_models.py: Z-Image is one of its VARIANTS), in bf16
+DAY0_TINY_MODELS = dict(families={"flux2": "bf16", "z_image": "bf16"})
 pytestmark = [pytest.mark.comfyui, pytest.mark.tiny_models(**FAMILY_TINY_MODELS),
-              pytest.mark.tiny_models(**IMAGE_TINY_MODELS)]
+              pytest.mark.tiny_models(**IMAGE_TINY_MODELS),
+              *([pytest.mark.tiny_models(**DAY0_TINY_MODELS)] if ON_COMFYUI_033 else [])]
 
 FILE_INPUTS = {"ckpt_name", "unet_name", "clip_name", "clip_name1", "clip_name2", "vae_name"}  # the user's files
 # graph → (the family the trainer should find, the tiny diffusion model, synthetic text family, VAE, image folder);
@@ -30,16 +33,12 @@ STAND_INS = {
     "start_wan22_5b_video_lora": ("wan", "tiny_wan22_ti2v.safetensors", "wan", VAE_CHANNELS[48], FAMILY_FOLDER),
     "start_qwen_image_edit_lora": ("qwen_image", "tiny_qwen_image.safetensors", "qwen_image",
                                    "tiny_wan_vae.safetensors", EDIT_FOLDER),
-    # ComfyUI 0.33's: the tiny models are written by day0_models below; Flux.2's VAE is the 128-channel TAE
+    # ComfyUI 0.33's: the tiny models are put in by day0_models below; Flux.2's VAE is the 128-channel TAE
     "start_flux2_dev_lora": ("flux2", "tiny_flux2.safetensors", "flux2", VAE_CHANNELS[128], FAMILY_FOLDER),
     "start_z_image_lora": ("lumina2", "tiny_z_image.safetensors", "z_image", VAE_CHANNELS[16], FAMILY_FOLDER),
 }
 # the recipes this ComfyUI loads (Flux.2 and Z-Image: 0.33 and later)
 HERE = sorted(name for name, recipe in RECIPES.items() if needs_comfyui(recipe) <= comfyui_version(comfyui_path()))
-# the 0.33 families' tiny models: (family class, its scratch sizes beyond "tiny")
-DAY0_MODELS = {"tiny_flux2.safetensors": ("Flux2Family", {}),
-               "tiny_z_image.safetensors": ("Lumina2Family", dict(n_layers=1, variant="z_image"))}
-
 
 def shipped(name: str) -> dict:
     return json.loads((REPO / "workflows" / "api" / f"{name}_api.json").read_text())
@@ -123,18 +122,11 @@ def with_tiny_stand_ins(name: str, graph: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def day0_models(family_models):  # noqa: F811
-    """On ComfyUI 0.33: the tiny Flux.2 and Z-Image in the server's diffusion-models folder, in bf16."""
-    if not ON_COMFYUI_033:
-        return
-    bootstrap_comfy()
-    import torch
-    from ingraph_trainer.trainer import models
-    from tools.tiny_models import _save
-    for file_name, (cls_name, size) in DAY0_MODELS.items():
-        cls = getattr(models, cls_name)
-        state = cls.scratch_state_dict(0, **{**cls.scratch_sizes.get("tiny", {}), **size})
-        _save(state, family_models.dir("models", "diffusion_models") / file_name, torch.bfloat16)
+def day0_models(family_models, tools):  # noqa: F811
+    """On ComfyUI 0.33: the tiny Flux.2 and Z-Image in the server's diffusion-models folder (built in the
+    background from the session's start: conftest.tiny_models)."""
+    if ON_COMFYUI_033:
+        tiny_models(tools, family_models, **DAY0_TINY_MODELS)
 
 
 def test_each_starting_graph_trains_with_tiny_stand_ins(family_models, video_models_in_server,  # noqa: F811

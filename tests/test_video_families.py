@@ -24,7 +24,8 @@ WAN_VAE = "tiny_wan_vae.safetensors"  # conftest.tiny_models
 # the family against ComfyUI's own sampler path: the same computation to rounding. ComfyUI 0.33's path rounds a few
 # elements differently (seen: at most 1.7e-6 on 2-5 of 3072-9216 elements; a wrong input moves them by ~1e-1)
 SAME = dict(rtol=1e-5, atol=1e-5) if ON_COMFYUI_033 else dict(rtol=1e-6, atol=1e-6)
-TEXT = {"wan": (8, 4096, None), "hunyuan_video": (8, 4096, 768), "ltxv": (8, 4096, None)}
+TEXT = {"wan": (8, 4096, None), "hunyuan_video": (8, 4096, 768), "ltxv": (8, 4096, None),
+        "ltxav": (8, 32, None)}  # the tiny LTX-2's connectors' width
 
 
 def load_with_unet_loader(path):
@@ -98,10 +99,14 @@ def test_comfyui_detects_each_tiny_video_model_and_the_family_loss_is_comfyuis(v
             ours = family.loss(batch, reduce=False)
             # HunyuanVideo trains at train.guidance (1 by default), as FluxGuidance sets it in a graph
             # LTX-Video: the mask as CLIPTextEncode puts T5's into the conditioning
+            # LTX-2: its text encoder's mark (the model's connectors take the embedding), and the latent shapes
+            # ComfyUI's sampler hands the model with a video latent alone
             extras = {"hunyuan_video": {"guidance": family.guidance},
-                      "ltxv": {"attention_mask": batch.text_mask}}.get(name, {})
+                      "ltxv": {"attention_mask": batch.text_mask},
+                      "ltxav": {"unprocessed_ltxav_embeds": True}}.get(name, {})
             extras = {k: v[:1] if k == "attention_mask" else v for k, v in extras.items()}  # one prompt's
-            out = comfy_sampler_output(patcher, x, sigma, conditioning_of(batch, **extras), noise)
+            out = comfy_sampler_output(patcher, x, sigma, conditioning_of(batch, **extras), noise,
+                                       **({"latent_shapes": [x.shape]} if name == "ltxav" else {}))
         theirs = (out - family.target(x0, noise, sigma.view(-1, 1, 1, 1, 1))).pow(2).mean(dim=(1, 2, 3, 4))
         torch.testing.assert_close(ours, theirs, **SAME, msg=stem)
         # and it trains: ComfyUI's blocks add residuals in place, which the family's preparation makes differentiable
@@ -242,6 +247,36 @@ def test_pipeline_layers_compute_what_the_model_computes_and_i2v_refuses_them(vi
         patcher = load_with_unet_loader(video_model_files[stem])
         with pytest.raises(UnsupportedSetting, match="distributed.pipeline_stages: Wan 2.* start image"):
             family_for(patcher.model, patcher=patcher).pipeline_layers()
+
+
+@pytest.mark.skipif(not ON_COMFYUI_033, reason="skipped: this ComfyUI has no LTX-2 (0.33 and later have)")
+def test_ltx2_trains_its_video_stream_and_checkpointed_blocks_give_the_same_gradients(video_model_files):
+    """LTX-2 on a video latent alone: the presets adapt the video stream's layers only (no audio layer, which a
+    batch with no audio latents gives no gradient), and its blocks, which add into the (video, audio) pair they
+    receive in place, give the same LoRA gradients checkpointed as not (a block that changed its own input would
+    recompute from the changed one). Pipeline stages are refused, naming the setting."""
+    from ingraph_trainer.trainer.adapters import inject_adapter
+    from ingraph_trainer.trainer.memory import memory_savers
+    from ingraph_trainer.trainer.models import UnsupportedSetting, family_for
+    grads = []
+    for checkpointing in (False, True):
+        patcher = load_with_unet_loader(video_model_files["tiny_ltxav"])
+        family = family_for(patcher.model, patcher=patcher)
+        family.prepare_for_training()
+        targets = family.adapter_targets("attention_ff")
+        assert targets and not any("audio" in t or "a2v" in t or "v2a" in t for t in targets), targets
+        params = inject_adapter(family.diffusion_model, targets, "lora", 2, 2.0, 0.0)
+        torch.manual_seed(3)
+        for param in params:  # both halves of each LoRA non-zero: every one takes a gradient
+            param.data.normal_(0, 0.1)
+        memory_savers(family, checkpointing, 0)
+        family.loss(random_batch(128, "ltxav")).backward()
+        grads.append([param.grad for param in params])
+    assert len(grads[0]) == len(grads[1]) and all(g.abs().sum() > 0 for g in grads[0])
+    for plain, checkpointed in zip(*grads):
+        torch.testing.assert_close(checkpointed, plain, rtol=0, atol=0)
+    with pytest.raises(UnsupportedSetting, match="distributed.pipeline_stages: LTX-2"):
+        family.pipeline_layers()
 
 
 def video_sampling_graph(stem: str, lora_name: str | None, prefix: str) -> dict:

@@ -65,7 +65,8 @@ TEXT = {"sd_unet": (8, 768, None), "sdxl": (8, 2048, 1280), "sd3": (8, 64, 32), 
         "qwen_image": (8, 3584, None), "chroma": (8, 4096, None), "lumina2": (8, 2304, None),
         "flux2": (8, 64, None),  # the tiny Flux.2 reads 64-wide text (its txt_in; real ones: 7680 or 15360)
         "krea2": (8, 320, None),  # 2 encoder layers of 160 side by side (the real one: 12 of Qwen3-VL-4B)
-        "hunyuan_video15": (8, 64, None)}
+        "hunyuan_video15": (8, 64, None),
+        "ltxav": (8, 32, None)}  # the tiny LTX-2's text: its connectors' width (real ones: 3840, Gemma 3 projected)
 
 
 # ComfyUI class -> why no tiny model here trains it (for a class that trains: what the training leaves out)
@@ -142,7 +143,8 @@ WHY_NOT = {
     "Stable_Zero123": "novel-view model: needs the input view and camera angles, which the trainer does not give",
     "SVD_img2vid": "image-to-video without text: needs the start image and its CLIP-vision embedding, which the "
                    "trainer does not give",
-    "LTXAV": "joint audio-video model: the trainer's batches carry no audio latents",
+    "LTXAV": "trained on video alone, as ComfyUI samples it from a video latent: the audio stream is left out (the "
+             "cache makes no audio latents), and the presets adapt the video stream's layers",
     "MiniMaxH3": "joint audio-video model: the trainer's batches carry no audio latents",
     "Stable_Cascade_B": "Stable Cascade stage B: ComfyUI knows only the released sizes; needs stage C's output",
     "Stable_Cascade_C": "Stable Cascade stage C: ComfyUI knows only the released sizes (1536 or 2048 wide)",
@@ -153,7 +155,7 @@ OUT_OF_SCOPE = {"audio": "audio model: this pack trains image and video models",
                 "3D": "3-D generator: this pack trains image and video models",
                 "other": "not a diffusion model (no latents to denoise: detection, segmentation, depth)"}
 
-VIDEO_FAMILIES = ("wan", "hunyuan_video", "hunyuan_video15", "ltxv")
+VIDEO_FAMILIES = ("wan", "hunyuan_video", "hunyuan_video15", "ltxv", "ltxav")
 # classes the latent format misnames: an image model on a video VAE's latents, 3-D generators with image-like ones
 KINDS = {"Krea2": "image", "Trellis2": "3D", "TripoSplat": "3D"}
 
@@ -226,9 +228,13 @@ COSMOS2_TINY = dict(max_img_h=240, max_img_w=240, max_frames=128, in_channels=16
 # positions (a file with no learned position table)
 COGVIDEOX_TINY = dict(num_attention_heads=2, attention_head_dim=64, time_embed_dim=128, num_layers=1,
                       use_rotary_positional_embeddings=True)
-# ComfyUI class -> (its unet_config at a tiny size, the file metadata it is told apart by or None): built by
-# ComfyUI's own get_model for that class, then detected from the weights like any other file. Classes a family
-# file builds (and so the New Model node offers) are built there; these are the rest a family trains.
+LTXAV_TINY = dict(num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16, audio_num_attention_heads=2,
+                  audio_attention_head_dim=4, audio_cross_attention_dim=8, caption_channels=32,
+                  connector_num_attention_heads=2, connector_attention_head_dim=16, connector_num_layers=1,
+                  num_layers=1)
+# ComfyUI class -> (its unet_config at a tiny size, the file metadata it is told apart by or sized from, or None):
+# built by ComfyUI's own get_model for that class, then detected from the weights like any other file. Classes a
+# family file builds (and so the New Model node offers) are built there; these are the rest a family trains.
 CLASS_BUILT = {
     "WAN21_FunControl2V": (dict(WAN_TINY, in_dim=48), None),  # the control video's 16 + 16 channels + the mask's
     "WAN21_Camera": (dict(WAN_TINY, in_dim=32), None),
@@ -304,6 +310,9 @@ CLASS_BUILT = {
     # Ideogram 4: ComfyUI reads only the depth and input channels (18 heads of 256: 4608 wide, 53248-wide text);
     # 1 layer of it on Flux.2's 128 channels (~0.5B parameters)
     "Ideogram4": (dict(in_channels=128, num_layers=1), None),
+    # LTX-2: ComfyUI reads its sizes from the file's "config" metadata (Lightricks' files carry one), else fixes 32
+    # heads and 2048-wide audio; 2 heads of 8 for video, 2 of 4 for audio, 32-wide text connectors, 1 block
+    "LTXAV": (LTXAV_TINY, {"config": json.dumps({"transformer": LTXAV_TINY})}),
 }
 
 

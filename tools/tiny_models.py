@@ -3,6 +3,7 @@ family, a 16-channel TAESD VAE for the flow-matching families' latents, and a Wa
 
     python tools/tiny_models.py --family sd3 --out tiny_sd3.safetensors [--dtype bf16]
     python tools/tiny_models.py --families sdxl:bf16 sd3 flux:bf16 wan --out-dir DIR   # DIR/tiny_<family>.safetensors
+    python tools/tiny_models.py --families flux2:bf16 z_image:bf16 --out-dir DIR   # ComfyUI 0.33's Flux.2, Z-Image
     python tools/tiny_models.py --vae16 tiny_taesd16.safetensors --vae4 tiny_taesd4.safetensors
     python tools/tiny_models.py --wan-vae tiny_wan_vae.safetensors
 
@@ -30,12 +31,19 @@ def _save(state: dict, out: Path, dtype=None):
                       for k, v in state.items()}, out)
 
 
+# models that ComfyUI loads as another family's class, by the name their tiny file takes (tiny_<name>.safetensors):
+# name → (family, its scratch sizes beyond the size asked for); ComfyUI 0.33's, which 0.3.64 cannot build
+VARIANTS = {"z_image": ("lumina2", dict(variant="z_image"))}
+
+
 def build_family_model(family: str, out: Path, seed: int = 0, size: str = "tiny", dtype: str = "fp32") -> Path:
+    """`family`: a family's name, or one of VARIANTS."""
     _bootstrap()
     import torch
     from ingraph_trainer.trainer.models import FAMILIES
+    family, variant = VARIANTS.get(family, (family, {}))
     cls = next(c for c in FAMILIES if c.name == family)
-    state = cls.scratch_state_dict(seed, **cls.scratch_sizes.get(size, {}))
+    state = cls.scratch_state_dict(seed, **{**cls.scratch_sizes.get(size, {}), **variant})
     _save(state, out, {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
     return out
 
@@ -76,7 +84,7 @@ def main(argv=None):
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--families", nargs="*", default=[], metavar="FAMILY[:DTYPE]",
-                        help="several families in one go (one ComfyUI import), written to --out-dir")
+                        help="several families (or VARIANTS' names) in one go (one ComfyUI import), written to --out-dir")
     parser.add_argument("--out-dir", type=Path)
     parser.add_argument("--vae16", type=Path, help="write a 16-channel TAESD VAE here")
     parser.add_argument("--vae4", type=Path, help="write a 4-channel TAESD VAE (SD1.x/SDXL latents) here")

@@ -12,6 +12,7 @@ from .hunyuan_video import HunyuanVideo15Family, HunyuanVideoFamily
 from .krea2 import Krea2Family
 from .lumina2 import Lumina2Family
 from .ltxv import LTXVFamily
+from .ltxav import LTXAVFamily
 from .qwen_image import QwenImageFamily
 from .sd3 import SD3Family
 from .sd_unet import SDUNetFamily
@@ -20,7 +21,7 @@ from .wan import WanFamily
 
 # first match wins; the generic family takes any model no dedicated family claims
 FAMILIES: list[type[ModelFamily]] = [SDUNetFamily, SDXLFamily, SD3Family, FluxFamily, Flux2Family, WanFamily,
-                                     HunyuanVideoFamily, HunyuanVideo15Family, LTXVFamily,
+                                     HunyuanVideoFamily, HunyuanVideo15Family, LTXVFamily, LTXAVFamily,
                                      QwenImageFamily, ChromaFamily, Lumina2Family, Krea2Family, GenericFamily]
 SCRATCH_FAMILIES: dict[str, type[ModelFamily]] = {cls.name: cls for cls in FAMILIES if cls.scratch_sizes}
 

@@ -33,13 +33,23 @@ def _residual(tensor: torch.Tensor) -> torch.Tensor:
 _NORMS = {torch.nn.functional.rms_norm, torch.rms_norm}
 
 
-def residuals_out_of_place(blocks) -> None:
-    """Wraps each block so the tensors it receives add out of place, and hands plain tensors back."""
+def residuals_out_of_place(blocks, copy_inputs: bool = False) -> None:
+    """Wraps each block so the tensors it receives add out of place, and hands plain tensors back. `copy_inputs`:
+    for blocks that add into their inputs in place before any `+=` (LTX-2's, into a (video, audio) pair), every
+    floating tensor they receive, in tuples too, is a copy, so their caller's (and a checkpoint's recompute's)
+    input stays as it was."""
     def plain(value):
         if isinstance(value, _OutOfPlaceAdd):
             return value.as_subclass(torch.Tensor)
-        if isinstance(value, tuple):
-            return tuple(plain(v) for v in value)
+        if isinstance(value, (tuple, list)):
+            return type(value)(plain(v) for v in value)
+        return value
+
+    def residual(value):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return _residual((value.clone() if copy_inputs else value).as_subclass(_OutOfPlaceAdd))
+        if copy_inputs and isinstance(value, tuple):
+            return tuple(residual(v) for v in value)
         return value
 
     for block in blocks:
@@ -48,10 +58,8 @@ def residuals_out_of_place(blocks) -> None:
         forward = block.forward
 
         def wrapped(*args, _forward=forward, **kwargs):
-            args = tuple(_residual(a.as_subclass(_OutOfPlaceAdd)) if isinstance(a, torch.Tensor)
-                         and a.is_floating_point() else a for a in args)
-            kwargs = {k: _residual(v.as_subclass(_OutOfPlaceAdd)) if k in ("img", "txt", "x")
-                      and isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            args = tuple(residual(a) for a in args)
+            kwargs = {k: residual(v) if k in ("img", "txt", "x") else v for k, v in kwargs.items()}
             return plain(_forward(*args, **kwargs))
         block.forward = wrapped
         block._ingraph_out_of_place = True

@@ -22,13 +22,16 @@ FAMILY_TEXT = {
     "ltxv": (16, 4096, None),
     "flux2": (16, 64, None),  # the tiny Flux.2 reads 64-wide text (the real ones 7680, 12288 or 15360)
     "z_image": (16, 2560, None),  # Qwen3-4B's width, fixed by ComfyUI's Z-Image
+    "ltxav": (16, 32, None),  # the tiny LTX-2's connectors' width (tools/family_coverage.py LTXAV_TINY)
 }
 # conditioning values a family's model requires beside the embedding (LTXVModel takes T5's attention mask)
 FAMILY_EXTRAS = {"ltxv": lambda tokens: {"attention_mask": torch.ones((1, tokens), dtype=torch.long)},
                  # Gemma's mask gives Lumina 2 its token count; T5-only encoders hand a pooled_output of None
                  "lumina2": lambda tokens: {"attention_mask": torch.ones((1, tokens), dtype=torch.long)},
                  "z_image": lambda tokens: {"attention_mask": torch.ones((1, tokens), dtype=torch.long)},
-                 "chroma": lambda tokens: {"pooled_output": None}}
+                 "chroma": lambda tokens: {"pooled_output": None},
+                 # ComfyUI's LTX-2 text encoders mark their projected Gemma layers for the model's connectors
+                 "ltxav": lambda tokens: {"unprocessed_ltxav_embeds": True}}
 
 
 class SyntheticClip:
