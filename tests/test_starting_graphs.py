@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.comfyui, pytest.mark.tiny_models(**FAMILY_TINY_MODELS)
               pytest.mark.tiny_models(**IMAGE_TINY_MODELS),
               *([pytest.mark.tiny_models(**DAY0_TINY_MODELS)] if ON_COMFYUI_033 else [])]
 
-FILE_INPUTS = {"ckpt_name", "unet_name", "clip_name", "clip_name1", "clip_name2", "vae_name"}  # the user's files
+FILE_INPUTS = {"ckpt_name", "unet_name", "clip_name", "clip_name1", "clip_name2", "vae_name",
+               "text_encoder"}  # the user's files
 # graph → (the family the trainer should find, the tiny diffusion model, synthetic text family, VAE, image folder);
 # SD1.5 keeps its checkpoint loader, with the suite's tiny checkpoint
 STAND_INS = {
@@ -36,6 +37,9 @@ STAND_INS = {
     # ComfyUI 0.33's: the tiny models are put in by day0_models below; Flux.2's VAE is the 128-channel TAE
     "start_flux2_dev_lora": ("flux2", "tiny_flux2.safetensors", "flux2", VAE_CHANNELS[128], FAMILY_FOLDER),
     "start_z_image_lora": ("lumina2", "tiny_z_image.safetensors", "z_image", VAE_CHANNELS[16], FAMILY_FOLDER),
+    # LTX-2: the tiny one that tests/family_graphs.py writes (sized by its file's metadata), Flux.2's TAE for the
+    # 128 latent channels, images as one-frame videos
+    "start_ltx2_video_lora": ("ltxav", "tiny_ltxav.safetensors", "ltxav", VAE_CHANNELS[128], FAMILY_FOLDER),
 }
 # the recipes this ComfyUI loads (Flux.2 and Z-Image: 0.33 and later)
 HERE = sorted(name for name, recipe in RECIPES.items() if needs_comfyui(recipe) <= comfyui_version(comfyui_path()))
@@ -46,7 +50,7 @@ def shipped(name: str) -> dict:
 
 def test_the_shipped_files_are_the_recipes():
     assert sorted(STAND_INS) == sorted(RECIPES)
-    assert len(HERE) == len(RECIPES) - (0 if ON_COMFYUI_033 else 2), HERE
+    assert len(HERE) == len(RECIPES) - (0 if ON_COMFYUI_033 else 3), HERE
     for name, recipe in RECIPES.items():
         assert shipped(name) == api_graph(recipe), f"{name}: run python tools/starting_graphs.py"
 

@@ -196,7 +196,7 @@ def test_the_shipped_graphs_open_in_the_frontend_with_no_node_over_another(comfy
     node's panel) is clear of every other, and no node is missing. A screenshot of each, the whole graph in view,
     goes to test-artifacts/."""
     from playwright.sync_api import sync_playwright
-    assert len([name for name in UI_GRAPHS if name.startswith("start_")]) == 7, UI_GRAPHS
+    assert len([name for name in UI_GRAPHS if name.startswith("start_")]) == 8, UI_GRAPHS
     settings = comfy.dir("user", "default") / "comfy.settings.json"  # a returning user: no template dialog
     settings.write_text(json.dumps({"Comfy.TutorialCompleted": True}))
     ARTIFACTS.mkdir(parents=True, exist_ok=True)

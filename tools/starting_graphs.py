@@ -6,8 +6,8 @@ running server, in UI form to example_workflows/ with a thumbnail each).
     python tools/starting_graphs.py --server HOST:PORT   # and the UI graphs and thumbnails (the server's /object_info)
 
 Each recipe says what it loads (the file names ComfyUI's own templates and the model pages use) and why its
-settings are what they are, and the ComfyUI it needs (`comfyui`, where 0.3.64 does not load its files: Flux.2 and
-Z-Image are tested on 0.33). tests/test_starting_graphs.py checks every widget value against /object_info and runs
+settings are what they are, and the ComfyUI it needs (`comfyui`, where 0.3.64 does not load its files: Flux.2,
+Z-Image and LTX-2 are tested on 0.33). tests/test_starting_graphs.py checks every widget value against /object_info and runs
 each graph through the API with the family's tiny model in place of the real one.
 """
 from __future__ import annotations
@@ -130,6 +130,23 @@ RECIPES = {
         previews=dict(prompts="a photo of my subject", cfg=4.0, steps=25, width=1024, height=1024, every=250,
                       sampler_name="res_multistep", scheduler="simple"),
         comfyui="0.33"),
+    "start_ltx2_video_lora": dict(
+        # LTX-2.3 (22B) dev as its blueprint loads it: one fp8 checkpoint (about 27 GB) holding the model and its
+        # video VAE, and Gemma 3 12B through LTX's own text-encoder loader. It trains on video alone (the audio
+        # stream is left out: no audio latents are cached), on the fp8 weights as they are; memory "auto" swaps
+        # blocks to host RAM where a 24-32 GB card does not hold it, and says so before the run
+        loaders={"model": _checkpoint("ltx-2.3-22b-dev-fp8.safetensors")["model"],
+                 "text_encoder": {"class_type": "LTXAVTextEncoderLoader", "_meta": {"title": "Load Gemma 3 (LTX)"},
+                                  "inputs": {"text_encoder": "gemma_3_12B_it_fp4_mixed.safetensors",
+                                             "ckpt_name": "ltx-2.3-22b-dev-fp8.safetensors", "device": "default"}}},
+        # clips with name.txt captions: 8k+1 frames (what LTX's VAE takes: 1 latent frame per 8) at 24 fps
+        dataset=dict(folder="training_clips", resolution=512, frame_buckets="1, 25, 49", fps=24.0),
+        adapter=dict(rank=16, alpha=16.0, targets="attention + feed-forward"),
+        train=dict(steps=1000, batch_size=1, learning_rate=1e-4, gradient_checkpointing=True, save_every=200,
+                   output_name="my_ltx2_lora"),
+        previews=dict(prompts="my subject walking through a forest", cfg=4.0, steps=30, width=768, height=512,
+                      every=200, scheduler="simple"),
+        comfyui="0.33"),
 }
 
 
@@ -144,11 +161,11 @@ def api_graph(recipe: dict) -> dict:
     → Train LoRA (with LoRA Adapter and Sample Previews) → the loss chart."""
     loaders = recipe["loaders"]
     graph = {"1": loaders["model"]}
+    model, clip, vae = ["1", 0], ["1", 1], ["1", 2]  # a checkpoint's, unless loaded on their own
     if "text_encoder" in loaders:
-        graph["2"], graph["3"] = loaders["text_encoder"], loaders["vae"]
-        model, clip, vae = ["1", 0], ["2", 0], ["3", 0]
-    else:
-        model, clip, vae = ["1", 0], ["1", 1], ["1", 2]
+        graph["2"], clip = loaders["text_encoder"], ["2", 0]
+    if "vae" in loaders:
+        graph["3"], vae = loaders["vae"], ["3", 0]
     graph["4"] = {"class_type": "InGraphLoadTrainingImages", "_meta": {"title": "Load Training Images"},
                   "inputs": {"bucketing": True, "min_side": 256, "max_side": 2048, "max_upscale": 1.0,
                              "crop": "center", "flip": False, "repeats": 1, "caption_prefix": "",
