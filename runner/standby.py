@@ -85,12 +85,20 @@ class Standby:
             self.close()
             return False
         try:
-            socket.send_fds(self.channel, [json.dumps(argv).encode()], [log_fd])
+            socket.send_fds(self.channel, [json.dumps(argv).encode() + b"\n"], [log_fd])
         except OSError:
             self.stop()
             return False
-        self.channel.close()  # one command per standby; nothing else is ever sent
+        self.channel.close()  # one run per standby; nothing is sent after it
         return True
+
+    def preload(self, payload: dict) -> None:
+        """Asks the standby to load the queued run's model now (trainer/standby.py preload); a standby gone or
+        busy is no matter: the run loads its model itself."""
+        try:
+            self.channel.sendall(json.dumps({"preload": payload}).encode() + b"\n")
+        except OSError:
+            pass
 
     def close(self):
         self.channel.close()
@@ -118,21 +126,55 @@ def trainer_environment(comfyui_path: str | None) -> dict[str, str]:
     return env
 
 
-def prime(python: str, env: dict[str, str]):
-    """Makes sure a standby for (python, env) is started, unless standbys are off."""
+def prime(python: str, env: dict[str, str], preload: dict | None = None):
+    """Makes sure a standby for (python, env) is started, unless standbys are off; `preload` (queued_model's) is
+    sent to it, to load while the graph's earlier nodes run."""
     global _waiting
     if not enabled():
         return
     with _lock:
-        if _waiting is not None and _waiting.alive() and (_waiting.python, _waiting.env) == (python, env):
-            return
-        stale, _waiting = _waiting, None
-        if stale is not None:
-            stale.stop()
-        try:
-            _waiting = Standby(python, env)
-        except OSError as exc:
-            log.warning("InGraph Trainer: no standby trainer (%s); runs start their own process", exc)
+        if _waiting is None or not _waiting.alive() or (_waiting.python, _waiting.env) != (python, env):
+            stale, _waiting = _waiting, None
+            if stale is not None:
+                stale.stop()
+            try:
+                _waiting = Standby(python, env)
+            except OSError as exc:
+                log.warning("InGraph Trainer: no standby trainer (%s); runs start their own process", exc)
+                return
+        if preload is not None:
+            _waiting.preload(preload)
+
+
+def queued_model(prompt: dict, resolve=None) -> dict | None:
+    """The model section and precision the prompt's one Train LoRA node will hand its trainer, read from the prompt
+    as the node reads them (model_source.describe_model: the loader's files, LoRAs on the way), so a standby can
+    load the model while the graph's earlier nodes run; None where the prompt has another number of Train nodes,
+    its model is not described by files, or its precision is not given in it. The run takes the preloaded model
+    only if its own spec gives the same load (trainer/models load_key), so a wrong guess costs time, never a
+    result. `resolve(folder, name)`: a loader's file (ComfyUI's folder_paths by default)."""
+    import dataclasses
+
+    from ..trainer.spec import BASE_PRECISION_CHOICES, PRECISION_CHOICES, choice_value
+    from .model_source import Undescribable, describe_model, input_link
+    trains = [node_id for node_id, node in prompt.items()
+              if isinstance(node, dict) and node.get("class_type") == "InGraphTrainLoRA"]
+    if len(trains) != 1:
+        return None
+    inputs = prompt[trains[0]].get("inputs") or {}
+    try:
+        link = input_link(prompt, trains[0], "model")
+        source = describe_model(prompt, link, resolve=resolve) if resolve else describe_model(prompt, link)
+        precision = choice_value(PRECISION_CHOICES, inputs["precision"], "precision")
+        model = source.model_spec("auto")
+        if "base_precision" in inputs:
+            model.base_precision = choice_value(BASE_PRECISION_CHOICES, inputs["base_precision"], "base_precision")
+    except (Undescribable, KeyError, ValueError, TypeError, OSError):
+        return None
+    except Exception as exc:  # noqa: BLE001 - it runs in ComfyUI's prompt hook, which must never fail a prompt
+        log.debug("InGraph Trainer: no model to load ahead (%s)", exc)
+        return None
+    return {"model": dataclasses.asdict(model), "precision": precision}
 
 
 def run_started() -> None:
@@ -169,7 +211,8 @@ def discard():
 
 QUEUED_WAIT_S = 60.0  # how long after a training prompt arrives its validation may take before it is queued
 MAX_PENDING = 32  # training prompts waiting to be queued that the watcher follows (a flood keeps the newest)
-_pending: dict[str, tuple[float, float]] = {}  # prompt id -> (when it came, when to stop waiting for it: monotonic)
+# prompt id -> (when it came, when to stop waiting for it: monotonic, its queued_model)
+_pending: dict[str, tuple[float, float, dict | None]] = {}
 _last_taken = 0.0  # when a run last started (time.monotonic; run_started)
 _pending_lock = threading.Lock()
 _watcher: threading.Thread | None = None
@@ -194,7 +237,7 @@ def prime_for_prompt(json_data: dict, queue=None, wait_s: float = QUEUED_WAIT_S)
             json_data["prompt_id"] = str(uuid.uuid4())  # canonical: ComfyUI 0.33 refuses any other form
         with _pending_lock:
             now = time.monotonic()
-            _pending[json_data["prompt_id"]] = (now, now + wait_s)
+            _pending[json_data["prompt_id"]] = (now, now + wait_s, queued_model(prompt))
             while len(_pending) > MAX_PENDING:
                 del _pending[next(iter(_pending))]  # the oldest
             if _watcher is None:
@@ -212,7 +255,7 @@ def _prime_once_queued(queue):
     while True:
         with _pending_lock:
             now = time.monotonic()
-            for prompt_id in [p for p, (_, until) in _pending.items() if until < now]:
+            for prompt_id in [p for p, (_, until, _) in _pending.items() if until < now]:
                 del _pending[prompt_id]
             if not _pending:
                 _watcher = None
@@ -229,13 +272,16 @@ def _prime_once_queued(queue):
         found = {item[1] for item in (*running, *queued) if len(item) > 1} & waiting
         if found:
             with _pending_lock:
-                came = max(_pending.pop(prompt_id, (0.0, 0.0))[0] for prompt_id in found)
+                came, _, preload = max((_pending.pop(prompt_id, (0.0, 0.0, None)) for prompt_id in found),
+                                       key=lambda entry: entry[0])
             # a standby taken since the prompt came served it (its node ran before this poll saw it queued): one
             # primed now would warm beside that run, taking its CPU (the run's model load took 3x as long) and, on a
-            # GPU, memory; that run primes the next standby itself at its last step
+            # GPU, memory; that run primes the next standby itself at its last step. Its model is preloaded only
+            # while no other prompt runs (whose trainer's memory it would crowd, and whose run may take it)
             if _last_taken < came:
                 from . import paths
-                prime(sys.executable, trainer_environment(paths.comfyui_root()))
+                others = any(len(item) > 1 and item[1] not in found for item in running)
+                prime(sys.executable, trainer_environment(paths.comfyui_root()), None if others else preload)
         time.sleep(0.05)
 
 

@@ -44,11 +44,18 @@ def _events(run_dir):
 
 
 def test_a_standby_run_gives_the_events_log_and_exit_code_of_a_cold_run(prepared, fresh_standby, monkeypatch):
+    """A standby, told the run's model ahead of it (as the prompt hook tells it the queued Train node's), loads
+    it before the run comes, and the run takes it: the run gives a cold run's events, losses and exit code."""
+    import dataclasses
+
+    from ingraph_trainer.trainer.spec import load_run_spec
     # one evaluation quantile (8 forward passes, not 40, before and after): the events still hold evaluations
     cold_spec = prepared(train__steps=2, train__precision="fp32", train__eval_quantiles=[0.5])
     warm_spec = prepared(train__steps=2, train__precision="fp32", train__eval_quantiles=[0.5])
+    spec = load_run_spec(warm_spec)
+    assert spec.model.stamps  # what the run checks the preloaded model against
     env = standby.trainer_environment(None)
-    standby.prime(sys.executable, env)
+    standby.prime(sys.executable, env, preload={"model": dataclasses.asdict(spec.model), "precision": "fp32"})
     assert standby._waiting.wait_ready(WARM_UP_S), "the standby never finished its imports"
     warm = launcher.TrainerProcess(warm_spec.parent, warm_spec, watch_parent=False).start()
     assert warm.standby
@@ -64,6 +71,7 @@ def test_a_standby_run_gives_the_events_log_and_exit_code_of_a_cold_run(prepared
     warm_log = (warm_spec.parent / "trainer.log").read_text()
     # what the imports printed before the run existed (ComfyUI's memory line, on any device) is in the run's log
     assert "Total VRAM" in warm_log and "takes this run" in warm_log
+    assert "ahead of its run in" in warm_log and "loaded ahead of the run" in warm_log, warm_log[-3000:]
     assert int((warm_spec.parent / "trainer.pid").read_text()) == warm.pid
 
 
@@ -207,7 +215,7 @@ def test_multi_process_runs_start_through_deepspeed_not_the_standby(tmp_path, mo
 
 def test_standbys_start_only_for_training_prompts_and_never_when_switched_off(monkeypatch):
     primed = []
-    monkeypatch.setattr(standby, "prime", lambda python, env: primed.append(env["COMFYUI_PATH"]))
+    monkeypatch.setattr(standby, "prime", lambda python, env, preload=None: primed.append(env["COMFYUI_PATH"]))
     paths = importlib.import_module("ingraph_trainer.runner.paths")
     monkeypatch.setattr(paths, "comfyui_root", lambda: "/comfy")
 
@@ -331,3 +339,126 @@ def test_the_next_standby_starts_when_training_is_over_not_beside_it(tmp_path, m
     assert primed == ["prime"]
     proc.rc = 0
     assert evaluation.poll() == 0 and primed == ["prime"]
+
+
+def test_the_queued_train_nodes_model_is_read_from_the_prompt_and_preloaded_only_on_an_idle_server(tmp_path,
+                                                                                                   monkeypatch):
+    """The prompt hook reads the queued Train node's model as the node will hand it off (the loader's file, LoRAs
+    on the way, stamped) with its precision, and sends it to the standby only while no other prompt runs (whose
+    run could take that standby); a Train node whose model no file describes, or two Train nodes, preload nothing."""
+    from ingraph_trainer.runner.model_source import file_stamp
+    ckpt, lora = tmp_path / "base.safetensors", tmp_path / "style.safetensors"
+    ckpt.write_bytes(b"weights")
+    lora.write_bytes(b"lora")
+    files = {("checkpoints", "base.safetensors"): str(ckpt), ("loras", "style.safetensors"): str(lora)}
+    resolve = lambda folder, name: files.get((folder, name))  # noqa: E731
+    train = {"class_type": "InGraphTrainLoRA", "inputs": {"model": ["2", 0], "precision": "bf16",
+                                                           "base_precision": "fp8"}}
+    prompt = {"1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "base.safetensors"}},
+              "2": {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "lora_name":
+                                                                    "style.safetensors", "strength_model": 0.5}},
+              "3": train}
+    queued = standby.queued_model(prompt, resolve)
+    assert queued["precision"] == "bf16"
+    model = queued["model"]
+    assert (model["path"], model["format"], model["base_precision"]) == (str(ckpt), "checkpoint", "fp8")
+    assert model["lora_paths"] == [str(lora)] and model["lora_strengths"] == [0.5]
+    assert model["stamps"] == [file_stamp(ckpt), file_stamp(lora)]
+    assert standby.queued_model({**prompt, "4": train}, resolve) is None  # which of two would come first: unknown
+    patched = {**prompt, "2": {"class_type": "SomeModelPatch", "inputs": {"model": ["1", 0]}}}
+    assert standby.queued_model(patched, resolve) is None  # materialised at the node: no file to load ahead
+    assert standby.queued_model({**prompt, "3": {**train, "inputs": {"model": ["1", 0]}}}, resolve) is None
+
+    sent = []
+    monkeypatch.setattr(standby, "prime", lambda python, env, preload=None: sent.append(preload))
+    monkeypatch.setattr(standby, "queued_model", lambda prompt: queued)
+    monkeypatch.setattr(importlib.import_module("ingraph_trainer.runner.paths"), "comfyui_root", lambda: "/comfy")
+    monkeypatch.setattr(standby, "_last_taken", 0.0)
+
+    class Queue:
+        running, queued = [], []
+
+        def get_current_queue_volatile(self):
+            return list(self.running), list(self.queued)
+    queue = Queue()
+    for others_running in (False, True):
+        prompt_id = f"0b7e4c5e-36b1-4a43-9a61-2f5a3b9f0c1{int(others_running)}"
+        queue.running = [(0, "another-prompt", {}, {}, [])] if others_running else []
+        queue.queued = [(1, prompt_id, prompt, {}, [])]
+        standby.prime_for_prompt({"prompt": prompt, "prompt_id": prompt_id}, queue)
+        for thread in [t for t in threading.enumerate() if t.name == "ingraph-standby-wait"]:
+            thread.join(timeout=10)
+    assert sent == [queued, None]
+
+
+def test_a_standby_loads_a_preload_unless_its_run_is_there_and_lets_it_go_after_a_while():
+    """The standby's side of the socket: JSON lines; a preload is done at once when it comes alone, skipped when
+    the run came with it (the run loads its model), and let go when its run does not come in time; the run's
+    command line comes with the log's descriptor."""
+    import json
+    import socket
+
+    trainer_standby = importlib.import_module("ingraph_trainer.trainer.standby")
+    run = ["--config", "/r/run.toml"]
+    line = lambda message: json.dumps(message).encode() + b"\n"  # noqa: E731
+
+    def serve(*sends, keep_s=600.0, pause=0.0):
+        """sends: (bytes, with the log's descriptor) each one sendmsg, `pause` seconds apart."""
+        ours, theirs = socket.socketpair()
+        preloads, expired = [], []
+        with open(os.devnull) as log:
+            def send():
+                for data, with_log in sends:
+                    socket.send_fds(ours, [data], [log.fileno()] if with_log else [])
+                    time.sleep(pause)
+            sender = threading.Thread(target=send)
+            sender.start()
+            got = trainer_standby.wait_for_command(theirs, 30, on_preload=preloads.append,
+                                                   on_preload_expired=lambda: expired.append(1),
+                                                   preload_keep_s=keep_s)
+            sender.join()
+        ours.close()
+        theirs.close()
+        if got is not None:
+            os.close(got[1])
+        return got and got[0], preloads, expired
+
+    assert serve((line({"preload": {"m": 1}}), False), (line(run), True), pause=0.3) == (run, [{"m": 1}], [])
+    assert serve((line({"preload": {"m": 1}}) + line(run), True)) == (run, [], [])  # the run came with it
+    assert serve((line({"preload": {"m": 2}}), False), (line(run), True), keep_s=0.1, pause=0.6) == \
+        (run, [{"m": 2}], [1])
+
+
+def test_a_run_takes_the_preloaded_model_only_when_its_spec_loads_the_same_and_its_files_are_unchanged(
+        tmp_path, monkeypatch):
+    """The model loaded ahead of a run is that run's only if the run's model section and precision give the same
+    load (files, stamps, dtype, precision, LoRAs); otherwise it is dropped and the run loads its own. A file
+    rewritten since the preload (the run's own stamps then differ from it) is refused, as any stale file is."""
+    import dataclasses
+
+    from ingraph_trainer.runner.model_source import file_stamp
+    from ingraph_trainer.trainer import models
+    from ingraph_trainer.trainer.spec import ModelSpec
+    path = tmp_path / "base.safetensors"
+    path.write_bytes(b"weights")
+    loads = []
+    monkeypatch.setattr(models, "load_base_model", lambda model, precision, deferred=None:
+                        loads.append((model.path, precision)) or object())
+    model = ModelSpec(path=str(path), format="checkpoint", stamps=[file_stamp(path)])
+    models.preload_base_model(model, "bf16")
+    preloaded = models._preloaded[0][1]
+    assert models._take_preloaded(model, "bf16") is preloaded and not models._preloaded
+    for other, precision in ((model, "fp32"), (dataclasses.replace(model, weight_dtype="fp8_e4m3fn"), "bf16"),
+                             (dataclasses.replace(model, lora_paths=["/l"], lora_strengths=[1.0]), "bf16")):
+        models.preload_base_model(model, "bf16")
+        assert models._take_preloaded(other, precision) is None and not models._preloaded
+    models.preload_base_model(dataclasses.replace(model, stamps=[]), "bf16")  # nothing to check it against
+    assert not models._preloaded
+    models.preload_base_model(model, "bf16")
+    path.write_bytes(b"other weights")
+    rewritten = dataclasses.replace(model, stamps=[file_stamp(path)])
+    assert models._take_preloaded(rewritten, "bf16") is None  # another stamp: another load
+    models.preload_base_model(model, "bf16")  # (the preload's own stamp check is load_base_model's)
+    with pytest.raises(ValueError, match="model.stamps: .* changed since the graph loaded it"):
+        models._take_preloaded(model, "bf16")
+    assert len(loads) == 6 and not models._preloaded

@@ -1,8 +1,10 @@
 """A trainer process started ahead of need: `python <pack>/trainer --standby --parent-pid P`.
 
 It does the imports every run needs (torch, the launching server's ComfyUI, DeepSpeed, peft, the training
-loop) and then waits on its stdin, a Unix socket from the launcher, for one message: the trainer's command
-line (JSON list) with the run's log file as an attached descriptor. Only then does it read anything of a run.
+loop) and then waits on its stdin, a Unix socket from the launcher, for the trainer's command line (a JSON line
+holding a list) with the run's log file as an attached descriptor. Before it, the launcher may send the queued
+run's model (a JSON line `{"preload": ...}`), which it loads while the graph's earlier nodes run; the run takes it
+if its spec names the same files, loaded the same way (trainer/models load_key), else it is dropped.
 It moves its output (what the imports printed, kept in a launcher-made unnamed file) into the run's log, points
 stdout/stderr at that log and stdin at /dev/null, and runs `main(argv)` exactly as a freshly started trainer
 would: same argv, same events, same exit code.
@@ -38,28 +40,77 @@ def warm_up() -> None:
     from . import evaluation, hostfile, loop, objectives, plain_engine, training_module  # noqa: F401
 
 
-def wait_for_command(channel: socket.socket, idle_s: float, on_message=lambda: None) -> tuple[list[str], int] | None:
-    """(argv, log descriptor) from the launcher, or None when the launcher closed its end or the wait ran out (a
-    launcher gone ends the process before: OrphanWatch). `on_message()` runs once something is there to read,
-    before it is read (a run sent is the run's from then)."""
+PRELOAD_KEEP_S = 600.0  # a preloaded model whose run has not come by then (its prompt failed, say) is dropped
+
+
+def wait_for_command(channel: socket.socket, idle_s: float, on_message=lambda: None, on_preload=None,
+                     launcher_gone=lambda: False, on_preload_expired=lambda: None,
+                     preload_keep_s: float = PRELOAD_KEEP_S) -> tuple[list[str], int] | None:
+    """(argv, log descriptor) from the launcher, or None when the launcher closed its end, is gone, or the wait ran
+    out. Messages are JSON lines: a `{"preload": ...}` asks for the queued run's model ahead of it
+    (`on_preload(payload)`, done at once unless the run is there already); a list is the run's command line, sent
+    with the log's descriptor. `on_message()` runs once something is there to read, before it is read (a run sent
+    is the run's from then; OrphanWatch's watch stops, so from a preload on this loop watches `launcher_gone`). A
+    preload whose run has not come within `preload_keep_s` is let go (`on_preload_expired()`)."""
     deadline = time.monotonic() + idle_s
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([channel], [], [], max(0.0, deadline - time.monotonic()))
+    buffer, fds, watching, preload_until = b"", [], False, None
+    while True:
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            message = json.loads(line)
+            if isinstance(message, dict) and "preload" in message:
+                if on_preload is not None and b"\n" not in buffer:  # with the run already there: the run loads it
+                    on_preload(message["preload"])
+                    preload_until = time.monotonic() + preload_keep_s
+                watching = True
+                continue
+            if len(fds) != 1:
+                raise RuntimeError(f"standby: the launcher's run came with {len(fds)} descriptors, not the run's log")
+            if not (isinstance(message, list) and all(isinstance(a, str) for a in message)) or "--standby" in message:
+                raise RuntimeError("standby: the launcher's message is not a trainer command line")
+            return message, fds[0]
+        now = time.monotonic()
+        if now >= deadline or (watching and launcher_gone()):
+            return None
+        if preload_until is not None and now >= preload_until:
+            on_preload_expired()
+            preload_until = None
+        ready, _, _ = select.select([channel], [], [], min(deadline - now, 0.2) if watching else deadline - now)
         if not ready:
             continue
         on_message()
-        message, fds, _, _ = socket.recv_fds(channel, MAX_MESSAGE, 1)
-        if not message:  # the launcher closed the socket (or exited)
+        data, received, _, _ = socket.recv_fds(channel, MAX_MESSAGE, 1)
+        fds += received
+        if not data:  # the launcher closed the socket (or exited)
             for fd in fds:
                 os.close(fd)
             return None
-        if len(fds) != 1:
-            raise RuntimeError(f"standby: the launcher's message carried {len(fds)} descriptors, not the run's log")
-        argv = json.loads(message)
-        if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)) or "--standby" in argv:
-            raise RuntimeError("standby: the launcher's message is not a trainer command line")
-        return argv, fds[0]
-    return None
+        buffer += data
+
+
+def preload(payload: dict) -> None:
+    """The queued run's base model, loaded ahead of it (models.preload_base_model): `payload` is the model
+    section of its spec and its precision, as the launcher read them from the queued prompt. What fails here is
+    only logged: the run then loads the model itself and reports what is wrong."""
+    began = time.perf_counter()
+    try:
+        from .device import choose_device, concrete_precision
+        from .models import preload_base_model
+        from .spec import ModelSpec
+        choose_device()
+        model = ModelSpec(**payload["model"])
+        preload_base_model(model, concrete_precision(payload["precision"]))
+        print(f"ingraph-trainer: standby loaded {model.path} ahead of its run in {time.perf_counter() - began:.1f} s",
+              flush=True)
+    except Exception as exc:  # noqa: BLE001 - a preload is a guess; the run is the judge
+        print(f"ingraph-trainer: standby did not load the queued run's model ahead of it ({type(exc).__name__}: "
+              f"{exc})", flush=True)
+
+
+def drop_preload() -> None:
+    from .models import drop_preloaded
+    drop_preloaded()
+    print("ingraph-trainer: standby let go of the model it loaded ahead of a run that has not come", flush=True)
 
 
 def take_over_output(log_fd: int):
@@ -132,7 +183,9 @@ def serve(argv: list[str], run_main) -> int:
     warm_at = time.strftime("%H:%M:%S")
     # a run sent and then its launcher gone: the run is the trainer's to end (its orphan handling writes the last
     # event), so the watch stops as soon as a message is there to read
-    command = wait_for_command(channel, opts.idle_s, on_message=orphan_watch.taken)
+    command = wait_for_command(channel, opts.idle_s, on_message=orphan_watch.taken, on_preload=preload,
+                               launcher_gone=lambda: opts.parent_pid > 0 and _parent_gone(opts.parent_pid),
+                               on_preload_expired=drop_preload)
     if command is None:
         return 0 if opts.parent_pid <= 0 or not _parent_gone(opts.parent_pid) else EXIT_ORPHANED
     run_argv, log_fd = command

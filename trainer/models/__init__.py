@@ -183,6 +183,49 @@ def bake_patches(patcher) -> None:
     patcher.patches_uuid = uuid.uuid4()
 
 
+# a standby's base model, loaded while the graph's earlier nodes ran (trainer/standby.py): [(load key, patcher)],
+# taken by the run whose model and precision give the same key, dropped by any other
+_preloaded: list = []
+
+
+def load_key(model, precision: str | None) -> str:
+    """What a base model's load depends on: the source files as stamped, how they are loaded, the precision."""
+    import json
+    return json.dumps([model.path, model.format, model.weight_dtype, model.base_precision, list(model.lora_paths),
+                       [float(s) for s in model.lora_strengths], list(model.stamps), precision])
+
+
+def preload_base_model(model, precision: str | None) -> None:
+    """Loads the base model ahead of its run (a standby told what the queued prompt's Train node trains) and keeps
+    it for that run; a model preloaded before is dropped first. Unstamped files are not preloaded: nothing could
+    tell the run that they are still what was loaded."""
+    drop_preloaded()
+    if model.stamps:
+        _preloaded.append((load_key(model, precision), load_base_model(model, precision)))
+
+
+def drop_preloaded() -> None:
+    import gc
+    if _preloaded:
+        _preloaded.clear()
+        gc.collect()  # the weights leave before anything else is loaded in their place
+
+
+def _take_preloaded(model, precision: str | None):
+    """The preloaded patcher when it was loaded from exactly this model at this precision (its files unchanged
+    since: the same stamps, checked again now); else None, and the preloaded one is dropped."""
+    if not _preloaded:
+        return None
+    if _preloaded[0][0] != load_key(model, precision):
+        drop_preloaded()
+        logging.getLogger(__name__).info("the model loaded ahead of this run is not its model: loading it afresh")
+        return None
+    patcher = _preloaded.pop()[1]
+    check_stamps(model)
+    logging.getLogger(__name__).info("%s: loaded ahead of the run, while the graph's earlier nodes ran", model.path)
+    return patcher
+
+
 def load_family(model, family: str = "auto", prediction: str = "auto", *, precision: str | None = None,
                 deferred=None) -> ModelFamily:
     """The trainer's model: a run spec's ModelSpec (or, as before, a diffusion-model path with family and
@@ -192,7 +235,9 @@ def load_family(model, family: str = "auto", prediction: str = "auto", *, precis
     import torch
     model = _as_model_spec(model, family, prediction)
     check_family_name(model.family)  # before the load, which can take minutes
-    patcher = load_base_model(model, precision, deferred)
+    patcher = _take_preloaded(model, precision) if deferred is None and model.stamps else None
+    if patcher is None:
+        patcher = load_base_model(model, precision, deferred)
     result = family_for(patcher.model, model.family, model.prediction, patcher)
     if precision is not None:
         result.compute_dtype = getattr(torch, PRECISION_DTYPES[precision])
@@ -201,6 +246,7 @@ def load_family(model, family: str = "auto", prediction: str = "auto", *, precis
 
 
 __all__ = ["Batch", "ModelFamily", "UnsupportedSetting", "FAMILIES", "SCRATCH_FAMILIES", "load_family",
+           "preload_base_model", "drop_preloaded", "load_key",
            "load_base_model", "loader_options", "file_stamp", "check_stamps",
            "family_for", "family_class", "detect_prediction",
            "prediction_from_sampling"]
