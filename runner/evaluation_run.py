@@ -78,12 +78,13 @@ def _result_key(model_spec, dataset, train: TrainSpec, distributed: DistributedS
 
 def check_evaluation_references(model, dataset):
     """Refuses, before anything is handed off or launched, a dataset whose reference images the MODEL's family
-    cannot take: training's rule (trainer.dataset_checks.check_reference_input), naming the Evaluate node's input."""
-    from ..trainer.dataset_checks import check_reference_input
+    cannot take: training's rule (trainer.dataset_checks.check_dataset_for_family, which leaves the items' sizes to
+    the trainer: the graph's dataset holds its bucket settings, not the sizes), naming the Evaluate node's input."""
+    from ..trainer.dataset_checks import check_dataset_for_family
     from ..trainer.models import UnsupportedSetting, family_for
     family = family_for(model.model)
     try:
-        check_reference_input(dataset, family, "dataset")
+        check_dataset_for_family(dataset, family, "dataset")
     except UnsupportedSetting as exc:
         raise ValueError(f"Evaluate ({family.display_name} model): {exc}") from None
 

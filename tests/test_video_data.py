@@ -374,7 +374,7 @@ def test_references_and_clips_reach_the_trainer_batch(tmp_path):
     """Cached references come back as Batch.references ([B, C, T, h, w] per slot), clips as 5-D latents in a
     bucket of their own frame count; a family that takes no references refuses them, naming the setting."""
     from ingraph_trainer.trainer.batch_mix import training_batch
-    from ingraph_trainer.trainer.dataset_checks import check_reference_input
+    from ingraph_trainer.trainer.dataset_checks import check_dataset_for_family
     from ingraph_trainer.trainer.data import StepSampler, load_cached_dataset
     from ingraph_trainer.trainer.models.base import UnsupportedSetting
 
@@ -416,10 +416,10 @@ def test_references_and_clips_reach_the_trainer_batch(tmp_path):
 
     class Edit(NoReferences):
         display_name, reference_input = "Flux Kontext", "reference_latents"
-    check_reference_input(cached_set, Edit())
+    check_dataset_for_family(cached_set, Edit())
     with pytest.raises(UnsupportedSetting, match="data.manifest: its items carry 1 reference image.*SDXL.*"
                                                  "reference_input"):
-        check_reference_input(cached_set, NoReferences())
+        check_dataset_for_family(cached_set, NoReferences())
     # a run with prior images (here the same set again) serves references from both, evaluation included
     from ingraph_trainer.trainer.batch_mix import MixedDataset
     mixed = MixedDataset(cached_set, cached_set)
@@ -474,7 +474,7 @@ def test_references_the_model_cannot_take_or_the_eval_set_lacks_are_refused_at_s
 
 
 def test_evaluate_refuses_references_the_model_cannot_take_before_anything_runs(tmp_path, monkeypatch):
-    """The Evaluate node runs training's reference check (dataset_checks.check_reference_input): in the graph, on its
+    """The Evaluate node runs training's dataset check (dataset_checks.check_dataset_for_family): in the graph, on its
     dataset input, before the MODEL is handed off; and in the trainer's evaluate task, before the model is built."""
     from types import SimpleNamespace
 

@@ -24,7 +24,7 @@ def reference_slots(dataset) -> int:
     return max(part.reference_slots for part, _ in _parts(dataset, ""))
 
 
-def check_reference_input(dataset, family, where: str = "data.manifest"):
+def _check_reference_input(dataset, family, where: str = "data.manifest"):
     """Fails at start-up, naming the setting, where the dataset's items carry reference images the model family
     cannot take (ModelFamily.reference_input is None) or more than it takes, or a prior set's count differs from
     the training set's. The one rule for every task that runs a family on a dataset (training, distillation, the
@@ -65,7 +65,7 @@ def check_image_sizes(dataset, family, where: str = "data.manifest"):
 def check_dataset_for_family(dataset, family, where: str = "data.manifest"):
     """What every task that runs a family on a dataset checks first (training, distillation, the Evaluate node):
     the reference images its items carry, and their sizes."""
-    check_reference_input(dataset, family, where)
+    _check_reference_input(dataset, family, where)
     check_image_sizes(dataset, family, where)
 
 
