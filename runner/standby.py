@@ -10,6 +10,12 @@ when ComfyUI starts instead would charge that to every user who never trains; IN
 anyway (for a server that trains all day), and INGRAPH_STANDBY=0 turns it off: every run then starts its own
 process, as multi-process (DeepSpeed launcher) runs always do.
 
+The queued prompt's Train node's model goes to the standby too (queued_model: read from the prompt as the node will
+hand it off), which loads it while the graph's earlier nodes run (loading the model in ComfyUI, caching), so the
+Train node's run starts with its model in memory. Only while no other prompt runs; the run takes it only where
+its own spec gives the same load, else it is dropped first. It holds a second copy of the weights beside
+ComfyUI's a little earlier than the run would.
+
 A standby is used only by a run whose environment is exactly the one it was started with (the server's
 environment plus the launcher's variables, COMFYUI_PATH included) and with the same Python; otherwise it is
 stopped and the run starts cold.
