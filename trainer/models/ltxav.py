@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Batch, UnsupportedSetting, is_comfy_model
+from .base import Batch, ModelFamily, UnsupportedSetting, is_comfy_model
 from .ltxv import LTXVFamily
 from .residuals import residuals_out_of_place
 
@@ -24,8 +24,10 @@ class LTXAVFamily(LTXVFamily):
     display_name = "LTX-2"
     base_model_version = "ltxav"
     # ComfyUI reads LTX-2's sizes from the file's "config" metadata (what Lightricks' files carry), which a file of
-    # random weights would have to write too: tools/family_coverage.py builds the tiny one with ComfyUI's get_model
+    # random weights would have to write too: tools/family_coverage.py builds the tiny one with ComfyUI's get_model.
+    # So no builder here (LTX-Video's would build an LTX-Video)
     scratch_sizes = {}
+    scratch_state_dict = vars(ModelFamily)["scratch_state_dict"]
 
     @classmethod
     def matches(cls, base_model) -> bool:
