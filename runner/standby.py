@@ -75,6 +75,7 @@ class Standby:
             theirs.close()
             output.close()
         self.channel = ours
+        self.preloaded: dict | None = None  # the model sent to it to load ahead of its run
 
     def wait_ready(self, timeout: float) -> bool:
         """True once its imports are done (it says so on the socket); False on timeout or if it died."""
@@ -103,6 +104,7 @@ class Standby:
         busy is no matter: the run loads its model itself."""
         try:
             self.channel.sendall(json.dumps({"preload": payload}).encode() + b"\n")
+            self.preloaded = payload
         except OSError:
             pass
 
@@ -148,7 +150,7 @@ def prime(python: str, env: dict[str, str], preload: dict | None = None):
             except OSError as exc:
                 log.warning("InGraph Trainer: no standby trainer (%s); runs start their own process", exc)
                 return
-        if preload is not None:
+        if preload is not None and _waiting.preloaded != preload:
             _waiting.preload(preload)
 
 
@@ -222,6 +224,9 @@ _pending: dict[str, tuple[float, float, dict | None]] = {}
 _last_taken = 0.0  # when a run last started (time.monotonic; run_started)
 _pending_lock = threading.Lock()
 _watcher: threading.Thread | None = None
+# the last training prompt's queued_model, loaded into the standby once ComfyUI's queue is idle (users queue the
+# same graph again: only its changed nodes run, and the Train node starts at once, before a model could load)
+_after_queue: dict | None = None
 
 
 def prime_for_prompt(json_data: dict, queue=None, wait_s: float = QUEUED_WAIT_S) -> dict:
@@ -254,16 +259,17 @@ def prime_for_prompt(json_data: dict, queue=None, wait_s: float = QUEUED_WAIT_S)
 
 
 def _prime_once_queued(queue):
-    """The watcher: polls ComfyUI's queue for the pending ids, primes when one is there, leaves when none is
-    pending any more."""
-    global _watcher
+    """The watcher: polls ComfyUI's queue for the pending ids, primes when one is there; then, once the queue is
+    idle, hands the standby the last training prompt's model (preload_when_idle); leaves when it has neither to
+    do."""
+    global _watcher, _after_queue
     import time
     while True:
         with _pending_lock:
             now = time.monotonic()
             for prompt_id in [p for p, (_, until, _) in _pending.items() if until < now]:
                 del _pending[prompt_id]
-            if not _pending:
+            if not _pending and _after_queue is None:
                 _watcher = None
                 return
             waiting = set(_pending)
@@ -273,13 +279,22 @@ def _prime_once_queued(queue):
             log.debug("InGraph Trainer: no standby (%s)", exc)
             with _pending_lock:
                 _pending.clear()
+                _after_queue = None
                 _watcher = None
             return
+        if not waiting:  # only the idle preload is left to do
+            if not running and not queued:
+                with _pending_lock:
+                    payload, _after_queue = _after_queue, None
+                preload_when_idle(payload)
+            time.sleep(0.2)
+            continue
         found = {item[1] for item in (*running, *queued) if len(item) > 1} & waiting
         if found:
             with _pending_lock:
                 came, _, preload = max((_pending.pop(prompt_id, (0.0, 0.0, None)) for prompt_id in found),
                                        key=lambda entry: entry[0])
+                _after_queue = preload
             # a standby taken since the prompt came served it (its node ran before this poll saw it queued): one
             # primed now would warm beside that run, taking its CPU (the run's model load took 3x as long) and, on a
             # GPU, memory; that run primes the next standby itself at its last step. Its model is preloaded only
@@ -289,6 +304,31 @@ def _prime_once_queued(queue):
                 others = any(len(item) > 1 and item[1] not in found for item in running)
                 prime(sys.executable, trainer_environment(paths.comfyui_root()), None if others else preload)
         time.sleep(0.05)
+
+
+def preload_when_idle(payload: dict | None) -> None:
+    """Sends the waiting standby the model of the training prompt that just ended, where it was given none and the
+    machine has the memory to hold it idle (room_for_idle_model); the standby lets it go after its keep time."""
+    if payload is None:
+        return
+    with _lock:
+        standby = _waiting
+        if standby is not None and standby.alive() and not standby.preloaded and room_for_idle_model(payload):
+            standby.preload(payload)
+
+
+def room_for_idle_model(payload: dict) -> bool:
+    """Whether the model can wait in memory beside everything else: its files' bytes (twice that in fp32, which
+    the trainer holds from fp16 or smaller files) at most half of what the system has available now. False where
+    that cannot be read (not Linux): an idle copy of a model is a guess, and memory is what users run out of."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+        model = payload["model"]
+        size = sum(os.path.getsize(path) for path in (model["path"], *model["lora_paths"]))
+    except (OSError, StopIteration, ValueError, KeyError, TypeError):
+        return False
+    return size * (2 if payload.get("precision") == "fp32" else 1) * 2 <= available
 
 
 def register_prompt_hook():

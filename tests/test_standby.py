@@ -386,8 +386,13 @@ def test_the_queued_train_nodes_model_is_read_from_the_prompt_and_preloaded_only
         queue.running = [(0, "another-prompt", {}, {}, [])] if others_running else []
         queue.queued = [(1, prompt_id, prompt, {}, [])]
         standby.prime_for_prompt({"prompt": prompt, "prompt_id": prompt_id}, queue)
+        deadline = time.monotonic() + 10
+        while standby._pending and time.monotonic() < deadline:  # until the watcher has seen it queued
+            time.sleep(0.01)
+        queue.running, queue.queued = [], []  # done: the watcher's idle preload finds no standby here, and leaves
         for thread in [t for t in threading.enumerate() if t.name == "ingraph-standby-wait"]:
             thread.join(timeout=10)
+        assert standby._watcher is None
     assert sent == [queued, None]
 
 
@@ -462,3 +467,53 @@ def test_a_run_takes_the_preloaded_model_only_when_its_spec_loads_the_same_and_i
     with pytest.raises(ValueError, match="model.stamps: .* changed since the graph loaded it"):
         models._take_preloaded(model, "bf16")
     assert len(loads) == 6 and not models._preloaded
+
+
+def test_once_the_queue_is_idle_the_last_training_prompts_model_waits_in_the_standby_where_memory_allows(
+        tmp_path, monkeypatch):
+    """Queued again, a graph runs only its changed nodes and its Train node starts at once, before any model could
+    load: so once ComfyUI's queue is idle, the standby gets the last training prompt's model to hold, where the
+    machine has the memory for an idle copy (half its available memory at most), and not twice."""
+    payload = {"model": {"path": str(tmp_path / "base.safetensors"), "lora_paths": []}, "precision": "fp32"}
+    (tmp_path / "base.safetensors").write_bytes(b"w" * 1024)
+    assert standby.room_for_idle_model(payload)
+    with open(tmp_path / "huge.safetensors", "wb") as huge:
+        huge.truncate(1 << 42)  # sparse: a 4 TiB file on no disk space
+    assert not standby.room_for_idle_model({**payload, "model": {"path": huge.name, "lora_paths": []}})
+
+    class Waiting:  # the standby primed at the run's last step
+        preloaded = None
+
+        def alive(self):
+            return True
+
+        def preload(self, sent):
+            self.preloaded = sent
+            received.append(sent)
+    monkeypatch.setattr(standby, "prime", lambda python, env, preload=None: None)
+    monkeypatch.setattr(standby, "queued_model", lambda prompt: payload)
+    monkeypatch.setattr(importlib.import_module("ingraph_trainer.runner.paths"), "comfyui_root", lambda: "/comfy")
+    monkeypatch.setattr(standby, "_last_taken", 0.0)
+
+    class Queue:
+        running = []
+
+        def get_current_queue_volatile(self):
+            return list(self.running), []
+    for room in (True, False):
+        received = []
+        monkeypatch.setattr(standby, "_waiting", Waiting())
+        monkeypatch.setattr(standby, "room_for_idle_model", lambda sent: room)
+        queue = Queue()
+        prompt_id = f"0b7e4c5e-36b1-4a43-9a61-2f5a3b9f0c2{int(room)}"
+        queue.running = [(0, prompt_id, {"2": {"class_type": "InGraphTrainLoRA"}}, {}, [])]
+        standby.prime_for_prompt({"prompt": {"2": {"class_type": "InGraphTrainLoRA"}}, "prompt_id": prompt_id}, queue)
+        time.sleep(0.5)
+        assert received == []  # the prompt still runs
+        queue.running = []
+        for thread in [t for t in threading.enumerate() if t.name == "ingraph-standby-wait"]:
+            thread.join(timeout=10)
+        assert received == ([payload] if room else []) and standby._after_queue is None
+        standby.preload_when_idle(payload)  # sent already, or no room: nothing more
+        assert received == ([payload] if room else [])
+    monkeypatch.setattr(standby, "_waiting", None)

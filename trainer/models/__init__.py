@@ -197,11 +197,14 @@ def load_key(model, precision: str | None) -> str:
 
 def preload_base_model(model, precision: str | None) -> None:
     """Loads the base model ahead of its run (a standby told what the queued prompt's Train node trains) and keeps
-    it for that run; a model preloaded before is dropped first. Unstamped files are not preloaded: nothing could
-    tell the run that they are still what was loaded."""
+    it for that run; a model preloaded before is dropped first, unless it is this one. Unstamped files are not
+    preloaded: nothing could tell the run that they are still what was loaded."""
+    key = load_key(model, precision)
+    if _preloaded and _preloaded[0][0] == key:  # asked again (the prompt queued after the idle preload): it is here
+        return
     drop_preloaded()
     if model.stamps:
-        _preloaded.append((load_key(model, precision), load_base_model(model, precision)))
+        _preloaded.append((key, load_base_model(model, precision)))
 
 
 def drop_preloaded() -> None:
