@@ -53,12 +53,12 @@ def parse_student_timesteps(text: str, student_steps: int) -> list[float]:
 
 def check_distill_settings(adapter: AdapterSpec, train: TrainSpec, distill: DistillSpec,
                            distributed: DistributedSpec | None):
-    """Refuses, before anything is written, what the run spec would refuse (trainer.spec.DistillSpec.problems):
-    the error names the node's inputs."""
+    """Refuses, before anything is written, what the run spec would refuse (trainer.spec.DistillSpec.problems, and
+    the run's block-swap rule): the error names the node's inputs."""
     check_student_adapter(adapter)
     spec = RunSpec(task=TASK, adapter=adapter, train=train, distributed=distributed or DistributedSpec(),
                    distill=distill)
-    refuse(distill.problems(spec))
+    refuse(distill.problems(spec) + spec.block_swap_problems())
 
 
 def check_guidance_caption(distill: DistillSpec, dataset):

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from ..trainer.os_support import own_process_group, signal_tree, standby_supported
@@ -75,7 +76,7 @@ class Standby:
             theirs.close()
             output.close()
         self.channel = ours
-        self.preloaded: dict | None = None  # the model sent to it to load ahead of its run
+        self.preloaded: tuple[dict, float] | None = None  # (the model sent to it to load ahead of its run, when)
 
     def wait_ready(self, timeout: float) -> bool:
         """True once its imports are done (it says so on the socket); False on timeout or if it died."""
@@ -104,9 +105,16 @@ class Standby:
         busy is no matter: the run loads its model itself."""
         try:
             self.channel.sendall(json.dumps({"preload": payload}).encode() + b"\n")
-            self.preloaded = payload
+            self.preloaded = (payload, time.monotonic())
         except OSError:
             pass
+
+    def holds(self, payload: dict | None = None) -> bool:
+        """Whether it holds a preloaded model (`payload`'s, where given): sent, and not yet let go."""
+        from ..trainer.standby import PRELOAD_KEEP_S
+        if self.preloaded is None or time.monotonic() - self.preloaded[1] >= PRELOAD_KEEP_S:
+            return False
+        return payload is None or self.preloaded[0] == payload
 
     def close(self):
         self.channel.close()
@@ -150,7 +158,7 @@ def prime(python: str, env: dict[str, str], preload: dict | None = None):
             except OSError as exc:
                 log.warning("InGraph Trainer: no standby trainer (%s); runs start their own process", exc)
                 return
-        if preload is not None and _waiting.preloaded != preload:
+        if preload is not None and not _waiting.holds(preload):
             _waiting.preload(preload)
 
 
@@ -170,6 +178,8 @@ def queued_model(prompt: dict, resolve=None) -> dict | None:
     if len(trains) != 1:
         return None
     inputs = prompt[trains[0]].get("inputs") or {}
+    if inputs.get("distributed") is not None:  # DeepSpeed's processes load their own copies; a standby takes none
+        return None
     try:
         link = input_link(prompt, trains[0], "model")
         source = describe_model(prompt, link, resolve=resolve) if resolve else describe_model(prompt, link)
@@ -313,22 +323,23 @@ def preload_when_idle(payload: dict | None) -> None:
         return
     with _lock:
         standby = _waiting
-        if standby is not None and standby.alive() and not standby.preloaded and room_for_idle_model(payload):
+        if standby is not None and standby.alive() and not standby.holds() and room_for_idle_model(payload):
             standby.preload(payload)
 
 
 def room_for_idle_model(payload: dict) -> bool:
-    """Whether the model can wait in memory beside everything else: its files' bytes (twice that in fp32, which
-    the trainer holds from fp16 or smaller files) at most half of what the system has available now. False where
-    that cannot be read (not Linux): an idle copy of a model is a guess, and memory is what users run out of."""
+    """Whether the model can wait in memory beside everything else: the bytes the trainer will hold of it (read
+    from the file's header: trainer.memory_sizes.load_bytes) at most half of what the system has available now.
+    False where either cannot be read: an idle copy of a model is a guess, and memory is what users run out of."""
+    from ..trainer.memory_sizes import load_bytes
+    from ..trainer.os_support import available_memory
+    from ..trainer.spec import ModelSpec
     try:
-        with open("/proc/meminfo") as meminfo:
-            available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
-        model = payload["model"]
-        size = sum(os.path.getsize(path) for path in (model["path"], *model["lora_paths"]))
-    except (OSError, StopIteration, ValueError, KeyError, TypeError):
+        held = load_bytes(ModelSpec(**payload["model"]), payload["precision"])
+    except (OSError, ValueError, KeyError, TypeError):
         return False
-    return size * (2 if payload.get("precision") == "fp32" else 1) * 2 <= available
+    available = available_memory()
+    return held is not None and available is not None and held * 2 <= available
 
 
 def register_prompt_hook():

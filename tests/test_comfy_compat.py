@@ -192,3 +192,24 @@ def test_a_vae_file_is_read_with_its_metadata_only_where_comfyuis_vae_loader_pas
     finally:
         comfy_compat.vae_loader_reads_metadata.cache_clear()
     assert built == [{"config": "{}", "tae_latent_channels": 128} if passed else None]
+
+
+def test_a_preload_builds_the_model_in_host_memory_whatever_device_comfyui_would_pick(monkeypatch):
+    """loads_to_host: ComfyUI's choice of the device a loaded model is built on (unet_inital_load_device, which
+    picks the GPU where it has more free memory than the host) answers the CPU inside the block, and is its own
+    again after; the function is there, by that name, in the ComfyUI under test."""
+    import torch
+
+    from conftest import comfyui_available, comfyui_path
+    module = types.ModuleType("comfy.model_management")
+    module.unet_inital_load_device = lambda parameters, dtype: torch.device("cuda")
+    package = sys.modules.get("comfy") or types.ModuleType("comfy")
+    monkeypatch.setitem(sys.modules, "comfy", package)
+    monkeypatch.setitem(sys.modules, "comfy.model_management", module)
+    monkeypatch.setattr(package, "model_management", module, raising=False)
+    with comfy_compat.loads_to_host():
+        assert module.unet_inital_load_device(10**9, torch.float16) == torch.device("cpu")
+    assert module.unet_inital_load_device(10**9, torch.float16) == torch.device("cuda")
+    if comfyui_available():
+        source = (comfyui_path() / "comfy" / "model_management.py").read_text(encoding="utf-8")
+        assert "def unet_inital_load_device(" in source

@@ -43,6 +43,14 @@ def _events(run_dir):
             for e in read_events(run_dir)]
 
 
+def _unread(channel) -> int:
+    """Bytes sent on a Unix socket that its other end has not read yet (Linux's SIOCOUTQ)."""
+    import fcntl
+    import struct
+    import termios
+    return struct.unpack("i", fcntl.ioctl(channel.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+
+
 def test_a_standby_run_gives_the_events_log_and_exit_code_of_a_cold_run(prepared, fresh_standby, monkeypatch):
     """A standby, told the run's model ahead of it (as the prompt hook tells it the queued Train node's), loads
     it before the run comes, and the run takes it: the run gives a cold run's events, losses and exit code."""
@@ -57,6 +65,12 @@ def test_a_standby_run_gives_the_events_log_and_exit_code_of_a_cold_run(prepared
     env = standby.trainer_environment(None)
     standby.prime(sys.executable, env, preload={"model": dataclasses.asdict(spec.model), "precision": "fp32"})
     assert standby._waiting.wait_ready(WARM_UP_S), "the standby never finished its imports"
+    # the run is sent once the standby has read the preload (as in a graph, where nodes run between the two): sent
+    # together, the standby would leave the load to the run
+    deadline = time.monotonic() + 60
+    while _unread(standby._waiting.channel) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not _unread(standby._waiting.channel)
     warm = launcher.TrainerProcess(warm_spec.parent, warm_spec, watch_parent=False).start()
     assert warm.standby
     assert _finish(warm) == 0
@@ -442,8 +456,11 @@ def test_a_run_takes_the_preloaded_model_only_when_its_spec_loads_the_same_and_i
     import dataclasses
 
     from ingraph_trainer.runner.model_source import file_stamp
-    from ingraph_trainer.trainer import models
+    import contextlib
+
+    from ingraph_trainer.trainer import comfy_compat, models
     from ingraph_trainer.trainer.spec import ModelSpec
+    monkeypatch.setattr(comfy_compat, "loads_to_host", contextlib.nullcontext)  # (its own test: test_comfy_compat)
     path = tmp_path / "base.safetensors"
     path.write_bytes(b"weights")
     loads = []
@@ -474,18 +491,30 @@ def test_once_the_queue_is_idle_the_last_training_prompts_model_waits_in_the_sta
     """Queued again, a graph runs only its changed nodes and its Train node starts at once, before any model could
     load: so once ComfyUI's queue is idle, the standby gets the last training prompt's model to hold, where the
     machine has the memory for an idle copy (half its available memory at most), and not twice."""
+    import json
+    import struct
+
+    import torch
+    from safetensors.torch import save_file
+    save_file({"w": torch.zeros(256, 256, dtype=torch.float16)}, str(tmp_path / "base.safetensors"))
     payload = {"model": {"path": str(tmp_path / "base.safetensors"), "lora_paths": []}, "precision": "fp32"}
-    (tmp_path / "base.safetensors").write_bytes(b"w" * 1024)
     assert standby.room_for_idle_model(payload)
+    # a file whose header says 4 TiB of fp16 weights (sparse: no disk space): the trainer would hold 8 TiB
+    header = json.dumps({"w": {"dtype": "F16", "shape": [1 << 41], "data_offsets": [0, 1 << 42]}}).encode()
     with open(tmp_path / "huge.safetensors", "wb") as huge:
-        huge.truncate(1 << 42)  # sparse: a 4 TiB file on no disk space
+        huge.write(struct.pack("<Q", len(header)) + header)
+        huge.truncate(8 + len(header) + (1 << 42))
     assert not standby.room_for_idle_model({**payload, "model": {"path": huge.name, "lora_paths": []}})
+    assert not standby.room_for_idle_model({**payload, "model": {"path": str(tmp_path / "gone"), "lora_paths": []}})
 
     class Waiting:  # the standby primed at the run's last step
         preloaded = None
 
         def alive(self):
             return True
+
+        def holds(self, payload=None):
+            return self.preloaded is not None
 
         def preload(self, sent):
             self.preloaded = sent
@@ -508,7 +537,10 @@ def test_once_the_queue_is_idle_the_last_training_prompts_model_waits_in_the_sta
         prompt_id = f"0b7e4c5e-36b1-4a43-9a61-2f5a3b9f0c2{int(room)}"
         queue.running = [(0, prompt_id, {"2": {"class_type": "InGraphTrainLoRA"}}, {}, [])]
         standby.prime_for_prompt({"prompt": {"2": {"class_type": "InGraphTrainLoRA"}}, "prompt_id": prompt_id}, queue)
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while standby._pending and time.monotonic() < deadline:  # until the watcher has seen it running
+            time.sleep(0.01)
+        time.sleep(0.3)  # (polls of a queue still running)
         assert received == []  # the prompt still runs
         queue.running = []
         for thread in [t for t in threading.enumerate() if t.name == "ingraph-standby-wait"]:
@@ -517,3 +549,33 @@ def test_once_the_queue_is_idle_the_last_training_prompts_model_waits_in_the_sta
         standby.preload_when_idle(payload)  # sent already, or no room: nothing more
         assert received == ([payload] if room else [])
     monkeypatch.setattr(standby, "_waiting", None)
+
+
+def test_the_memory_check_before_a_load_counts_the_runs_preloaded_model_as_loaded_and_lets_another_go_first(
+        tmp_path, monkeypatch):
+    """The host-memory check a run makes before its load (memory_plan.refuse_unloadable) sees a preload of the
+    run's own model as loaded already (nothing more to hold: no refusal for memory the preload itself takes), and
+    drops a preload of another model before it measures."""
+    import contextlib
+    import dataclasses
+
+    import torch
+    from safetensors.torch import save_file
+
+    from ingraph_trainer.runner.model_source import file_stamp
+    from ingraph_trainer.trainer import comfy_compat, memory_plan, models, os_support
+    from ingraph_trainer.trainer.spec import ModelSpec
+    monkeypatch.setattr(comfy_compat, "loads_to_host", contextlib.nullcontext)
+    monkeypatch.setattr(models, "load_base_model", lambda model, precision, deferred=None: object())
+    monkeypatch.setattr(os_support, "available_memory", lambda: 1024)  # nothing of the model fits
+    path = tmp_path / "base.safetensors"
+    save_file({"w": torch.zeros(256, 256, dtype=torch.float16)}, str(path))
+    model = ModelSpec(path=str(path), stamps=[file_stamp(path)])
+    with pytest.raises(memory_plan.MemoryPlanRefused):
+        memory_plan.refuse_unloadable(model, "bf16")
+    models.preload_base_model(model, "bf16")
+    memory_plan.refuse_unloadable(model, "bf16")  # its weights are in memory already
+    assert models._preloaded
+    with pytest.raises(memory_plan.MemoryPlanRefused):
+        memory_plan.refuse_unloadable(dataclasses.replace(model, weight_dtype="fp8_e4m3fn"), "bf16")
+    assert not models._preloaded  # let go before the check measured

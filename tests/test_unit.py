@@ -259,10 +259,11 @@ def test_conditioning_survives_the_file_round_trip(tmp_path):
 @pytest.mark.parametrize("section,values", [
     ("adapter", {"kind": "full"}), ("distributed", {"zero_stage": 3}),
     ("distributed", {"processes": 2, "pipeline_stages": 2}), ("task", "distill"), (None, None)])
-def test_block_swap_is_offered_exactly_where_a_spec_with_it_is_accepted(section, values):
+def test_block_swap_is_offered_exactly_where_a_spec_with_it_is_accepted(section, values, monkeypatch):
     """One rule: the memory plan and the out-of-memory suggestions offer block swap (memory.swap_allowed) where,
     and only where, the same spec with block_swap set passes validation."""
     from ingraph_trainer.trainer.memory import swap_allowed
+    monkeypatch.setattr(spec_sections, "deepspeed_installed", lambda: True)  # the layouts' rules, not the install's
     data = valid_spec_dict()
     if section == "task":
         data["task"] = values

@@ -277,6 +277,12 @@ def test_ltx2_trains_its_video_stream_and_checkpointed_blocks_give_the_same_grad
         torch.testing.assert_close(checkpointed, plain, rtol=0, atol=0)
     with pytest.raises(UnsupportedSetting, match="distributed.pipeline_stages: LTX-2"):
         family.pipeline_layers()
+    # distillation's networks call the model as training does (a one-stream list, the timestep pair)
+    from ingraph_trainer.trainer.distill_networks import Denoiser
+    batch = random_batch(128, "ltxav")
+    with torch.no_grad():
+        x0 = Denoiser(family)("x0", batch.noise, torch.tensor([0.7, 0.3]), batch.cond)
+    assert x0.shape == batch.noise.shape and torch.isfinite(x0).all()
 
 
 def video_sampling_graph(stem: str, lora_name: str | None, prefix: str) -> dict:

@@ -88,6 +88,18 @@ def wrap_method(owner, name: str, make_wrapper):
             setattr(owner, name, original)
 
 
+@contextlib.contextmanager
+def loads_to_host():
+    """For the block's duration, ComfyUI builds loaded models in host memory, whatever device it would pick
+    (`model_management.unet_inital_load_device` may pick the GPU where it has more free memory than the host):
+    a standby's preload must not take GPU memory the graph's earlier nodes are still using."""
+    import comfy.model_management
+    import torch
+    with wrap_method(comfy.model_management, "unet_inital_load_device",
+                     lambda original: lambda *args, **kwargs: torch.device("cpu")):
+        yield
+
+
 def is_quantized(tensor) -> bool:
     """A ComfyUI QuantizedTensor (comfy_kitchen's): its dtype is the dtype it stands for, its storage another."""
     return type(tensor).__name__ == "QuantizedTensor" and hasattr(tensor, "dequantize")

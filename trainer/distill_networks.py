@@ -76,8 +76,7 @@ class Denoiser(torch.nn.Module):
         c_concat = kwargs.pop("c_concat", None)
         if c_concat is not None:
             x_in = torch.cat([x_in, c_concat.to(x_in.dtype)], dim=1)
-        out = self.diffusion_model(x_in.to(dtype), sampling.timestep(sigma).float(),
-                                   transformer_options=family.transformer_options(kwargs), **kwargs)
+        out = family.run_model(x_in.to(dtype), sampling.timestep(sigma).float(), kwargs)
         return sampling.calculate_denoised(shaped, out.float(), x)
 
 

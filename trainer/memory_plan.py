@@ -361,8 +361,14 @@ def refuse_unloadable(model, precision: str, full: bool = False, partitioned: bo
     """Before a load (a training run's, the evaluate task's): MemoryPlanRefused where this machine's RAM cannot
     hold the model once for every process of the run on it (host_refusal); `partitioned` (ZeRO-3's partitioned
     load): each process holds its share, so the machine's processes hold their part of one copy; `whole_because`:
-    why a partitioned load turned out to need whole copies after all (said in the refusal)."""
+    why a partitioned load turned out to need whole copies after all (said in the refusal). A model loaded ahead
+    of the run (a standby's preload) is no more to load where it is this run's, and is let go first where not."""
     from .distributed import processes_per_machine, world_size
+    from .models import drop_preloaded, preload_is_for
+    if partitioned:
+        drop_preloaded()  # (a partitioned load reads its shares from the file)
+    elif preload_is_for(model, precision):  # loaded already, ahead of the run: nothing more to hold
+        return
     refused = host_refusal(model, precision, full=full, processes=processes_per_machine(),
                            share=1 / world_size() if partitioned else 1.0)
     if refused:

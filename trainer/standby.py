@@ -61,7 +61,9 @@ def wait_for_command(channel: socket.socket, idle_s: float, on_message=lambda: N
             if isinstance(message, dict) and "preload" in message:
                 if on_preload is not None and b"\n" not in buffer:  # with the run already there: the run loads it
                     on_preload(message["preload"])
+                    # held that long, and a run sent while it loaded (minutes, for a big model) is still read
                     preload_until = time.monotonic() + preload_keep_s
+                    deadline = max(deadline, preload_until + 1.0)
                 watching = True
                 continue
             if len(fds) != 1:

@@ -196,15 +196,26 @@ def load_key(model, precision: str | None) -> str:
 
 
 def preload_base_model(model, precision: str | None) -> None:
-    """Loads the base model ahead of its run (a standby told what the queued prompt's Train node trains) and keeps
-    it for that run; a model preloaded before is dropped first, unless it is this one. Unstamped files are not
-    preloaded: nothing could tell the run that they are still what was loaded."""
+    """Loads the base model ahead of its run (a standby told what the queued prompt's Train node trains), in host
+    memory, and keeps it for that run; a model preloaded before is dropped first, unless it is this one. Unstamped
+    files are not preloaded: nothing could tell the run that they are still what was loaded."""
+    from ..comfy_compat import loads_to_host
     key = load_key(model, precision)
     if _preloaded and _preloaded[0][0] == key:  # asked again (the prompt queued after the idle preload): it is here
         return
     drop_preloaded()
     if model.stamps:
-        _preloaded.append((key, load_base_model(model, precision)))
+        with loads_to_host():
+            _preloaded.append((key, load_base_model(model, precision)))
+
+
+def preload_is_for(model, precision: str | None) -> bool:
+    """Whether the model loaded ahead of the run is this run's (then nothing more is loaded); one that is not is
+    dropped now, so that what the run checks of the memory before its load is what it will have."""
+    if _preloaded and _preloaded[0][0] == load_key(model, precision):
+        return True
+    drop_preloaded()
+    return False
 
 
 def drop_preloaded() -> None:
@@ -238,7 +249,9 @@ def load_family(model, family: str = "auto", prediction: str = "auto", *, precis
     import torch
     model = _as_model_spec(model, family, prediction)
     check_family_name(model.family)  # before the load, which can take minutes
-    patcher = _take_preloaded(model, precision) if deferred is None and model.stamps else None
+    if deferred is not None:
+        drop_preloaded()  # a partitioned load reads each share from the file itself
+    patcher = _take_preloaded(model, precision) if deferred is None else None
     if patcher is None:
         patcher = load_base_model(model, precision, deferred)
     result = family_for(patcher.model, model.family, model.prediction, patcher)
@@ -249,7 +262,7 @@ def load_family(model, family: str = "auto", prediction: str = "auto", *, precis
 
 
 __all__ = ["Batch", "ModelFamily", "UnsupportedSetting", "FAMILIES", "SCRATCH_FAMILIES", "load_family",
-           "preload_base_model", "drop_preloaded", "load_key",
+           "preload_base_model", "preload_is_for", "drop_preloaded", "load_key",
            "load_base_model", "loader_options", "file_stamp", "check_stamps",
            "family_for", "family_class", "detect_prediction",
            "prediction_from_sampling"]

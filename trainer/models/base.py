@@ -273,7 +273,11 @@ class ModelFamily:
 
     def model_output(self, batch: Batch) -> torch.Tensor:
         """The diffusion model's raw output on a batch, called as ComfyUI's apply_model calls it."""
-        x_in, timestep, kwargs = self.model_inputs(batch)
+        return self.run_model(*self.model_inputs(batch))
+
+    def run_model(self, x_in: torch.Tensor, timestep: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """The diffusion model called on model_inputs' (x_in, timestep, kwargs), as ComfyUI's apply_model calls it
+        (training and distillation both call it here)."""
         return self.diffusion_model(x_in, timestep, transformer_options=self.transformer_options(kwargs), **kwargs)
 
     def transformer_options(self, kwargs: dict) -> dict:

@@ -54,11 +54,11 @@ class LTXAVFamily(LTXVFamily):
         return {**super().extra_cond_inputs(batch, x_noisy), "unprocessed_ltxav_embeds": not processed,
                 "latent_shapes": [tuple(x_noisy.shape)]}
 
-    def model_output(self, batch: Batch) -> torch.Tensor:
+    def run_model(self, x_in: torch.Tensor, timestep: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """As ComfyUI's apply_model runs LTX-2: the latent unpacked into its list of streams (video alone here), the
         timestep made the (video, audio) pair by the model class's process_timestep."""
         import comfy.utils
-        x_in, timestep, kwargs = self.model_inputs(batch)
+        kwargs = dict(kwargs)
         timestep = self.base_model.process_timestep(timestep, x=x_in, **kwargs)
         x_in = comfy.utils.unpack_latents(x_in, kwargs.pop("latent_shapes"))
         return self.diffusion_model(x_in, timestep, transformer_options=self.transformer_options(kwargs), **kwargs)

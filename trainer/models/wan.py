@@ -148,7 +148,7 @@ class WanFamily(ModelFamily):
 
     def loss(self, batch: Batch, reduce: bool = True, weighted: bool = True) -> torch.Tensor:
         x_in, timestep, kwargs = self.model_inputs(batch)
-        out = self.diffusion_model(x_in, timestep, transformer_options=self.transformer_options(kwargs), **kwargs)
+        out = self.run_model(x_in, timestep, kwargs)
         mask = batch.mask
         if self.start_frames(batch, x_in.shape[2]):  # the start image's frames are given, never predicted
             keep = self.denoise_mask(batch, x_in)

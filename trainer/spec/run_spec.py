@@ -176,8 +176,7 @@ class RunSpec:
              "distributed.zero_stage 0")
         need(d.pipeline_stages <= 1 or not s.every, "samples.every", "previews need the whole model in one "
              "process; they are not available with pipeline stages")
-        if d.block_swap:  # the layout's own conflicts are in distributed.problems()
-            problems += [f"distributed.{name}: {why}" for name, why in self._run_block_swap_conflicts()]
+        problems += self.block_swap_problems()
         if self.task == "distill":
             problems += self.distill.problems(self)
         if problems:
@@ -188,6 +187,13 @@ class RunSpec:
         """Every setting block swap cannot run with, as (field under distributed, why), whether or not block_swap is
         set: the one rule that validation, the memory plan's choice and the out-of-memory suggestions share."""
         return self.distributed.block_swap_conflicts() + self._run_block_swap_conflicts()
+
+    def block_swap_problems(self) -> list[str]:
+        """Where block_swap is set, the run's settings it cannot run with (the layout's own are
+        distributed.problems()'s), as validate reports them; the Distill node asks the same at queue time."""
+        if not self.distributed.block_swap:
+            return []
+        return [f"distributed.{name}: {why}" for name, why in self._run_block_swap_conflicts()]
 
     def _run_block_swap_conflicts(self) -> list[tuple[str, str]]:
         return [(name, why) for ok, name, why in (
