@@ -70,12 +70,14 @@ def convert(api: dict, info: dict) -> dict:
                 if len(ispec) > 1 and ispec[1].get("control_after_generate"):
                     widgets.append("fixed")
         col = columns[key]
-        # rough height: title, one line per socket or widget, multi-line text boxes, the Train node's panel
+        # rough height: title, one line per socket or widget, multi-line text boxes, the Train node's panel; with
+        # room to spare below, for a frontend that draws a node taller (an older ComfyUI's, which does not know a
+        # newer node's type, draws its widget values as lines of their own: LTX-2's text encoder loader, 166 px)
         lines = max(len(inputs) + len(widgets), len(info[node["class_type"]]["output"]))
-        height = 40 + 24 * lines + 60 * sum(isinstance(w, str) and "\n" in w for w in widgets) \
+        height = 40 + 32 * lines + 60 * sum(isinstance(w, str) and "\n" in w for w in widgets) \
             + (230 if node["class_type"] in PANEL_NODES else 0)
         y = next_y.get(col, 60)
-        next_y[col] = y + height + 50
+        next_y[col] = y + height + 80
         nodes.append({"id": ids[key], "type": node["class_type"], "pos": [40 + 380 * col, y],
                       "size": [340, height], "flags": {}, "order": ids[key] - 1, "mode": 0, "inputs": inputs,
                       "outputs": [], "properties": {"Node name for S&R": node["class_type"]},
