@@ -509,6 +509,9 @@ class _TrainerWorker:
             except subprocess.TimeoutExpired:
                 _kill_group(cls.proc)
             cls.proc = None
+        if cls.log is not None:  # read only into a failing test's message, while the session runs
+            cls.log.unlink(missing_ok=True)
+            cls.log = None
 
 
 def pytest_sessionfinish(session, exitstatus):
