@@ -60,16 +60,16 @@ def prepare_sdxl(unet: Path, checkpoint: Path, images: Path, work: Path, resolut
     import comfy.sd
     sys.path.insert(0, str(REPO / "tests" / "comfy_nodes"))
     from ingraph_test_nodes import SyntheticClip
-    from ingraph_trainer.runner.session import prepare_run
-    from ingraph_trainer.trainer.spec import ModelSpec, TrainSpec
+    from ingraph_trainer.runner.session import RunDatasets, prepare_run
+    from ingraph_trainer.trainer.spec import ModelSpec, RunSpec, TrainSpec
     from tools.cache_dataset import encode_folder
     vae = comfy.sd.load_checkpoint_guess_config(str(checkpoint), output_clip=False)[2]
     dataset, _ = encode_folder(images, work / "cache_sdxl", SyntheticClip("sdxl"), vae, resolution)
     run_dir = work / "base_sdxl"
     shutil.rmtree(run_dir, ignore_errors=True)
-    _, spec = prepare_run(runs_root=work, run_dir=run_dir, name="sdxl", dataset=dataset,
-                          model=ModelSpec(path=str(unet), format="diffusion_model"), cache_root=work / "cache_sdxl",
-                          train=TrainSpec(steps=1), lora_path=run_dir / "lora.safetensors")
+    draft = RunSpec(model=ModelSpec(path=str(unet), format="diffusion_model"), train=TrainSpec(steps=1))
+    _, spec = prepare_run(draft, runs_root=work, run_dir=run_dir, name="sdxl", datasets=RunDatasets(dataset),
+                          cache_root=work / "cache_sdxl", lora_path=run_dir / "lora.safetensors")
     return spec
 
 

@@ -1,8 +1,9 @@
 from comfy_api.latest import io
 
-from ..trainer.spec import PRECISION_CHOICES, DistillSpec, TrainSpec, choice_value
+from ..trainer.spec import DistillSpec, DistributedSpec, OutputSpec, RunSpec, TrainSpec
 from .train_node import _resumable, progress_relay
 from .inputs import output_file_inputs, precision_input
+from .spec_inputs import spec_section
 from .types import CATEGORY, Adapter, Dataset, Distributed, Previews
 
 DEFAULTS = DistillSpec()  # the node's defaults are the run spec's
@@ -140,37 +141,26 @@ class Distill(io.ComfyNode):
             return str(exc)
         return True
 
+    # the run spec fields whose input has another name (None: the node's resume picks a run, not a checkpoint tag)
+    SPEC_INPUTS = {"train.grad_accum": "gradient_accumulation", "train.resume": None}
+
     @classmethod
-    def execute(cls, model, dataset, adapter, steps, batch_size, learning_rate, student_steps, guidance_scale,
-                fake_learning_rate, fake_updates, dmd_weight, denoising_weight, gan_weight, regression_steps,
-                backward_simulation, precision, seed, save_every, output_name, resume="off", distributed=None,
-                previews=None, student_timesteps="", fake_score_per_step=DEFAULTS.fake_score_per_step,
-                min_t=DEFAULTS.min_t, max_t=DEFAULTS.max_t, overwrite=False,
-                keep_last=3, gradient_accumulation=1, gradient_checkpointing=False) -> io.NodeOutput:
+    def execute(cls, model, dataset, adapter, **inputs) -> io.NodeOutput:
         from ..trainer.comfy_compat import raise_if_interrupted
 
-        from ..runner.distill_run import check_student_adapter, distill_model, parse_student_timesteps
+        from ..runner.distill_run import TASK, TITLE, check_student_adapter, parse_student_timesteps
+        from ..runner.node_run import NodeCall, run_task
+        from ..runner.session import RunDatasets
 
         check_student_adapter(adapter)
         dataset.require_cached("dataset")
-        train = TrainSpec(steps=steps, batch_size=batch_size, learning_rate=learning_rate, seed=seed,
-                          precision=choice_value(PRECISION_CHOICES, precision, "precision"), save_every=save_every,
-                          keep_last=3 if keep_last is None else int(keep_last),
-                          grad_accum=int(gradient_accumulation or 1),
-                          gradient_checkpointing=bool(gradient_checkpointing))
-        distill = DistillSpec(student_steps=student_steps,
-                              student_timesteps=parse_student_timesteps(student_timesteps, student_steps),
-                              guidance_scale=float(guidance_scale), fake_learning_rate=float(fake_learning_rate),
-                              fake_updates=fake_updates, dmd_weight=float(dmd_weight),
-                              denoising_weight=float(denoising_weight), gan_weight=float(gan_weight),
-                              regression_steps=regression_steps, backward_simulation=bool(backward_simulation),
-                              fake_score_per_step=bool(fake_score_per_step),
-                              min_t=float(DEFAULTS.min_t if min_t is None else min_t),
-                              max_t=float(DEFAULTS.max_t if max_t is None else max_t))
+        read_timesteps = {"student_timesteps": lambda text: parse_student_timesteps(text, inputs["student_steps"])}
+        draft = RunSpec(task=TASK, adapter=adapter, distributed=inputs.get("distributed") or DistributedSpec(),
+                        train=spec_section(cls, "train", TrainSpec, inputs),
+                        distill=spec_section(cls, "distill", DistillSpec, inputs, read=read_timesteps),
+                        output=spec_section(cls, "output", OutputSpec, inputs))
         node_id = cls.hidden.unique_id
-        outcome = distill_model(model, dataset, adapter=adapter, train=train, distill=distill,
-                                output_name=output_name, resume=resume or "off", distributed=distributed,
-                                previews=previews, overwrite=bool(overwrite), prompt=cls.hidden.prompt,
-                                node_id=node_id, on_run=progress_relay(node_id),
-                                check_interrupt=raise_if_interrupted)
+        node = NodeCall(TITLE, node_id, cls.hidden.prompt, progress_relay(node_id), raise_if_interrupted)
+        outcome = run_task(draft, model, RunDatasets(dataset), inputs.get("previews"), node, inputs["output_name"],
+                           inputs.get("resume") or "off")
         return io.NodeOutput(outcome.model, outcome.lora_name)

@@ -3,9 +3,11 @@ import logging
 from comfy_api.latest import io
 
 from ..trainer.spec import (ADAPTER_FORMAT_CHOICES, BASE_PRECISION_CHOICES, DEFAULT_EVAL_QUANTILES_TEXT,
-                               LOSS_CHOICES, MEMORY_CHOICES, OPTIMIZER_CHOICES, PRECISION_CHOICES, SCHEDULE_CHOICES,
-                               TIMESTEP_SAMPLING_CHOICES, TrainSpec, choice_labels, choice_value, choices_tooltip)
+                               LOSS_CHOICES, MEMORY_CHOICES, OPTIMIZER_CHOICES, SCHEDULE_CHOICES,
+                               TIMESTEP_SAMPLING_CHOICES, DataSpec, DistributedSpec, ModelSpec, OutputSpec, RunSpec,
+                               TrainSpec, choice_labels, choices_tooltip)
 from .inputs import output_file_inputs, precision_input
+from .spec_inputs import spec_section
 from .types import CATEGORY, Adapter, Dataset, Distributed, Previews
 
 log = logging.getLogger("ingraph_trainer")
@@ -209,54 +211,36 @@ class TrainLoRA(io.ComfyNode):
             return str(exc)
         return True
 
+    # the run spec fields whose input has another name (None: the node's input of that name is not the field; its
+    # resume picks a run, the spec's names a checkpoint of it); every other field takes the input of its own name
+    SPEC_INPUTS = {"train.grad_accum": "gradient_accumulation", "train.resume": None, "output.format": "file_format",
+                   "output.weights": "save_ema"}
+
     @classmethod
-    def execute(cls, model, dataset, adapter, steps, batch_size, gradient_accumulation, learning_rate, optimizer,
-                lr_schedule, warmup_steps, precision, gradient_checkpointing, seed, save_every,
-                output_name, resume="off", distributed=None, eval_dataset=None, eval_every=0,
-                previews=None, file_format="ComfyUI", loss="MSE", min_snr_gamma=0.0, timestep_sampling="uniform",
-                flow_shift=1.0, guidance=1.0, overwrite=False, keep_last=3, ema_decay=0.0, ema_start_step=0,
-                save_ema=False, prior_dataset=None, prior_weight=1.0, prior_fraction=0.5,
-                base_precision="as loaded", eval_quantiles=DEFAULT_EVAL_QUANTILES_TEXT, eval_items=8,
-                eval_before=False, eval_after_stop=False, memory="auto", memory_budget_gb=0.0) -> io.NodeOutput:
+    def execute(cls, model, dataset, adapter, **inputs) -> io.NodeOutput:
         from ..trainer.comfy_compat import raise_if_interrupted
 
         from ..runner.evaluation_run import parse_quantiles
         from ..runner.loss_chart import chart_tensor, render_loss_chart, save_loss_chart
-        from ..runner.train_run import train_lora
+        from ..runner.node_run import NodeCall, run_task
+        from ..runner.session import RunDatasets
 
-        dataset.require_cached("dataset")
-        if eval_dataset is not None:
-            eval_dataset.require_cached("eval_dataset")
-        if prior_dataset is not None:
-            prior_dataset.require_cached("prior_dataset")
-        train = TrainSpec(steps=steps, batch_size=batch_size, grad_accum=gradient_accumulation,
-                          learning_rate=learning_rate, optimizer=choice_value(OPTIMIZER_CHOICES, optimizer, "optimizer"),
-                          lr_schedule=choice_value(SCHEDULE_CHOICES, lr_schedule, "lr_schedule"), warmup_steps=warmup_steps, precision=choice_value(PRECISION_CHOICES, precision, "precision"),
-                          gradient_checkpointing=gradient_checkpointing, seed=seed, save_every=save_every,
-                          eval_every=eval_every or 0, loss=choice_value(LOSS_CHOICES, loss or "MSE", "loss"),
-                          min_snr_gamma=float(min_snr_gamma or 0.0),
-                          timestep_sampling=choice_value(TIMESTEP_SAMPLING_CHOICES, timestep_sampling or "uniform",
-                                                         "timestep_sampling"),
-                          flow_shift=float(flow_shift or 1.0), guidance=float(1.0 if guidance is None else guidance),
-                          keep_last=3 if keep_last is None else int(keep_last),
-                          ema_decay=float(ema_decay or 0.0), ema_start_step=int(ema_start_step or 0),
-                          eval_quantiles=parse_quantiles(eval_quantiles, "eval_quantiles", allow_empty=True),
-                          eval_items=8 if eval_items is None else int(eval_items), eval_before=bool(eval_before),
-                          eval_after_stop=bool(eval_after_stop),
-                          memory=choice_value(MEMORY_CHOICES, memory or "auto", "memory"),
-                          memory_budget_gb=float(memory_budget_gb or 0.0))
+        datasets = RunDatasets(dataset, inputs.get("eval_dataset"), inputs.get("prior_dataset"))
+        for name, cached in (("dataset", datasets.train), ("eval_dataset", datasets.eval),
+                             ("prior_dataset", datasets.prior)):
+            if cached is not None:
+                cached.require_cached(name)
+        draft = RunSpec(task="train", adapter=adapter, distributed=inputs.get("distributed") or DistributedSpec(),
+                        model=spec_section(cls, "model", ModelSpec, inputs),
+                        data=spec_section(cls, "data", DataSpec, inputs),
+                        train=spec_section(cls, "train", TrainSpec, inputs, read={
+                            "eval_quantiles": lambda text: parse_quantiles(text, "eval_quantiles", allow_empty=True)}),
+                        output=spec_section(cls, "output", OutputSpec, inputs,
+                                            read={"weights": lambda save_ema: "ema" if save_ema else "trained"}))
         node_id = cls.hidden.unique_id
-        outcome = train_lora(model, dataset, adapter=adapter, train=train, output_name=output_name,
-                             resume=resume or "off", distributed=distributed, eval_dataset=eval_dataset,
-                             previews=previews, file_format=choice_value(ADAPTER_FORMAT_CHOICES, file_format or "ComfyUI", "file_format"),
-                             overwrite=bool(overwrite), output_weights="ema" if save_ema else "trained",
-                             prompt=cls.hidden.prompt, node_id=node_id, on_run=progress_relay(node_id),
-                             check_interrupt=raise_if_interrupted,
-                             prior_dataset=prior_dataset,
-                             prior_weight=float(1.0 if prior_weight is None else prior_weight),
-                             prior_fraction=float(prior_fraction or 0.5),
-                             base_precision=choice_value(BASE_PRECISION_CHOICES, base_precision or "as loaded",
-                                                         "base_precision"))
+        node = NodeCall("Train LoRA", node_id, cls.hidden.prompt, progress_relay(node_id), raise_if_interrupted)
+        outcome = run_task(draft, model, datasets, inputs.get("previews"), node, inputs["output_name"],
+                           inputs.get("resume") or "off")
         result = outcome.result
         chart = render_loss_chart(result.steps, result.losses, result.evals)
         try:

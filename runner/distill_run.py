@@ -1,15 +1,12 @@
 """The Distill node's work: DMD2 few-step distillation of the graph's MODEL (the frozen teacher) into a student
 that trains as a LoRA (a "turbo LoRA" for the teacher) or in full, by the trainer program (task "distill",
 trainer/distill.py). Resume, the model's hand-off, launch, watch and the output MODEL are the Train node's
-(runner.train_run.run_trainer_node); only the settings and their checks are distillation's own."""
+(runner.node_run.run_task); only the settings and their checks are distillation's own."""
 from __future__ import annotations
-
-import dataclasses
-from typing import Callable
 
 from ..trainer.spec import (ADAPTER_KIND_CHOICES, DISTILL_STUDENT_KINDS, AdapterSpec, DistillSpec, DistributedSpec,
                               RunSpec, TrainSpec)
-from .train_run import TrainOutcome, check_family_settings, run_trainer_node
+from .train_run import check_family_settings
 
 TITLE = "Distill"
 TASK = "distill"
@@ -67,30 +64,10 @@ def check_guidance_caption(distill: DistillSpec, dataset):
     refuse([problem] if problem else [])
 
 
-def with_distill(spec: RunSpec, distill: DistillSpec) -> RunSpec:
-    """The spec's [distill] table (prepare_run's `adjust`)."""
-    spec.distill = dataclasses.replace(distill)
-    return spec
-
-
-def distill_model(model, dataset, *, adapter: AdapterSpec, train: TrainSpec, distill: DistillSpec,
-                  output_name: str, resume: str = "off", distributed: DistributedSpec | None = None, previews=None,
-                  overwrite: bool = False, prompt: dict | None = None, node_id: str = "",
-                  on_run: Callable[[str, int], Callable[[dict], None]], check_interrupt: Callable[[], None],
-                  base_precision: str = "as_loaded") -> TrainOutcome:
-    """One Distill node run: `model` is the teacher; `train.steps` counts generator updates and
-    `train.learning_rate` is the generator's; `distill` holds the DMD2 settings. A resumed run continues with the
-    settings saved in its run directory. Returns the teacher with the student applied and the student's name."""
-    check_student_adapter(adapter)
-
-    def check_new_run(prediction: str):
-        check_distill_settings(adapter, train, distill, distributed)
-        check_guidance_caption(distill, dataset)
-        check_family_settings(model, prediction, train, adapter, "comfyui", distributed, title=TITLE)
-
-    return run_trainer_node(model, dataset, task=TASK, title=TITLE, adapter=adapter, train=train,
-                            output_name=output_name, resume=resume, distributed=distributed, previews=previews,
-                            overwrite=overwrite, prompt=prompt, node_id=node_id, on_run=on_run,
-                            check_interrupt=check_interrupt, base_precision=base_precision,
-                            check_new_run=check_new_run, prepare=dict(file_format="comfyui"),
-                            adjust=lambda spec: with_distill(spec, distill))
+def check_new_distillation(draft: RunSpec, model, datasets, prediction: str, title: str = TITLE):
+    """A new Distill run's refusals before anything is written: the student's kind, the spec's distillation rules,
+    the teacher's guidance against the dataset's cache, and what the MODEL's family cannot honour."""
+    check_distill_settings(draft.adapter, draft.train, draft.distill, draft.distributed)
+    check_guidance_caption(draft.distill, datasets.train)
+    check_family_settings(model, prediction, draft.train, draft.adapter, draft.output.format, draft.distributed,
+                          title=title)

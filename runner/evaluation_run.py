@@ -4,7 +4,7 @@ from __future__ import annotations
 import copy
 from typing import Callable
 
-from ..trainer.spec import DistributedSpec, TrainSpec
+from ..trainer.spec import DistributedSpec, RunSpec, TrainSpec
 
 
 def parse_quantiles(text: str, name: str = "quantiles", allow_empty: bool = False) -> list[float]:
@@ -37,7 +37,7 @@ def evaluate_model(model, dataset, *, quantiles: list[float], seed: int, batch_s
     from . import paths
     from .launcher import TrainerProcess
     from .model_source import hand_off_model, release_comfy_models
-    from .session import prepare_run, watch_run
+    from .session import RunDatasets, prepare_run, watch_run
 
     check_evaluation_references(model, dataset)
     train = TrainSpec(steps=1, batch_size=batch_size, precision=precision, seed=seed, eval_quantiles=quantiles,
@@ -48,9 +48,9 @@ def evaluate_model(model, dataset, *, quantiles: list[float], seed: int, batch_s
     key = _result_key(hand_off.model_spec, dataset, train, d) if remember else None
     if key in _remembered:
         return copy.deepcopy(_remembered[key])
-    run_dir, spec_path = prepare_run(runs_root=paths.evals_root(), name="eval", task="evaluate",
-                                     model=hand_off.model_spec, dataset=dataset, cache_root=paths.cache_root(),
-                                     train=train, distributed=distributed)
+    draft = RunSpec(task="evaluate", model=hand_off.model_spec, train=train, distributed=d)
+    run_dir, spec_path = prepare_run(draft, runs_root=paths.evals_root(), name="eval", datasets=RunDatasets(dataset),
+                                     cache_root=paths.cache_root())
     # prime_beside: a Train node after this Evaluate node (the shipped workflow's order) finds its standby warm
     process = TrainerProcess(run_dir, spec_path, comfyui_path=paths.comfyui_root(), processes=d.processes,
                              hostfile=d.hostfile, prime_beside=True).start()

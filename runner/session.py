@@ -1,7 +1,7 @@
 """One training run from the ComfyUI side: write the run directory, launch the trainer, watch it."""
 from __future__ import annotations
 
-import dataclasses
+import copy
 import logging
 import shutil
 import time
@@ -11,7 +11,7 @@ from typing import Callable
 
 from ..cache.files import atomic_write_text
 from ..cache.store import write_manifest
-from ..trainer.spec import AdapterSpec, DistributedSpec, ModelSpec, RunSpec, TrainSpec, dump_run_spec
+from ..trainer.spec import RunSpec, dump_run_spec
 from ..trainer.trust import sign_run
 from .launcher import TrainerProcess
 from .runs import MANIFEST_FILE, SPEC_FILE, create_run_dir
@@ -41,21 +41,26 @@ PRIOR_MANIFEST_FILE = "prior_dataset.json"
 DEEPEST_RUN_FILE = "checkpoints/.partial-step_000000-0123456789abcdef/fake_step10/bf16_zero_pp_rank_00_mp_rank_00_optim_states.pt"
 
 
-def prepare_run(*, runs_root: Path, name: str, model: ModelSpec, dataset, cache_root: Path,
-                adapter: AdapterSpec | None = None, train: TrainSpec, lora_path: Path | None = None,
-                distributed: DistributedSpec | None = None, task: str = "train",
-                eval_dataset=None, previews=None, previews_vae=None, prior_dataset=None,
-                prior_weight: float = 1.0, prior_fraction: float = 0.5,
-                file_format: str = "comfyui", overwrite: bool = False, run_dir: Path | None = None,
+@dataclass
+class RunDatasets:
+    """The cached datasets a run reads: its training images, and where given held-out ones (evaluation) and prior
+    (regularisation) images mixed into every batch."""
+    train: object
+    eval: object = None
+    prior: object = None
+
+
+def prepare_run(draft: RunSpec, *, runs_root: Path, name: str, datasets: RunDatasets, cache_root: Path,
+                lora_path: Path | None = None, previews=None, previews_vae=None, run_dir: Path | None = None,
                 adjust: Callable[[RunSpec], RunSpec] | None = None) -> tuple[Path, Path]:
     """Creates the run directory with its dataset manifest(s) and run spec; returns (run dir, spec path).
 
-    `model` is the spec's model section (runner.model_source.hand_off_model). `previews`
-    (runner.previews.PreviewSettings) needs `previews_vae` (runner.model_source.VaeSource), the file its VAE is
-    read from. `prior_dataset`: prior (regularisation) images mixed into every batch at `prior_fraction` of its
-    slots, their loss weighted by `prior_weight`; the dataset's caption dropout reaches the spec with it.
-    `run_dir`: this exact folder instead of a new one under runs_root. `adjust` changes the spec
-    before it is validated and written (tools/prepare_run.py's overrides).
+    `draft` is the spec as the node built it (its task and settings, the model section of
+    runner.model_source.hand_off_model); what only the runner knows is filled in here: the run folder, the
+    datasets' manifests (and the training images' caption dropout), the previews' files (`previews`,
+    runner.previews.PreviewSettings, needs `previews_vae`, runner.model_source.VaeSource), the output file and
+    name. `run_dir`: this exact folder instead of a new one under runs_root. `adjust` (tools' --set overrides, which
+    may name what the runner filled) changes the spec before it is validated and written.
     The spec and the manifests are signed with this installation's secret: only a signed run is ever resumed.
     The ComfyUI install the trainer imports is the launcher's (COMFYUI_PATH), never the spec's.
     """
@@ -66,11 +71,8 @@ def prepare_run(*, runs_root: Path, name: str, model: ModelSpec, dataset, cache_
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return _write_run(run_dir, name=name, model=model, dataset=dataset, cache_root=cache_root, adapter=adapter,
-                          train=train, lora_path=lora_path, distributed=distributed, task=task,
-                          eval_dataset=eval_dataset, previews=previews, previews_vae=previews_vae,
-                          prior_dataset=prior_dataset, prior_weight=prior_weight, prior_fraction=prior_fraction,
-                          file_format=file_format, overwrite=overwrite, adjust=adjust)
+        return _write_run(run_dir, copy.deepcopy(draft), name=name, datasets=datasets, cache_root=cache_root,
+                          lora_path=lora_path, previews=previews, previews_vae=previews_vae, adjust=adjust)
     except BaseException:
         # a refused spec leaves no half-written run behind (the Train node's resume list would offer it)
         if created:
@@ -78,36 +80,29 @@ def prepare_run(*, runs_root: Path, name: str, model: ModelSpec, dataset, cache_
         raise
 
 
-def _write_run(run_dir: Path, *, name, model, dataset, cache_root, adapter, train, lora_path, distributed, task,
-               eval_dataset, previews, previews_vae, prior_dataset, prior_weight, prior_fraction, file_format,
-               overwrite, adjust) -> tuple[Path, Path]:
+def _write_run(run_dir: Path, spec: RunSpec, *, name, datasets: RunDatasets, cache_root, lora_path, previews,
+               previews_vae, adjust) -> tuple[Path, Path]:
     from ..trainer.os_support import path_problem
     deepest = path_problem(run_dir / DEEPEST_RUN_FILE)
     if deepest:  # refused before anything is written, rather than a checkpoint failing mid-run
         raise ValueError(f"the run folder would be too deep for Windows ({deepest.split(' is ')[0]} is its "
                          "deepest file): install ComfyUI in a shorter folder, use a shorter output name, or enable "
                          "long paths in Windows")
-    manifest = write_manifest(run_dir / MANIFEST_FILE, dataset, cache_root)
-    spec = RunSpec(task=task, run_dir=str(run_dir), model=dataclasses.replace(model),
-                   adapter=dataclasses.replace(adapter or AdapterSpec()),
-                   train=dataclasses.replace(train), distributed=dataclasses.replace(distributed or DistributedSpec()))
-    spec.data.manifest = str(manifest)
-    spec.data.caption_dropout = float(getattr(dataset, "caption_dropout", 0.0))  # the trainer draws who sees ""
+    spec.run_dir = str(run_dir)
+    spec.data.manifest = str(write_manifest(run_dir / MANIFEST_FILE, datasets.train, cache_root))
+    spec.data.caption_dropout = float(getattr(datasets.train, "caption_dropout", 0.0))  # the trainer draws who sees ""
     signed = [SPEC_FILE, MANIFEST_FILE]
-    if prior_dataset is not None:
+    if datasets.prior is not None:
         signed.append(PRIOR_MANIFEST_FILE)
-        spec.data.prior_manifest = str(write_manifest(run_dir / PRIOR_MANIFEST_FILE, prior_dataset, cache_root))
-        spec.data.prior_weight, spec.data.prior_fraction = float(prior_weight), float(prior_fraction)
-    if eval_dataset is not None:
+        spec.data.prior_manifest = str(write_manifest(run_dir / PRIOR_MANIFEST_FILE, datasets.prior, cache_root))
+    if datasets.eval is not None:
         signed.append(EVAL_MANIFEST_FILE)
-        spec.data.eval_manifest = str(write_manifest(run_dir / EVAL_MANIFEST_FILE, eval_dataset, cache_root))
+        spec.data.eval_manifest = str(write_manifest(run_dir / EVAL_MANIFEST_FILE, datasets.eval, cache_root))
     if previews is not None:
         from .previews import write_preview_inputs
         spec.samples = write_preview_inputs(previews, run_dir, previews_vae)
     spec.output.lora_path = str(lora_path or "")
     spec.output.name = name
-    spec.output.format = file_format
-    spec.output.overwrite = overwrite
     if adjust is not None:
         spec = adjust(spec)
     spec.validate(str(run_dir / SPEC_FILE))

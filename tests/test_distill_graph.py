@@ -103,16 +103,16 @@ def test_settings_the_spec_refuses_are_refused_naming_the_node_input():
 
 @pytest.mark.comfyui
 def test_the_runner_writes_a_distill_spec_through_the_train_nodes_run(monkeypatch, tmp_path):
-    """distill_model hands prepare_run task "distill" and the [distill] table (the rest is the Train node's run);
-    a refused adapter stops it before anything is handed off."""
-    _node_class()  # ComfyUI importable (the output path is ComfyUI's models/loras)
-    from ingraph_trainer.runner import model_source, session, train_run
+    """The Distill node's draft reaches prepare_run with task "distill" and its [distill] table through the Train
+    node's run (runner.node_run.run_task); a refused adapter stops it before anything is handed off."""
+    Distill = _node_class()  # ComfyUI importable (the output path is ComfyUI's models/loras)
+    from ingraph_trainer.runner import model_source, node_run, session
 
     class Handed(Exception):
         pass
 
-    def prepare_run(**kwargs):
-        raise Handed(kwargs)
+    def prepare_run(draft, **kwargs):
+        raise Handed(draft)
     handed_off = []
     monkeypatch.setattr(model_source, "hand_off_model", lambda *a, **k: handed_off.append(a) or types.SimpleNamespace(
         model_spec=config.ModelSpec(path="teacher.safetensors"), source=None))
@@ -120,25 +120,25 @@ def test_the_runner_writes_a_distill_spec_through_the_train_nodes_run(monkeypatc
     monkeypatch.setattr(model_source, "prediction_of", lambda model: "epsilon")
     monkeypatch.setattr(distill_run, "check_family_settings", lambda *a, **k: None)
     monkeypatch.setattr(session, "prepare_run", prepare_run)
-    monkeypatch.setattr(train_run, "refuse_foreign_file", lambda *a, **k: None)
+    monkeypatch.setattr(node_run, "refuse_foreign_file", lambda *a, **k: None)
     distill = config.DistillSpec(student_steps=2, student_timesteps=[1.0, 0.5], fake_updates=3, gan_weight=0.01)
-    run = dict(train=config.TrainSpec(steps=7), distill=distill, output_name="distill_probe",
-               on_run=None, check_interrupt=lambda: None)
-    dataset = types.SimpleNamespace(empty_text=("key", "sha"))  # the empty caption cached: guidance may be used
+    # the node's inputs as a saved workflow gives them: the ones not given take the schema's defaults
+    inputs = dict(steps=7, student_steps=2, student_timesteps="1.0, 0.5", fake_updates=3, gan_weight=0.01,
+                  output_name="distill_probe")
+    dataset = types.SimpleNamespace(empty_text=("key", "sha"), require_cached=lambda name: None)  # guidance may be used
+    monkeypatch.setattr(Distill, "hidden", types.SimpleNamespace(unique_id="6", prompt=None), raising=False)
     with pytest.raises(Handed) as info:
-        distill_run.distill_model(object(), dataset, adapter=config.AdapterSpec(kind="lora"), **run)
-    kwargs = info.value.args[0]
-    assert kwargs["task"] == "distill" and kwargs["file_format"] == "comfyui" and kwargs["train"].steps == 7
-    spec = kwargs["adjust"](config.RunSpec(task=kwargs["task"], run_dir=str(tmp_path), model=kwargs["model"],
-                                           adapter=kwargs["adapter"], train=kwargs["train"]))
-    spec.output.lora_path, spec.data.manifest = "student.safetensors", "dataset.json"
+        Distill.execute(object(), dataset, config.AdapterSpec(kind="lora"), **inputs)
+    spec = info.value.args[0]
+    assert spec.task == "distill" and spec.output.format == "comfyui" and spec.train.steps == 7
+    spec.run_dir, spec.output.lora_path, spec.data.manifest = str(tmp_path), "student.safetensors", "dataset.json"
     spec.validate()
     written = config.spec_from_dict(tomllib.loads(config.dump_run_spec(spec)), "written")
     assert written.task == "distill" and written.distill == distill and written.distill is not distill
 
     handed_off.clear()
     with pytest.raises(ValueError, match="Distill: adapter: .* kind is DoRA"):
-        distill_run.distill_model(object(), dataset, adapter=config.AdapterSpec(kind="dora"), **run)
+        Distill.execute(object(), dataset, config.AdapterSpec(kind="dora"), **inputs)
     assert not handed_off
 
 

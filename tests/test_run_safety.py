@@ -200,24 +200,24 @@ def test_a_refused_spec_leaves_no_half_written_run_folder(tmp_path):
     """prepare_run writes manifests before the spec is validated: a refusal (here an optimizer the layout cannot
     honour) removes the folder it made, so no half-written run is offered for resume."""
     import types
-    from ingraph_trainer.runner.session import prepare_run
-    from ingraph_trainer.trainer.spec import ModelSpec, RunSpecError, TrainSpec
+    from ingraph_trainer.runner.session import RunDatasets, prepare_run
+    from ingraph_trainer.trainer.spec import ModelSpec, RunSpec, RunSpecError, TrainSpec
     dataset = types.SimpleNamespace(cache_keys=lambda: [], folder=str(tmp_path), repeats=1, items=[], empty_text=None,
                                     caption_dropout=0.0)
     runs = tmp_path / "runs"
     runs.mkdir()
-    with pytest.raises(RunSpecError, match="train.optimizer"):
-        prepare_run(runs_root=runs, name="refused", model=ModelSpec(path=str(tmp_path / "m.safetensors")),
-                    dataset=dataset, cache_root=tmp_path / "cache", lora_path=tmp_path / "out.safetensors",
+    draft = RunSpec(model=ModelSpec(path=str(tmp_path / "m.safetensors")),
                     train=TrainSpec(optimizer="adamw_schedulefree", precision="bf16"))
+    with pytest.raises(RunSpecError, match="train.optimizer"):
+        prepare_run(draft, runs_root=runs, name="refused", datasets=RunDatasets(dataset),
+                    cache_root=tmp_path / "cache", lora_path=tmp_path / "out.safetensors")
     assert list(runs.iterdir()) == []
     kept = tmp_path / "mine"  # a folder the caller made is left as it was
     kept.mkdir()
     (kept / "notes.txt").write_text("keep")
     with pytest.raises(RunSpecError):
-        prepare_run(runs_root=runs, name="refused", model=ModelSpec(path=str(tmp_path / "m.safetensors")),
-                    dataset=dataset, cache_root=tmp_path / "cache", lora_path=tmp_path / "out.safetensors",
-                    train=TrainSpec(optimizer="adamw_schedulefree", precision="bf16"), run_dir=kept)
+        prepare_run(draft, runs_root=runs, name="refused", datasets=RunDatasets(dataset),
+                    cache_root=tmp_path / "cache", lora_path=tmp_path / "out.safetensors", run_dir=kept)
     assert (kept / "notes.txt").read_text() == "keep"
 
 

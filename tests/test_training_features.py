@@ -279,7 +279,6 @@ def test_the_start_names_the_training_buckets_no_prior_image_covers():
 
 @pytest.mark.comfyui
 def test_the_train_node_offers_base_precision_and_hands_it_to_the_spec(monkeypatch):
-    import inspect
     from tools.prepare_run import _bootstrap
     _bootstrap()
     from ingraph_trainer.nodes.train_node import TrainLoRA
@@ -289,25 +288,26 @@ def test_the_train_node_offers_base_precision_and_hands_it_to_the_spec(monkeypat
     assert last.optional and "fp8" in last.tooltip
     assert [config.choice_value(config.BASE_PRECISION_CHOICES, o, "base_precision") for o in last.options] \
         == list(config.BASE_PRECISIONS)
-    assert inspect.signature(TrainLoRA.execute).parameters["base_precision"].default in last.options
-    # train_lora writes it into the model section it hands to prepare_run
-    from ingraph_trainer.runner import model_source, session
+    assert last.default in last.options
+    # the runner keeps the draft's base_precision in the model section the hand-off gives, which it hands to
+    # prepare_run
+    from ingraph_trainer.runner import model_source, node_run, session
 
     class Handed(Exception):
         pass
 
-    def prepare_run(**kwargs):
-        raise Handed(kwargs["model"])
+    def prepare_run(draft, **kwargs):
+        raise Handed(draft.model)
     monkeypatch.setattr(model_source, "hand_off_model", lambda *a, **k: types.SimpleNamespace(
         model_spec=config.ModelSpec(path="base.safetensors", weight_dtype="default"), source=None))
     monkeypatch.setattr(model_source, "release_comfy_models", lambda model: None)
     monkeypatch.setattr(model_source, "prediction_of", lambda model: "epsilon")
     monkeypatch.setattr(train_run, "check_family_settings", lambda *a, **k: None)
     monkeypatch.setattr(session, "prepare_run", prepare_run)
+    draft = config.RunSpec(model=config.ModelSpec(base_precision="fp8"))
+    node = node_run.NodeCall("Train LoRA", "6", None, on_run=None, check_interrupt=lambda: None)
     with pytest.raises(Handed) as handed:
-        train_run.train_lora(object(), None, adapter=config.AdapterSpec(), train=config.TrainSpec(),
-                             output_name="base_precision_probe", base_precision="fp8", on_run=None,
-                             check_interrupt=lambda: None)
+        node_run.run_task(draft, object(), session.RunDatasets(None), None, node, "base_precision_probe")
     assert handed.value.args[0].base_precision == "fp8" and handed.value.args[0].path == "base.safetensors"
 
 

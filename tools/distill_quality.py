@@ -170,8 +170,8 @@ def new_model(path: Path, seed: int = 0, depth: int = TEACHER_SIZE["depth"]) -> 
 def write_run(work: Path, name: str, model_path: Path, dataset, overrides: dict, task: str = "train") -> Path:
     """A run spec written by the Train node's own runner.session.prepare_run; `overrides`: {"table.key": value}."""
     import dataclasses
-    from ingraph_trainer.runner.session import prepare_run
-    from ingraph_trainer.trainer.spec import ModelSpec, TrainSpec, spec_from_dict
+    from ingraph_trainer.runner.session import RunDatasets, prepare_run
+    from ingraph_trainer.trainer.spec import ModelSpec, RunSpec, spec_from_dict
 
     def adjust(spec):
         data = dataclasses.asdict(spec)
@@ -180,9 +180,9 @@ def write_run(work: Path, name: str, model_path: Path, dataset, overrides: dict,
             (data[table] if table else data)[key] = value
         return spec_from_dict(data, "overrides")
     out_file = work / name / f"{name}.safetensors"
-    _, spec_path = prepare_run(runs_root=work, run_dir=work / name, name=name, task=task,
-                               model=ModelSpec(path=str(model_path)), dataset=dataset, cache_root=work / "cache",
-                               train=TrainSpec(), lora_path=out_file, adjust=adjust)
+    _, spec_path = prepare_run(RunSpec(task=task, model=ModelSpec(path=str(model_path))), runs_root=work,
+                               run_dir=work / name, name=name, datasets=RunDatasets(dataset),
+                               cache_root=work / "cache", lora_path=out_file, adjust=adjust)
     return spec_path
 
 

@@ -47,8 +47,8 @@ def prepare(checkpoint: Path, images: Path, run_dir: Path, overrides: dict, reso
 
     import comfy.sd
     from ingraph_trainer.runner.model_source import hand_off_model, hand_off_vae
-    from ingraph_trainer.runner.session import prepare_run
-    from ingraph_trainer.trainer.spec import SampleSpec, TrainSpec, spec_from_dict
+    from ingraph_trainer.runner.session import RunDatasets, prepare_run
+    from ingraph_trainer.trainer.spec import RunSpec, SampleSpec, spec_from_dict
     from tools.cache_dataset import encode_folder
 
     checkpoint = Path(checkpoint).resolve()
@@ -78,10 +78,10 @@ def prepare(checkpoint: Path, images: Path, run_dir: Path, overrides: dict, reso
         return spec_from_dict(data, "overrides")
 
     # signed like a run the Train node wrote, so it is resumable from the node too
-    _, spec_path = prepare_run(runs_root=work, run_dir=run_dir, name="lora", model=hand_off.model_spec,
-                               dataset=dataset, cache_root=work / "cache", train=TrainSpec(),
+    _, spec_path = prepare_run(RunSpec(model=hand_off.model_spec), runs_root=work, run_dir=run_dir, name="lora",
+                               datasets=RunDatasets(dataset, prior=prior_dataset), cache_root=work / "cache",
                                lora_path=run_dir / "lora.safetensors", previews=previews, previews_vae=previews_vae,
-                               prior_dataset=prior_dataset, adjust=apply_overrides)
+                               adjust=apply_overrides)
     return spec_path
 
 

@@ -123,3 +123,10 @@ BASE_PRECISION_CHOICES = (  # the frozen base weights in the trainer
 )
 BASE_PRECISIONS = choice_values(BASE_PRECISION_CHOICES)
 VAE_FORMATS = ("vae", "checkpoint")  # samples.vae_path: a VAE file (VAELoader) or the VAE inside a checkpoint
+# the spec fields whose node input is a choice, each with its options (nodes/spec_inputs.py reads a label as its value)
+FIELD_CHOICES = {"adapter.kind": ADAPTER_KIND_CHOICES, "adapter.targets": TARGET_CHOICES,
+                 "output.format": ADAPTER_FORMAT_CHOICES, "output.weights": OUTPUT_WEIGHTS_CHOICES,
+                 "train.optimizer": OPTIMIZER_CHOICES, "train.lr_schedule": SCHEDULE_CHOICES,
+                 "train.precision": PRECISION_CHOICES, "train.loss": LOSS_CHOICES,
+                 "train.timestep_sampling": TIMESTEP_SAMPLING_CHOICES, "train.memory": MEMORY_CHOICES,
+                 "model.base_precision": BASE_PRECISION_CHOICES}

@@ -1,0 +1,48 @@
+"""From a node's inputs to the run spec's sections: one rule for every node. An input fills the spec field of its
+own name, or the field a node's SPEC_INPUTS map names it for; a choice's label becomes the spec's value
+(trainer.spec.FIELD_CHOICES), a value is cast to the field's type, and an optional input a saved workflow lacks
+takes the schema's default. So a new input is its schema entry (and a spec field): nothing else carries it."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+
+@functools.cache
+def schema_defaults(node: type) -> dict:
+    """{input id: default} of the node's schema (asked once: the defaults are written in the code)."""
+    return {i.id: i.default for i in node.define_schema().inputs if getattr(i, "default", None) is not None}
+
+
+def spec_section(node: type, section: str, cls: type, inputs: dict, read: dict[str, Callable] | None = None):
+    """The spec section `cls` (named `section`, as the spec's tables are) from `inputs`, the node's execute
+    arguments. `node.SPEC_INPUTS` maps "section.field" to the input that fills it where the names differ (None: no
+    input of the node fills that field, though one has its name); `read` maps a field to a function of the
+    input's value where a cast is not enough (text to a list). Fields no input fills keep the dataclass's default."""
+    from ..trainer.spec import FIELD_CHOICES, choice_value
+    renamed, defaults = getattr(node, "SPEC_INPUTS", {}), schema_defaults(node)
+    values = {}
+    for f in dataclasses.fields(cls):
+        dotted = f"{section}.{f.name}"
+        name = renamed.get(dotted, f.name)
+        if name is None or (name not in inputs and name not in defaults):
+            continue
+        value = inputs.get(name)
+        if value is None:  # an optional input a saved workflow lacks (or not given by an API client)
+            value = defaults.get(name)
+            if value is None:
+                continue
+        if read and f.name in read:
+            value = read[f.name](value)
+        elif dotted in FIELD_CHOICES:
+            value = choice_value(FIELD_CHOICES[dotted], value, name)
+        else:
+            value = _cast(f, value)
+        values[f.name] = value
+    return cls(**values)
+
+
+def _cast(f: dataclasses.Field, value):
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+    return {"int": int, "float": float, "bool": bool, "str": str}.get(kind, lambda v: v)(value)
