@@ -154,10 +154,10 @@ class Distill(io.ComfyNode):
 
         check_student_adapter(adapter)
         dataset.require_cached("dataset")
-        read_timesteps = {"student_timesteps": lambda text: parse_student_timesteps(text, inputs["student_steps"])}
+        distill = spec_section(cls, "distill", DistillSpec, inputs, read={"student_timesteps": str})
+        distill.student_timesteps = parse_student_timesteps(distill.student_timesteps, distill.student_steps)
         draft = RunSpec(task=TASK, adapter=adapter, distributed=inputs.get("distributed") or DistributedSpec(),
-                        train=spec_section(cls, "train", TrainSpec, inputs),
-                        distill=spec_section(cls, "distill", DistillSpec, inputs, read=read_timesteps),
+                        train=spec_section(cls, "train", TrainSpec, inputs), distill=distill,
                         output=spec_section(cls, "output", OutputSpec, inputs))
         node_id = cls.hidden.unique_id
         node = NodeCall(TITLE, node_id, cls.hidden.prompt, progress_relay(node_id), raise_if_interrupted)

@@ -36,7 +36,7 @@ def schemas() -> dict:
         schema = node.define_schema()
         inputs = []
         for item in schema.inputs:
-            entry = {"id": item.id, "type": type(item).__qualname__}
+            entry = {"id": item.id, "type": item.get_io_type()}
             for name in FIELDS:
                 value = getattr(item, name, None)
                 if value is not None:
@@ -44,7 +44,7 @@ def schemas() -> dict:
             if (schema.node_id, item.id) in LISTED_ELSEWHERE and "options" in entry:
                 entry["options"] = "listed elsewhere"
             inputs.append(entry)
-        outputs = [{"type": type(o).__qualname__, "display_name": o.display_name, "tooltip": o.tooltip}
+        outputs = [{"type": o.get_io_type(), "display_name": o.display_name, "tooltip": o.tooltip}
                    for o in schema.outputs]
         out[schema.node_id] = {"display_name": schema.display_name, "category": schema.category,
                                "description": schema.description, "output_node": bool(schema.is_output_node),
@@ -68,3 +68,68 @@ def test_every_nodes_inputs_are_the_snapshots_input_by_input():
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
     SNAPSHOT.write_text(json.dumps(schemas(), indent=1, sort_keys=True) + "\n")
     print(f"wrote {SNAPSHOT}")
+
+
+# the inputs of the trainer nodes that are not a spec setting: what the run reads (the graph's values, the run to
+# resume, the output's name), handed to runner.node_run.run_task beside the draft spec
+NOT_SETTINGS = {"model", "dataset", "adapter", "distributed", "eval_dataset", "prior_dataset", "previews",
+                "output_name", "resume"}
+
+
+def _other_value(item):
+    """A valid value of the input other than its default."""
+    kind, default = item.get_io_type(), item.default
+    if kind == "BOOLEAN":
+        return not default
+    if kind == "COMBO":
+        return next(o for o in item.options if o != default)
+    if kind == "STRING":
+        return {"eval_quantiles": "0.25, 0.75", "student_timesteps": "1.0, 0.75, 0.5, 0.25"}[item.id]
+    low, high = item.min, item.max
+    if kind == "INT":
+        return default + 1 if default + 1 <= high else default - 1
+    other = default * 1.5 if default else (low + high) / 7
+    return other if low <= other <= high else (low + default) / 2
+
+
+def _flat(spec) -> dict:
+    import dataclasses
+    return {f"{table}.{key}": value for table, section in dataclasses.asdict(spec).items()
+            if isinstance(section, dict) for key, value in section.items()}
+
+
+def test_each_trainer_node_input_reaches_its_spec_field_and_no_other(monkeypatch):
+    """The one carrier (nodes/spec_inputs.py): every input of Train LoRA and Distill but the run's own
+    (NOT_SETTINGS) changes exactly one field of the draft spec the node hands the runner, the field of its name or
+    the node's SPEC_INPUTS entry; an input that reached no field, or two, fails here."""
+    import types
+    schemas()  # bootstrapped
+    from ingraph_trainer.nodes.distill_node import Distill
+    from ingraph_trainer.nodes.train_node import TrainLoRA
+    from ingraph_trainer.runner import node_run
+    from ingraph_trainer.trainer.spec import AdapterSpec
+
+    class Handed(Exception):
+        pass
+
+    def run_task(draft, *args, **kwargs):
+        raise Handed(draft)
+    monkeypatch.setattr(node_run, "run_task", run_task)
+    dataset = types.SimpleNamespace(require_cached=lambda name: None)
+    for node in (TrainLoRA, Distill):
+        monkeypatch.setattr(node, "hidden", types.SimpleNamespace(unique_id="1", prompt=None), raising=False)
+        inputs = [i for i in node.define_schema().inputs if i.id not in NOT_SETTINGS]
+        assert len(inputs) > 15, node
+
+        def draft_of(**given):
+            try:
+                node.execute(object(), dataset, AdapterSpec(), output_name="carrier", **given)
+            except Handed as handed:
+                return _flat(handed.args[0])
+            raise AssertionError(f"{node.__name__} did not hand the runner a draft")
+        defaults = draft_of()
+        fields = {v: k for k, v in node.SPEC_INPUTS.items() if v}
+        for item in inputs:
+            changed = [k for k, v in draft_of(**{item.id: _other_value(item)}).items() if v != defaults[k]]
+            expected = fields.get(item.id) or next(k for k in changed if k.endswith(f".{item.id}")) if changed else None
+            assert changed == [expected], f"{node.__name__}.{item.id}={_other_value(item)!r} changed {changed}"
