@@ -186,6 +186,10 @@ class TrainLoRA(io.ComfyNode):
                 io.Float.Input("memory_budget_gb", default=0.0, min=0.0, max=4096.0, step=0.5, optional=True,
                                tooltip="GiB of device memory the run may fill (to leave room for other work on "
                                        "the card); 0 = the card's free memory when the run starts."),
+                io.Float.Input("weight_decay", default=TrainSpec.weight_decay, min=0.0, max=1.0, step=0.001,
+                               optional=True,
+                               tooltip="Decoupled weight decay (as AdamW applies it): each step multiplies the "
+                                       "trained weights by 1 - learning rate x this. 0 = off."),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The input MODEL with the trained LoRA applied."),
