@@ -172,7 +172,7 @@ def queued_model(prompt: dict, resolve=None) -> dict | None:
     import dataclasses
 
     from ..trainer.spec import BASE_PRECISION_CHOICES, PRECISION_CHOICES, choice_value
-    from .model_source import Undescribable, describe_model, input_link
+    from .model_source import describe_model, input_link
     trains = [node_id for node_id, node in prompt.items()
               if isinstance(node, dict) and node.get("class_type") == "InGraphTrainLoRA"]
     if len(trains) != 1:
@@ -187,10 +187,8 @@ def queued_model(prompt: dict, resolve=None) -> dict | None:
         model = source.model_spec("auto")
         if "base_precision" in inputs:
             model.base_precision = choice_value(BASE_PRECISION_CHOICES, inputs["base_precision"], "base_precision")
-    except (Undescribable, KeyError, ValueError, TypeError, OSError):
-        return None
     except Exception as exc:  # noqa: BLE001 - it runs in ComfyUI's prompt hook, which must never fail a prompt
-        log.debug("InGraph Trainer: no model to load ahead (%s)", exc)
+        log.debug("InGraph Trainer: no model to load ahead (%s: %s)", type(exc).__name__, exc)
         return None
     return {"model": dataclasses.asdict(model), "precision": precision}
 
@@ -198,7 +196,6 @@ def queued_model(prompt: dict, resolve=None) -> dict | None:
 def run_started() -> None:
     """A run starts now (from a standby, cold, or on several processes): the prompt hook primes none beside it."""
     global _last_taken
-    import time
     _last_taken = time.monotonic()
 
 
@@ -246,7 +243,6 @@ def prime_for_prompt(json_data: dict, queue=None, wait_s: float = QUEUED_WAIT_S)
     its id here (ComfyUI keeps a client's own), and one watcher thread, whatever the number of prompts, primes once
     any of the ids it follows is in ComfyUI's queue."""
     global _watcher
-    import time
     prompt = json_data.get("prompt") if isinstance(json_data, dict) else None
     if isinstance(prompt, dict) and any(isinstance(node, dict) and node.get("class_type") in TRAINER_NODES
                                         for node in prompt.values()):
@@ -273,7 +269,6 @@ def _prime_once_queued(queue):
     idle, hands the standby the last training prompt's model (preload_when_idle); leaves when it has neither to
     do."""
     global _watcher, _after_queue
-    import time
     while True:
         with _pending_lock:
             now = time.monotonic()

@@ -6,8 +6,7 @@ place: the next ComfyUI change that breaks the pack is fixed here.
   wrapper failed every model load).
 - Model parameter dataclasses gain required fields (0.33: `FluxParams.txt_ids_dims`, `HunyuanVideoParams.
   use_cond_type_embedding`, `vision_in_dim`, `meanflow_sum`): `dit_config` fills each one the caller did not give
-  with the value ComfyUI's own detection gives a file of the older layout, so a model built from a config is the
-  one 0.3.64 built.
+  with the value ComfyUI's detection gives a file of the older layout: a model built from a config is 0.3.64's.
 - Quantized weights (0.33's `QuantizedTensor` layouts, loaded by its mixed-precision ops, whose Linear is no
   `torch.nn.Linear`): which layers are linear, how many bytes a weight holds in its layout, its float value, and
   the setting that makes a layer dequantize its weight for each matmul instead of quantizing the input.

@@ -230,8 +230,7 @@ def _take_preloaded(model, precision: str | None):
     since: the same stamps, checked again now); else None, and the preloaded one is dropped."""
     if not _preloaded:
         return None
-    if _preloaded[0][0] != load_key(model, precision):
-        drop_preloaded()
+    if not preload_is_for(model, precision):
         logging.getLogger(__name__).info("the model loaded ahead of this run is not its model: loading it afresh")
         return None
     patcher = _preloaded.pop()[1]
