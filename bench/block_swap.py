@@ -26,7 +26,7 @@ def build(state: dict, swap: int, device, dtype, ahead: bool = True):
     import comfy.sd
     import torch
     from ingraph_trainer.trainer.adapters import inject_adapter
-    from ingraph_trainer.trainer.memory import enable_block_swap
+    from ingraph_trainer.trainer.parallel.memory import enable_block_swap
     from ingraph_trainer.trainer.models import family_for
     patcher = comfy.sd.load_diffusion_model_state_dict(dict(state), model_options={"dtype": torch.float32})
     family = family_for(patcher.model, patcher=patcher)
@@ -38,7 +38,7 @@ def build(state: dict, swap: int, device, dtype, ahead: bool = True):
     family.diffusion_model.to(device, dtype)  # as DeepSpeed's bf16 mode casts the whole module
     if swap:
         import functools
-        from ingraph_trainer.trainer.memory import BlockCopies
+        from ingraph_trainer.trainer.parallel.memory import BlockCopies
         enable_block_swap(family.checkpoint_blocks()[:swap], device, copies=functools.partial(BlockCopies, ahead=ahead))
     return family, params
 

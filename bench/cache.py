@@ -36,7 +36,7 @@ def rss_mb() -> float:
 def synthetic_index(entries: int, tmp: Path):
     import random
     from ingraph_trainer.cache.shards import MANIFEST_VERSION
-    from ingraph_trainer.trainer.data import StepSampler, load_cached_dataset
+    from ingraph_trainer.trainer.data.loading import StepSampler, load_cached_dataset
     rng = random.Random(0)
     buckets = [(512, 512), (576, 448), (448, 576), (640, 384), (384, 640)]
     items = []

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.events import EVENTS_FILE, read_events  # noqa: E402  (the trainer's own reader: no torch, no ComfyUI)
+from trainer.run.events import EVENTS_FILE, read_events  # noqa: E402  (the trainer's own reader: no torch, no ComfyUI)
 
 
 def runs_under(folder: Path):

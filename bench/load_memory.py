@@ -33,7 +33,7 @@ def measure(path: str, fmt: str, hold: str, how: str) -> dict:
     _bootstrap()
     import comfy.sd  # noqa: F401  (imports before the baseline)
     from ingraph_trainer.trainer.spec import ModelSpec
-    from ingraph_trainer.trainer.memory import load_peak
+    from ingraph_trainer.trainer.parallel.memory import load_peak
     from ingraph_trainer.trainer.models import load_family  # noqa: F401  (imports before the baseline)
 
     weight_dtype, precision = HOLDS[hold]

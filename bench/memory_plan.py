@@ -75,7 +75,7 @@ def prepare_sdxl(unet: Path, checkpoint: Path, images: Path, work: Path, resolut
 
 def run_setting(base_spec: Path, work: Path, name: str, steps: int, timeout: float) -> dict:
     from ingraph_trainer.trainer.spec import dump_run_spec, load_run_spec
-    from ingraph_trainer.trainer.events import read_events
+    from ingraph_trainer.trainer.run.events import read_events
     spec = load_run_spec(base_spec)
     run_dir = work / f"run_{base_spec.parent.name}_{name}"
     shutil.rmtree(run_dir, ignore_errors=True)  # a finished run is never trained again unasked

@@ -80,7 +80,7 @@ class BareLoop:
         from ingraph_trainer.trainer.adapters import inject_adapter
         from ingraph_trainer.trainer.comfy_env import import_comfy
         from ingraph_trainer.trainer.spec import load_run_spec
-        from ingraph_trainer.trainer.batch_mix import StepBatches, build_training_data
+        from ingraph_trainer.trainer.data.batch_mix import StepBatches, build_training_data
         from ingraph_trainer.trainer.models import load_family
         from ingraph_trainer.trainer.optim import build_optimizer, build_scheduler
         spec = load_run_spec(spec_path)
@@ -142,7 +142,7 @@ def interleaved_step_times(spec_path: Path) -> tuple[list[float], list[float]]:
 def interleaved_run(spec_path: Path) -> tuple[list[float], list[float]]:
     import torch
     bare = BareLoop(spec_path)
-    from ingraph_trainer.trainer import loop
+    from ingraph_trainer.trainer.tasks import loop
     from ingraph_trainer.trainer.main import main as trainer_main
     own_loader, bare_times, asked = loop.step_loader, [], []
 

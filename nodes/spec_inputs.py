@@ -1,6 +1,6 @@
 """From a node's inputs to the run spec's sections: one rule for every node. An input fills the spec field of its
 own name, or the field a node's SPEC_INPUTS map names it for; a choice's label becomes the spec's value
-(trainer.spec.FIELD_CHOICES), a value is cast to the field's type, and an optional input a saved workflow lacks
+(trainer.spec.CHOICE_FIELDS), a value is cast to the field's type, and an optional input a saved workflow lacks
 takes the schema's default. So a new input is its schema entry (and a spec field): nothing else carries it."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def spec_section(node: type, section: str, cls: type, inputs: dict, read: dict[s
     arguments. `node.SPEC_INPUTS` maps "section.field" to the input that fills it where the names differ (None: no
     input of the node fills that field, though one has its name); `read` maps a field to a function of the
     input's value where a cast is not enough (text to a list). Fields no input fills keep the dataclass's default."""
-    from ..trainer.spec import FIELD_CHOICES, choice_value
+    from ..trainer.spec import CHOICE_FIELDS, choice_value
     renamed, defaults = getattr(node, "SPEC_INPUTS", {}), schema_defaults(node)
     values = {}
     for f in dataclasses.fields(cls):
@@ -35,8 +35,8 @@ def spec_section(node: type, section: str, cls: type, inputs: dict, read: dict[s
                 continue
         if read and f.name in read:
             value = read[f.name](value)
-        elif dotted in FIELD_CHOICES:
-            value = choice_value(FIELD_CHOICES[dotted], value, name)
+        elif dotted in CHOICE_FIELDS:
+            value = choice_value(CHOICE_FIELDS[dotted], value, name)
         else:
             value = _cast(f, value)
         values[f.name] = value

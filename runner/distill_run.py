@@ -1,6 +1,6 @@
 """The Distill node's work: DMD2 few-step distillation of the graph's MODEL (the frozen teacher) into a student
 that trains as a LoRA (a "turbo LoRA" for the teacher) or in full, by the trainer program (task "distill",
-trainer/distill.py). Resume, the model's hand-off, launch, watch and the output MODEL are the Train node's
+trainer/tasks/distill.py). Resume, the model's hand-off, launch, watch and the output MODEL are the Train node's
 (runner.node_run.run_task); only the settings and their checks are distillation's own."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def check_student_adapter(adapter: AdapterSpec):
         kinds = " or ".join(labels[k] for k in DISTILL_STUDENT_KINDS)
         raise ValueError(f"{TITLE}: adapter: the student trains as {kinds}; the LoRA Adapter node's kind is "
                          f"{labels.get(adapter.kind, adapter.kind)}")
-    if adapter.init_from:  # the student starts as the teacher (trainer/distill.py reads no adapter file)
+    if adapter.init_from:  # the student starts as the teacher (trainer/tasks/distill.py reads no adapter file)
         raise ValueError(f"{TITLE}: adapter: the student starts as a copy of the teacher, not from continue_from "
                          "(set it to none; to continue a distillation, use the resume input)")
 

@@ -78,9 +78,9 @@ def _result_key(model_spec, dataset, train: TrainSpec, distributed: DistributedS
 
 def check_evaluation_references(model, dataset):
     """Refuses, before anything is handed off or launched, a dataset whose reference images the MODEL's family
-    cannot take: training's rule (trainer.dataset_checks.check_dataset_for_family, which leaves the items' sizes to
+    cannot take: training's rule (trainer.data.dataset_checks.check_dataset_for_family, which leaves the items' sizes to
     the trainer: the graph's dataset holds its bucket settings, not the sizes), naming the Evaluate node's input."""
-    from ..trainer.dataset_checks import check_dataset_for_family
+    from ..trainer.data.dataset_checks import check_dataset_for_family
     from ..trainer.models import UnsupportedSetting, family_for
     family = family_for(model.model)
     try:

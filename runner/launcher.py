@@ -6,9 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..trainer.events import EventReader
+from ..trainer.run.events import EventReader
 from ..trainer.os_support import kill_processes, own_process_group, signal_tree, tree_of, usable_cpus
-from ..trainer.layout import EVENTS_FILE, LOG_FILE, PID_FILE, STOP_FILE
+from ..trainer.run.layout import EVENTS_FILE, LOG_FILE, PID_FILE, STOP_FILE
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
 

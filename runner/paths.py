@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..trainer.layout import DATA_DIR_ENV, DATA_FOLDER  # noqa: F401  (DATA_DIR_ENV: the operator's setting)
+from ..trainer.run.layout import DATA_DIR_ENV, DATA_FOLDER  # noqa: F401  (DATA_DIR_ENV: the operator's setting)
 
 
 def _output_root() -> Path:
@@ -27,7 +27,7 @@ def use_data_folder_secret() -> Path:
     in the data folder, so two servers sharing a home (and so ~/.config) do not trust each other's runs. Set for
     this process and the trainers it starts. A server that signed with the home folder's secret before moves to
     its data folder's the first time, re-signing the runs in its output folder that the old secret signed."""
-    from ..trainer.trust import SECRET_ENV, home_secret_path, installation_secret, migrate_runs
+    from ..trainer.run.trust import SECRET_ENV, home_secret_path, installation_secret, migrate_runs
     if os.environ.get(SECRET_ENV):
         return Path(os.environ[SECRET_ENV])
     import hashlib

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from ..trainer.layout import SAMPLES_DIR, STOP_FILE
+from ..trainer.run.layout import SAMPLES_DIR, STOP_FILE
 from . import paths
 from .run_record import RECORDS, json_dumps, open_regular_file
 from .runs import run_dir_for

@@ -20,8 +20,8 @@ import time
 from collections import deque
 from pathlib import Path
 
-from ..trainer.events import EVENT_TYPES
-from ..trainer.layout import CHECKPOINTS_DIR, EVENTS_FILE, OWNER_FILE, PID_FILE
+from ..trainer.run.events import EVENT_TYPES
+from ..trainer.run.layout import CHECKPOINTS_DIR, EVENTS_FILE, OWNER_FILE, PID_FILE
 from ..trainer.os_support import process_gone
 
 TERMINAL = {"finished": "finished", "error": "failed"}

@@ -7,8 +7,8 @@ import secrets
 import time
 from pathlib import Path
 
-from ..trainer.layout import MANIFEST_FILE, SPEC_FILE  # noqa: F401
-from ..trainer.trust import run_is_trusted
+from ..trainer.run.layout import MANIFEST_FILE, SPEC_FILE  # noqa: F401
+from ..trainer.run.trust import run_is_trusted
 
 log = logging.getLogger("ingraph_trainer")
 
@@ -50,7 +50,7 @@ def run_dir_for(runs_root: str | Path, run_id: str) -> Path | None:
 
 def write_owner(run_dir: Path, node_id: str):
     import json
-    from ..trainer.layout import OWNER_FILE
+    from ..trainer.run.layout import OWNER_FILE
     (Path(run_dir) / OWNER_FILE).write_text(json.dumps({"node": str(node_id)}))
 
 
@@ -67,12 +67,12 @@ def _spec_fields(run_dir: Path) -> tuple[str | None, str | None]:
 def complete_checkpoints(run_dir: Path) -> list[str]:
     """Tags of the run's complete checkpoints, oldest first (the trainer's own definition of complete: a
     COMPLETE mark signed by this installation over exactly the files in the folder)."""
-    from ..trainer.checkpoint import complete_checkpoints as complete
+    from ..trainer.run.checkpoint import complete_checkpoints as complete
     return [path.name for path in complete(run_dir)]
 
 
 def trusted_run(run_dir: Path) -> bool:
-    """The run's spec and manifests are the ones this installation's runner wrote (trainer/trust.py)."""
+    """The run's spec and manifests are the ones this installation's runner wrote (trainer/run/trust.py)."""
     return run_is_trusted(run_dir, SPEC_FILE)
 
 

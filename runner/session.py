@@ -12,7 +12,7 @@ from typing import Callable
 from ..cache.files import atomic_write_text
 from ..cache.store import write_manifest
 from ..trainer.spec import RunSpec, dump_run_spec
-from ..trainer.trust import sign_run
+from ..trainer.run.trust import sign_run
 from .launcher import TrainerProcess
 from .runs import MANIFEST_FILE, SPEC_FILE, create_run_dir
 

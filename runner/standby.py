@@ -1,5 +1,5 @@
 """One trainer process kept started ahead of need, so a run does not wait for torch, ComfyUI, DeepSpeed and
-peft to import (about 10 s on 2 CPU cores; trainer/standby.py is its other half).
+peft to import (about 10 s on 2 CPU cores; trainer/tasks/standby.py is its other half).
 
 When: the first standby starts when a prompt with a node that launches a trainer (Train LoRA, Distill, Evaluate) is
 queued, so its imports overlap the graph's own work before that node (loading the model, caching); after each
@@ -101,7 +101,7 @@ class Standby:
         return True
 
     def preload(self, payload: dict) -> None:
-        """Asks the standby to load the queued run's model now (trainer/standby.py preload); a standby gone or
+        """Asks the standby to load the queued run's model now (trainer/tasks/standby.py preload); a standby gone or
         busy is no matter: the run loads its model itself."""
         try:
             self.channel.sendall(json.dumps({"preload": payload}).encode() + b"\n")
@@ -111,7 +111,7 @@ class Standby:
 
     def holds(self, payload: dict | None = None) -> bool:
         """Whether it holds a preloaded model (`payload`'s, where given): sent, and not yet let go."""
-        from ..trainer.standby import PRELOAD_KEEP_S
+        from ..trainer.tasks.standby import PRELOAD_KEEP_S
         if self.preloaded is None or time.monotonic() - self.preloaded[1] >= PRELOAD_KEEP_S:
             return False
         return payload is None or self.preloaded[0] == payload
@@ -324,9 +324,9 @@ def preload_when_idle(payload: dict | None) -> None:
 
 def room_for_idle_model(payload: dict) -> bool:
     """Whether the model can wait in memory beside everything else: the bytes the trainer will hold of it (read
-    from the file's header: trainer.memory_sizes.load_bytes) at most half of what the system has available now.
+    from the file's header: trainer.parallel.memory_sizes.load_bytes) at most half of what the system has available now.
     False where either cannot be read: an idle copy of a model is a guess, and memory is what users run out of."""
-    from ..trainer.memory_sizes import load_bytes
+    from ..trainer.parallel.memory_sizes import load_bytes
     from ..trainer.os_support import available_memory
     from ..trainer.spec import ModelSpec
     try:

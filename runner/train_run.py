@@ -52,7 +52,7 @@ def check_prior_dataset(dataset, prior_dataset):
 
 def refuse_foreign_file(path, overwrite: bool, title: str = "Train LoRA", full: bool = False):
     """A file the user put in models/ (no pack metadata) is replaced only when they say so (a copy is kept then:
-    trainer/result.py keep_a_copy); a full fine-tune never replaces one (it could be any base model)."""
+    trainer/run/result.py keep_a_copy); a full fine-tune never replaces one (it could be any base model)."""
     from ..trainer.adapters import written_by_pack
     from .paths import lora_name_of
     path = Path(path)

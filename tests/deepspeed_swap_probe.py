@@ -27,8 +27,8 @@ def model():
 
 def start(through_layout: bool) -> dict:
     import torch
-    from ingraph_trainer.trainer import layouts, memory
-    from ingraph_trainer.trainer.distributed import init_distributed
+    from ingraph_trainer.trainer.parallel import layouts, memory
+    from ingraph_trainer.trainer.parallel.distributed import init_distributed
     deepspeed = init_distributed()
     blocks, adapter = model()
     memory.enable_block_swap([blocks[0]], torch.device("cpu"), torch.bfloat16)

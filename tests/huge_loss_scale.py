@@ -7,7 +7,7 @@ import os
 
 
 def install():
-    from ingraph_trainer.trainer import plain_engine
+    from ingraph_trainer.trainer.parallel import plain_engine
     power = int(os.environ["INGRAPH_LOSS_SCALE_POWER"])
     engine_init = plain_engine.PlainEngine.__init__
 

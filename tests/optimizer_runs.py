@@ -22,8 +22,8 @@ from tools.prepare_run import _bootstrap  # noqa: E402  (the pack as the package
 _bootstrap()
 
 from ingraph_trainer.trainer.spec import load_run_spec  # noqa: E402
-from ingraph_trainer.trainer.events import EVENTS_FILE, EventWriter, read_events  # noqa: E402
-from ingraph_trainer.trainer.loop import Trainer  # noqa: E402
+from ingraph_trainer.trainer.run.events import EVENTS_FILE, EventWriter, read_events  # noqa: E402
+from ingraph_trainer.trainer.tasks.loop import Trainer  # noqa: E402
 
 
 def tensors_digest(path: Path) -> str:

@@ -1,4 +1,4 @@
-"""DMD2 distillation (task "distill", trainer/distill.py) as the trainer program runs it, on the tiny SD1.5: 2 processes
+"""DMD2 distillation (task "distill", trainer/tasks/distill.py) as the trainer program runs it, on the tiny SD1.5: 2 processes
 under ZeRO-3 match 1 process, a resumed distillation ends bit-identical to an uninterrupted one, and the student's
 LoRA loads onto the teacher with ComfyUI's own LoRA code, every key read.
 

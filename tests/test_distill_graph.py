@@ -20,8 +20,9 @@ import pytest
 from conftest import REPO, load_workflow, wait_first_step
 
 from ingraph_trainer.runner import distill_run, runs
-from ingraph_trainer.trainer import checkpoint as ckpt
-from ingraph_trainer.trainer import spec as config, trust
+from ingraph_trainer.trainer.run import checkpoint as ckpt
+from ingraph_trainer.trainer import spec as config
+from ingraph_trainer.trainer.run import trust
 
 WORKFLOW = "distill_turbo_lora_api.json"
 DISTILL = "6"  # the Distill node of the shipped workflow

@@ -345,7 +345,7 @@ def wide_checkpoint(assets, tmp_path_factory):
 
 def test_zero3_loads_each_process_share_of_the_weights_not_the_whole_model(wide_checkpoint, assets, tools, tmp_path):
     """ZeRO-3 on 2 processes: ComfyUI builds the model unfilled, DeepSpeed partitions it, and each process copies its
-    half of every weight from the file (trainer/partitioned_load.py). Each process's host memory rises by at most
+    half of every weight from the file (trainer/parallel/partitioned_load.py). Each process's host memory rises by at most
     0.6x the model's weights during the load (it was over 1x: the whole model, built and filled, in each)."""
     args = ["--checkpoint", str(wide_checkpoint), "--images", str(assets["images"]), "--run-dir", str(tmp_path / "run")]
     for key, value in dict(train__steps=1, train__batch_size=1, train__precision="fp32", train__eval_items=0,
@@ -409,7 +409,7 @@ def test_block_swap_and_gradient_checkpointing_match_plain_training(one_process_
     assert len(ref) == len(got) == 5 and max(abs(a - b) for a, b in zip(ref, got)) < 1e-6, (ref, got)
     assert read_events(spec.parent)[0]["block_swap"] == 3
     zero1 = one_process_runs("block_swap_zero1")
-    from ingraph_trainer.trainer.distributed import uses_deepspeed
+    from ingraph_trainer.trainer.parallel.distributed import uses_deepspeed
     from ingraph_trainer.trainer.spec import load_run_spec
     assert uses_deepspeed(load_run_spec(zero1)) and read_events(zero1.parent)[0]["block_swap"] == 3
     got = step_losses(zero1.parent)

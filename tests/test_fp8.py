@@ -101,7 +101,7 @@ def _one_step_saved_bytes(family, savers: bool, latent_hw: tuple[int, int], monk
     adapter's gradients, with the trainer's memory settings applied (the defaults: no checkpointing) or not.
     Saved-tensor hooks do not nest: inside a layer that casts its weight again, the layer's own hook sees what it
     saves, so that hook's kept tensors are counted too."""
-    from ingraph_trainer.trainer import memory
+    from ingraph_trainer.trainer.parallel import memory
     from ingraph_trainer.trainer.adapters import inject_adapter
     from ingraph_trainer.trainer.models import Batch
     torch.manual_seed(0)
@@ -162,7 +162,7 @@ def test_a_layer_whose_forward_scales_its_weight_keeps_its_copy():
     """A weight the forward changes beyond ComfyUI's cast (0.3.64's scaled fp8 multiplies it by scale_weight) is
     not what casting again gives: the first check finds the difference and the layer keeps saving its copy, so its
     gradient stays exact."""
-    from ingraph_trainer.trainer.memory import keep_fp8_weights_for_backward
+    from ingraph_trainer.trainer.parallel.memory import keep_fp8_weights_for_backward
     sys.path.insert(0, str(REPO))
     from tools.prepare_run import _bootstrap
     _bootstrap()
@@ -189,7 +189,7 @@ def test_a_layer_whose_forward_scales_its_weight_keeps_its_copy():
 
 def test_a_full_fine_tune_of_fp8_weights_is_refused_naming_the_file():
     import torch
-    from ingraph_trainer.trainer.loop import refuse_fp8_full_fine_tune
+    from ingraph_trainer.trainer.tasks.loop import refuse_fp8_full_fine_tune
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     refuse_fp8_full_fine_tune(model, "plain.safetensors")  # full precision: nothing to refuse
     model[1].weight.data = model[1].weight.data.to(torch.float8_e4m3fn)

@@ -104,7 +104,7 @@ from tools.prepare_run import _bootstrap
 _bootstrap()
 import comfy.sd
 from ingraph_trainer.trainer.spec import ModelSpec
-from ingraph_trainer.trainer.memory import load_peak
+from ingraph_trainer.trainer.parallel.memory import load_peak
 from ingraph_trainer.trainer.models import load_base_model
 gc.collect()
 with load_peak({{}}) as report:  # the trainer's own probe: what the imports peaked at is not the load's

@@ -33,7 +33,7 @@ def test_the_meta_pass_counts_exactly_what_a_real_forward_saves(tiny_unet, laten
         monkeypatch.setattr(comfy_attention, "optimized_attention", comfy_attention.attention_pytorch)
     from ingraph_trainer.trainer.adapters import inject_adapter
     from ingraph_trainer.trainer.spec import ModelSpec
-    from ingraph_trainer.trainer.memory_sizes import activation_profile
+    from ingraph_trainer.trainer.parallel.memory_sizes import activation_profile
     from ingraph_trainer.trainer.models import Batch, load_family
     family = load_family(ModelSpec(path=str(tiny_unet)), precision="bf16")
     torch.manual_seed(0)
@@ -87,7 +87,7 @@ def test_the_plan_measures_the_longest_caption_where_it_saves_more_than_the_larg
     _bootstrap()
     from safetensors.torch import save_file
     from ingraph_trainer.cache.shards import entry_path
-    from ingraph_trainer.trainer import memory_sizes
+    from ingraph_trainer.trainer.parallel import memory_sizes
     from ingraph_trainer.trainer.adapters import inject_adapter
     from ingraph_trainer.trainer.spec import ModelSpec
     from ingraph_trainer.trainer.models import Batch, load_family
@@ -202,8 +202,8 @@ def test_on_a_gpu_auto_swaps_the_fewest_blocks_that_fit_and_the_refusal_names_th
     """The decision on a card, from the plan's figures alone (no GPU here): checkpointing first, then the fewest
     swapped blocks that fit; "manual" keeps the settings; a budget nothing fits names the swap that would."""
     from ingraph_trainer.trainer.spec import RunSpec
-    from ingraph_trainer.trainer.memory_plan import choose, refusal, warning
-    from ingraph_trainer.trainer.memory_sizes import ActivationProfile, ModelBytes
+    from ingraph_trainer.trainer.parallel.memory_plan import choose, refusal, warning
+    from ingraph_trainer.trainer.parallel.memory_sizes import ActivationProfile, ModelBytes
     blocks = 10
     weights = ModelBytes(frozen=12 * GiB, frozen_per_block=[1 * GiB] * blocks, trained=GiB // 100,
                          trained_count=GiB // 200, pinned_per_block=[GiB] * blocks)
@@ -247,7 +247,7 @@ def test_on_a_gpu_auto_swaps_the_fewest_blocks_that_fit_and_the_refusal_names_th
 
 
 def plan_fits_with(spec, weights, profile, block_swap: int, budget_gb: float) -> bool:
-    from ingraph_trainer.trainer.memory_plan import plan_for
+    from ingraph_trainer.trainer.parallel.memory_plan import plan_for
     return plan_for(spec, weights, profile, True, block_swap, "cuda", int(budget_gb * GiB)).fits()
 
 
@@ -261,8 +261,8 @@ def test_the_load_is_sized_from_the_files_header_and_refused_when_ram_cannot_hol
     _bootstrap()
     from ingraph_trainer.trainer import os_support
     from ingraph_trainer.trainer.spec import ModelSpec
-    from ingraph_trainer.trainer.memory_plan import host_refusal
-    from ingraph_trainer.trainer.memory_sizes import load_bytes
+    from ingraph_trainer.trainer.parallel.memory_plan import host_refusal
+    from ingraph_trainer.trainer.parallel.memory_sizes import load_bytes
     from ingraph_trainer.trainer.models import load_family
     model = ModelSpec(path=str(tiny_unet), weight_dtype=weight_dtype)
     held = load_family(model, precision="bf16").base_weight_bytes()
@@ -288,9 +288,9 @@ def test_with_block_swap_only_the_plans_resident_weights_reach_the_device(tiny_u
     from tools.prepare_run import _bootstrap
     _bootstrap()
     from ingraph_trainer.trainer.adapters import inject_adapter
-    from ingraph_trainer.trainer.memory import enable_block_swap, memory_savers
-    from ingraph_trainer.trainer.memory_sizes import model_bytes
-    from ingraph_trainer.trainer.plain_engine import hold_in
+    from ingraph_trainer.trainer.parallel.memory import enable_block_swap, memory_savers
+    from ingraph_trainer.trainer.parallel.memory_sizes import model_bytes
+    from ingraph_trainer.trainer.parallel.plain_engine import hold_in
     from ingraph_trainer.trainer.training_module import TrainingModule
     family = load_tiny(tiny_unet)
     inject_adapter(family.diffusion_model, family.adapter_targets("attention"), "lora", 4, 4.0, 0.0)
@@ -324,8 +324,8 @@ def test_a_run_beyond_all_the_devices_memory_is_refused_even_when_manual():
     """Issue 28's last finding: a client may ask for what no machine holds (batch 1024 at 4096 px, rank 1024).
     "manual" only warns where free memory is short; beyond all the device's memory the run is refused."""
     from ingraph_trainer.trainer.spec import RunSpec
-    from ingraph_trainer.trainer.memory_plan import beyond_the_machine, choose
-    from ingraph_trainer.trainer.memory_sizes import ActivationProfile, ModelBytes
+    from ingraph_trainer.trainer.parallel.memory_plan import beyond_the_machine, choose
+    from ingraph_trainer.trainer.parallel.memory_sizes import ActivationProfile, ModelBytes
     weights = ModelBytes(frozen=2 * GiB, frozen_per_block=[GiB // 5] * 10, trained=GiB // 100,
                          trained_count=GiB // 200)
     profile = ActivationProfile(outside=GiB, saved=[8 * GiB] * 10, inputs=[GiB] * 10)
@@ -345,9 +345,9 @@ def test_zero_and_offload_shares_and_a_model_without_blocks():
     the gradients too) and with optimizer offload (masters and state in host memory); a model without a block
     list is planned as given, "auto" having nothing to checkpoint or swap."""
     from ingraph_trainer.trainer.spec import RunSpec
-    from ingraph_trainer.trainer.memory_plan import plan_for
-    from ingraph_trainer.trainer.memory_sizes import shared_out
-    from ingraph_trainer.trainer.memory_sizes import ActivationProfile, ModelBytes
+    from ingraph_trainer.trainer.parallel.memory_plan import plan_for
+    from ingraph_trainer.trainer.parallel.memory_sizes import shared_out
+    from ingraph_trainer.trainer.parallel.memory_sizes import ActivationProfile, ModelBytes
     weights = ModelBytes(frozen=0, frozen_per_block=[0] * 4, trained=2 * GiB, trained_count=GiB)  # full, bf16
     profile = ActivationProfile(outside=GiB // 10, saved=[GiB // 10] * 4, inputs=[GiB // 100] * 4)
     spec = RunSpec()
@@ -384,7 +384,7 @@ def test_zero_and_offload_shares_and_a_model_without_blocks():
     assert zero3.parts["gathered weights"] == int(2 * GiB * 10 ** 9 / GiB)
     assert shared_out(adapter, 2, 4, 1, False, True).weights_offloaded is False  # stage 3's alone
 
-    from ingraph_trainer.trainer.memory_plan import choose
+    from ingraph_trainer.trainer.parallel.memory_plan import choose
     none = ActivationProfile(outside=GiB, saved=[], inputs=[])
     spec.train.memory = "auto"
     planned = choose(spec, ModelBytes(frozen=GiB, frozen_per_block=[], trained=0, trained_count=0), none, "cuda",
@@ -401,7 +401,7 @@ def test_block_swap_brings_the_next_block_ahead_in_either_direction_with_the_sam
     from tools.prepare_run import _bootstrap
     _bootstrap()
     from ingraph_trainer.trainer.adapters import inject_adapter
-    from ingraph_trainer.trainer.memory import BlockCopies, enable_block_swap, memory_savers
+    from ingraph_trainer.trainer.parallel.memory import BlockCopies, enable_block_swap, memory_savers
     from ingraph_trainer.trainer.models import Batch
 
     class Recorded(BlockCopies):
@@ -486,8 +486,8 @@ def test_a_resume_reads_the_settings_its_run_began_with_only_from_its_own_signed
     back as written; refused when altered, when another run's, or when it names more blocks than the model has."""
     import json
     from ingraph_trainer.trainer.spec import RunSpec
-    from ingraph_trainer.trainer.layout import MEMORY_CHOICE_FILE
-    from ingraph_trainer.trainer.memory_plan import MemoryPlan, earlier_choice, record_choice
+    from ingraph_trainer.trainer.run.layout import MEMORY_CHOICE_FILE
+    from ingraph_trainer.trainer.parallel.memory_plan import MemoryPlan, earlier_choice, record_choice
     monkeypatch.setenv("INGRAPH_SECRET_FILE", str(tmp_path / "secret"))
     spec = RunSpec()
     spec.run_dir = str(tmp_path / "run_a")

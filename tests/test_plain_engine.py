@@ -1,4 +1,4 @@
-"""One process trains in plain PyTorch (trainer/plain_engine.py), with DeepSpeed's numbers and without DeepSpeed.
+"""One process trains in plain PyTorch (trainer/parallel/plain_engine.py), with DeepSpeed's numbers and without DeepSpeed.
 
 The comparison runs take DeepSpeed's engine through INGRAPH_TRAINER_ENGINE=deepspeed (what one-process runs used
 before); both are the trainer program on the same spec. "Bit for bit" holds on a CPU. On a GPU, two fp32 runs of the

@@ -16,8 +16,8 @@ import pytest
 
 from conftest import REPO, evaluate_on_one_image, load_workflow
 from ingraph_trainer.runner import runs
-from ingraph_trainer.trainer import checkpoint as ckpt
-from ingraph_trainer.trainer import trust
+from ingraph_trainer.trainer.run import checkpoint as ckpt
+from ingraph_trainer.trainer.run import trust
 from ingraph_trainer.trainer.spec import RunSpecError, spec_from_dict
 
 MODEL_FILE = "mp_rank_00_model_states.pt"

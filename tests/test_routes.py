@@ -19,7 +19,7 @@ from conftest import REPO  # noqa: F401  (puts the pack on sys.path as `ingraph_
 
 from ingraph_trainer.runner import routes  # noqa: E402
 from ingraph_trainer.runner.run_record import INDEX_EVERY, RunRecords, json_dumps  # noqa: E402
-from ingraph_trainer.trainer.events import read_events  # noqa: E402
+from ingraph_trainer.trainer.run.events import read_events  # noqa: E402
 
 
 def event_line(type_: str, time_: float = 1.0, **fields) -> str:

@@ -15,8 +15,8 @@ import pytest
 from conftest import REPO, requires_deepspeed  # noqa: E402  (conftest registers the pack as the package ingraph_trainer)
 
 config = importlib.import_module("ingraph_trainer.trainer.spec")
-events = importlib.import_module("ingraph_trainer.trainer.events")
-hostfile = importlib.import_module("ingraph_trainer.trainer.hostfile")
+events = importlib.import_module("ingraph_trainer.trainer.run.events")
+hostfile = importlib.import_module("ingraph_trainer.trainer.parallel.hostfile")
 
 
 def test_hostfile_grammar_and_errors_by_line_number(tmp_path, monkeypatch):
@@ -157,7 +157,7 @@ def test_only_files_with_the_packs_metadata_count_as_its_own(tmp_path, loras_fol
 
 def test_deeply_nested_planted_files_are_refused_not_crashed_on(tmp_path, monkeypatch):
     monkeypatch.setenv("INGRAPH_SECRET_FILE", str(tmp_path / "secret"))
-    checkpoint = importlib.import_module("ingraph_trainer.trainer.checkpoint")
+    checkpoint = importlib.import_module("ingraph_trainer.trainer.run.checkpoint")
     runs = importlib.import_module("ingraph_trainer.runner.runs")
     run = tmp_path / "runs" / "20260101-000000-deep-aaaa"
     tag = run / "checkpoints" / "step_000001"
@@ -172,7 +172,7 @@ def test_deeply_nested_planted_files_are_refused_not_crashed_on(tmp_path, monkey
 
 
 def test_checkpoints_past_a_million_steps_sort_by_step(tmp_path, monkeypatch):
-    checkpoint = importlib.import_module("ingraph_trainer.trainer.checkpoint")
+    checkpoint = importlib.import_module("ingraph_trainer.trainer.run.checkpoint")
     paths = [tmp_path / checkpoint.tag_for(step) for step in (999_000, 1_000_000, 20)]
     assert [p.name for p in sorted(paths, key=checkpoint._step_of)] == ["step_000020", "step_999000", "step_1000000"]
 

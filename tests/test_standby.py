@@ -1,4 +1,4 @@
-"""The standby trainer (runner/standby.py, trainer/standby.py): a process started ahead of need takes a
+"""The standby trainer (runner/standby.py, trainer/tasks/standby.py): a process started ahead of need takes a
 single-process run and behaves exactly as a freshly started trainer; it never outlives its launcher."""
 from __future__ import annotations
 
@@ -323,8 +323,8 @@ def test_the_next_standby_starts_when_training_is_over_not_beside_it(tmp_path, m
             return self.rc
     proc = Running()
     monkeypatch.setattr(launcher.subprocess, "Popen", lambda cmd, **kw: proc)
-    from ingraph_trainer.trainer.events import EventWriter
-    from ingraph_trainer.trainer.layout import STOP_FILE
+    from ingraph_trainer.trainer.run.events import EventWriter
+    from ingraph_trainer.trainer.run.layout import STOP_FILE
     process = launcher.TrainerProcess(tmp_path, tmp_path / "run.toml", watch_parent=False).start()
     events = EventWriter(tmp_path / "events.jsonl")
     events.emit("step", step=1, total=2)
@@ -417,7 +417,7 @@ def test_a_standby_loads_a_preload_unless_its_run_is_there_and_lets_it_go_after_
     import json
     import socket
 
-    trainer_standby = importlib.import_module("ingraph_trainer.trainer.standby")
+    trainer_standby = importlib.import_module("ingraph_trainer.trainer.tasks.standby")
     run = ["--config", "/r/run.toml"]
     line = lambda message: json.dumps(message).encode() + b"\n"  # noqa: E731
 
@@ -563,7 +563,8 @@ def test_the_memory_check_before_a_load_counts_the_runs_preloaded_model_as_loade
     from safetensors.torch import save_file
 
     from ingraph_trainer.runner.model_source import file_stamp
-    from ingraph_trainer.trainer import comfy_compat, memory_plan, models, os_support
+    from ingraph_trainer.trainer import comfy_compat, models, os_support
+    from ingraph_trainer.trainer.parallel import memory_plan
     from ingraph_trainer.trainer.spec import ModelSpec
     monkeypatch.setattr(comfy_compat, "loads_to_host", contextlib.nullcontext)
     monkeypatch.setattr(models, "load_base_model", lambda model, precision, deferred=None: object())

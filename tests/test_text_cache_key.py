@@ -100,8 +100,8 @@ def test_ltxv_text_encoders_attention_mask_is_cached_beside_the_embedding_and_ba
     from ingraph_trainer.cache.folder_scan import scan_image_folder
     from ingraph_trainer.cache.encoding import clip_identity, encode_latents, encode_text
     from ingraph_trainer.cache.store import CacheStore, write_manifest
-    from ingraph_trainer.trainer.batch_mix import training_batch
-    from ingraph_trainer.trainer.data import load_cached_dataset
+    from ingraph_trainer.trainer.data.batch_mix import training_batch
+    from ingraph_trainer.trainer.data.loading import load_cached_dataset
 
     tiny_t5 = {"d_ff": 32, "d_kv": 8, "d_model": 16, "num_heads": 2, "num_layers": 1}
     clip = comfy.sd.CLIP(comfy.supported_models_base.ClipTarget(comfy.text_encoders.lt.LTXVT5Tokenizer,
@@ -149,7 +149,7 @@ def test_ltxv_text_encoders_attention_mask_is_cached_beside_the_embedding_and_ba
     # pipeline stages do not carry the mask: LTX-Video, which reads it, is refused them at start
     from types import SimpleNamespace
 
-    from ingraph_trainer.trainer.batch_mix import build_training_data
+    from ingraph_trainer.trainer.data.batch_mix import build_training_data
     from ingraph_trainer.trainer.models.ltxv import LTXVFamily
     spec = SimpleNamespace(manifest=manifest, prior_manifest=None, shuffle=True, caption_dropout=0.0)
     ltxv = SimpleNamespace(display_name="LTX-Video", reference_input=None, reads_text_mask=LTXVFamily.reads_text_mask)

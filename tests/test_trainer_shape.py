@@ -130,12 +130,12 @@ def test_no_import_cycle_in_the_trainer():
         state[node] = 2
     for node in graph:
         visit(node, [])
-    assert "layouts" in graph["loop"] and "loop" not in graph["evaluation"]
+    assert "parallel.layouts" in graph["tasks.loop"] and "tasks.loop" not in graph["tasks.evaluation"]
 
 
 def test_the_training_loop_fits_on_one_screen():
     import inspect
-    from ingraph_trainer.trainer.loop import Trainer
+    from ingraph_trainer.trainer.tasks.loop import Trainer
     assert len(inspect.getsource(Trainer.train).splitlines()) <= 50
 
 
@@ -147,7 +147,7 @@ def test_parameter_norm_cadence():
 
 
 def test_checkpoints_are_due_every_save_every_and_on_stop_never_on_the_last_step():
-    from ingraph_trainer.trainer.checkpoint import Checkpointer
+    from ingraph_trainer.trainer.run.checkpoint import Checkpointer
     every3 = Checkpointer(None, "run", save_every=3, keep_last=0, is_rank0=True)
     assert [s for s in range(1, 10) if every3.due(s, 9, False)] == [3, 6]
     assert every3.due(4, 9, True) and not every3.due(9, 9, True)
@@ -183,7 +183,7 @@ class _Engine:
 
 def test_whole_model_step_reads_the_loss_once_and_means_it_like_the_old_loop(monkeypatch):
     import torch
-    from ingraph_trainer.trainer import layouts, plain_engine
+    from ingraph_trainer.trainer.parallel import layouts, plain_engine
     layout = object.__new__(layouts.WholeModel)
     param = torch.nn.Parameter(torch.zeros(4))
     layout.trainable, layout._own_grad_norm = [param], True
@@ -209,7 +209,7 @@ def test_the_layouts_gradient_clipping_is_deepspeeds_bit_for_bit(monkeypatch):
     all-reduce and clipping, bit for bit, and the reported norm that of grad_norm."""
     import torch
     from deepspeed.runtime import utils as deepspeed_utils
-    from ingraph_trainer.trainer import layouts, plain_engine
+    from ingraph_trainer.trainer.parallel import layouts, plain_engine
     # one process: DeepSpeed's all-reduce of the norm is the identity, and needs no process group here
     monkeypatch.setattr(deepspeed_utils.dist, "all_reduce", lambda *args, **kwargs: None)
     monkeypatch.setattr(deepspeed_utils.dist, "get_world_size", lambda *args, **kwargs: 1)

@@ -18,7 +18,7 @@ import torch
 from conftest import read_events, run_trainer
 
 config = importlib.import_module("ingraph_trainer.trainer.spec")
-mix = importlib.import_module("ingraph_trainer.trainer.batch_mix")
+mix = importlib.import_module("ingraph_trainer.trainer.data.batch_mix")
 
 STEPS, PRIOR_WEIGHT = 3, 0.5
 
@@ -94,7 +94,7 @@ class _Engine:
 
 
 def test_a_step_passes_the_features_to_the_model_and_reports_main_and_prior_loss_with_one_read_back(monkeypatch):
-    from ingraph_trainer.trainer import layouts
+    from ingraph_trainer.trainer.parallel import layouts
     layout = object.__new__(layouts.WholeModel)
     layout.trainable, layout._own_grad_norm, layout.loss_split = [], False, {}
     layout.engine = _Engine()
@@ -119,7 +119,7 @@ def test_a_step_passes_the_features_to_the_model_and_reports_main_and_prior_loss
 # --- pipeline stages --------------------------------------------------------------------------------------------
 
 def test_pipeline_stages_refuse_prior_images_and_masks_by_field():
-    from ingraph_trainer.trainer.pipeline import check_data
+    from ingraph_trainer.trainer.parallel.pipeline import check_data
     spec = config.RunSpec(run_dir="run", model=config.ModelSpec(path="model.safetensors"),
                           data=config.DataSpec(manifest="d.json", prior_manifest="p.json"),
                           distributed=config.DistributedSpec(processes=2, pipeline_stages=2))
@@ -171,7 +171,7 @@ def featured_run(prepared, assets, tmp_path_factory):
 
 @pytest.mark.comfyui
 def test_a_run_with_caption_dropout_masks_and_prior_images_reports_main_and_prior_loss(featured_run):
-    from ingraph_trainer.trainer.trust import read_signed_json
+    from ingraph_trainer.trainer.run.trust import read_signed_json
     spec = config.load_run_spec(featured_run)
     run_dir = featured_run.parent
     assert spec.data.caption_dropout == 0.3 and spec.data.prior_weight == PRIOR_WEIGHT

@@ -17,7 +17,7 @@ if "ingraph_trainer" not in sys.modules:
 
 config = importlib.import_module("ingraph_trainer.trainer.spec")
 spec_sections = importlib.import_module("ingraph_trainer.trainer.spec.sections")  # where DistributedSpec asks for DeepSpeed
-events = importlib.import_module("ingraph_trainer.trainer.events")
+events = importlib.import_module("ingraph_trainer.trainer.run.events")
 folder_scan_mod = importlib.import_module("ingraph_trainer.cache.folder_scan")
 pixels_mod = importlib.import_module("ingraph_trainer.cache.pixels")
 runs = importlib.import_module("ingraph_trainer.runner.runs")
@@ -262,7 +262,7 @@ def test_conditioning_survives_the_file_round_trip(tmp_path):
 def test_block_swap_is_offered_exactly_where_a_spec_with_it_is_accepted(section, values, monkeypatch):
     """One rule: the memory plan and the out-of-memory suggestions offer block swap (memory.swap_allowed) where,
     and only where, the same spec with block_swap set passes validation."""
-    from ingraph_trainer.trainer.memory import swap_allowed
+    from ingraph_trainer.trainer.parallel.memory import swap_allowed
     monkeypatch.setattr(spec_sections, "deepspeed_installed", lambda: True)  # the layouts' rules, not the install's
     data = valid_spec_dict()
     if section == "task":
@@ -478,7 +478,7 @@ def test_zero3_across_machines_partitions_weights_again_within_each_machine(monk
     (Measured once by hand: 2 machines x 2 processes over loopback give 1 process's losses to 1e-7, and DeepSpeed
     holds each weight's second partition, `ds_secondary_tensor`, after a forward pass.)"""
     from trainer.spec import DistributedSpec, RunSpec
-    from trainer.distributed import deepspeed_config
+    from trainer.parallel.distributed import deepspeed_config
 
     def zero(stage, world, per_machine, variable="LOCAL_WORLD_SIZE"):
         for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
@@ -499,8 +499,8 @@ def test_zero3_loads_into_partitions_where_nothing_reads_the_whole_weights_first
     upstream load whole first. Weight offload is DeepSpeed's offload_param, which zero.Init reads too."""
     import torch
     from trainer.spec import AdapterSpec, DistributedSpec, ModelSpec, RunSpec
-    from trainer.distributed import deepspeed_config
-    from trainer.partitioned_load import why_not_partitioned
+    from trainer.parallel.distributed import deepspeed_config
+    from trainer.parallel.partitioned_load import why_not_partitioned
 
     def spec(zero=3, kind="lora", loras=(), stages=1, offload=False):
         run = RunSpec(distributed=DistributedSpec(processes=2, zero_stage=zero, pipeline_stages=stages,
@@ -528,7 +528,7 @@ def test_zero3_loads_into_partitions_where_nothing_reads_the_whole_weights_first
 
 
 def test_a_refused_whole_load_after_a_partitioned_one_was_planned_says_why_it_loads_whole(monkeypatch):
-    from trainer import memory_plan
+    from trainer.parallel import memory_plan
     monkeypatch.setattr(memory_plan, "host_refusal",
                         lambda *a, **k: "not enough memory: loading m.safetensors needs 9 GiB")
     said = r"^ZeRO-3 .* loads whole \(input_blocks.1 .*\): not enough memory: .* needs 9 GiB"
@@ -542,9 +542,9 @@ def test_a_bf16_partitioned_load_casts_what_deepspeed_would_and_leaves_unfilled_
     does DeepSpeed's cast first: filled parameters (the adapter's) are cast, unfilled ones get new unfilled storage of
     the engine's dtype (the fill casts each slice from the file), fp8 ones stay; nothing is cast in an fp32 run."""
     import torch
-    from trainer.distributed import deepspeed_config
-    from trainer.memory_sizes import low_precision_dtype
-    from trainer.partitioned_load import DeferredWeights, in_engine_dtype
+    from trainer.parallel.distributed import deepspeed_config
+    from trainer.parallel.memory_sizes import low_precision_dtype
+    from trainer.parallel.partitioned_load import DeferredWeights, in_engine_dtype
     from trainer.spec import DistributedSpec, RunSpec
     module = torch.nn.Module()
     module.unfilled = torch.nn.Parameter(torch.empty(4, 4), requires_grad=False)
@@ -569,7 +569,7 @@ def test_checkpoints_carry_the_cuda_generator_where_a_device_computes(monkeypatc
     """Resume is exact on a GPU only if the device's generator comes back too (faked CUDA facts: this machine has
     no GPU). A CPU checkpoint, without it, still restores the CPU's."""
     import torch
-    from ingraph_trainer.trainer import checkpoint
+    from ingraph_trainer.trainer.run import checkpoint
     device_state = {"now": torch.tensor([1, 2, 3], dtype=torch.uint8)}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
@@ -677,7 +677,8 @@ def test_block_swap_on_the_plain_engine_never_puts_the_swapped_weights_on_the_de
     the device whole: the plain engine's move leaves them in host memory (DeepSpeed's engine moved the whole module
     first, issue 30). "meta" stands in for the device: every move to it is recorded, the tensor left where it is."""
     import torch
-    from ingraph_trainer.trainer import device, memory, plain_engine
+    from ingraph_trainer.trainer import device
+    from ingraph_trainer.trainer.parallel import memory, plain_engine
     blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)])
     adapter = torch.nn.Parameter(torch.zeros(4))
     blocks[0].register_parameter("adapter", adapter)  # trained: stays with the optimizer, on the device
@@ -734,7 +735,8 @@ def test_previews_keep_the_training_model_on_its_device_and_out_of_comfyuis_list
 
 def test_the_out_of_memory_message_names_the_peak_and_only_settings_not_yet_used(monkeypatch):
     """On a GPU the message gives the run's peak against the card; suggestions already taken are left out."""
-    from ingraph_trainer.trainer import device, memory
+    from ingraph_trainer.trainer import device
+    from ingraph_trainer.trainer.parallel import memory
     from ingraph_trainer.trainer.spec import RunSpec
     monkeypatch.setattr(device, "local_cuda_index", lambda: 0)
     monkeypatch.setattr(device, "device_memory", lambda dev: {"peak_allocated": 10 * 2**30, "total": 24 * 2**30})
@@ -755,7 +757,7 @@ def test_verified_shards_are_read_once_while_they_fit_their_memory_budget(monkey
     (0.3 ms an item a step on the tiny SD1.5), one memo per process whatever the datasets; past the byte budget
     the least recently used shard goes, and the next read verifies it again."""
     import torch
-    data = importlib.import_module("ingraph_trainer.trainer.data")
+    data = importlib.import_module("ingraph_trainer.trainer.data.loading")
     reads = []
 
     def load_checked(root, kind, key, sha):
@@ -809,8 +811,8 @@ def test_block_swap_keeps_the_swapped_blocks_frozen_weights_off_the_device():
     device only while their block runs), and a forward and backward pass leave them there. The device here is
     "meta", which computes shapes only; the same calls run on a GPU."""
     import torch
-    memory = importlib.import_module("ingraph_trainer.trainer.memory")
-    plain_engine = importlib.import_module("ingraph_trainer.trainer.plain_engine")
+    memory = importlib.import_module("ingraph_trainer.trainer.parallel.memory")
+    plain_engine = importlib.import_module("ingraph_trainer.trainer.parallel.plain_engine")
     torch.manual_seed(0)
     blocks = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(4)]
     model = torch.nn.Sequential(*blocks)
@@ -841,7 +843,7 @@ def test_a_stop_left_before_a_standby_took_the_run_is_stale(tmp_path, monkeypatc
     began before that click) must not stop at its first step. A STOP written after the hand-off is a request."""
     import os
     import time
-    from ingraph_trainer.trainer import stop_requests
+    from ingraph_trainer.trainer.run import stop_requests
     monkeypatch.setattr(stop_requests, "_RUN_STARTED_AT", None)
     stop = tmp_path / "STOP"
     stop.touch()
@@ -869,7 +871,7 @@ def test_cpu_evaluation_runs_passes_side_by_side_with_one_threads_numbers_and_no
     import threading
     import types
     import torch
-    from ingraph_trainer.trainer import evaluation
+    from ingraph_trainer.trainer.tasks import evaluation
 
     class Family:
         threads: set = set()
@@ -907,7 +909,7 @@ def test_cpu_evaluation_runs_passes_side_by_side_with_one_threads_numbers_and_no
 def test_pixart_is_refused_below_the_size_its_position_embedding_divides_by_zero_at():
     """ComfyUI's PixArt forward divides by round(((H + W) // 2) / 64) of the latent's sides: a cached dataset of
     256 px items (0.5, which Python rounds to 0) is refused at start-up naming the size; 272 x 256 px trains."""
-    from ingraph_trainer.trainer.dataset_checks import check_dataset_for_family
+    from ingraph_trainer.trainer.data.dataset_checks import check_dataset_for_family
     from ingraph_trainer.trainer.models.base import UnsupportedSetting
     from ingraph_trainer.trainer.models.generic import GenericFamily
 
@@ -950,7 +952,7 @@ def test_ranks_whose_swapped_weights_differ_are_refused(monkeypatch):
     """The engine's start no longer broadcasts the swapped weights from rank 0: a rank that read another file (a
     machine of a hostfile with a different copy at the same path) is refused, naming the setting and the rank."""
     import torch
-    from ingraph_trainer.trainer import distributed, memory
+    from ingraph_trainer.trainer.parallel import distributed, memory
     block = torch.nn.Linear(4, 4)
     block.requires_grad_(False)
     memory.enable_block_swap([block], torch.device("cpu"))

@@ -99,8 +99,8 @@ def test_a_clip_mask_weighs_every_frame_alike(tmp_path):
     """name.mask.png beside a clip: cached on the latent grid once, broadcast over the latent frames, and the
     trainer's batch carries it ([B, 1, 1, h, w]) beside the 5-D latents."""
     from PIL import Image
-    from ingraph_trainer.trainer.batch_mix import training_batch
-    from ingraph_trainer.trainer.data import load_cached_dataset
+    from ingraph_trainer.trainer.data.batch_mix import training_batch
+    from ingraph_trainer.trainer.data.loading import load_cached_dataset
     data = tmp_path / "data"
     write_frames(data / "b", 9)
     mask = Image.new("L", (SIDE, SIDE), 255)
@@ -373,9 +373,9 @@ def test_a_frame_folder_is_read_in_frame_number_order(tmp_path):
 def test_references_and_clips_reach_the_trainer_batch(tmp_path):
     """Cached references come back as Batch.references ([B, C, T, h, w] per slot), clips as 5-D latents in a
     bucket of their own frame count; a family that takes no references refuses them, naming the setting."""
-    from ingraph_trainer.trainer.batch_mix import training_batch
-    from ingraph_trainer.trainer.dataset_checks import check_dataset_for_family
-    from ingraph_trainer.trainer.data import StepSampler, load_cached_dataset
+    from ingraph_trainer.trainer.data.batch_mix import training_batch
+    from ingraph_trainer.trainer.data.dataset_checks import check_dataset_for_family
+    from ingraph_trainer.trainer.data.loading import StepSampler, load_cached_dataset
     from ingraph_trainer.trainer.models.base import UnsupportedSetting
 
     data = tmp_path / "data"
@@ -421,14 +421,14 @@ def test_references_and_clips_reach_the_trainer_batch(tmp_path):
                                                  "reference_input"):
         check_dataset_for_family(cached_set, NoReferences())
     # a run with prior images (here the same set again) serves references from both, evaluation included
-    from ingraph_trainer.trainer.batch_mix import MixedDataset
+    from ingraph_trainer.trainer.data.batch_mix import MixedDataset
     mixed = MixedDataset(cached_set, cached_set)
     still = by_source["still.png"]
     (ref,) = mixed.references([still, len(cached_set) + still])
     assert mixed.reference_slots == 1 and torch.equal(ref[0], ref[1])
     # what the trainer builds at start: refused there, before any step
     from types import SimpleNamespace
-    from ingraph_trainer.trainer.batch_mix import build_training_data
+    from ingraph_trainer.trainer.data.batch_mix import build_training_data
     spec = SimpleNamespace(manifest=str(manifest), prior_manifest=None, shuffle=True, caption_dropout=0.0)
     assert build_training_data(spec, 2, 0, Edit())[0].reference_slots == 1
     with pytest.raises(UnsupportedSetting, match="SDXL takes none"):
@@ -442,7 +442,7 @@ def test_references_the_model_cannot_take_or_the_eval_set_lacks_are_refused_at_s
     (name.ref2.png), and an evaluation set whose items lack the reference images the training items carry, are
     refused naming the setting (and the node input)."""
     from types import SimpleNamespace
-    from ingraph_trainer.trainer.batch_mix import build_training_data
+    from ingraph_trainer.trainer.data.batch_mix import build_training_data
     from ingraph_trainer.trainer.models.base import UnsupportedSetting
 
     def manifest(name, references):
@@ -482,7 +482,7 @@ def test_evaluate_refuses_references_the_model_cannot_take_before_anything_runs(
     import ingraph_trainer.trainer.comfy_env as comfy_env
     import ingraph_trainer.trainer.models as models
     from ingraph_trainer.runner.evaluation_run import evaluate_model
-    from ingraph_trainer.trainer.evaluation import run_evaluation
+    from ingraph_trainer.trainer.tasks.evaluation import run_evaluation
     from ingraph_trainer.trainer.models.base import UnsupportedSetting
 
     class NoReferences:
@@ -568,7 +568,7 @@ def test_wan_trains_on_clips_and_an_image_through_the_graph(comfy, client, tools
     images), Wan trains 2 steps, one per bucket, the events naming both, and the stock text-to-video graph
     (EmptyHunyuanLatentVideo, KSampler) with the LoRA gives another video than without it."""
     from conftest import tiny_models
-    from ingraph_trainer.trainer.data import load_cached_dataset
+    from ingraph_trainer.trainer.data.loading import load_cached_dataset
 
     tiny_models(tools, comfy, **WAN_TINY_MODELS)  # once a session, whichever module needs them first
     folder = comfy.dir("input", VIDEO_FOLDER)

@@ -256,7 +256,7 @@ def test_ltx2_trains_its_video_stream_and_checkpointed_blocks_give_the_same_grad
     receive in place, give the same LoRA gradients checkpointed as not (a block that changed its own input would
     recompute from the changed one). Pipeline stages are refused, naming the setting."""
     from ingraph_trainer.trainer.adapters import inject_adapter
-    from ingraph_trainer.trainer.memory import memory_savers
+    from ingraph_trainer.trainer.parallel.memory import memory_savers
     from ingraph_trainer.trainer.models import UnsupportedSetting, family_for
     grads = []
     for checkpointing in (False, True):
@@ -278,7 +278,7 @@ def test_ltx2_trains_its_video_stream_and_checkpointed_blocks_give_the_same_grad
     with pytest.raises(UnsupportedSetting, match="distributed.pipeline_stages: LTX-2"):
         family.pipeline_layers()
     # distillation's networks call the model as training does (a one-stream list, the timestep pair)
-    from ingraph_trainer.trainer.distill_networks import Denoiser
+    from ingraph_trainer.trainer.tasks.distill_networks import Denoiser
     batch = random_batch(128, "ltxav")
     with torch.no_grad():
         x0 = Denoiser(family)("x0", batch.noise, torch.tensor([0.7, 0.3]), batch.cond)
@@ -300,7 +300,7 @@ def test_every_video_family_trains_in_one_graph_and_loads_in_lora_loader(video_m
     not loaded", and changes what KSampler makes."""
     from safetensors.torch import load_file
 
-    from ingraph_trainer.trainer.data import load_cached_dataset
+    from ingraph_trainer.trainer.data.loading import load_cached_dataset
     comfy = video_models_in_server
     graphs = {}
     for stem in GRAPH_MODELS:
@@ -351,7 +351,7 @@ def test_wan_i2v_trains_on_a_clip_with_its_start_image_and_works_in_the_stock_i2
     from conftest import tiny_models
     from media_files import SIDE, write_image, write_video
 
-    from ingraph_trainer.trainer.data import load_cached_dataset
+    from ingraph_trainer.trainer.data.loading import load_cached_dataset
     comfy, stem = video_models_in_server, "tiny_wan22_i2v"
     tiny_models(tools, comfy, wan_vae=WAN_VAE)  # once a session, whichever module needs it first
     folder = comfy.dir("input", "ingraph_video_start")

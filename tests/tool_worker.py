@@ -69,7 +69,7 @@ def serve() -> None:
                 try:
                     if request.get("copies", 1) > 1:  # copies share the cores: oversubscribed, torch's threads
                         # wait on each other (two 2-thread copies on 2 cores took 15-60 s where 1-thread ones took 7)
-                        from ingraph_trainer.trainer.distributed import set_cpu_threads
+                        from ingraph_trainer.trainer.parallel.distributed import set_cpu_threads
                         set_cpu_threads(max(1, len(os.sched_getaffinity(0)) // request["copies"]))
                     run_in_child(request, write_fd)
                 finally:

@@ -1,5 +1,5 @@
 """Runs the trainer program's main in children forked from one process that did the program's imports once (~12 s of
-ComfyUI, torch, DeepSpeed and peft on 2 cores: those a standby trainer does, trainer/standby.py's warm_up): each run
+ComfyUI, torch, DeepSpeed and peft on 2 cores: those a standby trainer does, trainer/tasks/standby.py's warm_up): each run
 starts from the same fresh process image, as a run handed to a standby does, without paying the imports again.
 
     python tests/train_forked.py SPEC [SPEC ...]     each spec in turn; the last line printed is {spec: exit status}
@@ -32,14 +32,14 @@ trainer_main.hide_optional_modules()  # as the program does before its imports
 
 
 def warm_up():
-    """A standby trainer's imports (trainer/standby.py), the launching ComfyUI's included (without them every run
+    """A standby trainer's imports (trainer/tasks/standby.py), the launching ComfyUI's included (without them every run
     paid ComfyUI's import, ~5 s on 2 cores, again in its child); logging configured first, as a standby does."""
     import torch
     trainer_main.configure_logging()
     if torch.cuda.is_available():  # ComfyUI's import starts CUDA, which a forked child cannot use: trainer only
-        from ingraph_trainer.trainer import evaluation, loop  # noqa: F401
+        from ingraph_trainer.trainer.tasks import evaluation, loop  # noqa: F401
         return
-    from ingraph_trainer.trainer.standby import warm_up as standby_warm_up
+    from ingraph_trainer.trainer.tasks.standby import warm_up as standby_warm_up
     standby_warm_up()
 
 

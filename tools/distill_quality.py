@@ -257,7 +257,7 @@ def import_trainer():
     """The trainer program's imports, once, before any fork (tests/train_forked.py's)."""
     from ingraph_trainer.trainer import main as trainer_main
     trainer_main.hide_optional_modules()
-    import ingraph_trainer.trainer.loop  # noqa: F401
+    import ingraph_trainer.trainer.tasks.loop  # noqa: F401
 
 
 def run_events(spec_path: Path) -> list[dict]:

@@ -1,4 +1,4 @@
-"""The memory plan (trainer/memory_plan.py) of real-size models on an NVIDIA card, computed here without a GPU and
+"""The memory plan (trainer/parallel/memory_plan.py) of real-size models on an NVIDIA card, computed here without a GPU and
 without weights: each model is built by ComfyUI's own classes on the meta device, with the configuration ComfyUI
 detects for the real file, a LoRA is injected, and the plan's meta pass runs with ComfyUI's attention for NVIDIA
 cards (PyTorch's scaled_dot_product_attention). Planned, not measured: bench/memory_plan.py compares plans with
@@ -91,8 +91,8 @@ def nvidia_attention(comfy_attention):
 def plans(name: str, side: int, fp8: bool, cards: list[float], batch: int = 1) -> list[dict]:
     import torch
     import comfy.ldm.modules.attention as comfy_attention
-    from ingraph_trainer.trainer import memory_plan as mp
-    from ingraph_trainer.trainer.memory_sizes import activation_profile, model_bytes
+    from ingraph_trainer.trainer.parallel import memory_plan as mp
+    from ingraph_trainer.trainer.parallel.memory_sizes import activation_profile, model_bytes
     from ingraph_trainer.trainer.spec import RunSpec
     config_class, unet_config, inputs = models()[name]
     family = build(config_class, unet_config, fp8)

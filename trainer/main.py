@@ -11,7 +11,7 @@ import traceback
 from pathlib import Path
 
 from .spec import RunSpecError, load_run_spec, parse_run_spec
-from .events import EVENTS_FILE, EventWriter
+from .run.events import EVENTS_FILE, EventWriter
 from .optim import OPTIMIZERS_KNOWN
 from .os_support import process_gone, process_started
 
@@ -66,8 +66,8 @@ def use_the_servers_secret():
     """By hand, where the operator named no secret: the one this ComfyUI's server signs its runs with (its data
     folder's, runner/paths.use_data_folder_secret), where there is one, so its runs resume; else the home folder's."""
     from .comfy_env import comfyui_path
-    from .layout import DATA_DIR_ENV, DATA_FOLDER
-    from .trust import SECRET_ENV
+    from .run.layout import DATA_DIR_ENV, DATA_FOLDER
+    from .run.trust import SECRET_ENV
     if os.environ.get(SECRET_ENV):
         return
     try:
@@ -80,8 +80,8 @@ def use_the_servers_secret():
 
 def load_signed_spec(config: str):
     """The spec from one read of its bytes, whose signature rank 0 checks on exactly those bytes."""
-    from .layout import SPEC_FILE
-    from .trust import TrustError, verify_run
+    from .run.layout import SPEC_FILE
+    from .run.trust import TrustError, verify_run
     path = Path(config)
     try:
         raw = path.read_bytes()
@@ -111,7 +111,7 @@ def report_spec_error(config: str, exc: Exception):
 
 def finished_before(spec) -> dict | None:
     """The run folder's last `finished` event, if a run of this spec finished there."""
-    from .events import read_events
+    from .run.events import read_events
     events = [e for e in read_events(Path(spec.run_dir) / EVENTS_FILE) if e.get("type") == "finished"]
     return events[-1] if events else None
 
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     hide_optional_modules()
     if argv[:1] == ["--standby"]:  # started ahead of need by the launcher; becomes a trainer when given a run
         configure_logging()  # before the imports, as a run does: what they log goes to the run's log
-        from .standby import serve
+        from .tasks.standby import serve
         return serve(argv[1:], main)
     parser = argparse.ArgumentParser(prog="ingraph-trainer", description="Train an adapter from a run spec.")
     parser.add_argument("--config", required=True, help="run spec (TOML) written by the Train node or by hand")
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
         return EXIT_BAD_SPEC
     reveal_modules_for(spec)
 
-    from .distributed import destroy, ensure_dist_env, rank
+    from .parallel.distributed import destroy, ensure_dist_env, rank
     ensure_dist_env()
     from .device import choose_device, concrete_precision
     choose_device()  # before ComfyUI's import and the model: both take the current device
@@ -170,13 +170,13 @@ def main(argv=None) -> int:
     start_parent_watchdog(opts.parent_pid, events, parent_host=opts.parent_host)
     try:
         if spec.task == "evaluate":
-            from .evaluation import run_evaluation
+            from .tasks.evaluation import run_evaluation
             run_evaluation(spec, events)
         elif spec.task == "distill":
-            from .distill import Distiller
+            from .tasks.distill import Distiller
             Distiller(spec, events).run()
         else:
-            from .loop import Trainer
+            from .tasks.loop import Trainer
             Trainer(spec, events).run()
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the node as an error event
         tb = traceback.format_exc()

@@ -14,7 +14,7 @@ import torch
 
 from .comfy_compat import dequantize_per_matmul_again, forget_loaded
 from .spec import SampleSpec
-from .layout import SAMPLES_DIR
+from .run.layout import SAMPLES_DIR
 
 log = logging.getLogger("ingraph_trainer.sampling")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .batch_mix import loss_parts
+from .data.batch_mix import loss_parts
 from .models import Batch, ModelFamily
 from .objectives import batch_loss
 

@@ -183,7 +183,7 @@ def bake_patches(patcher) -> None:
     patcher.patches_uuid = uuid.uuid4()
 
 
-# a standby's base model, loaded while the graph's earlier nodes ran (trainer/standby.py): [(load key, patcher)],
+# a standby's base model, loaded while the graph's earlier nodes ran (trainer/tasks/standby.py): [(load key, patcher)],
 # taken by the run whose model and precision give the same key, dropped by any other
 _preloaded: list = []
 

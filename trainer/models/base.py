@@ -124,7 +124,7 @@ class ModelFamily:
                                      f"{self.display_name}; use comfyui or kohya")
 
     def image_size_problem(self, width: int, height: int) -> str | None:
-        """Why the model cannot run on items of this size (pixels), or None (trainer.dataset_checks)."""
+        """Why the model cannot run on items of this size (pixels), or None (trainer.data.dataset_checks)."""
         return None
 
     def check_quantized_weights(self, spec) -> None:

@@ -110,7 +110,7 @@ MEMORY_MODES = choice_values(MEMORY_CHOICES)
 OUTPUT_WEIGHTS = choice_values(OUTPUT_WEIGHTS_CHOICES)
 PREDICTIONS = ("auto", "epsilon", "v_prediction", "flow")
 TIMESTEP_SAMPLING = choice_values(TIMESTEP_SAMPLING_CHOICES)
-TASKS = ("train", "evaluate", "distill")  # distill: DMD2 few-step distillation (trainer/distill.py)
+TASKS = ("train", "evaluate", "distill")  # distill: DMD2 few-step distillation (trainer/tasks/distill.py)
 DISTILL_STUDENT_KINDS = ("lora", "full")  # adapter kinds a distilled student trains as
 MODEL_FORMATS = ("diffusion_model", "checkpoint")  # how ComfyUI loads model.path: UNETLoader / Load Checkpoint
 WEIGHT_DTYPES = ("default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2")  # UNETLoader's weight_dtype
@@ -124,7 +124,7 @@ BASE_PRECISION_CHOICES = (  # the frozen base weights in the trainer
 BASE_PRECISIONS = choice_values(BASE_PRECISION_CHOICES)
 VAE_FORMATS = ("vae", "checkpoint")  # samples.vae_path: a VAE file (VAELoader) or the VAE inside a checkpoint
 # the spec fields whose node input is a choice, each with its options (nodes/spec_inputs.py reads a label as its value)
-FIELD_CHOICES = {"adapter.kind": ADAPTER_KIND_CHOICES, "adapter.targets": TARGET_CHOICES,
+CHOICE_FIELDS = {"adapter.kind": ADAPTER_KIND_CHOICES, "adapter.targets": TARGET_CHOICES,
                  "output.format": ADAPTER_FORMAT_CHOICES, "output.weights": OUTPUT_WEIGHTS_CHOICES,
                  "train.optimizer": OPTIMIZER_CHOICES, "train.lr_schedule": SCHEDULE_CHOICES,
                  "train.precision": PRECISION_CHOICES, "train.loss": LOSS_CHOICES,

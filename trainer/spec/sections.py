@@ -63,7 +63,7 @@ class TrainSpec:
     precision: str = "bf16"
     gradient_checkpointing: bool = False
     # "auto": the memory plan turns on checkpointing and block swap where the run would not fit the device, and
-    # refuses a run nothing fits (trainer/memory_plan.py); "manual": the settings as given, a warning at most
+    # refuses a run nothing fits (trainer/parallel/memory_plan.py); "manual": the settings as given, a warning at most
     memory: str = "auto"
     memory_budget_gb: float = 0.0  # the device memory a run may fill; 0: the device's free memory
     max_grad_norm: float = 1.0
@@ -228,7 +228,7 @@ class DistributedSpec:
 
     def deepspeed_settings(self) -> list[str]:
         """The settings that make this layout DeepSpeed's (several processes, another machine, ZeRO, a pipeline);
-        none: one process in plain PyTorch (trainer/plain_engine.py)."""
+        none: one process in plain PyTorch (trainer/parallel/plain_engine.py)."""
         return [name for name, on in (("processes", self.processes > 1), ("hostfile", bool(self.hostfile)),
                                       ("zero_stage", self.zero_stage > 0),
                                       ("pipeline_stages", self.pipeline_stages > 1),
@@ -250,7 +250,7 @@ def deepspeed_installed() -> bool:
 
 
 def _hostfile_problem(path: str) -> str | None:
-    from ..hostfile import HostfileError, parse_hostfile
+    from ..parallel.hostfile import HostfileError, parse_hostfile
     if not path:
         return None
     try:

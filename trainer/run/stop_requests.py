@@ -5,11 +5,11 @@ from pathlib import Path
 
 import torch
 
-from .distributed import world_size
+from ..parallel.distributed import world_size
 from .layout import STOP_FILE
 
 
-_RUN_STARTED_AT: float | None = None  # set by a standby when it takes a run (trainer/standby.py)
+_RUN_STARTED_AT: float | None = None  # set by a standby when it takes a run (trainer/tasks/standby.py)
 
 
 def mark_run_start():

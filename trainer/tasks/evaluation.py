@@ -10,9 +10,9 @@ import contextlib
 
 import torch
 
-from .data import CachedDataset, seeded_generator
-from .distributed import rank, set_cpu_threads, world_size
-from .models import Batch
+from ..data.loading import CachedDataset, seeded_generator
+from ..parallel.distributed import rank, set_cpu_threads, world_size
+from ..models import Batch
 
 EVAL_NOISE_STREAM = 3  # generator stream of the evaluation noise (data.py uses 1, 2 and 4)
 
@@ -159,17 +159,17 @@ def run_evaluation(spec, events) -> dict:
     """The `evaluate` task: the loss of the model as given (adapters merged upstream) on a cached dataset."""
     import time
 
-    from .dataset_checks import check_dataset_for_family
-    from .comfy_env import import_comfy
-    from .data import load_cached_dataset
-    from .distributed import init_distributed
-    from .training_module import TrainingModule
-    from .models import load_family
-    from .plain_engine import hold_in
+    from ..data.dataset_checks import check_dataset_for_family
+    from ..comfy_env import import_comfy
+    from ..data.loading import load_cached_dataset
+    from ..parallel.distributed import init_distributed
+    from ..training_module import TrainingModule
+    from ..models import load_family
+    from ..parallel.plain_engine import hold_in
 
     started = time.time()
     import_comfy()
-    from .memory_plan import refuse_unloadable
+    from ..parallel.memory_plan import refuse_unloadable
     refuse_unloadable(spec.model, spec.train.precision)
     family = load_family(spec.model, precision=spec.train.precision)
     family.set_objective(flow_shift=spec.train.flow_shift, guidance=spec.train.guidance)
@@ -180,7 +180,7 @@ def run_evaluation(spec, events) -> dict:
     if world_size() > 1:
         init_distributed()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    from .models import PRECISION_DTYPES
+    from ..models import PRECISION_DTYPES
     dtype = getattr(torch, PRECISION_DTYPES[spec.train.precision])
     module = TrainingModule(family)
     hold_in(module, dtype, device)  # an fp8 base stays fp8 (a Module.to(dtype) made Flux fp8 a 24 GB model)

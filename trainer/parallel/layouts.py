@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 
-from . import checkpoint as ckpt
+from ..run import checkpoint as ckpt
 from .distributed import init_distributed, rank, uses_deepspeed, world_size
 from .plain_engine import GradientClipping
 
@@ -78,7 +78,7 @@ class WholeModel(ParallelLayout):
     _clipping: GradientClipping | None = None
 
     def __init__(self, spec, family, params):
-        from .training_module import TrainingModule
+        from ..training_module import TrainingModule
         super().__init__(spec)
         self.module = TrainingModule(family)
         self.trainable = params
@@ -108,7 +108,7 @@ class WholeModel(ParallelLayout):
         return rank()
 
     def train_step(self, micro_batches):
-        from .batch_mix import MicroBatch, split_losses
+        from ..data.batch_mix import MicroBatch, split_losses
         engine, device = self.engine, self.device
         losses, parts, own_norm = [], [], None
         for inputs in micro_batches:
@@ -138,7 +138,7 @@ class WholeModel(ParallelLayout):
         return mean, own_norm.item() if own_norm is not None else None
 
     def evaluate(self, dataset, indices, quantiles, seed, batch_size):
-        from .evaluation import evaluate
+        from ..tasks.evaluation import evaluate
         return evaluate(self.module, dataset, indices, quantiles, seed, batch_size, self.device)
 
     def gathered(self, params):

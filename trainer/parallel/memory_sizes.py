@@ -26,7 +26,7 @@ BACKWARD_WORKING_SET = 2.5
 
 def low_precision_dtype(precision: str):
     """The dtype the engine casts the model to (bf16, fp16); None for fp32."""
-    from .models import PRECISION_DTYPES
+    from ..models import PRECISION_DTYPES
     return None if precision == "fp32" else getattr(torch, PRECISION_DTYPES[precision])
 
 
@@ -107,7 +107,7 @@ def _tensor_bytes(value) -> int:
 def _attention_as_on(device):
     """ComfyUI picks its attention split by the device's free memory; on the meta device it would ask CUDA.
     Within: the meta device's free memory is the training device's, so the meta pass takes the same path."""
-    from .comfy_compat import free_memory_answers_for
+    from ..comfy_compat import free_memory_answers_for
     with free_memory_answers_for(torch.device("meta"), device):
         yield
 
@@ -177,7 +177,7 @@ def activation_profile(family, model_inputs, blocks, compute_dtype, device) -> A
 def _held_bytes(tensor: torch.Tensor, compute_dtype) -> int:
     """A frozen tensor's bytes once the engine has cast it (floats wider than a byte to the training precision;
     fp8, integers and ComfyUI's quantized layouts stay as they are)."""
-    from .comfy_compat import is_quantized, tensor_bytes
+    from ..comfy_compat import is_quantized, tensor_bytes
     if is_quantized(tensor):
         return tensor_bytes(tensor)
     if compute_dtype is not None and tensor.is_floating_point() and tensor.element_size() > 1:
@@ -239,8 +239,8 @@ def _pinned_bytes(tensor: torch.Tensor, compute_dtype) -> int:
 def caption_tokens(part, j: int) -> int:
     """The token count of item j's caption as written (of a CachedDataset), from its text shard's header (no tensor
     is read); 0 where the header cannot be read (the run's own read then says what is wrong)."""
-    from ..cache.files import safetensors_header
-    from ..cache.shards import entry_path
+    from ...cache.files import safetensors_header
+    from ...cache.shards import entry_path
     try:
         header = safetensors_header(entry_path(part.root, "text", part.text_keys[j]))
     except ValueError:
@@ -254,7 +254,7 @@ def largest_items(dataset) -> list[int]:
     and, where it is another item, the longest caption (the largest latent among those). A DiT attends over image
     and text tokens together and a UNet's cross-attention over both, so a long caption on a small image can
     outweigh a short one on a large image; the plan measures each and keeps the larger."""
-    from .batch_mix import locate
+    from ..data.batch_mix import locate
     sizes = [torch.Size(b).numel() for b in dataset.buckets]
     known: dict[tuple, int] = {}  # (dataset part, text key) -> tokens: items sharing a caption share a shard
     tokens = []
@@ -272,8 +272,8 @@ def largest_items(dataset) -> list[int]:
 def item_inputs(family, dataset, item: int, batch_size: int):
     """family.model_inputs of a micro-batch of one item, repeated: what a step on it runs. No random draw is made
     (the run's streams stay as they are)."""
-    from .batch_mix import training_batch
-    from .models import Batch
+    from ..data.batch_mix import training_batch
+    from ..models import Batch
     b = training_batch(dataset, [item] * batch_size)
     zeros = torch.zeros_like(b.latents)
     batch = Batch(b.latents, b.cond, b.pooled, zeros, torch.full((batch_size,), 0.5), b.mask,
@@ -302,7 +302,7 @@ def load_bytes(model, precision: str) -> int | None:
     file has fp8 or the spec asks for an fp8 base (matrices and convolutions; ComfyUI keeps biases and norms in the
     compute precision), other floats in the training precision, anything else (a quantized layout's packed data,
     integers) as stored. None where the header cannot be read (ComfyUI's loader then says what is wrong)."""
-    from ..cache.files import safetensors_header
+    from ...cache.files import safetensors_header
     header = safetensors_header(model.path)
     if header is None:
         return None

@@ -2,7 +2,7 @@
 
 DeepSpeed loads its files with pickle (torch.load(weights_only=False)), and any ComfyUI client can write
 files under output/, so the COMPLETE mark lists the digest and size of every file of the checkpoint and
-carries an HMAC made with this installation's secret (trainer/trust.py). A checkpoint is complete only if
+carries an HMAC made with this installation's secret (trainer/run/trust.py). A checkpoint is complete only if
 its mark verifies and the folder holds exactly the files it lists; nothing is loaded before every file's
 digest has been checked.
 """
@@ -15,9 +15,9 @@ import shutil
 from pathlib import Path
 
 from .layout import CHECKPOINTS_DIR, COMPLETE_MARK
-from .os_support import replace_file
-from ..cache.files import fsync_dir
-from ..cache.shards import file_sha256
+from ..os_support import replace_file
+from ...cache.files import fsync_dir
+from ...cache.shards import file_sha256
 from .trust import TrustError, read_signed_json, write_signed_json
 
 # torch is imported where it is used: the ComfyUI side reads checkpoint state through this module

@@ -21,8 +21,8 @@ import secrets
 import tempfile
 from pathlib import Path
 
-from ..cache.files import atomic_write
-from ..cache.shards import file_sha256  # the cache's shard checksum: one sha256-of-a-file in the pack
+from ...cache.files import atomic_write
+from ...cache.shards import file_sha256  # the cache's shard checksum: one sha256-of-a-file in the pack
 
 SECRET_ENV = "INGRAPH_SECRET_FILE"
 RUN_SIGNATURE_FILE = "run.sig"  # HMAC over the run spec and the manifests the runner wrote

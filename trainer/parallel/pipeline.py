@@ -47,7 +47,7 @@ def check_data(data_spec, dataset):
     """The stages pass (latents, cond, noise, timesteps[, pooled]) and take the plain mean of the per-sample
     losses: loss masks and prior images (per-sample weights, their own loss in the events) do not pass through
     them. Caption dropout and tag shuffling only change the text, and do."""
-    from .batch_mix import MixedDataset
+    from ..data.batch_mix import MixedDataset
     if data_spec.prior_manifest or isinstance(dataset, MixedDataset):
         raise ValueError("data.prior_manifest: prior images are not available with pipeline stages "
                          "(distributed.pipeline_stages > 1); train with 1 stage, or without prior images")
@@ -94,7 +94,7 @@ def collect_parameters(engine, layers, trainable_only: bool):
 def evaluate(engine, loss: PipelineLoss, dataset, indices, quantiles, seed: int, batch_size: int) -> dict:
     """The same numbers as evaluation.evaluate (fixed noise per image, fixed timestep quantiles), computed
     through the stages: each chunk is one micro-batch; the last stage's per-sample losses reach every rank."""
-    from .evaluation import eval_chunks, eval_noise, layout_independent_threads, summarise
+    from ..tasks.evaluation import eval_chunks, eval_noise, layout_independent_threads, summarise
     per_item = torch.zeros(len(quantiles), len(indices), dtype=torch.float64)
     position = {item: n for n, item in enumerate(indices)}
     last = engine.grid.stage_to_global(stage_id=engine.num_stages - 1)

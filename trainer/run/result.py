@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import export
-from .adapters import PACK_METADATA_KEY, comfy_adapter_state_dict, kohya_metadata, save_adapter_atomic, written_by_pack
+from .. import export
+from ..adapters import PACK_METADATA_KEY, comfy_adapter_state_dict, kohya_metadata, save_adapter_atomic, written_by_pack
 
 
 PREVIOUS_SUFFIX = ".previous"  # the pack's own earlier result of that name, one kept

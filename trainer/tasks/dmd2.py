@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from .data import seeded_generator, stack_conds
+from ..data.loading import seeded_generator, stack_conds
 
 # generator streams (data.py uses 1-4, batch_mix 11-13): one per kind of draw
 STUDENT_STEP_STREAM = 21  # which student step each slot trains
@@ -27,7 +27,7 @@ def student_sigmas(model_sampling, steps: int, timesteps: list) -> list[float]:
     if timesteps:
         return [float(model_sampling.sigma_max) if t >= 1.0 else float(model_sampling.percent_to_sigma(1.0 - t))
                 for t in timesteps]
-    from .comfy_compat import scheduler_sigmas
+    from ..comfy_compat import scheduler_sigmas
     return [float(s) for s in scheduler_sigmas(model_sampling, STUDENT_SCHEDULER, steps)[:-1]]
 
 

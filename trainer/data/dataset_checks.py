@@ -36,13 +36,13 @@ def _check_reference_input(dataset, family, where: str = "data.manifest"):
     slots = counts[0][1]
     reference_input = getattr(family, "reference_input", None)
     if slots and reference_input is None:
-        from .models.base import UnsupportedSetting
+        from ..models.base import UnsupportedSetting
         raise UnsupportedSetting(f"{where}: its items carry {slots} reference image(s) (name.ref.png or a "
                                  f"reference folder), but {family.display_name} takes none (its reference_input is "
                                  "None); use an edit or image-to-video model, or load the dataset without "
                                  "reference images")
     if slots > 1 and reference_input == "start_image":  # refused here, not at the first step's loss
-        from .models.base import UnsupportedSetting
+        from ..models.base import UnsupportedSetting
         raise UnsupportedSetting(f"{where}: its items carry {slots} reference images (name.ref.png, name.ref2.png "
                                  f"...), but {family.display_name} takes one start image per item; keep "
                                  "name.ref.png only")
@@ -58,7 +58,7 @@ def check_image_sizes(dataset, family, where: str = "data.manifest"):
         for bucket in sorted(set(sizes)) if isinstance(sizes, list) and size_problem else ():
             problem = size_problem(int(bucket[0]), int(bucket[1]))
             if problem:
-                from .models.base import UnsupportedSetting
+                from ..models.base import UnsupportedSetting
                 raise UnsupportedSetting(f"{name}: items of {bucket[0]}x{bucket[1]} px: {problem}")
 
 

@@ -1,5 +1,5 @@
-"""What the trainer program's training tasks share, the adapter trainer (trainer/loop.py) and the distiller
-(trainer/distill.py): TrainingTask, their shape (build, then train); RunControl, what their loops do around each
+"""What the trainer program's training tasks share, the adapter trainer (trainer/tasks/loop.py) and the distiller
+(trainer/tasks/distill.py): TrainingTask, their shape (build, then train); RunControl, what their loops do around each
 step: before the first, a stale STOP mark dropped and the checkpoint resumed; after each, the previews when due,
 the STOP mark answered on every rank alike and a checkpoint when due; and the step times behind the events' ETA
 and mean step time."""
@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 
 from .checkpoint import Checkpointer
-from .distributed import rank
+from ..parallel.distributed import rank
 from .events import EventWriter
-from .optim import averaged_weights
-from .sampling import PreviewSampler, sample_due
+from ..optim import averaged_weights
+from ..sampling import PreviewSampler, sample_due
 from .stop_requests import StopRequests
 
 
@@ -39,7 +39,7 @@ class TrainingTask:
     def host_memory(self) -> dict:
         """The run's host memory: the resident bytes when the model's load began and the peak since (the memory
         plan's measurement on a CPU is their difference)."""
-        from .os_support import host_memory
+        from ..os_support import host_memory
         before, peak = self.load_memory.get("rss_before"), host_memory()[1]
         if before is None or peak is None:
             return {}
@@ -52,7 +52,7 @@ class TrainingTask:
             self.build()
             return self.train()
         except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError: the same class
-            from .memory import out_of_memory_message
+            from ..parallel.memory import out_of_memory_message
             raise OutOfDeviceMemory(out_of_memory_message(self.spec, self.step_in_flight)) from None
 
 

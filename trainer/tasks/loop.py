@@ -1,5 +1,5 @@
 """The training run, shaped as torchtitan's trainer: components built once from the spec, the parallel layout
-chosen once (trainer/layouts.py), a short train() loop, checkpointing as a component."""
+chosen once (trainer/parallel/layouts.py), a short train() loop, checkpointing as a component."""
 from __future__ import annotations
 
 import math
@@ -8,30 +8,30 @@ from pathlib import Path
 
 import torch
 
-from .adapters import dora_norm_for, inject_adapter, load_adapter_weights
-from .checkpoint import Checkpointer
-from .comfy_env import import_comfy
-from .spec import RunSpec
-from .batch_mix import StepBatches, build_training_data, prior_report
-from .data import load_cached_dataset, step_loader
-from .device import device_memory, training_device
-from .os_support import map_large_allocations
-from .distributed import data_parallel_size, deepspeed_config, world_size
-from .ema import build_average, exported_weights
+from ..adapters import dora_norm_for, inject_adapter, load_adapter_weights
+from ..run.checkpoint import Checkpointer
+from ..comfy_env import import_comfy
+from ..spec import RunSpec
+from ..data.batch_mix import StepBatches, build_training_data, prior_report
+from ..data.loading import load_cached_dataset, step_loader
+from ..device import device_memory, training_device
+from ..os_support import map_large_allocations
+from ..parallel.distributed import data_parallel_size, deepspeed_config, world_size
+from ..ema import build_average, exported_weights
 from .evaluation import eval_subset
-from .events import EVENTS_FILE, read_events
-from .export import diffusers_module_names
-from .layouts import choose_engine, choose_layout
-from .memory import check_swapped_weights_agree, enable_block_swap, load_peak, memory_savers
-from .metrics import HealthLog, param_norm, param_norm_due
-from .memory_plan import plan_memory, refuse_unloadable
-from .memory_sizes import low_precision_dtype
-from .models import load_family
-from .optim import averaged_weights, build_optimizer, build_scheduler
-from .partitioned_load import DeferredWeights, each_process_peak, load_partitions, why_not_partitioned
-from .result import write_result
-from .run_control import RunControl, TrainingTask
-from .sampling import PreviewSampler
+from ..run.events import EVENTS_FILE, read_events
+from ..export import diffusers_module_names
+from ..parallel.layouts import choose_engine, choose_layout
+from ..parallel.memory import check_swapped_weights_agree, enable_block_swap, load_peak, memory_savers
+from ..metrics import HealthLog, param_norm, param_norm_due
+from ..parallel.memory_plan import plan_memory, refuse_unloadable
+from ..parallel.memory_sizes import low_precision_dtype
+from ..models import load_family
+from ..optim import averaged_weights, build_optimizer, build_scheduler
+from ..parallel.partitioned_load import DeferredWeights, each_process_peak, load_partitions, why_not_partitioned
+from ..run.result import write_result
+from ..run.run_control import RunControl, TrainingTask
+from ..sampling import PreviewSampler
 
 
 class TrainingDiverged(RuntimeError):
@@ -47,7 +47,7 @@ def check_finite(step: int, loss: float | None, grad_norm: float | None):
 
 def refuse_fp8_full_fine_tune(diffusion_model: torch.nn.Module, source: str):
     """A scaled-fp8 file keeps fp8 weights even when loaded as "default": fp8 cannot hold trained weights."""
-    from .adapters import FP8_DTYPES
+    from ..adapters import FP8_DTYPES
     fp8 = [name for name, p in diffusion_model.named_parameters() if p.dtype in FP8_DTYPES]
     if fp8:
         raise ValueError(f"adapter.kind: a full fine-tune trains every base weight, which fp8 cannot hold, and "

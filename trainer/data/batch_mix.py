@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from .data import StepSampler, seeded_generator, stack_conds, stack_references, stack_text_masks
+from .loading import StepSampler, seeded_generator, stack_conds, stack_references, stack_text_masks
 from .dataset_checks import (check_caption_features, check_dataset_for_family, check_eval_references, reads_text_masks,
                              reference_slots)
 
@@ -265,7 +265,7 @@ def build_training_data(data_spec, global_batch: int, seed: int, family=None, pi
     StepSampler as before. Fails here, before any step, where the manifests cannot serve caption dropout, or
     carry reference images that `family` (or pipeline stages) cannot take, or the evaluation set's reference
     images differ in number from the training set's."""
-    from .data import load_cached_dataset
+    from .loading import load_cached_dataset
     dataset = load_cached_dataset(data_spec.manifest)
     if data_spec.prior_manifest:
         prior = load_cached_dataset(data_spec.prior_manifest)
@@ -352,7 +352,7 @@ class StepBatches:
         self.world, self.data_rank = world, data_rank
 
     def __call__(self, step: int) -> StepBatch:
-        from .objectives import training_timesteps
+        from ..objectives import training_timesteps
         t = self.t
         indices, micro, timesteps = load_step(
             self.dataset, self.sampler, step, self.data, t.seed, t.batch_size, t.grad_accum, self.world,

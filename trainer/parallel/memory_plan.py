@@ -29,7 +29,7 @@ from .distributed import global_min
 from .memory import memory_suggestions, swap_allowed
 from .memory_sizes import (ActivationProfile, ModelBytes, largest_activation_profile, load_bytes,
                            low_precision_dtype, model_bytes, shared_out)
-from .optim import optimizer_state_bytes
+from ..optim import optimizer_state_bytes
 
 GiB = 2 ** 30
 
@@ -211,7 +211,7 @@ def device_budget(spec, device, held: int) -> int | None:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * MARGIN)
-    from .os_support import available_memory
+    from ..os_support import available_memory
     available = available_memory()
     return None if available is None else int(available * MARGIN) + held
 
@@ -221,7 +221,7 @@ def device_capacity(device) -> int | None:
     can free more of."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[1])
-    from .os_support import total_memory
+    from ..os_support import total_memory
     return total_memory()
 
 
@@ -300,7 +300,7 @@ def _measured(spec, family, blocks, dataset, device, data_parallel: int, log):
 
 
 def plan_distillation(spec, generator, dataset, device, data_parallel: int, fakes: int, log) -> MemoryPlan:
-    """DMD2's plan (trainer/distill.py), before its fake scores and teacher load: the generator's with the settings
+    """DMD2's plan (trainer/tasks/distill.py), before its fake scores and teacher load: the generator's with the settings
     as given (no "auto" choice), plus `fakes` fake scores (whole copies with the adapter's training state), the
     frozen teacher, and with the GAN term a fake score's activations (the generator's loss runs back through it).
     Refused beyond all the device's memory (MemoryPlanRefused); a warning beyond the budget."""
@@ -333,8 +333,8 @@ def plan_distillation(spec, generator, dataset, device, data_parallel: int, fake
 def earlier_choice(spec, blocks: int) -> tuple[bool, int] | None:
     """(gradient checkpointing, block swap) as the run began, from its signed record; None without one (a run
     from before the plan, or a record this installation did not sign)."""
-    from .layout import MEMORY_CHOICE_FILE
-    from .trust import TrustError, read_signed_json
+    from ..run.layout import MEMORY_CHOICE_FILE
+    from ..run.trust import TrustError, read_signed_json
     try:
         found = read_signed_json(Path(spec.run_dir) / MEMORY_CHOICE_FILE, max_bytes=4096)
     except (TrustError, OSError, ValueError):
@@ -348,8 +348,8 @@ def earlier_choice(spec, blocks: int) -> tuple[bool, int] | None:
 
 def record_choice(spec, plan: MemoryPlan) -> None:
     from .distributed import rank
-    from .layout import MEMORY_CHOICE_FILE
-    from .trust import write_signed_json
+    from ..run.layout import MEMORY_CHOICE_FILE
+    from ..run.trust import write_signed_json
     if rank() == 0:
         write_signed_json(Path(spec.run_dir) / MEMORY_CHOICE_FILE,
                           {"run": Path(spec.run_dir).name, "gradient_checkpointing": plan.checkpointing,
@@ -364,7 +364,7 @@ def refuse_unloadable(model, precision: str, full: bool = False, partitioned: bo
     why a partitioned load turned out to need whole copies after all (said in the refusal). A model loaded ahead
     of the run (a standby's preload) is no more to load where it is this run's, and is let go first where not."""
     from .distributed import processes_per_machine, world_size
-    from .models import drop_preloaded, preload_is_for
+    from ..models import drop_preloaded, preload_is_for
     if partitioned:
         drop_preloaded()  # (a partitioned load reads its shares from the file)
     elif preload_is_for(model, precision):  # loaded already, ahead of the run: nothing more to hold
@@ -382,7 +382,7 @@ def host_refusal(model, precision: str, full: bool = False, processes: int = 1, 
     run on it (each loads its own copy, or its `share` of one), naming the file and the numbers; None where it
     fits, or where the system or the file's header tells nothing. `full`: a full fine-tune (which cannot take an
     fp8 base)."""
-    from .os_support import available_memory
+    from ..os_support import available_memory
     if not getattr(model, "path", ""):  # no file to size (ComfyUI's loader says what is missing)
         return None
     available = available_memory()

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import load_checkpoint, save_checkpoint
-from .distributed import world_size
-from .layouts import ParallelLayout, WholeModel
-from .models import Batch
+from ..run.checkpoint import load_checkpoint, save_checkpoint
+from ..parallel.distributed import world_size
+from ..parallel.layouts import ParallelLayout, WholeModel
+from ..models import Batch
 
 
 @contextlib.contextmanager
@@ -148,7 +148,7 @@ def fake_score_spec(spec):
 def peak_rss_per_rank() -> list:
     """Each process's peak resident memory in bytes (VmHWM, since the first network's load began; None where
     unknown), gathered on every rank: what ZeRO-3 saves per process."""
-    from .os_support import host_memory
+    from ..os_support import host_memory
     peak = host_memory()[1]
     if world_size() == 1:
         return [peak]

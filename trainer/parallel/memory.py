@@ -7,7 +7,7 @@ import contextlib
 import torch
 
 
-from .os_support import host_memory, restart_memory_peak
+from ..os_support import host_memory, restart_memory_peak
 
 
 @contextlib.contextmanager
@@ -44,7 +44,7 @@ class _CastAgain:
         self.size, self.stride, self.offset = saved.size(), saved.stride(), saved.storage_offset()
 
     def tensor(self) -> torch.Tensor:
-        from .comfy_compat import cast_weight
+        from ..comfy_compat import cast_weight
         weight = cast_weight(self.layer, self.dtype, self.device).contiguous()
         return weight.as_strided(self.size, self.stride, self.offset)
 
@@ -95,8 +95,8 @@ def keep_fp8_weights_for_backward(model: torch.nn.Module, skip=()) -> int:
     checkpointed: checkpointing saves nothing of theirs) are left alone, since saved-tensor hooks do not nest, and
     so are layers ComfyUI 0.33 places with dynamic VRAM (their cast follows its own prefetching). Returns the
     number of layers changed."""
-    from .adapters import FP8_DTYPES
-    from .comfy_compat import is_quantized
+    from ..adapters import FP8_DTYPES
+    from ..comfy_compat import is_quantized
     skipped = {id(m) for block in skip for m in block.modules()}
     changed = 0
     for layer in model.modules():
@@ -307,7 +307,7 @@ def memory_suggestions(spec) -> list[str]:
 
 def out_of_memory_message(spec, step: int) -> str:
     """"out of GPU memory at step N (peak X GiB of Y GiB): <what would fit>; ..." for the run's error event."""
-    from .device import device_memory, local_cuda_index
+    from ..device import device_memory, local_cuda_index
     index = local_cuda_index()
     memory = None
     if index is not None:

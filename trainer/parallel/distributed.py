@@ -1,5 +1,5 @@
 """The engine a run trains on, chosen once: DeepSpeed where the layout needs it (several processes, ZeRO, a
-pipeline, optimizer offload), else plain PyTorch in one process (trainer/plain_engine.py), which imports no
+pipeline, optimizer offload), else plain PyTorch in one process (trainer/parallel/plain_engine.py), which imports no
 DeepSpeed; process-group set-up and the engine's configuration (the same dict for both)."""
 from __future__ import annotations
 

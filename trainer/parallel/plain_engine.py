@@ -68,7 +68,7 @@ def hold_in(module: torch.nn.Module, dtype, device) -> None:
 
 class PlainEngine:
     def __init__(self, module: torch.nn.Module, optimizer, scheduler, config: dict):
-        from .device import training_device
+        from ..device import training_device
         self.module, self.optimizer, self.lr_scheduler = module, optimizer, scheduler
         self.grad_accum = int(config.get("gradient_accumulation_steps", 1))
         self.max_norm = float(config.get("gradient_clipping", 0.0))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache.shards import load_checked, read_manifest
+from ...cache.shards import load_checked, read_manifest
 
 
 class ShardMemo:

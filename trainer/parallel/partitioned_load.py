@@ -48,8 +48,8 @@ def load_partitions(deepspeed, module, weights: DeferredWeights, config: dict, d
     parameters take first (in_engine_dtype). Returns the bytes copied."""
     import torch
     import deepspeed.comm as dist
-    from .models.loading import file_releaser
-    from .device import training_device
+    from ..models.loading import file_releaser
+    from ..device import training_device
     device = training_device()
     for sub in module.modules():  # deepspeed.initialize moves nothing of a model zero.Init partitioned: buffers too
         for name, buffer in sub._buffers.items():
@@ -101,7 +101,7 @@ def each_process_peak(load_memory: dict) -> dict:
     partitioning and the fill are part of), and every process's rise above its own start ("rank_rises", by rank;
     the events are rank 0's alone). Collective."""
     import torch.distributed as td
-    from .os_support import host_memory
+    from ..os_support import host_memory
     peak = host_memory()[1]
     before = load_memory.get("rss_before")
     rise = peak - before if peak is not None and before is not None else None

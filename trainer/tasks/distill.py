@@ -1,4 +1,4 @@
-"""DMD2 few-step distillation (task "distill"), built from the adapter trainer's components (trainer/loop.py).
+"""DMD2 few-step distillation (task "distill"), built from the adapter trainer's components (trainer/tasks/loop.py).
 
 Three kinds of network of the spec's model family, each loaded with ComfyUI's own code (load_family, so every family's
 training patches are its own, never shared through a copy):
@@ -53,27 +53,27 @@ import time
 
 import torch
 
-from .adapters import inject_adapter
-from .batch_mix import StepBatches, build_training_data, micro_batch_slots
-from .checkpoint import Checkpointer
-from .comfy_env import import_comfy
-from .data import step_loader
-from .dataset_checks import reads_text_masks
-from .device import training_device
+from ..adapters import inject_adapter
+from ..data.batch_mix import StepBatches, build_training_data, micro_batch_slots
+from ..run.checkpoint import Checkpointer
+from ..comfy_env import import_comfy
+from ..data.loading import step_loader
+from ..data.dataset_checks import reads_text_masks
+from ..device import training_device
 from .distill_networks import (Denoiser, GanHead, Network, Networks, fake_score_spec, frozen, held_weight_bytes,
                                peak_rss_per_rank)
-from .distributed import data_parallel_size, deepspeed_config, world_size
+from ..parallel.distributed import data_parallel_size, deepspeed_config, world_size
 from .dmd2 import STUDENT_SAMPLER, STUDENT_SCHEDULER, DMD2Objective, starts_at_max_noise, student_sigmas
-from .layouts import choose_engine, global_sum, grad_norm
+from ..parallel.layouts import choose_engine, global_sum, grad_norm
 from .loop import check_finite, refuse_fp8_full_fine_tune
-from .memory import checkpointed_with_fp8_kept, load_peak
-from .memory_plan import plan_distillation
-from .metrics import HealthLog
-from .models import load_family
-from .optim import averaged_weights, build_optimizer, build_scheduler
-from .result import write_result
-from .run_control import RunControl, TrainingTask
-from .sampling import PreviewSampler
+from ..parallel.memory import checkpointed_with_fp8_kept, load_peak
+from ..parallel.memory_plan import plan_distillation
+from ..metrics import HealthLog
+from ..models import load_family
+from ..optim import averaged_weights, build_optimizer, build_scheduler
+from ..run.result import write_result
+from ..run.run_control import RunControl, TrainingTask
+from ..sampling import PreviewSampler
 
 class Distiller(DMD2Objective, TrainingTask):
     # --- building ------------------------------------------------------------------------------------------

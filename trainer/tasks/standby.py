@@ -33,11 +33,13 @@ def warm_up() -> None:
     needs it (ZeRO or optimizer offload in one process) imports it itself. A launcher gone meanwhile ends the
     process (OrphanWatch), whichever import is running."""
     import torch  # noqa: F401
-    from .comfy_env import import_comfy
+    from ..comfy_env import import_comfy
     import_comfy()  # COMFYUI_PATH is the launching server's, set in this process's environment
     import peft  # noqa: F401
     import torch.utils.tensorboard  # noqa: F401  the health log's writer
-    from . import evaluation, hostfile, loop, objectives, plain_engine, training_module  # noqa: F401
+    from . import evaluation, loop
+    from ..parallel import hostfile, plain_engine
+    from .. import objectives, training_module  # noqa: F401
 
 
 PRELOAD_KEEP_S = 600.0  # a preloaded model whose run has not come by then (its prompt failed, say) is dropped
@@ -96,9 +98,9 @@ def preload(payload: dict) -> None:
     only logged: the run then loads the model itself and reports what is wrong."""
     began = time.perf_counter()
     try:
-        from .device import choose_device, concrete_precision
-        from .models import preload_base_model
-        from .spec import ModelSpec
+        from ..device import choose_device, concrete_precision
+        from ..models import preload_base_model
+        from ..spec import ModelSpec
         choose_device()
         model = ModelSpec(**payload["model"])
         preload_base_model(model, concrete_precision(payload["precision"]))
@@ -110,7 +112,7 @@ def preload(payload: dict) -> None:
 
 
 def drop_preload() -> None:
-    from .models import drop_preloaded
+    from ..models import drop_preloaded
     drop_preloaded()
     print("ingraph-trainer: standby let go of the model it loaded ahead of a run that has not come", flush=True)
 
@@ -194,12 +196,12 @@ def serve(argv: list[str], run_main) -> int:
     take_over_output(log_fd)
     channel.close()
     print(f"ingraph-trainer: standby process {os.getpid()} (imports done at {warm_at}) takes this run", flush=True)
-    from .stop_requests import mark_run_start
+    from ..run.stop_requests import mark_run_start
     mark_run_start()  # a STOP written before this moment (the previous run's, in a resumed run's folder) is stale
     sys.argv[1:] = run_argv
     return run_main(run_argv)
 
 
 def _parent_gone(parent_pid: int) -> bool:
-    from .os_support import process_gone
+    from ..os_support import process_gone
     return os.getppid() != parent_pid or process_gone(parent_pid)
