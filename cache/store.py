@@ -13,8 +13,7 @@ Entries are keyed by content (see encoding.py). Safety:
   file, and every shard path is checked to stay inside the shards folder;
 - prune keeps what is in use: entries of a recorded dataset, entries pinned by a run manifest that
   still exists, and every entry created or used since the oldest live caching pass began.
-This module and shards.py are the only ones that know the layout; the trainer reads shards through the
-manifest (shards.py).
+Only this module and shards.py know the layout; the trainer reads shards through the manifest (shards.py).
 """
 from __future__ import annotations
 
@@ -308,8 +307,7 @@ class CacheStore:
         In use: entries of a recorded dataset, of a run manifest that still exists, and every entry created
         or used since the oldest live caching pass began. Runs as one write transaction, so no writer can
         rename a shard or insert a row while it decides and deletes. Files are only ever removed at paths
-        built from a valid kind and key (or a temporary name) inside the shards folder.
-        """
+        built from a valid kind and key (or a temporary name) inside the shards folder."""
         removed, freed, dropped = 0, 0, 0
         with self._write() as db:
             for name, manifest, updated in db.execute(
@@ -354,9 +352,13 @@ class CacheStore:
                         and all(c in "0123456789abcdef" for c in sub.name)):
                     continue
                 for f in os.scandir(sub.path):
-                    if not f.is_file(follow_symlinks=False):
+                    try:  # a writer beside this writes and removes its temporary files outside the lock
+                        stat = f.stat(follow_symlinks=False) if f.is_file(follow_symlinks=False) else None
+                    except FileNotFoundError:
                         continue
-                    age = now - f.stat(follow_symlinks=False).st_mtime
+                    if stat is None:
+                        continue
+                    age = now - stat.st_mtime
                     if f.name.endswith(SHARD_SUFFIX):
                         key = f.name[:-len(SHARD_SUFFIX)]
                         doomed = (ENTRY_KEY.fullmatch(key) is not None and key[:2] == sub.name and key not in known
@@ -364,10 +366,9 @@ class CacheStore:
                     else:
                         doomed = _TEMP_NAME.fullmatch(f.name) is not None and age > temp_older_than_s
                     if doomed and resolves_inside(Path(f.path), self.shards):
-                        size = f.stat(follow_symlinks=False).st_size
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(f.path)
-                        removed, freed = removed + 1, freed + size
+                            removed, freed = removed + 1, freed + stat.st_size
         return removed, freed
 
 
