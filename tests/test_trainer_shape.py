@@ -133,10 +133,17 @@ def test_no_import_cycle_in_the_trainer():
     assert "parallel.layouts" in graph["tasks.loop"] and "tasks.loop" not in graph["tasks.evaluation"]
 
 
-def test_the_training_loop_fits_on_one_screen():
+def test_the_training_loop_fits_on_one_screen_and_is_written_once():
+    """One loop skeleton, in the task base: the trainer and the distiller differ in their hooks only."""
     import inspect
+    from ingraph_trainer.trainer.tasks.base import TrainingTask
+    from ingraph_trainer.trainer.tasks.distill import Distiller
     from ingraph_trainer.trainer.tasks.loop import Trainer
-    assert len(inspect.getsource(Trainer.train).splitlines()) <= 50
+    assert len(inspect.getsource(TrainingTask.train).splitlines()) <= 50
+    assert Trainer.train is Distiller.train is TrainingTask.train
+    for task in (Trainer, Distiller):
+        assert all(getattr(task, hook) is not getattr(TrainingTask, hook)
+                   for hook in ("announce", "step", "report_step", "finish")), task
 
 
 def test_parameter_norm_cadence():

@@ -1,63 +1,16 @@
-"""What the trainer program's training tasks share, the adapter trainer (trainer/tasks/loop.py) and the distiller
-(trainer/tasks/distill.py): TrainingTask, their shape (build, then train); RunControl, what their loops do around each
-step: before the first, a stale STOP mark dropped and the checkpoint resumed; after each, the previews when due,
-the STOP mark answered on every rank alike and a checkpoint when due; and the step times behind the events' ETA
-and mean step time."""
+"""RunControl: what the training tasks' loop (trainer/tasks/base.py) does around each step: before the first, a
+stale STOP mark dropped and the checkpoint resumed; after each, the previews when due, the STOP mark answered on
+every rank alike and a checkpoint when due; and the step times behind the events' ETA and mean step time."""
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
 from .checkpoint import Checkpointer
-from ..parallel.distributed import rank
 from .events import EventWriter
 from ..optim import averaged_weights
 from ..sampling import PreviewSampler, sample_due
 from .stop_requests import StopRequests
-
-
-class TrainingTask:
-    """A task that trains: build() its components once from the spec, then train(); run() does both."""
-
-    def __init__(self, spec, events: EventWriter):
-        self.spec, self.events = spec, events
-        self.run_dir = Path(spec.run_dir)
-        self.is_rank0 = rank() == 0
-
-    def build(self):
-        raise NotImplementedError
-
-    def train(self):
-        raise NotImplementedError
-
-    step_in_flight = 0  # the step being taken (0: while building), for the out-of-memory message
-    load_memory: dict = {}  # memory.load_peak's report of the model's load
-
-    def log(self, level: str, message: str) -> None:
-        self.events.emit("log", level=level, message=message)
-
-    def host_memory(self) -> dict:
-        """The run's host memory: the resident bytes when the model's load began and the peak since (the memory
-        plan's measurement on a CPU is their difference)."""
-        from ..os_support import host_memory
-        before, peak = self.load_memory.get("rss_before"), host_memory()[1]
-        if before is None or peak is None:
-            return {}
-        return {"rss_before_load": before, "peak": peak, "rise": peak - before}
-
-    def run(self):
-        import torch
-        self.started_at = time.time()
-        try:
-            self.build()
-            return self.train()
-        except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError: the same class
-            from ..parallel.memory import out_of_memory_message
-            raise OutOfDeviceMemory(out_of_memory_message(self.spec, self.step_in_flight)) from None
-
-
-class OutOfDeviceMemory(RuntimeError):
-    """The device ran out of memory; the message names the step, the peak and what would fit."""
 
 
 class RunControl:

@@ -57,7 +57,6 @@ from ..adapters import inject_adapter
 from ..data.batch_mix import StepBatches, build_training_data, micro_batch_slots
 from ..run.checkpoint import Checkpointer
 from ..comfy_env import import_comfy
-from ..data.loading import step_loader
 from ..data.dataset_checks import reads_text_masks
 from ..device import training_device
 from .distill_networks import (Denoiser, GanHead, Network, Networks, fake_score_spec, frozen, held_weight_bytes,
@@ -65,14 +64,15 @@ from .distill_networks import (Denoiser, GanHead, Network, Networks, fake_score_
 from ..parallel.distributed import data_parallel_size, deepspeed_config, world_size
 from .dmd2 import STUDENT_SAMPLER, STUDENT_SCHEDULER, DMD2Objective, starts_at_max_noise, student_sigmas
 from ..parallel.layouts import choose_engine, global_sum, grad_norm
-from .loop import check_finite, refuse_fp8_full_fine_tune
+from .loop import refuse_fp8_full_fine_tune
 from ..parallel.memory import checkpointed_with_fp8_kept, load_peak
 from ..parallel.memory_plan import plan_distillation
 from ..metrics import HealthLog
 from ..models import load_family
 from ..optim import averaged_weights, build_optimizer, build_scheduler
 from ..run.result import write_result
-from ..run.run_control import RunControl, TrainingTask
+from ..run.run_control import RunControl
+from .base import TrainingTask, check_finite
 from ..sampling import PreviewSampler
 
 class Distiller(DMD2Objective, TrainingTask):
@@ -170,35 +170,22 @@ class Distiller(DMD2Objective, TrainingTask):
         self.control = RunControl(spec, self.events, self.generator, self.optimizer, checkpointer, self.is_rank0)
 
     # --- the run -------------------------------------------------------------------------------------------
-    def train(self):
-        t = self.spec.train
-        start_step, resumed_from = self.control.resume(self.started_at)
-        self.announce(start_step, resumed_from)
-        loader = step_loader(self.batches, self.device)
-        stopped, losses = False, {}
-        for step in range(start_step + 1, t.steps + 1):
-            self.step_in_flight = step
-            t0 = time.perf_counter()
-            batch = loader.get(step - 1, step if step < t.steps else None)
-            lr = self.optimizer.param_groups[0]["lr"]
-            losses, norm = self.update(step, batch.micro_batches)
-            check_finite(step, losses["loss"], norm)
-            check_finite(step, losses["fake_loss"], None)
-            self.report_step(step, lr, norm, losses, time.perf_counter() - t0)
-            if self.control.after_step(step):  # previews, stop, checkpoint
-                stopped = True
-                break
-        else:
-            step = t.steps
-        loader.close()
+    def step(self, step: int, batch) -> tuple[dict, float | None]:
+        losses, norm = self.update(step, batch.micro_batches)
+        check_finite(step, losses["loss"], norm)
+        check_finite(step, losses["fake_loss"], None)
+        return losses, norm
+
+    def finish(self, step: int, stopped: bool, losses: dict):
         self.health.close()
         with averaged_weights(self.optimizer):
             adapter, replaced_kept = write_result(self.spec, self.generator_family, self.params, self.generator,
                                                   self.is_rank0, len(self.dataset.unique), step, self.started_at)
-        self.events.emit("finished", adapter=adapter, replaced_kept=replaced_kept, steps=step, stopped=stopped, final_loss=losses.get("loss"),
-                         eval_before=None, eval_after=None, best_eval_step=None, best_eval_loss=None,
-                         mean_step_s=self.control.mean_step_s(), data_wait_s=0.0,
-                         peak_rss_per_rank=peak_rss_per_rank(), wall_s=time.time() - self.started_at)
+        self.events.emit("finished", adapter=adapter, replaced_kept=replaced_kept, steps=step, stopped=stopped,
+                         final_loss=losses.get("loss"), eval_before=None, eval_after=None, best_eval_step=None,
+                         best_eval_loss=None, mean_step_s=self.control.mean_step_s(),
+                         data_wait_s=round(self.data_wait, 4), peak_rss_per_rank=peak_rss_per_rank(),
+                         wall_s=time.time() - self.started_at)
         return adapter
 
     def announce(self, start_step: int, resumed_from):
@@ -224,7 +211,7 @@ class Distiller(DMD2Objective, TrainingTask):
                                           scheduler=STUDENT_SCHEDULER)
             self.control.previews = PreviewSampler(student, family, self.run_dir, self.is_rank0)
 
-    def report_step(self, step: int, lr: float, grad_norm, losses: dict, step_time: float):
+    def report_step(self, step: int, start_step: int, batch, lr: float, losses: dict, grad_norm, step_time: float):
         eta_s = self.control.timed(step, step_time)
         self.events.emit("step", step=step, total=self.spec.train.steps, lr=lr, grad_norm=grad_norm,
                          fake_lr=self.fake_optimizer.param_groups[0]["lr"],

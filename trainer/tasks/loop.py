@@ -13,7 +13,7 @@ from ..run.checkpoint import Checkpointer
 from ..comfy_env import import_comfy
 from ..spec import RunSpec
 from ..data.batch_mix import StepBatches, build_training_data, prior_report
-from ..data.loading import load_cached_dataset, step_loader
+from ..data.loading import load_cached_dataset
 from ..device import device_memory, training_device
 from ..os_support import map_large_allocations
 from ..parallel.distributed import data_parallel_size, deepspeed_config, world_size
@@ -30,19 +30,9 @@ from ..models import load_family
 from ..optim import averaged_weights, build_optimizer, build_scheduler
 from ..parallel.partitioned_load import DeferredWeights, each_process_peak, load_partitions, why_not_partitioned
 from ..run.result import write_result
-from ..run.run_control import RunControl, TrainingTask
+from ..run.run_control import RunControl
+from .base import TrainingTask, check_finite
 from ..sampling import PreviewSampler
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss or the gradient norm stopped being a finite number; the run ends without saving the bad weights."""
-
-
-def check_finite(step: int, loss: float | None, grad_norm: float | None):
-    for what, value in (("loss", loss), ("gradient norm", grad_norm)):
-        if value is not None and not math.isfinite(value):
-            raise TrainingDiverged(f"{what} became {'NaN' if math.isnan(value) else 'inf'} at step {step}; "
-                                   "the last complete checkpoint is intact (lower the learning rate, or resume)")
 
 
 def refuse_fp8_full_fine_tune(diffusion_model: torch.nn.Module, source: str):
@@ -56,7 +46,12 @@ def refuse_fp8_full_fine_tune(diffusion_model: torch.nn.Module, source: str):
 
 
 class Trainer(TrainingTask):
+    eval_before: dict | None = None  # the evaluation before the first step (eval_before)
     spec: RunSpec
+
+    @property
+    def device(self):
+        return self.layout.device
 
     def build(self):
         """Every component, once, from the spec (the order keeps the random stream of the adapter's start)."""
@@ -130,35 +125,18 @@ class Trainer(TrainingTask):
         self.control = RunControl(spec, self.events, layout, optimizer, checkpointer, self.is_rank0)
         self.build_s["engine"] = time.perf_counter() - began - sum(self.build_s.values())
 
-    def train(self):
+    def step(self, step: int, batch) -> tuple[dict, float | None]:
+        loss, grad_norm = self.layout.train_step(batch.micro_batches)
+        if self.block_copies is not None:
+            self.block_copies.reset()
+        if self.ema is not None:
+            self.ema.update(step)
+        grad_norm = float(grad_norm) if grad_norm is not None else None
+        check_finite(step, loss, grad_norm)  # every rank sees the same global values: all stop together
+        return {"loss": loss}, grad_norm
+
+    def finish(self, step: int, stopped: bool, losses: dict):
         t = self.spec.train
-        start_step, resumed_from = self.control.resume(self.started_at)
-        self.announce(start_step, resumed_from)
-        eval_before = self.evaluate(start_step) if start_step == 0 and t.eval_before and t.evaluates else None
-        prefetch = step_loader(self.batches, self.layout.device)
-        stopped, self.data_wait, loss = False, 0.0, None
-        for step in range(start_step + 1, t.steps + 1):  # `step`: the steps done once this one is
-            self.step_in_flight = step
-            t0 = time.perf_counter()
-            batch = prefetch.get(step - 1, step if step < t.steps else None)
-            self.data_wait += time.perf_counter() - t0
-            lr = self.optimizer.param_groups[0]["lr"]
-            loss, grad_norm = self.layout.train_step(batch.micro_batches)
-            if self.block_copies is not None:
-                self.block_copies.reset()
-            if self.ema is not None:
-                self.ema.update(step)
-            grad_norm = float(grad_norm) if grad_norm is not None else None
-            check_finite(step, loss, grad_norm)  # every rank sees the same global values: all stop together
-            self.report_step(step, start_step, batch, loss, lr, grad_norm, time.perf_counter() - t0)
-            if t.evaluates and t.eval_every and step % t.eval_every == 0 and step < t.steps:
-                self.evaluate(step)
-            if self.control.after_step(step):  # previews, stop, checkpoint
-                stopped = True
-                break
-        else:
-            step = t.steps
-        prefetch.close()
         # after a Stop the user wants the run to end: its evaluation only when asked for (eval_after_stop)
         eval_after = self.evaluate(step) if t.evaluates and (not stopped or t.eval_after_stop) else None
         self.health.close()
@@ -166,8 +144,9 @@ class Trainer(TrainingTask):
             adapter, replaced_kept = write_result(self.spec, self.family, self.params, self.layout, self.is_rank0,
                                                   len(self.dataset.unique), step, self.started_at,
                                                   self.memory_plan.checkpointing)
-        self.events.emit("finished", adapter=adapter, replaced_kept=replaced_kept, steps=step, stopped=stopped, final_loss=loss,
-                         eval_before=eval_before["loss"] if eval_before else None,
+        eval_before = self.eval_before
+        self.events.emit("finished", adapter=adapter, replaced_kept=replaced_kept, steps=step, stopped=stopped,
+                         final_loss=losses.get("loss"), eval_before=eval_before["loss"] if eval_before else None,
                          eval_after=eval_after["loss"] if eval_after else None,
                          best_eval_step=self.best.get("step"), best_eval_loss=self.best.get("loss"),
                          mean_step_s=self.control.mean_step_s(),
@@ -197,6 +176,7 @@ class Trainer(TrainingTask):
         self.best = best_evaluation(self.run_dir, start_step) if start_step else {}
         self.control.previews = PreviewSampler(spec.samples, family, self.run_dir, self.is_rank0) \
             if spec.samples.every else None
+        self.eval_before = self.evaluate(start_step) if start_step == 0 and t.eval_before and t.evaluates else None
 
     def evaluate(self, step: int) -> dict:
         t = self.spec.train
@@ -214,8 +194,8 @@ class Trainer(TrainingTask):
         self.health.eval(step, result)
         return result
 
-    def report_step(self, step: int, start_step: int, batch, loss: float, lr: float, grad_norm, step_time: float):
-        t = self.spec.train
+    def report_step(self, step: int, start_step: int, batch, lr: float, losses: dict, grad_norm, step_time: float):
+        t, loss = self.spec.train, losses["loss"]
         eta_s = self.control.timed(step, step_time)
         samples_per_s = self.global_batch / step_time
         norm = {"param_norm": param_norm(self.params)} if param_norm_due(step, start_step + 1, t.steps) else {}
@@ -230,6 +210,8 @@ class Trainer(TrainingTask):
                                   "perf/samples_per_s": samples_per_s, "perf/data_wait_s": self.data_wait,
                                   "data/timestep_mean": batch.timestep_mean, "data/timestep_std": batch.timestep_std,
                                   "data/latent_std": batch.latent_std})
+        if t.evaluates and t.eval_every and step % t.eval_every == 0 and step < t.steps:
+            self.evaluate(step)
 
 
 def best_evaluation(run_dir: Path, until_step: int) -> dict:
