@@ -1,6 +1,6 @@
 """Seconds per training step of each family's tiny model, read from the runs a test session left behind.
 
-The family tests (tests/test_model_families.py, test_image_families.py, test_video_families.py, ...) train every
+The family tests (tests/comfyui/test_model_families.py, test_image_families.py, test_video_families.py, ...) train every
 family's tiny model through a real ComfyUI server; each run's events.jsonl names its family (started) and its steps'
 times (step). This script finds those files under a folder (the suite's pytest temporary folder by default) and
 prints, per family, the runs found and the median time of their steps after the first (the first step pays for

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs ON a lent GPU machine, from the repo root, with `.gpu` carried (scripts/gpu_carry.sh --snapshot builds it):
-#   bash scripts/gpu_smoke.sh install env e2e fp8 "tests:tests/test_unit.py tests/test_fp8.py"
+#   bash scripts/gpu_smoke.sh install env e2e fp8 "tests:tests/unit/test_unit.py tests/trainer/test_fp8.py"
 # Stages, in the order given (each logs to $OUT/<stage>.log; OUT defaults to /tmp/gpu-out):
 #   install  the carried wheels into /tmp/site (+ the frontend stub), ComfyUI's source into /tmp/ComfyUI;
 #            skipped where an earlier call on this still-warm machine did it
@@ -9,7 +9,7 @@
 #   fp8      a tiny SD1.5 UNet as UNETLoader fp8_e4m3fn and fp8_e4m3fn_fast: LoRA training, then the evaluate task
 #   bench    bench/gpu.py $BENCH_ARGS (the Train node vs TrainLoraNode vs a bare loop, through a ComfyUI server on the GPU)
 #   memory   bench/block_swap.py (copy ahead vs blocking copies) and bench/memory_plan.py (predicted vs peak) on the GPU
-#   tests:F  pytest on the files F (the GPU tier: "tests:-m gpu tests/test_gpu.py"); F is split on spaces, so a -k
+#   tests:F  pytest on the files F (the GPU tier: "tests:-m gpu tests/trainer/test_gpu.py"); F is split on spaces, so a -k
 #            expression of several words goes in PYTEST_K (INGRAPH_SKIP_DISTILL_QUALITY=1 INGRAPH_SKIP_CHROMA_GRAPH=1), junit XML to $OUT
 # Code runs from .gpu/repo (a fixed `git archive HEAD`), never from the live tree.
 set -uo pipefail
@@ -157,7 +157,7 @@ stage_fp8() {
   mkdir -p "$d"
   [ -f "$W/e2e/tiny.safetensors" ] || $PY "$REPO/tools/embedded_default.py" --checkpoint "$W/e2e/tiny.safetensors" \
     --images "$W/e2e/img64" || return 1
-  # the checkpoint's diffusion model as a bf16 file of its own, as tests/test_fp8.py builds it
+  # the checkpoint's diffusion model as a bf16 file of its own, as tests/trainer/test_fp8.py builds it
   $PY - "$W/e2e/tiny.safetensors" "$d/tiny_unet.safetensors" <<'EOF'
 import sys, torch
 from safetensors.torch import load_file, save_file

@@ -19,26 +19,26 @@ COMFYUI_033_PATH="${COMFYUI_033_PATH:-/opt/ComfyUI-0.33}"
 # exactness (the evaluation's across a resume still runs there), the refusal to overwrite a user's own LoRA, the
 # optimizers' and weight averages' runs, the trainer program's failure and by-hand behaviours, the watchdog when
 # ComfyUI dies, and Wan's two-stage pipeline parity (the pipeline layers' exactness against ComfyUI's model stays)
-TIER_033="${INGRAPH_033_TESTS:-tests --ignore=tests/test_distributed.py --ignore=tests/test_cache.py
-  --ignore=tests/test_cache_safety.py --ignore=tests/test_standby.py --ignore=tests/test_resume_trust.py
-  --ignore=tests/test_run_safety.py --ignore=tests/test_routes.py --ignore=tests/test_install.py
-  --ignore=tests/test_windows_branches.py --ignore=tests/test_plain_engine.py --ignore=tests/test_main_job.py
-  --deselect=tests/test_memory_plan.py::test_auto_checkpoints_to_fit_a_budget_manual_warns_and_nothing_fitting_is_refused
-  --deselect=tests/test_memory_plan.py::test_block_swap_brings_the_next_block_ahead_in_either_direction_with_the_same_gradients
-  --deselect=tests/test_distill.py::test_two_processes_under_zero3_match_one_process
-  --deselect=tests/test_distill.py::test_resumed_distillation_ends_bit_identical
-  --deselect=tests/test_distill.py::test_resuming_with_fake_score_per_step_changed_is_refused_naming_it
-  --deselect=tests/test_distill.py::test_the_memory_plan_counts_every_network_and_warns_beyond_the_budget
-  --deselect=tests/test_trainer_program.py::test_resume_after_kill_matches_uninterrupted_run_bit_for_bit
-  --deselect=tests/test_run_control.py::test_a_users_own_lora_of_the_same_name_survives
-  --ignore=tests/test_ema_optimizers.py
-  --deselect=tests/test_trainer_program.py::test_8bit_adamw_with_optimizer_offload_under_zero1
-  --deselect=tests/test_trainer_program.py::test_out_of_memory_at_step_3_names_the_step_and_what_would_fit_and_step_2_resumes
-  --deselect=tests/test_trainer_program.py::test_nan_at_step_3_ends_the_run_and_step_2_resumes
-  --deselect=tests/test_trainer_program.py::test_by_hand_a_finished_run_is_not_trained_again_unasked_and_progress_is_printed
-  --deselect=tests/test_trainer_program.py::test_the_trainer_and_the_client_started_by_another_python_say_which_one_to_use
-  --deselect=tests/test_run_control.py::test_trainer_exits_within_10s_when_comfyui_dies
-  --deselect=tests/test_model_families.py::test_wan_on_two_pipeline_stages_matches_one_stage}"
+TIER_033="${INGRAPH_033_TESTS:-tests --ignore=tests/trainer/test_distributed.py --ignore=tests/trainer/test_cache.py
+  --ignore=tests/trainer/test_cache_safety.py --ignore=tests/trainer/test_standby.py --ignore=tests/trainer/test_resume_trust.py
+  --ignore=tests/unit/test_run_safety.py --ignore=tests/comfyui/test_routes.py --ignore=tests/trainer/test_install.py
+  --ignore=tests/unit/test_windows_branches.py --ignore=tests/trainer/test_plain_engine.py --ignore=tests/trainer/test_main_job.py
+  --deselect=tests/trainer/test_memory_plan.py::test_auto_checkpoints_to_fit_a_budget_manual_warns_and_nothing_fitting_is_refused
+  --deselect=tests/trainer/test_memory_plan.py::test_block_swap_brings_the_next_block_ahead_in_either_direction_with_the_same_gradients
+  --deselect=tests/trainer/test_distill.py::test_two_processes_under_zero3_match_one_process
+  --deselect=tests/trainer/test_distill.py::test_resumed_distillation_ends_bit_identical
+  --deselect=tests/trainer/test_distill.py::test_resuming_with_fake_score_per_step_changed_is_refused_naming_it
+  --deselect=tests/trainer/test_distill.py::test_the_memory_plan_counts_every_network_and_warns_beyond_the_budget
+  --deselect=tests/trainer/test_trainer_program.py::test_resume_after_kill_matches_uninterrupted_run_bit_for_bit
+  --deselect=tests/comfyui/test_run_control.py::test_a_users_own_lora_of_the_same_name_survives
+  --ignore=tests/trainer/test_ema_optimizers.py
+  --deselect=tests/trainer/test_trainer_program.py::test_8bit_adamw_with_optimizer_offload_under_zero1
+  --deselect=tests/trainer/test_trainer_program.py::test_out_of_memory_at_step_3_names_the_step_and_what_would_fit_and_step_2_resumes
+  --deselect=tests/trainer/test_trainer_program.py::test_nan_at_step_3_ends_the_run_and_step_2_resumes
+  --deselect=tests/trainer/test_trainer_program.py::test_by_hand_a_finished_run_is_not_trained_again_unasked_and_progress_is_printed
+  --deselect=tests/trainer/test_trainer_program.py::test_the_trainer_and_the_client_started_by_another_python_say_which_one_to_use
+  --deselect=tests/comfyui/test_run_control.py::test_trainer_exits_within_10s_when_comfyui_dies
+  --deselect=tests/comfyui/test_model_families.py::test_wan_on_two_pipeline_stages_matches_one_stage}"
 
 status=0
 start=$SECONDS

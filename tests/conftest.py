@@ -15,7 +15,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-# on a GPU machine: torch.cuda.is_available() in a parent (this session, tests/train_forked.py's server) would start
+# the helpers the test modules share (graph builders, media files) and the programs the tests launch
+sys.path.insert(1, str(REPO / "tests" / "helpers"))
+# on a GPU machine: torch.cuda.is_available() in a parent (this session, tests/helpers/train_forked.py's server) would start
 # CUDA and leave every child it forks unable to use the GPU ("Cannot re-initialize CUDA in forked subprocess", seen
 # on an H100); asked through NVML it starts nothing. Set here, every process the suite starts inherits it.
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
@@ -38,7 +40,7 @@ requires_deepspeed = pytest.mark.skipif(not deepspeed_installed(), reason="skipp
                                         "(the multi-GPU extra, requirements-multi-gpu.txt)")
 ARTIFACTS = Path(os.environ.get("INGRAPH_TEST_ARTIFACTS", REPO / "test-artifacts"))
 CHECKPOINT_NAME = "ingraph_tiny_sd15.safetensors"
-# in the test server's environment: nothing a client can read may ever carry it (tests/test_run_control.py)
+# in the test server's environment: nothing a client can read may ever carry it (tests/comfyui/test_run_control.py)
 ENV_CANARY = "ingraph-canary-" + os.urandom(8).hex()
 IMAGE_FOLDER = "ingraph_example"
 ONE_IMAGE_FOLDER = "ingraph_one"  # the first example image and its caption: evaluation where it is not the point
@@ -52,8 +54,10 @@ def pytest_report_header(config):
 
 def pytest_collection_modifyitems(config, items):
     # the tests on a background run's result last (the distillation quality check's figures, pip's resolution of a
-    # plain install), so the run (pytest_collection_finish) has the whole suite's idle core time to finish in
-    items.sort(key=_needs_background_run)
+    # plain install), so the run (pytest_collection_finish) has the whole suite's idle core time to finish in; the
+    # rest by file name across the tier folders (the order the suite's timing was tuned in: the tiny models build
+    # in the background while the first files run)
+    items.sort(key=lambda item: (_needs_background_run(item), item.path.name))
     if comfyui_available():
         return
     skip = pytest.mark.skip(reason=COMFYUI_MISSING)
@@ -379,7 +383,7 @@ def evaluate_on_one_image(wf: dict, train: str = "6", dataset: str = "2", folder
 @pytest.fixture(scope="session")
 def tools(tmp_path_factory):
     """`tools(name, argv)` runs tools/<name>.py's main (prepare_run, cache_dataset) in one worker process kept for
-    the session (tests/tool_worker.py), so ComfyUI is imported once, not once per run; returns what it printed."""
+    the session (tests/helpers/tool_worker.py), so ComfyUI is imported once, not once per run; returns what it printed."""
     import select
     log = tmp_path_factory.mktemp("tool_worker") / "tool_worker.log"
     workers: list[subprocess.Popen] = []
@@ -387,7 +391,7 @@ def tools(tmp_path_factory):
     def worker() -> subprocess.Popen:
         if not workers or workers[0].poll() is not None:
             with open(log, "a") as log_file:
-                workers[:] = [subprocess.Popen([sys.executable, str(REPO / "tests" / "tool_worker.py")],
+                workers[:] = [subprocess.Popen([sys.executable, str(REPO / "tests" / "helpers" / "tool_worker.py")],
                                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
                                                text=True, cwd=log.parent, start_new_session=True)]
         return workers[0]
@@ -444,8 +448,8 @@ def prepared(tmp_path_factory, assets, tools):
     return make_run
 
 
-# a 3-step LoRA whose file format is the point (tests/test_export_formats.py reads each back with diffusers,
-# tests/test_trainer_program.py starts a run from the kohya one)
+# a 3-step LoRA whose file format is the point (tests/trainer/test_export_formats.py reads each back with diffusers,
+# tests/trainer/test_trainer_program.py starts a run from the kohya one)
 FORMAT_RUN = dict(train__steps=3, train__learning_rate=1e-2, train__precision="fp32", adapter__rank=4,
                   adapter__alpha=8.0, adapter__targets="attention_ff", train__eval_quantiles=[0.5],
                   train__eval_before=True)
@@ -468,7 +472,7 @@ def trained_in_format(prepared):
 
 
 class _TrainerWorker:
-    """tests/train_forked.py --serve, started on first use and kept for the session: the trainer program's main in a
+    """tests/helpers/train_forked.py --serve, started on first use and kept for the session: the trainer program's main in a
     child forked after a standby trainer's imports (ComfyUI's included), for each run (~12 s of imports saved a run
     on 2 cores)."""
     proc: subprocess.Popen | None = None
@@ -483,7 +487,7 @@ class _TrainerWorker:
         if cls.proc is None or cls.proc.poll() is not None:
             cls.log = Path(tempfile.mkstemp(prefix="ingraph-trainer-worker-", suffix=".log")[1])
             with open(cls.log, "w") as log_file:
-                cls.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "train_forked.py"), "--serve"],
+                cls.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "helpers" / "train_forked.py"), "--serve"],
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file, text=True,
                                             start_new_session=True)
         cls.proc.stdin.write(json.dumps({"argv": argv, "cwd": str(cwd), "timeout": timeout, "processes": processes,
@@ -526,7 +530,7 @@ def run_trainer(spec_path: Path, *extra, timeout: float = 300, processes: int = 
     """The trainer program's main on `--config spec_path *extra`, started in the spec's folder, in a child forked
     from the session's trainer worker (the imports paid once; `processes` > 1: that many ranks, given what the
     DeepSpeed launcher gives its ranks; `env`: variables the run gets; `patch`: tests/<patch>.py's install() runs
-    before the program's main, as tests/inject_nan.py has it; `kill_on`: an event type, the run SIGKILLed once its
+    before the program's main, as tests/helpers/inject_nan.py has it; `kill_on`: an event type, the run SIGKILLed once its
     events hold one); stdout, stderr and exit status are the run's own.
     run_trainer_program starts the program itself, where its start is the point."""
     return _TrainerWorker.run(["--config", str(spec_path), *map(str, extra)], spec_path.parent, timeout, processes,
@@ -534,7 +538,7 @@ def run_trainer(spec_path: Path, *extra, timeout: float = 300, processes: int = 
 
 
 def run_forked_program(name: str, argv: list, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    """tests/<name>.py's main(argv) in a child forked from the session's trainer worker (tests/optimizer_runs.py:
+    """tests/helpers/<name>.py's main(argv) in a child forked from the session's trainer worker (tests/helpers/optimizer_runs.py:
     the trainer's own Trainer in-process, its imports paid once)."""
     return _TrainerWorker.run([str(a) for a in argv], cwd, timeout, program=name)
 

@@ -38,7 +38,7 @@ outputs. (Sharing one backward-simulated chain among the steps' fake scores, whi
 / 0.47x at 4 steps; cosine decay on top, 0.53x / 0.54x; 3 fake updates, 0.66x / 0.40x / 0.42x.)
 
 Trainer runs are children forked from this process after one import of the trainer program (as
-tests/train_forked.py does), so the check pays ComfyUI's and the trainer's imports once.
+tests/helpers/train_forked.py does), so the check pays ComfyUI's and the trainer's imports once.
 """
 from __future__ import annotations
 
@@ -254,7 +254,7 @@ def run_trainer(spec_path: Path) -> float:
 
 
 def import_trainer():
-    """The trainer program's imports, once, before any fork (tests/train_forked.py's)."""
+    """The trainer program's imports, once, before any fork (tests/helpers/train_forked.py's)."""
     from ingraph_trainer.trainer import main as trainer_main
     trainer_main.hide_optional_modules()
     import ingraph_trainer.trainer.tasks.loop  # noqa: F401

@@ -7,7 +7,7 @@ running server, in UI form to example_workflows/ with a thumbnail each).
 
 Each recipe says what it loads (the file names ComfyUI's own templates and the model pages use) and why its
 settings are what they are, and the ComfyUI it needs (`comfyui`, where 0.3.64 does not load its files: Flux.2,
-Z-Image and LTX-2 are tested on 0.33). tests/test_starting_graphs.py checks every widget value against /object_info and runs
+Z-Image and LTX-2 are tested on 0.33). tests/comfyui/test_starting_graphs.py checks every widget value against /object_info and runs
 each graph through the API with the family's tiny model in place of the real one.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Windows, as the pack's platform module sees it, in a real Linux process (tests/test_windows_branches.py puts this
+"""Windows, as the pack's platform module sees it, in a real Linux process (tests/unit/test_windows_branches.py puts this
 folder on PYTHONPATH of a ComfyUI server, whose trainers inherit it): `trainer/os_support.py` reads an `os` whose
 name is "nt" and lacks killpg; os.killpg and socket.send_fds are removed from the process; Popen
 takes Windows' CREATE_NEW_PROCESS_GROUP as a new session (POSIX refuses creationflags). Each process whose platform

@@ -2,7 +2,7 @@
 
 It does what DeepSpeed's engine does for such a run, in the same arithmetic, so that a run's numbers do not depend
 on whether DeepSpeed is installed (the fixed 5-step fp32 run's losses and adapter are bit-identical to DeepSpeed's
-engine, tests/test_plain_engine.py), and nothing imports DeepSpeed:
+engine, tests/trainer/test_plain_engine.py), and nothing imports DeepSpeed:
 - the loss of each micro-batch is divided by the accumulation steps before backward;
 - at the accumulation boundary a trained parameter left without a gradient gets zeros (DeepSpeed's all-reduce
   does so), the gradients are clipped by DeepSpeed's rule (GradientClipping), the optimizer steps, every

@@ -83,7 +83,7 @@ class SyntheticTextEncoder:
 class ModelForwards:
     """Reports, in the ComfyUI process, which modules of a MODEL's diffusion model carry an instance-level `forward`
     (a wrapper set on the object, not the class's own method), and the diffusion model's id: that training left
-    the graph's live model as it was (tests/test_flux_graph_unchanged.py)."""
+    the graph's live model as it was (tests/comfyui/test_flux_graph_unchanged.py)."""
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {"model": ("MODEL", {"tooltip": "the MODEL whose modules are inspected"}),

@@ -289,7 +289,7 @@ def video_sampling_graph(stem: str, lora_name: str | None, prefix: str) -> dict:
     return sampling_graph(stem, lora_name, prefix, unet_name=f"{stem}.safetensors", text_family=VIDEO_MODELS[stem][6])
 
 
-# Wan text-to-video trains through the graph in tests/test_model_families.py (and on clips in test_video_data.py)
+# Wan text-to-video trains through the graph in tests/comfyui/test_model_families.py (and on clips in test_video_data.py)
 GRAPH_MODELS = [stem for stem in VIDEO_MODELS if stem != "tiny_wan21_t2v"]
 
 

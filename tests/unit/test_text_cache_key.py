@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.comfyui
 
 # ComfyUI's CLIP text model at the smallest size its layer settings allow (SDXL reads the penultimate layer)

@@ -173,7 +173,7 @@ def test_panel_shows_rising_steps_and_a_loss_chart(comfy, tmp_path):
             sharp = ("() => { const c = document.querySelector('.ingraph-panel canvas[data-role=chart]');"
                      " return c.clientWidth > 100 && c.width === Math.round(c.clientWidth * (window.devicePixelRatio || 1)); }")
             page.wait_for_function(sharp, timeout=10_000)
-            # the rest of the workflow (Evaluate, Compare: tests/test_evaluation.py runs them) is not this test's
+            # the rest of the workflow (Evaluate, Compare: tests/comfyui/test_evaluation.py runs them) is not this test's
             # point: interrupted, and the queue drained before the next test uses the server
             client = ComfyClient(comfy.address)
             client.interrupt()

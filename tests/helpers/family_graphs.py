@@ -1,4 +1,4 @@
-"""What the family test modules share (tests/test_model_families.py, test_image_families.py, test_video_families.py,
+"""What the family test modules share (tests/comfyui/test_model_families.py, test_image_families.py, test_video_families.py,
 test_flux_graph_unchanged.py, test_starting_graphs.py): the tiny models each needs in the server and the fixtures
 that put them there, the stock training and sampling graphs, and reading their results. No test lives here."""
 from __future__ import annotations

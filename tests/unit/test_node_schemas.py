@@ -1,14 +1,14 @@
 """Every node's schema, input by input, against a snapshot (tests/data/node_schemas.json): saved workflows map
 widget values by position and name, so a refactoring of how inputs reach the run spec must leave each input's
 name, type, order, default, bounds, options and tooltip as they were. A deliberate change rewrites the snapshot:
-`python tests/test_node_schemas.py --write`, and the diff shows what changed."""
+`python tests/unit/test_node_schemas.py --write`, and the diff shows what changed."""
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
 
-SNAPSHOT = Path(__file__).resolve().parent / "data" / "node_schemas.json"
+SNAPSHOT = Path(__file__).resolve().parents[1] / "data" / "node_schemas.json"
 # lists not written in the pack's code: read from the user's folders (runs, LoRAs), or ComfyUI's own (its samplers
 # and schedulers, which differ between ComfyUI versions)
 LISTED_ELSEWHERE = {("InGraphTrainLoRA", "resume"), ("InGraphDistill", "resume"), ("InGraphLoRAAdapter", "continue_from"),
@@ -27,7 +27,7 @@ def _plain(value):
 
 
 def schemas() -> dict:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from tools.bootstrap import bootstrap
     bootstrap()
     from ingraph_trainer.nodes import NODES

@@ -1,7 +1,7 @@
 """Queueing Flux training leaves the graph's MODEL as it was (issue 13): the trainer patches its own copy of the
 model (Flux's in-place residual shim, checkpointing, adapters), never the ComfyUI process's live one.
 
-On the real server, with the tiny Flux model and the stock nodes of tests/test_model_families.py: ComfyUI's
+On the real server, with the tiny Flux model and the stock nodes of tests/comfyui/test_model_families.py: ComfyUI's
 KSampler samples the loader's MODEL, Train LoRA trains on that same loader node's MODEL (2 steps, fp32), and the
 KSampler samples it again: the same latent to the bit, and no module of the live model carries a wrapped forward
 (the test-only Model Forwards node looks at the very object, in the ComfyUI process).

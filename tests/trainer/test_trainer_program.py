@@ -25,7 +25,7 @@ ONE_QUANTILE = dict(train__eval_quantiles=[0.5])
 def two_step_run(prepared):
     """One 2-step run that several tests read (each trainer launch costs ~12 s of imports): events and adapter,
     stdout noise, an incomplete checkpoint that `--resume latest` must ignore, TensorBoard metrics. It uses the
-    non-default objective (Huber, min-SNR), so that path runs too (its formulas: tests/test_unit.py). The program
+    non-default objective (Huber, min-SNR), so that path runs too (its formulas: tests/unit/test_unit.py). The program
     started as `python trainer` (the other runs here: conftest's forked trainer worker)."""
     spec = prepared(train__steps=2, train__batch_size=2, train__precision="fp32", adapter__alpha=4.0,
                     adapter__rank=4, train__loss="huber", train__min_snr_gamma=5.0, **ONE_QUANTILE)

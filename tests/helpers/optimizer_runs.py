@@ -1,8 +1,8 @@
 """Trains every optimizer 3 steps and resumes each from its step-2 checkpoint, in this one process, through the
 trainer's own Trainer (build, train loop, Checkpointer, export): what `python trainer --config` runs, without a
-process start (~12 s of imports) per run. Used by tests/test_ema_optimizers.py.
+process start (~12 s of imports) per run. Used by tests/trainer/test_ema_optimizers.py.
 
-    python tests/optimizer_runs.py BASE_SPEC OUT_DIR OPTIMIZER[:ema] ...
+    python tests/helpers/optimizer_runs.py BASE_SPEC OUT_DIR OPTIMIZER[:ema] ...
 
 `:ema`: that run keeps an EMA (decay 0.5 from step 1) and saves it as the file. Prints one JSON line:
 {optimizer: {"first": [events], "resumed": [events], "first_file": hex digest, "resumed_file": hex digest}}.
@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from tools.prepare_run import _bootstrap  # noqa: E402  (the pack as the package ingraph_trainer)
 

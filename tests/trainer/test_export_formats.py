@@ -3,7 +3,7 @@
 kohya (lora_unet_*) and diffusers (peft layout) files are loaded the way diffusers'
 load_lora_weights loads them into a diffusers UNet carrying the same weights as the trained
 model; its output must match ComfyUI's model with the same file applied by ComfyUI's loader,
-which in turn matches the trainer's own (tests/test_adapter_kinds.py).
+which in turn matches the trainer's own (tests/comfyui/test_adapter_kinds.py).
 """
 from __future__ import annotations
 

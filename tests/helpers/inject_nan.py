@@ -1,7 +1,7 @@
 """The trainer program with its training loss turned to NaN at one step (INGRAPH_NAN_AT_STEP): the real
 divergence check, triggered on purpose. Evaluation passes (no gradients) are left alone.
 
-    INGRAPH_NAN_AT_STEP=3 python tests/inject_nan.py --config SPEC    the program, patched
+    INGRAPH_NAN_AT_STEP=3 python tests/helpers/inject_nan.py --config SPEC    the program, patched
     run_trainer(spec, patch="inject_nan", env={"INGRAPH_NAN_AT_STEP": "3"})    the same, forked (conftest)
 """
 import os
@@ -30,7 +30,7 @@ def install():
 
 
 if __name__ == "__main__":
-    REPO = Path(__file__).resolve().parent.parent
+    REPO = Path(__file__).resolve().parents[2]
     package = types.ModuleType("ingraph_trainer")
     package.__path__ = [str(REPO)]
     sys.modules["ingraph_trainer"] = package

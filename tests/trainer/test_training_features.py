@@ -315,7 +315,7 @@ def test_the_train_node_offers_base_precision_and_hands_it_to_the_spec(monkeypat
 def test_the_train_node_offers_the_evaluation_inputs_last_and_refuses_a_bad_one_naming_it():
     """Appended last (saved workflows map widget values by position), in the order they came, each default the
     spec's default, and a bad value fails validation naming the input (that a graph's value reaches the run:
-    tests/test_image_families.py, trained_two_steps; tests/test_evaluation.py). Empty quantiles: no evaluation."""
+    tests/comfyui/test_image_families.py, trained_two_steps; tests/comfyui/test_evaluation.py). Empty quantiles: no evaluation."""
     from tools.prepare_run import _bootstrap
     _bootstrap()
     from ingraph_trainer.nodes.train_node import TrainLoRA

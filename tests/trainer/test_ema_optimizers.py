@@ -39,7 +39,7 @@ def spec_with(optimizer="adamw", precision="fp32", zero_stage=0, processes=1, pi
     ("adamw_schedulefree", "fp32", 3, 1, True),
     ("lion", "bf16", 3, 1, False), ("adamw", "bf16", 2, 1, False), ("adamw8bit", "bf16", 1, 1, False),
 ])
-@requires_deepspeed  # the layouts are two processes' (the rule for a missing DeepSpeed: tests/test_unit.py)
+@requires_deepspeed  # the layouts are two processes' (the rule for a missing DeepSpeed: tests/unit/test_unit.py)
 def test_optimizers_are_refused_where_deepspeed_would_make_them_train_differently(optimizer, precision, zero_stage,
                                                                                   stages, refused):
     spec = spec_with(optimizer, precision, zero_stage, processes=2, pipeline_stages=stages)
@@ -181,7 +181,7 @@ def test_schedule_free_evaluates_its_averaged_weights_and_trains_on_exactly_wher
 @pytest.fixture(scope="module")
 def optimizer_runs(prepared, tmp_path_factory):
     """Every optimizer, 3 steps with a checkpoint at step 2 then resumed from it, in one trainer program
-    (tests/optimizer_runs.py: the trainer's own Trainer in-process); AdamW keeps an EMA and saves it."""
+    (tests/helpers/optimizer_runs.py: the trainer's own Trainer in-process); AdamW keeps an EMA and saves it."""
     # rank 16: tensors of 16 x 320 elements and more, where bitsandbytes keeps 8-bit state (below 4096 elements it
     # keeps 32-bit state, which with bitsandbytes 0.50.2 is AdamW to the bit)
     base = prepared(train__precision="fp32", train__batch_size=2, train__seed=5, adapter__rank=16,

@@ -2,16 +2,16 @@
 ComfyUI, torch, DeepSpeed and peft on 2 cores: those a standby trainer does, trainer/tasks/standby.py's warm_up): each run
 starts from the same fresh process image, as a run handed to a standby does, without paying the imports again.
 
-    python tests/train_forked.py SPEC [SPEC ...]     each spec in turn; the last line printed is {spec: exit status}
-    python tests/train_forked.py --serve             one JSON request a line in, one JSON answer a line out
+    python tests/helpers/train_forked.py SPEC [SPEC ...]     each spec in turn; the last line printed is {spec: exit status}
+    python tests/helpers/train_forked.py --serve             one JSON request a line in, one JSON answer a line out
 
 --serve is conftest's session trainer worker (run_trainer, run_trainers_forked): a request
 {"argv": [...], "cwd": DIR, "timeout": S, "processes": N, "env": {...}, "patch": MODULE, "program": MODULE, "kill_on": EVENT} runs the program's main on that argv in a forked child
 (N > 1: N ranks, as the DeepSpeed launcher starts them on one machine) whose stdout and stderr are its own files,
 killed by SIGALRM after S seconds; the answer is {"returncode", "stdout", "stderr"}.
 The program's own start (its imports, `python trainer` as a path) is still what the standby, trainer-program
-start-up and launcher tests (tests/test_standby.py, tests/test_trainer_program.py's two-step run,
-tests/test_distributed.py) run.
+start-up and launcher tests (tests/trainer/test_standby.py, tests/trainer/test_trainer_program.py's two-step run,
+tests/trainer/test_distributed.py) run.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from tools.prepare_run import _bootstrap  # noqa: E402  (the pack as the package ingraph_trainer)
 
@@ -50,8 +50,8 @@ def run_forked(argv: list[str], cwd: str, timeout: float = 0, output: tuple[int,
     signal). `output`: file descriptors the children's stdout and stderr go to. `processes` > 1: that many ranks
     of one machine, each given the variables and `--local_rank` the DeepSpeed launcher gives its ranks; when one
     fails the others are killed, as that launcher does. `env`: variables set in the children; `patch`: a module
-    beside this file whose install() the children call before main (tests/inject_nan.py); `program`: a module
-    beside this file whose main(argv) runs instead of the trainer's (tests/optimizer_runs.py), the optional modules
+    beside this file whose install() the children call before main (tests/helpers/inject_nan.py); `program`: a module
+    beside this file whose main(argv) runs instead of the trainer's (tests/helpers/optimizer_runs.py), the optional modules
     importable, as in a script of its own; `kill_on`: an event type: once the run's events.jsonl (in cwd) holds one,
     the children are SIGKILLed (tests of a killed run)."""
     sys.stdout.flush()

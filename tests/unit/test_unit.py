@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 if "ingraph_trainer" not in sys.modules:
     pkg = types.ModuleType("ingraph_trainer")
     pkg.__path__ = [str(REPO)]
@@ -936,7 +936,7 @@ def test_deepspeeds_engine_start_leaves_block_swaps_weights_in_host_memory():
     deepspeed.initialize alone (the control), it moves them too."""
     import json
     import subprocess
-    probe = subprocess.run([sys.executable, str(Path(__file__).parent / "deepspeed_swap_probe.py")],
+    probe = subprocess.run([sys.executable, str(REPO / "tests" / "helpers" / "deepspeed_swap_probe.py")],
                            capture_output=True, text=True, timeout=300)
     assert probe.returncode == 0, probe.stderr[-3000:]
     seen = json.loads(probe.stdout.strip().splitlines()[-1])

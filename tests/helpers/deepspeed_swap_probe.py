@@ -1,4 +1,4 @@
-"""Run by tests/test_unit.py in a process of its own (DeepSpeed's process group stays out of the test process):
+"""Run by tests/unit/test_unit.py in a process of its own (DeepSpeed's process group stays out of the test process):
 which tensors DeepSpeed's real engine start moves with Tensor.to(device), for a model whose first block is swapped
 (memory.enable_block_swap), started through the trainer's layout (ParallelLayout.initialize) and, as the control,
 by deepspeed.initialize alone. Prints one JSON line: {"layout": {...}, "control": {...}}."""
@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from tools.prepare_run import _bootstrap  # noqa: E402  (the pack as the package ingraph_trainer)
 

@@ -248,7 +248,7 @@ def test_loader_chain_hands_off_files_and_an_undescribable_node_is_materialised(
 def test_tools_import_no_cycle():
     """tools/ modules import each other without a cycle (prepare_run uses cache_dataset; both use bootstrap)."""
     import ast
-    tools = Path(__file__).resolve().parent.parent / "tools"
+    tools = Path(__file__).resolve().parents[2] / "tools"
     graph = {}
     for path in tools.glob("*.py"):
         names = set()

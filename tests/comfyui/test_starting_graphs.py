@@ -37,7 +37,7 @@ STAND_INS = {
     # ComfyUI 0.33's: the tiny models are put in by day0_models below; Flux.2's VAE is the 128-channel TAE
     "start_flux2_dev_lora": ("flux2", "tiny_flux2.safetensors", "flux2", VAE_CHANNELS[128], FAMILY_FOLDER),
     "start_z_image_lora": ("lumina2", "tiny_z_image.safetensors", "z_image", VAE_CHANNELS[16], FAMILY_FOLDER),
-    # LTX-2: the tiny one that tests/family_graphs.py writes (sized by its file's metadata), Flux.2's TAE for the
+    # LTX-2: the tiny one that tests/helpers/family_graphs.py writes (sized by its file's metadata), Flux.2's TAE for the
     # 128 latent channels, images as one-frame videos
     "start_ltx2_video_lora": ("ltxav", "tiny_ltxav.safetensors", "ltxav", VAE_CHANNELS[128], FAMILY_FOLDER),
 }

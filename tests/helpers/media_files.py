@@ -1,5 +1,5 @@
 """Media files the video tests write: clips whose frame k is a flat grey of a known level, frame folders and flat
-images, all SIDE pixels square (tests/test_video_data.py, tests/test_video_families.py)."""
+images, all SIDE pixels square (tests/unit/test_video_data.py, tests/comfyui/test_video_families.py)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -26,7 +26,7 @@ from pathlib import Path
 # on a GPU machine: the tools it serves (caching, test-asset builders) run on the CPU, as the suite's ComfyUI
 # server does (--cpu). Trainers the tests launch are other processes and keep the GPU.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 # diffusers_roundtrip imports diffusers in its child; the builders make the tiny checkpoint, models and VAEs
 TOOLS = ("prepare_run", "cache_dataset", "diffusers_roundtrip", "embedded_default", "tiny_models", "quantized_models")
@@ -36,7 +36,7 @@ def run_in_child(request: dict, answer_fd: int) -> None:
     printed = io.StringIO()
     try:
         if request["tool"] not in TOOLS:
-            raise ValueError(f"tests/tool_worker.py serves {TOOLS}, not {request['tool']!r}")
+            raise ValueError(f"tests/helpers/tool_worker.py serves {TOOLS}, not {request['tool']!r}")
         tool = importlib.import_module(f"tools.{request['tool']}")
         with contextlib.redirect_stdout(printed):
             tool.main(request["argv"])

@@ -299,19 +299,23 @@ def test_comfyui_is_called_through_comfy_compat_alone():
     assert (root / "trainer" / "models" / "__init__.py").is_file()  # the exemption names a real folder
 
 
-def test_no_test_module_imports_another():
-    """What test modules share lives in conftest.py or a helper module (family_graphs.py, media_files.py), so a
-    test file can move or go without breaking another, and no test runs another file's test."""
+def test_no_test_module_imports_another_and_each_is_in_its_tier():
+    """What test modules share lives in conftest.py or tests/helpers/ (graph builders, media files, the programs
+    the tests launch), so a test file can move or go without breaking another, and no test runs another file's
+    test. Each test module is in its tier's folder: unit/ (in-process), trainer/ (the trainer program launched),
+    comfyui/ (a ComfyUI server)."""
     import ast
     tests = Path(conftest.REPO) / "tests"
     found = []
-    for path in sorted(tests.glob("*.py")):
+    for path in sorted(tests.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
             found += [f"{path.name}:{node.lineno} {n}" for n in names if n.split(".")[0].startswith("test_")]
-    assert len(list(tests.glob("test_*.py"))) > 20  # the folder read is the suite's
+    modules = list(tests.rglob("test_*.py"))
+    assert len(modules) > 40  # the folders read are the suite's
     assert not found, found
+    assert {p.parent.name for p in modules} == {"unit", "trainer", "comfyui"}, sorted(map(str, modules))
 
 
 @pytest.mark.comfyui

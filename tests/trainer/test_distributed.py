@@ -82,7 +82,7 @@ FULL_FINE_TUNE = dict(train__steps=3, train__batch_size=2, train__precision="fp3
 
 @pytest.fixture(scope="module")
 def one_process_runs(prepared):
-    """The 1-process runs that layouts are compared with, trained in one batch (tests/train_forked.py: each run its
+    """The 1-process runs that layouts are compared with, trained in one batch (tests/helpers/train_forked.py: each run its
     own process, the imports shared): "reference" (micro-batch 2, gradient accumulation 2: the layout every other
     run must match), "block_swap" (the same, 3 blocks swapped, gradient checkpointing; "block_swap_zero1" under
     DeepSpeed's engine, ZeRO-1, whose start leaves the swapped weights in host memory), "full" (a full fine-tune,
