@@ -140,6 +140,45 @@ def start_image(height: int, width: int) -> torch.Tensor:
     return torch.rand(1, height, width, 3, generator=torch.Generator().manual_seed(3))
 
 
+def test_ltx_trains_at_its_clips_frame_rate_as_ltxv_conditioning_gives_it(video_model_files, tmp_path):
+    """LTX-Video and LTX-2 place each latent frame in time by the frame rate LTXVConditioning puts into the
+    conditioning: the family reads it from the run's dataset (the fps its clips were cached at, in the manifest),
+    and its loss is ComfyUI's sampler's with that frame rate, not with the default 25 (which it differs from)."""
+    import types
+
+    from ingraph_trainer.cache.store import write_manifest
+    from ingraph_trainer.trainer.data.loading import load_cached_dataset
+    from ingraph_trainer.trainer.models import family_for
+    item = types.SimpleNamespace(path="clip.mp4", caption="a clip", latent="l" * 64, latent_sha="s", text="t" * 64,
+                                 text_sha="s", bucket=(64, 32), flip=False, text_variants=[], mask_source=None,
+                                 frames=9, references=[])
+    clips = types.SimpleNamespace(cache_keys=lambda: [], folder=str(tmp_path), repeats=1, items=[item],
+                                  empty_text=None, fps=16.0)
+    dataset = load_cached_dataset(str(write_manifest(tmp_path / "dataset.json", clips, tmp_path / "cache")))
+    assert dataset.fps == 16.0
+    stems = [stem for stem, spec in VIDEO_MODELS.items() if spec[3] in ("ltxv", "ltxav")]
+    assert stems, VIDEO_MODELS
+    for stem in stems:
+        _, _, _, name, _, channels, text = VIDEO_MODELS[stem]
+        patcher = load_with_unet_loader(video_model_files[stem])
+        family = family_for(patcher.model, patcher=patcher)
+        batch = random_batch(channels, text)
+        if name == "ltxv":  # T5's attention mask, as the test above gives it
+            batch.text_mask = torch.tensor([[1] * 5 + [0] * (batch.cond.shape[1] - 5)]).expand(len(batch.cond), -1)
+        x, x0, noise, sigma = noisy(family, batch)
+        extras = {"ltxv": {"attention_mask": batch.text_mask[:1] if batch.text_mask is not None else None},
+                  "ltxav": {"unprocessed_ltxav_embeds": True}}.get(name, {})
+        with torch.no_grad():
+            at_25 = family.loss(batch, reduce=False)
+            family.read_dataset(dataset)
+            ours = family.loss(batch, reduce=False)
+            out = comfy_sampler_output(patcher, x, sigma, conditioning_of(batch, frame_rate=16.0, **extras), noise,
+                                       **({"latent_shapes": [x.shape]} if name == "ltxav" else {}))
+        theirs = (out - family.target(x0, noise, sigma.view(-1, 1, 1, 1, 1))).pow(2).mean(dim=(1, 2, 3, 4))
+        torch.testing.assert_close(ours, theirs, **SAME, msg=stem)
+        assert not torch.equal(ours, at_25), (stem, ours, at_25)  # the frame rate reached the model (same noise)
+
+
 @pytest.mark.parametrize("stem", ["tiny_wan21_i2v", "tiny_wan22_i2v"])
 def test_wan_i2v_takes_the_start_image_as_wan_image_to_video_hands_it(video_model_files, stem):
     """Wan 2.1 i2v and the Wan 2.2 14B i2v layout: a batch whose reference is the start image as WanImageToVideo

@@ -267,6 +267,8 @@ def build_training_data(data_spec, global_batch: int, seed: int, family=None, pi
     images differ in number from the training set's."""
     from .loading import load_cached_dataset
     dataset = load_cached_dataset(data_spec.manifest)
+    if family is not None:  # the training clips' frame rate, where the model's conditioning takes one
+        family.read_dataset(dataset)
     if data_spec.prior_manifest:
         prior = load_cached_dataset(data_spec.prior_manifest)
         dataset = MixedDataset(dataset, prior)

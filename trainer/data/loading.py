@@ -65,6 +65,7 @@ class CachedDataset:
     masked: list[bool] = field(default_factory=list)
     empty_text: tuple[str, str] | None = None  # the empty caption's embedding (caption dropout), if cached
     reference_slots: int = 0  # reference images in every item's latent shard (reference0 ...; Batch.references)
+    fps: float = 0.0  # the clips' frame rate, as the cache resampled them (0: images, or each clip at its own)
 
     def __len__(self):
         return len(self.latent_keys)
@@ -165,6 +166,7 @@ def load_cached_dataset(manifest_path: str) -> CachedDataset:
         dataset.masked = [bool(m) for m in column("masked")]
     if manifest.get("empty_text"):
         dataset.empty_text = _entry_ref(manifest["empty_text"], manifest_path)
+    dataset.fps = float(manifest.get("fps") or 0.0)  # manifests written before it: 0
     return dataset
 
 

@@ -65,6 +65,7 @@ class ModelFamily:
     # "reference_latents" (Flux Kontext, Qwen-Image-Edit: ComfyUI's ReferenceLatent conditioning) or
     # "start_image" (Wan image-to-video: the concat latent and mask WanImageToVideo builds)
     reference_input: str | None = None
+    frame_rate = 0.0  # the dataset's clips' frame rate (read_dataset), for a family whose conditioning takes one
 
     def __init__(self, base_model, prediction: str, patcher=None):
         self.loss_kind, self.huber_delta, self.min_snr_gamma = "mse", 0.1, 0.0  # see set_objective
@@ -165,6 +166,10 @@ class ModelFamily:
     def checkpoint_blocks(self) -> list[torch.nn.Module]:
         """Blocks whose activations gradient checkpointing recomputes."""
         raise NotImplementedError
+
+    def read_dataset(self, dataset) -> None:
+        """What the model's conditioning takes from the run's dataset: its clips' frame rate (0: images)."""
+        self.frame_rate = float(getattr(dataset, "fps", 0.0) or 0.0)
 
     # --- objective -------------------------------------------------------------------------------------
     def set_objective(self, loss: str = "mse", huber_delta: float = 0.1, min_snr_gamma: float = 0.0,

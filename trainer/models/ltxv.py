@@ -46,6 +46,8 @@ class LTXVFamily(ModelFamily):
         inputs = super().extra_cond_inputs(batch, x_noisy)
         if batch.text_mask is not None:
             inputs["attention_mask"] = batch.text_mask
+        if self.frame_rate:  # the clips' frame rate, as LTXVConditioning gives it (the model's positions in time)
+            inputs["frame_rate"] = self.frame_rate
         return inputs
 
     def model_kwargs(self, batch: Batch, x_noisy, dtype) -> dict:

@@ -177,6 +177,7 @@ def run_evaluation(spec, events) -> dict:
     # the training check, before anything runs (the Evaluate node checked the graph's dataset already)
     check_dataset_for_family(dataset, family, "data.eval_manifest" if spec.data.eval_manifest
                           else "data.manifest (the Evaluate node's dataset input)")
+    family.read_dataset(dataset)
     if world_size() > 1:
         init_distributed()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
