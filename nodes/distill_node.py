@@ -3,7 +3,7 @@ from comfy_api.latest import io
 from ..trainer.spec import DistillSpec, DistributedSpec, OutputSpec, RunSpec, TrainSpec
 from .train_node import _resumable, progress_relay
 from .inputs import output_file_inputs, precision_input
-from .spec_inputs import spec_section
+from .spec_inputs import input_names, spec_section
 from .types import CATEGORY, Adapter, Dataset, Distributed, Previews
 
 DEFAULTS = DistillSpec()  # the node's defaults are the run spec's
@@ -160,7 +160,8 @@ class Distill(io.ComfyNode):
                         train=spec_section(cls, "train", TrainSpec, inputs), distill=distill,
                         output=spec_section(cls, "output", OutputSpec, inputs))
         node_id = cls.hidden.unique_id
-        node = NodeCall(TITLE, node_id, cls.hidden.prompt, progress_relay(node_id), raise_if_interrupted)
+        node = NodeCall(TITLE, node_id, cls.hidden.prompt, progress_relay(node_id), raise_if_interrupted,
+                        input_names(cls, "train", "distill", "output"))
         outcome = run_task(draft, model, RunDatasets(dataset), inputs.get("previews"), node, inputs["output_name"],
                            inputs.get("resume") or "off")
         return io.NodeOutput(outcome.model, outcome.lora_name)

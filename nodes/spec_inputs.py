@@ -46,3 +46,17 @@ def spec_section(node: type, section: str, cls: type, inputs: dict, read: dict[s
 def _cast(f: dataclasses.Field, value):
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
     return {"int": int, "float": float, "bool": bool, "str": str}.get(kind, lambda v: v)(value)
+
+
+def input_names(node: type, *sections: str) -> dict[str, str]:
+    """{"section.field": the node's input that fills it} over `sections` (the ones the node builds): the map that
+    turns the spec's problems into errors naming the node's inputs (runner.node_run.NodeCall.refuse)."""
+    from ..trainer.spec import RunSpec
+    renamed, ids = getattr(node, "SPEC_INPUTS", {}), {i.id for i in node.define_schema().inputs}
+    draft, names = RunSpec(), {}
+    for section in sections:
+        for f in dataclasses.fields(getattr(draft, section)):
+            name = renamed.get(f"{section}.{f.name}", f.name)
+            if name in ids:
+                names[f"{section}.{f.name}"] = name
+    return names

@@ -7,7 +7,7 @@ from ..trainer.spec import (ADAPTER_FORMAT_CHOICES, BASE_PRECISION_CHOICES, DEFA
                                TIMESTEP_SAMPLING_CHOICES, DataSpec, DistributedSpec, ModelSpec, OutputSpec, RunSpec,
                                TrainSpec, choice_labels, choices_tooltip)
 from .inputs import output_file_inputs, precision_input
-from .spec_inputs import spec_section
+from .spec_inputs import input_names, spec_section
 from .types import CATEGORY, Adapter, Dataset, Distributed, Previews
 
 log = logging.getLogger("ingraph_trainer")
@@ -242,7 +242,8 @@ class TrainLoRA(io.ComfyNode):
                         output=spec_section(cls, "output", OutputSpec, inputs,
                                             read={"weights": lambda save_ema: "ema" if save_ema else "trained"}))
         node_id = cls.hidden.unique_id
-        node = NodeCall("Train LoRA", node_id, cls.hidden.prompt, progress_relay(node_id), raise_if_interrupted)
+        node = NodeCall("Train LoRA", node_id, cls.hidden.prompt, progress_relay(node_id), raise_if_interrupted,
+                        input_names(cls, "model", "data", "train", "output"))
         outcome = run_task(draft, model, datasets, inputs.get("previews"), node, inputs["output_name"],
                            inputs.get("resume") or "off")
         result = outcome.result

@@ -4,8 +4,8 @@ trainer/tasks/distill.py). Resume, the model's hand-off, launch, watch and the o
 (runner.node_run.run_task); only the settings and their checks are distillation's own."""
 from __future__ import annotations
 
-from ..trainer.spec import (ADAPTER_KIND_CHOICES, DISTILL_STUDENT_KINDS, AdapterSpec, DistillSpec, DistributedSpec,
-                              RunSpec, TrainSpec)
+from ..trainer.spec import (ADAPTER_KIND_CHOICES, DISTILL_STUDENT_KINDS, AdapterSpec, DistillSpec, RunSpec,
+                              named_inputs)
 from .train_run import check_family_settings
 
 TITLE = "Distill"
@@ -25,13 +25,6 @@ def check_student_adapter(adapter: AdapterSpec):
                          "(set it to none; to continue a distillation, use the resume input)")
 
 
-def refuse(problems: list[str]):
-    """The spec's problems (trainer.spec) as the node's error: its inputs carry the spec's field names without
-    the table ("distill.fake_updates" -> fake_updates)."""
-    if problems:
-        raise ValueError(f"{TITLE}: " + "; ".join(p.removeprefix("distill.") for p in problems))
-
-
 def parse_student_timesteps(text: str, student_steps: int) -> list[float]:
     """The student_timesteps input: '' (the levels KSampler's sgm_uniform visits), or numbers separated by commas
     or spaces ('1.0, 0.75, 0.5, 0.25') that the spec's rule (DistillSpec.problems) takes. The error names the
@@ -44,30 +37,18 @@ def parse_student_timesteps(text: str, student_steps: int) -> list[float]:
     except ValueError:
         raise ValueError(f"{TITLE}: student_timesteps: {text!r} is not a list of numbers") from None
     spec = RunSpec(task=TASK, distill=DistillSpec(student_steps=student_steps, student_timesteps=values))
-    refuse([p for p in spec.distill.problems(spec) if p.startswith("distill.student_timesteps:")])
+    problems = [p for p in spec.distill.problems(spec) if p.startswith("distill.student_timesteps:")]
+    if problems:  # the Distill node's input of that name
+        raise ValueError(f"{TITLE}: " + "; ".join(named_inputs(problems, {"distill.student_timesteps":
+                                                                          "student_timesteps"})))
     return values
 
 
-def check_distill_settings(adapter: AdapterSpec, train: TrainSpec, distill: DistillSpec,
-                           distributed: DistributedSpec | None):
-    """Refuses, before anything is written, what the run spec would refuse (trainer.spec.DistillSpec.problems, and
-    the run's block-swap rule): the error names the node's inputs."""
-    check_student_adapter(adapter)
-    spec = RunSpec(task=TASK, adapter=adapter, train=train, distributed=distributed or DistributedSpec(),
-                   distill=distill)
-    refuse(distill.problems(spec) + spec.block_swap_problems())
-
-
-def check_guidance_caption(distill: DistillSpec, dataset):
-    """The spec's rule for the teacher's guidance and the cached empty caption, on the node's DATASET."""
-    problem = distill.guidance_caption_problem(bool(getattr(dataset, "empty_text", None)), "the dataset's cache")
-    refuse([problem] if problem else [])
-
-
-def check_new_distillation(draft: RunSpec, model, datasets, prediction: str, title: str = TITLE):
-    """A new Distill run's refusals before anything is written: the student's kind, the spec's distillation rules,
-    the teacher's guidance against the dataset's cache, and what the MODEL's family cannot honour."""
-    check_distill_settings(draft.adapter, draft.train, draft.distill, draft.distributed)
-    check_guidance_caption(draft.distill, datasets.train)
+def check_new_distillation(draft: RunSpec, model, datasets, prediction: str, node):
+    """A new Distill run's refusals beyond the spec's own rules (runner.node_run asks those of every task): the
+    teacher's guidance against the dataset's cache, and what the MODEL's family cannot honour."""
+    problem = draft.distill.guidance_caption_problem(bool(getattr(datasets.train, "empty_text", None)),
+                                                     "the dataset's cache")
+    node.refuse([problem] if problem else [])
     check_family_settings(model, prediction, draft.train, draft.adapter, draft.output.format, draft.distributed,
-                          title=title)
+                          title=node.title)

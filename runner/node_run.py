@@ -7,29 +7,49 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
-from ..trainer.spec import RunSpec
+from ..trainer.spec import RunSpec, named_inputs
 from .distill_run import check_new_distillation
 from .session import RunDatasets
 from .train_run import TrainOutcome, check_new_training, refuse_foreign_file, timed, trained_model_of
 
 log = logging.getLogger("ingraph_trainer")
 
-# each task's refusals of a new run, (draft, MODEL, datasets, prediction, node title) -> None or ValueError
+# each task's refusals of a new run beyond the spec's own rules, (draft, MODEL, datasets, prediction, NodeCall) ->
+# None or ValueError
 NEW_RUN_CHECKS = {"train": check_new_training, "distill": check_new_distillation}
 
 
 @dataclass
 class NodeCall:
     """The node a run serves: its title (errors name it), its id and the prompt (hidden inputs: where its MODEL
-    and previews' VAE come from), `on_run(run id, steps)` giving the event handler, and `check_interrupt`."""
+    and previews' VAE come from), `on_run(run id, steps)` giving the event handler, `check_interrupt`, and
+    `inputs`, which of its inputs fills each spec field ("train.grad_accum": "gradient_accumulation")."""
     title: str
     node_id: str
     prompt: dict | None
     on_run: Callable[[str, int], Callable[[dict], None]]
     check_interrupt: Callable[[], None]
+    inputs: dict = field(default_factory=dict)
+
+    def refuse(self, problems: list[str]) -> None:
+        """The spec's problems ("field: why") as this node's error, each naming its input where it has one."""
+        if problems:
+            raise ValueError(f"{self.title}: " + "; ".join(named_inputs(problems, self.inputs)))
+
+
+def settings_problems(draft: RunSpec, datasets: RunDatasets) -> list[str]:
+    """The spec's rules the node's settings break, asked before the model is handed off (which can take
+    minutes): the draft with stand-ins for what only the runner fills (its folder, the files it writes)."""
+    stand_in = dataclasses.replace(
+        draft, run_dir="run", model=dataclasses.replace(draft.model, path="model.safetensors"),
+        data=dataclasses.replace(draft.data, manifest="dataset.json",
+                                 prior_manifest="prior.json" if datasets.prior is not None else "",
+                                 eval_manifest="eval.json" if datasets.eval is not None else ""),
+        output=dataclasses.replace(draft.output, lora_path="out.safetensors"))
+    return stand_in.problems()
 
 
 def run_task(draft: RunSpec, model, datasets: RunDatasets, previews, node: NodeCall, output_name: str,
@@ -70,7 +90,8 @@ def run_task(draft: RunSpec, model, datasets: RunDatasets, previews, node: NodeC
         if resume == "latest":
             log.info("InGraph Trainer: no checkpoint of %r to resume; starting a new run", name)
         resume_tag = None
-        NEW_RUN_CHECKS[task](draft, model, datasets, prediction_of(model), title)
+        node.refuse(settings_problems(draft, datasets))
+        NEW_RUN_CHECKS[task](draft, model, datasets, prediction_of(model), node)
         # the GPU goes to the trainer; and a fallback reads weights unpatched, as a loaded model may hold them patched
         _, timings["releasing ComfyUI's models"] = timed(release_comfy_models, model)
         hand_off, timings["describing the model"] = timed(hand_off_model, model, node.prompt, node.node_id, "model",

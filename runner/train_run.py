@@ -88,10 +88,10 @@ def timed(function, *args):
     return result, time.perf_counter() - t0
 
 
-def check_new_training(draft, model, datasets, prediction: str, title: str):
+def check_new_training(draft, model, datasets, prediction: str, node):
     """A new Train LoRA run's refusals before anything is written: what the MODEL's family cannot honour, and prior
     images the trainer could not mix into the training batches."""
     check_family_settings(model, prediction, draft.train, draft.adapter, draft.output.format, draft.distributed,
-                          title=title)
+                          title=node.title)
     if datasets.prior is not None:
         check_prior_dataset(datasets.train, datasets.prior)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -75,26 +76,40 @@ def test_the_student_must_be_a_lora_or_a_full_fine_tune_naming_the_adapter_input
         distill_run.check_student_adapter(config.AdapterSpec(kind="lora", init_from="/loras/turbo.safetensors"))
 
 
-def test_settings_the_spec_refuses_are_refused_naming_the_node_input():
-    def refused(distill=None, distributed=None):
+@pytest.mark.comfyui
+def test_settings_the_spec_refuses_are_refused_naming_the_node_input(monkeypatch):
+    """The spec's own rules, asked of the node's draft before the teacher is handed off (runner.node_run), each
+    naming the Distill node's input (a layout's field, from the DeepSpeed Settings node, keeps its dotted name);
+    the teacher's guidance against the dataset's cache too."""
+    Distill = _node_class()
+    from ingraph_trainer.runner import model_source, node_run, session
+
+    def hand_off(*args, **kwargs):
+        raise AssertionError("a refused run was handed off")
+    monkeypatch.setattr(model_source, "hand_off_model", hand_off)
+    monkeypatch.setattr(model_source, "release_comfy_models", lambda model: None)
+    monkeypatch.setattr(model_source, "prediction_of", lambda model: "epsilon")
+    monkeypatch.setattr(distill_run, "check_family_settings", lambda *a, **k: None)
+    monkeypatch.setattr(Distill, "hidden", types.SimpleNamespace(unique_id="6", prompt=None), raising=False)
+    cached = types.SimpleNamespace(empty_text=("key", "sha"), require_cached=lambda name: None)
+
+    def refused(dataset=cached, **inputs):
         with pytest.raises(ValueError) as info:
-            distill_run.check_distill_settings(config.AdapterSpec(), config.TrainSpec(),
-                                               distill or config.DistillSpec(), distributed)
+            Distill.execute(object(), dataset, config.AdapterSpec(), output_name="refused_probe", **inputs)
         return str(info.value)
-    assert refused(config.DistillSpec(fake_updates=0)).startswith("Distill: fake_updates: must be at least 1")
-    assert refused(config.DistillSpec(min_t=0.9, max_t=0.5)).startswith("Distill: min_t: needs 0 <= min_t < max_t")
-    assert refused(config.DistillSpec(fake_score_per_step=True, gan_weight=0.1)).startswith(
+    assert refused(fake_updates=0).startswith("Distill: fake_updates: must be at least 1")
+    assert refused(min_t=0.9, max_t=0.5).startswith("Distill: min_t: needs 0 <= min_t < max_t")
+    assert refused(fake_score_per_step=True, gan_weight=0.1).startswith(
         "Distill: fake_score_per_step: the GAN term is not yet kept with a fake score per student step")
+    assert refused(gradient_accumulation=0).startswith("Distill: gradient_accumulation: ")  # a renamed field
     assert "distributed.pipeline_stages" in refused(distributed=config.DistributedSpec(processes=2,
                                                                                         pipeline_stages=2))
     assert refused(distributed=config.DistributedSpec(block_swap=2)).startswith("Distill: distributed.block_swap: ")
-    distill_run.check_distill_settings(config.AdapterSpec(kind="full"), config.TrainSpec(), config.DistillSpec(),
-                                       None)
-    no_empty, with_empty = types.SimpleNamespace(empty_text=()), types.SimpleNamespace(empty_text=("key", "sha"))
-    with pytest.raises(ValueError, match=r"^Distill: guidance_scale: .* queue Cache Text Embeddings again"):
-        distill_run.check_guidance_caption(config.DistillSpec(guidance_scale=1.5), no_empty)
-    distill_run.check_guidance_caption(config.DistillSpec(guidance_scale=1.0), no_empty)
-    distill_run.check_guidance_caption(config.DistillSpec(guidance_scale=1.5), with_empty)
+    assert re.match(r"^Distill: guidance_scale: .* queue Cache Text Embeddings again",
+                    refused(types.SimpleNamespace(empty_text=(), require_cached=lambda name: None), guidance_scale=1.5))
+    for kind in config.DISTILL_STUDENT_KINDS:  # nothing of the spec's refuses a default distillation
+        assert node_run.settings_problems(config.RunSpec(task="distill", adapter=config.AdapterSpec(kind=kind)),
+                                          session.RunDatasets(cached)) == []
     parse = distill_run.parse_student_timesteps
     assert parse("", 4) == [] and parse(" 1.0, 0.75 0.5,0.25 ", 4) == [1.0, 0.75, 0.5, 0.25]
     for text, steps in (("1.0 0.5", 1), ("0.5 1.0", 2), ("1.5", 1), ("0", 1), ("fast", 1)):

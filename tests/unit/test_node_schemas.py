@@ -133,3 +133,29 @@ def test_each_trainer_node_input_reaches_its_spec_field_and_no_other(monkeypatch
             changed = [k for k, v in draft_of(**{item.id: _other_value(item)}).items() if v != defaults[k]]
             expected = fields.get(item.id) or next(k for k in changed if k.endswith(f".{item.id}")) if changed else None
             assert changed == [expected], f"{node.__name__}.{item.id}={_other_value(item)!r} changed {changed}"
+
+
+def test_the_train_nodes_settings_the_spec_refuses_name_its_inputs_before_the_model_is_handed_off(monkeypatch):
+    """The spec's own rules on the node's draft (runner.node_run.settings_problems), before the hand-off (which
+    can take minutes): each problem names the node's input (renamed fields too), not the spec's field."""
+    import types
+    schemas()  # bootstrapped
+    from ingraph_trainer.nodes.train_node import TrainLoRA
+    from ingraph_trainer.runner import model_source
+    from ingraph_trainer.trainer.spec import AdapterSpec
+
+    def hand_off(*args, **kwargs):
+        raise AssertionError("a refused run was handed off")
+    monkeypatch.setattr(model_source, "hand_off_model", hand_off)
+    monkeypatch.setattr(TrainLoRA, "hidden", types.SimpleNamespace(unique_id="1", prompt=None), raising=False)
+    dataset = types.SimpleNamespace(require_cached=lambda name: None)
+
+    def refused(**inputs):
+        try:
+            TrainLoRA.execute(object(), dataset, AdapterSpec(), output_name="refused_probe", **inputs)
+        except ValueError as error:
+            return str(error)
+        raise AssertionError(f"{inputs} was not refused")
+    assert refused(gradient_accumulation=0).startswith("Train LoRA: gradient_accumulation: must be at least 1")
+    assert refused(save_ema=True).startswith("Train LoRA: save_ema: 'ema' needs the average kept")
+    assert refused(weight_decay=-1.0).startswith("Train LoRA: weight_decay: must be 0 or more")

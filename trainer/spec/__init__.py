@@ -16,7 +16,7 @@ from .choices import (ADAPTER_FORMATS, ADAPTER_FORMAT_CHOICES, ADAPTER_KINDS, AD
                       OUTPUT_WEIGHTS_CHOICES, PRECISIONS, PRECISION_CHOICES, PREDICTIONS, SCHEDULES,
                       SCHEDULE_CHOICES, TARGET_CHOICES, TARGET_PRESETS, TASKS, TIMESTEP_SAMPLING,
                       TIMESTEP_SAMPLING_CHOICES, VAE_FORMATS, WEIGHT_DTYPES, choice_labels, choice_value,
-                      choice_values, choices_tooltip)
+                      choice_values, choices_tooltip, named_inputs)
 from .run_spec import RunSpec, SPEC_VERSION
 from .sections import (AdapterSpec, DataSpec, DistillSpec, DistributedSpec, MULTI_GPU_INSTALL, ModelSpec,
                        OutputSpec, RunSpecError, SampleSpec, TrainSpec, deepspeed_installed)
@@ -29,7 +29,7 @@ __all__ = ["ADAPTER_FORMATS", "ADAPTER_FORMAT_CHOICES", "ADAPTER_KINDS", "ADAPTE
            "PRECISIONS", "PRECISION_CHOICES", "PREDICTIONS", "SCHEDULES", "SCHEDULE_CHOICES",
            "TARGET_CHOICES", "TARGET_PRESETS", "TASKS", "TIMESTEP_SAMPLING", "TIMESTEP_SAMPLING_CHOICES",
            "VAE_FORMATS", "WEIGHT_DTYPES", "choice_labels", "choice_value", "choice_values",
-           "choices_tooltip", "RunSpec", "SPEC_VERSION", "AdapterSpec", "DataSpec", "DistillSpec",
+           "choices_tooltip", "named_inputs", "RunSpec", "SPEC_VERSION", "AdapterSpec", "DataSpec", "DistillSpec",
            "DistributedSpec", "MULTI_GPU_INSTALL", "ModelSpec", "OutputSpec", "RunSpecError", "SampleSpec",
            "TrainSpec", "deepspeed_installed", "dump_run_spec", "load_run_spec", "parse_run_spec",
            "spec_from_dict"]

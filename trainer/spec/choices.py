@@ -37,6 +37,16 @@ def choice_value(choices: tuple[Choice, ...], label: str, where: str) -> str:
     raise ValueError(f"{where}: {label!r} is not one of {choice_labels(choices)}")
 
 
+def named_inputs(problems: list[str], inputs: dict[str, str]) -> list[str]:
+    """The spec's problems ("train.grad_accum: why") as a node's ("gradient_accumulation: why"): each field that
+    `inputs` maps to the node's input is named by it; the others keep their dotted field."""
+    named = []
+    for problem in problems:
+        where, _, why = problem.partition(": ")
+        named.append(f"{inputs[where]}: {why}" if where in inputs else problem)
+    return named
+
+
 def choices_tooltip(choices: tuple[Choice, ...]) -> str:
     return " ".join(f"{c.label}: {c.tooltip}" for c in choices)
 

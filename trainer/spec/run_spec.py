@@ -31,6 +31,13 @@ class RunSpec:
     distill: DistillSpec = field(default_factory=DistillSpec)
 
     def validate(self, source: str = "run spec") -> "RunSpec":
+        problems = self.problems()
+        if problems:
+            raise RunSpecError(f"{source}: " + "; ".join(problems))
+        return self
+
+    def problems(self) -> list[str]:
+        """Every rule of the spec it breaks, each "field: why" (the field dotted: train.optimizer)."""
         problems = []
 
         def need(ok: bool, where: str, msg: str):
@@ -179,9 +186,7 @@ class RunSpec:
         problems += self.block_swap_problems()
         if self.task == "distill":
             problems += self.distill.problems(self)
-        if problems:
-            raise RunSpecError(f"{source}: " + "; ".join(problems))
-        return self
+        return problems
 
     def block_swap_conflicts(self) -> list[tuple[str, str]]:
         """Every setting block swap cannot run with, as (field under distributed, why), whether or not block_swap is
