@@ -9,8 +9,6 @@ import copy
 import json
 import re
 import os
-import shutil
-import subprocess
 import time
 import tomllib
 import types
@@ -18,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, load_workflow, wait_first_step
+from conftest import load_workflow, wait_first_step
+from panel_script import run_panel_script
 
 from ingraph_trainer.runner import distill_run, runs
 from ingraph_trainer.trainer.run import checkpoint as ckpt
@@ -259,23 +258,7 @@ console.log(JSON.stringify({ panelFor, distill, train }));
 
 
 def test_the_panel_follows_the_distill_node_and_draws_the_fake_score_loss(tmp_path):
-    node = shutil.which("node")
-    if node is None:
-        pytest.skip("node is not installed")
-    (tmp_path / "ext" / "pack").mkdir(parents=True)
-    for script in (REPO / "web").glob("*.js"):
-        shutil.copy(script, tmp_path / "ext" / "pack" / script.name)
-    (tmp_path / "scripts").mkdir()
-    (tmp_path / "scripts" / "app.js").write_text(
-        "export const registered = []; export const app = { registerExtension(e) { registered.push(e); } };\n")
-    (tmp_path / "scripts" / "api.js").write_text(
-        "export const api = { apiURL: (p) => p, fetchApi: async () => ({ json: async () => ({}) }),"
-        " addEventListener() {} };\n")
-    (tmp_path / "package.json").write_text('{"type": "module"}')
-    (tmp_path / "drive.js").write_text(PANEL_DRIVER)
-    out = subprocess.run([node, "drive.js"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_panel_script(tmp_path, PANEL_DRIVER)
     assert result["panelFor"] == {"InGraphTrainLoRA": True, "InGraphDistill": True, "InGraphEvaluate": False}
     distill, train = result["distill"], result["train"]
     assert distill["fake"] == 3 and distill["points"] == 3 and distill["fakeShown"] and distill["fakeText"] == "0.7500"

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import ARTIFACTS, REPO
+from panel_script import run_panel_script
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 # the browser tests: skipped with one line where no Chromium is installed (scripts/setup.sh installs Debian's with
@@ -61,22 +61,7 @@ console.log(JSON.stringify({ ms: performance.now() - t0, points: Number(chart.da
 
 
 def test_panel_draws_a_million_step_run_with_bounded_points(tmp_path):
-    node = shutil.which("node")
-    if node is None:
-        pytest.skip("node is not installed")
-    (tmp_path / "ext" / "pack").mkdir(parents=True)
-    for script in (REPO / "web").glob("*.js"):
-        shutil.copy(script, tmp_path / "ext" / "pack" / script.name)
-    (tmp_path / "scripts").mkdir()  # what "../../scripts/app.js" finds beside the extension folder
-    (tmp_path / "scripts" / "app.js").write_text("export const app = { registerExtension() {} };\n")
-    (tmp_path / "scripts" / "api.js").write_text(
-        "export const api = { apiURL: (p) => p, fetchApi: async () => ({ json: async () => ({}) }),"
-        " addEventListener() {} };\n")
-    (tmp_path / "package.json").write_text('{"type": "module"}')
-    (tmp_path / "drive.js").write_text(MILLION_STEPS_DRIVER)
-    out = subprocess.run([node, "drive.js"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_panel_script(tmp_path, MILLION_STEPS_DRIVER, timeout=120)
     print(f"\npanel, 1M steps: {result}")
     assert result["points"] == 1_000_000 and result["evals"] == 1000
     assert all(b <= 1000 for b in result["buckets"]) and result["drawn"] <= 5000 and result["lineTo"] <= 4000
