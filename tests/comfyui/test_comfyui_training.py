@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from client.api import PromptRejected
 from conftest import REPO, evaluate_on_one_image, load_workflow, wait_first_step
+from waiting import wait_until
 
 pytestmark = pytest.mark.comfyui
 
@@ -240,9 +241,7 @@ def test_killed_trainer_fails_the_node_then_a_requeue_trains_and_interrupt_stops
     client.interrupt()
     outcome = client.follow(again, timeout=60)
     assert outcome.status == "execution_interrupted"
-    deadline = time.monotonic() + 3
-    while _group_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: not _group_alive(pid), 3)
     elapsed = time.monotonic() - t0
     assert not _group_alive(pid), "a process of the run's group survived"
     assert elapsed < 3.0, f"took {elapsed:.2f} s"

@@ -9,7 +9,6 @@ import copy
 import json
 import re
 import os
-import time
 import tomllib
 import types
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import load_workflow, wait_first_step
+from waiting import wait_until
 from panel_script import run_panel_script
 
 from ingraph_trainer.runner import distill_run, runs
@@ -380,10 +380,7 @@ def test_the_distill_workflow_runs_from_the_graph_and_its_student_samples_in_one
     pid = int((run_dir / "trainer.pid").read_text())
     client.interrupt()
     assert client.follow(prompt_id, timeout=60).status == "execution_interrupted"
-    deadline = time.monotonic() + 10
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _alive(pid), "the cancelled run's trainer is still running"
+    assert wait_until(lambda: not _alive(pid), 10, every=0.1), "the cancelled run's trainer is still running"
     assert lora.read_bytes() == written
 
     from safetensors.torch import load_file

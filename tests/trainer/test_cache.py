@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, evaluate_on_one_image, load_workflow
+from waiting import wait_until
 
 pytestmark = pytest.mark.comfyui
 
@@ -129,9 +130,7 @@ def test_sigkill_mid_cache_then_rerun_encodes_only_what_was_missing(cache, asset
             return n
         except sqlite3.Error:
             return 0
-    deadline = time.monotonic() + 120
-    while latent_rows() < 5 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: latent_rows() >= 5, 120)
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
     done_before = all_entries_valid(root)

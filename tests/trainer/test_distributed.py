@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, evaluate_on_one_image, read_events, requires_deepspeed, run_trainer
+from waiting import wait_until
 
 pytestmark = [pytest.mark.comfyui, requires_deepspeed]
 
@@ -302,10 +303,7 @@ def test_killed_worker_fails_the_node_within_5s(comfy, client):
     assert elapsed < 5.0, f"{elapsed:.1f} s"
     message = outcome.error["exception_message"]
     assert "Training failed" in message and "trainer.log" in message
-    deadline = time.monotonic() + 10
-    while _pids_of_group(pgid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _pids_of_group(pgid) == []
+    assert wait_until(lambda: _pids_of_group(pgid) == [], 10, every=0.05), _pids_of_group(pgid)
     print(f"\nworker SIGKILL to node error: {elapsed:.2f} s")
 
 

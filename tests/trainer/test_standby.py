@@ -14,6 +14,7 @@ import time
 import pytest
 
 from conftest import REPO, read_events
+from waiting import wait_until
 
 launcher = importlib.import_module("ingraph_trainer.runner.launcher")
 standby = importlib.import_module("ingraph_trainer.runner.standby")
@@ -67,10 +68,7 @@ def test_a_standby_run_gives_the_events_log_and_exit_code_of_a_cold_run(prepared
     assert standby._waiting.wait_ready(WARM_UP_S), "the standby never finished its imports"
     # the run is sent once the standby has read the preload (as in a graph, where nodes run between the two): sent
     # together, the standby would leave the load to the run
-    deadline = time.monotonic() + 60
-    while _unread(standby._waiting.channel) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not _unread(standby._waiting.channel)
+    assert wait_until(lambda: not _unread(standby._waiting.channel), 60)
     warm = launcher.TrainerProcess(warm_spec.parent, warm_spec, watch_parent=False).start()
     assert warm.standby
     assert _finish(warm) == 0
@@ -400,9 +398,7 @@ def test_the_queued_train_nodes_model_is_read_from_the_prompt_and_preloaded_only
         queue.running = [(0, "another-prompt", {}, {}, [])] if others_running else []
         queue.queued = [(1, prompt_id, prompt, {}, [])]
         standby.prime_for_prompt({"prompt": prompt, "prompt_id": prompt_id}, queue)
-        deadline = time.monotonic() + 10
-        while standby._pending and time.monotonic() < deadline:  # until the watcher has seen it queued
-            time.sleep(0.01)
+        wait_until(lambda: not standby._pending, 10, every=0.01)  # until the watcher has seen it queued
         queue.running, queue.queued = [], []  # done: the watcher's idle preload finds no standby here, and leaves
         for thread in [t for t in threading.enumerate() if t.name == "ingraph-standby-wait"]:
             thread.join(timeout=10)
@@ -537,9 +533,7 @@ def test_once_the_queue_is_idle_the_last_training_prompts_model_waits_in_the_sta
         prompt_id = f"0b7e4c5e-36b1-4a43-9a61-2f5a3b9f0c2{int(room)}"
         queue.running = [(0, prompt_id, {"2": {"class_type": "InGraphTrainLoRA"}}, {}, [])]
         standby.prime_for_prompt({"prompt": {"2": {"class_type": "InGraphTrainLoRA"}}, "prompt_id": prompt_id}, queue)
-        deadline = time.monotonic() + 10
-        while standby._pending and time.monotonic() < deadline:  # until the watcher has seen it running
-            time.sleep(0.01)
+        wait_until(lambda: not standby._pending, 10, every=0.01)  # until the watcher has seen it running
         time.sleep(0.3)  # (polls of a queue still running)
         assert received == []  # the prompt still runs
         queue.running = []
