@@ -5,7 +5,10 @@ family's tiny model through a real ComfyUI server; each run's events.jsonl names
 times (step). This script finds those files under a folder (the suite's pytest temporary folder by default) and
 prints, per family, the runs found and the median time of their steps after the first (the first step pays for
 one-off set-up). Figures are "for the record": tiny models on this machine's CPU, measured by the suite's own runs.
+A passing session removes its temporary folder (pyproject's tmp_path_retention_policy); one given with --basetemp
+is kept:
 
+    python -m pytest tests/comfyui/test_image_families.py --basetemp /tmp/family-runs
     python bench/family_step_times.py [FOLDER ...]
 """
 from __future__ import annotations

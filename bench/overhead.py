@@ -142,7 +142,7 @@ def interleaved_step_times(spec_path: Path) -> tuple[list[float], list[float]]:
 def interleaved_run(spec_path: Path) -> tuple[list[float], list[float]]:
     import torch
     bare = BareLoop(spec_path)
-    from ingraph_trainer.trainer.tasks import loop
+    from ingraph_trainer.trainer.tasks import base as loop  # the task base: where the loop asks for batches
     from ingraph_trainer.trainer.main import main as trainer_main
     own_loader, bare_times, asked = loop.step_loader, [], []
 

@@ -5,14 +5,25 @@ takes the schema's default. So a new input is its schema entry (and a spec field
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable
 
 
-@functools.cache
+_SCHEMA_INPUTS: dict[tuple[str, str], dict] = {}
+
+
+def _schema_inputs(node: type) -> dict:
+    """{input id: its default or None} of the node's schema, asked once a node class (defaults and ids are written
+    in the code; a schema lists files too). Keyed by the class's module and qualified name, which the clone ComfyUI
+    makes of it for every run keeps (PREPARE_CLASS_CLONE)."""
+    key = (node.__module__, node.__qualname__)
+    if key not in _SCHEMA_INPUTS:
+        _SCHEMA_INPUTS[key] = {i.id: getattr(i, "default", None) for i in node.define_schema().inputs}
+    return _SCHEMA_INPUTS[key]
+
+
 def schema_defaults(node: type) -> dict:
-    """{input id: default} of the node's schema (asked once: the defaults are written in the code)."""
-    return {i.id: i.default for i in node.define_schema().inputs if getattr(i, "default", None) is not None}
+    """{input id: default} of the node's schema, for the inputs that have one."""
+    return {name: default for name, default in _schema_inputs(node).items() if default is not None}
 
 
 def spec_section(node: type, section: str, cls: type, inputs: dict, read: dict[str, Callable] | None = None):
@@ -52,7 +63,7 @@ def input_names(node: type, *sections: str) -> dict[str, str]:
     """{"section.field": the node's input that fills it} over `sections` (the ones the node builds): the map that
     turns the spec's problems into errors naming the node's inputs (runner.node_run.NodeCall.refuse)."""
     from ..trainer.spec import RunSpec
-    renamed, ids = getattr(node, "SPEC_INPUTS", {}), {i.id for i in node.define_schema().inputs}
+    renamed, ids = getattr(node, "SPEC_INPUTS", {}), set(_schema_inputs(node))
     draft, names = RunSpec(), {}
     for section in sections:
         for f in dataclasses.fields(getattr(draft, section)):

@@ -8,6 +8,10 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.comfyui  # the nodes import ComfyUI's comfy_api
+
 SNAPSHOT = Path(__file__).resolve().parents[1] / "data" / "node_schemas.json"
 # lists not written in the pack's code: read from the user's folders (runs, LoRAs), or ComfyUI's own (its samplers
 # and schedulers, which differ between ComfyUI versions)
@@ -92,6 +96,10 @@ def _other_value(item):
     return other if low <= other <= high else (low + default) / 2
 
 
+# the inputs read otherwise than cast or looked up as a choice: what _other_value's values are read as
+READ_AS = {"eval_quantiles": [0.25, 0.75], "student_timesteps": [1.0, 0.75, 0.5, 0.25], "save_ema": "ema"}
+
+
 def _flat(spec) -> dict:
     import dataclasses
     return {f"{table}.{key}": value for table, section in dataclasses.asdict(spec).items()
@@ -107,7 +115,7 @@ def test_each_trainer_node_input_reaches_its_spec_field_and_no_other(monkeypatch
     from ingraph_trainer.nodes.distill_node import Distill
     from ingraph_trainer.nodes.train_node import TrainLoRA
     from ingraph_trainer.runner import node_run
-    from ingraph_trainer.trainer.spec import AdapterSpec
+    from ingraph_trainer.trainer.spec import CHOICE_FIELDS, AdapterSpec, choice_value
 
     class Handed(Exception):
         pass
@@ -130,9 +138,15 @@ def test_each_trainer_node_input_reaches_its_spec_field_and_no_other(monkeypatch
         defaults = draft_of()
         fields = {v: k for k, v in node.SPEC_INPUTS.items() if v}
         for item in inputs:
-            changed = [k for k, v in draft_of(**{item.id: _other_value(item)}).items() if v != defaults[k]]
+            given = _other_value(item)
+            draft = draft_of(**{item.id: given})
+            changed = [k for k, v in draft.items() if v != defaults[k]]
             expected = fields.get(item.id) or next(k for k in changed if k.endswith(f".{item.id}")) if changed else None
-            assert changed == [expected], f"{node.__name__}.{item.id}={_other_value(item)!r} changed {changed}"
+            assert changed == [expected], f"{node.__name__}.{item.id}={given!r} changed {changed}"
+            # and to the value the input means: a label read as its spec value, text as its list, a number as given
+            value = READ_AS[item.id] if item.id in READ_AS else \
+                choice_value(CHOICE_FIELDS[expected], given, item.id) if expected in CHOICE_FIELDS else given
+            assert draft[expected] == value and type(draft[expected]) is type(value), (item.id, draft[expected])
 
 
 def test_the_train_nodes_settings_the_spec_refuses_name_its_inputs_before_the_model_is_handed_off(monkeypatch):

@@ -494,7 +494,7 @@ def test_zero3_across_machines_partitions_weights_again_within_each_machine(monk
 
 
 def test_zero3_loads_into_partitions_where_nothing_reads_the_whole_weights_first(monkeypatch):
-    """trainer/partitioned_load.why_not_partitioned: ZeRO-3 adapter runs load each process's share straight from the
+    """trainer/parallel/partitioned_load.why_not_partitioned: ZeRO-3 adapter runs load each process's share straight from the
     file; a full fine-tune or DoRA (the optimizer's copies, the weight norms, taken at start) or LoRAs baked in
     upstream load whole first. Weight offload is DeepSpeed's offload_param, which zero.Init reads too."""
     import torch

@@ -168,8 +168,9 @@ class ModelFamily:
         raise NotImplementedError
 
     def read_dataset(self, dataset) -> None:
-        """What the model's conditioning takes from the run's dataset: its clips' frame rate (0: images)."""
-        self.frame_rate = float(getattr(dataset, "fps", 0.0) or 0.0)
+        """What the model's conditioning takes from the run's dataset (its training images where prior images are
+        mixed in): its clips' frame rate (0: images)."""
+        self.frame_rate = float(getattr(getattr(dataset, "main", dataset), "fps", 0.0) or 0.0)
 
     # --- objective -------------------------------------------------------------------------------------
     def set_objective(self, loss: str = "mse", huber_delta: float = 0.1, min_snr_gamma: float = 0.0,

@@ -81,6 +81,8 @@ class Distiller(DMD2Objective, TrainingTask):
         family = load_family(self.spec.model, precision=precision)
         t = self.spec.train
         family.set_objective(t.loss, t.huber_delta, t.min_snr_gamma, t.flow_shift, t.guidance)
+        if getattr(self, "dataset", None) is not None:  # the fake scores and the teacher (the generator: its data)
+            family.read_dataset(self.dataset)
         return family
 
     def trainable(self, family, seed: int) -> list:
