@@ -370,3 +370,24 @@ def test_the_readmes_coverage_sections_are_the_coverage_runs():
     builds = {c.name for c in FAMILIES if c.scratch_state_dict.__func__ is not ModelFamily.scratch_state_dict.__func__}
     assert builds <= families, builds - families
 
+
+
+@pytest.mark.comfyui
+def test_a_hand_written_spec_names_any_family_of_the_registry():
+    """model.family's names are the family registry's (trainer/models FAMILIES): a spec naming any of them is
+    accepted, by the spec's rules and by the trainer's family lookup, and another name is refused naming the field
+    (a second list of names once lacked five families)."""
+    sys.path.insert(0, str(conftest.REPO))
+    from tools.prepare_run import _bootstrap
+    _bootstrap()
+    from ingraph_trainer.trainer.models import FAMILIES, check_family_name
+    from ingraph_trainer.trainer.spec import ModelSpec, RunSpec, dump_run_spec, parse_run_spec
+    assert len(FAMILIES) >= 15
+    for cls in FAMILIES:
+        spec = RunSpec(run_dir="run", model=ModelSpec(path="model.safetensors", family=cls.name))
+        spec.data.manifest, spec.output.lora_path = "dataset.json", "out.safetensors"
+        written = parse_run_spec(dump_run_spec(spec).encode(), "hand-written")
+        assert written.validate().model.family == cls.name
+        check_family_name(cls.name)
+    with pytest.raises(ValueError, match=r"^model\.family: 'chromaa' is not one of auto, "):
+        check_family_name("chromaa")
