@@ -1,6 +1,7 @@
 from comfy_api.latest import io
 
-from ..trainer.spec import DEFAULT_EVAL_QUANTILES_TEXT
+from ..trainer.spec import DEFAULT_EVAL_QUANTILES_TEXT, TrainSpec
+from .spec_inputs import spec_section
 from .types import CATEGORY, Dataset, Distributed
 
 
@@ -60,19 +61,21 @@ class Evaluate(io.ComfyNode):
             return str(exc)
         return True
 
+    # the run spec fields whose input has another name; seed, batch_size and precision fill the train section's own
+    SPEC_INPUTS = {"train.eval_quantiles": "quantiles", "train.eval_items": "items"}
+
     @classmethod
-    def execute(cls, model, dataset, quantiles, seed, batch_size, precision, distributed=None,
-                items=8, baseline=None) -> io.NodeOutput:
+    def execute(cls, model, dataset, **inputs) -> io.NodeOutput:
         from ..trainer.comfy_compat import raise_if_interrupted
         from ..runner.evaluation_run import evaluate_model, parse_quantiles, quantile_table
         from ..runner.loss_chart import chart_tensor, render_quantile_chart
         dataset.require_cached("dataset")
-        results = {}
+        train = spec_section(cls, "train", TrainSpec, inputs, read={"eval_quantiles": parse_quantiles})
+        baseline, results = inputs.get("baseline"), {}
         for name, evaluated in (("baseline", baseline), ("model", model)):
             if evaluated is not None:
                 results[name] = evaluate_model(
-                    evaluated, dataset, quantiles=parse_quantiles(quantiles), seed=seed, batch_size=batch_size,
-                    items=8 if items is None else int(items), precision=precision, distributed=distributed,
+                    evaluated, dataset, train=train, distributed=inputs.get("distributed"),
                     on_event=lambda event: None, check_interrupt=raise_if_interrupted, prompt=cls.hidden.prompt,
                     node_id=cls.hidden.unique_id, model_input=name, remember=name == "baseline")
         result = results["model"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Callable
 
 from ..trainer.spec import DistributedSpec, RunSpec, TrainSpec
@@ -24,11 +25,13 @@ def parse_quantiles(text: str, name: str = "quantiles", allow_empty: bool = Fals
     return sorted(set(values))
 
 
-def evaluate_model(model, dataset, *, quantiles: list[float], seed: int, batch_size: int, precision: str,
-                   distributed: DistributedSpec | None, on_event: Callable[[dict], None], items: int = 8,
-                   check_interrupt: Callable[[], None], prompt: dict | None = None, node_id: str = "",
-                   model_input: str = "model", remember: bool = False) -> dict:
+def evaluate_model(model, dataset, *, train: TrainSpec, distributed: DistributedSpec | None,
+                   on_event: Callable[[dict], None], check_interrupt: Callable[[], None], prompt: dict | None = None,
+                   node_id: str = "", model_input: str = "model", remember: bool = False) -> dict:
     """{"loss", "quantiles": {"0.1": loss, ...}, "items"}: same inputs, same numbers, on any number of processes.
+
+    `train` is the node's draft of the spec's train section: its batch size, precision, seed, eval_quantiles and
+    eval_items (an evaluation takes one step).
 
     `prompt`, `node_id` and `model_input` (the node's hidden inputs and the name of the input `model` came in by)
     say where the MODEL comes from, so it reaches the trainer as files (runner.model_source). `remember`: a result
@@ -40,8 +43,7 @@ def evaluate_model(model, dataset, *, quantiles: list[float], seed: int, batch_s
     from .session import RunDatasets, prepare_run, watch_run
 
     check_evaluation_references(model, dataset)
-    train = TrainSpec(steps=1, batch_size=batch_size, precision=precision, seed=seed, eval_quantiles=quantiles,
-                      eval_items=items)
+    train = dataclasses.replace(train, steps=1)
     release_comfy_models(model)  # the GPU goes to the trainer (and a fallback reads the weights unpatched)
     hand_off = hand_off_model(model, prompt, node_id, model_input, paths.models_root())
     d = distributed or DistributedSpec()
@@ -69,7 +71,6 @@ _remembered: dict[str, dict] = {}  # this server's remembered evaluations (evalu
 def _result_key(model_spec, dataset, train: TrainSpec, distributed: DistributedSpec) -> str:
     """Everything an evaluation's numbers follow from: the model's files with their stamps (size and time: a file
     written again is another model), every cached item's keys and checksums, the settings."""
-    import dataclasses
     import hashlib
     import json
     parts = [dataclasses.asdict(x) for x in (model_spec, dataset, train, distributed)]

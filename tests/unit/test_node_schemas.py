@@ -77,7 +77,7 @@ if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
 # the inputs of the trainer nodes that are not a spec setting: what the run reads (the graph's values, the run to
 # resume, the output's name), handed to runner.node_run.run_task beside the draft spec
 NOT_SETTINGS = {"model", "dataset", "adapter", "distributed", "eval_dataset", "prior_dataset", "previews",
-                "output_name", "resume"}
+                "output_name", "resume", "baseline"}
 
 
 def _other_value(item):
@@ -88,7 +88,8 @@ def _other_value(item):
     if kind == "COMBO":
         return next(o for o in item.options if o != default)
     if kind == "STRING":
-        return {"eval_quantiles": "0.25, 0.75", "student_timesteps": "1.0, 0.75, 0.5, 0.25"}[item.id]
+        return {"eval_quantiles": "0.25, 0.75", "quantiles": "0.25, 0.75",
+                "student_timesteps": "1.0, 0.75, 0.5, 0.25"}[item.id]
     low, high = item.min, item.max
     if kind == "INT":
         return default + 1 if default + 1 <= high else default - 1
@@ -97,7 +98,8 @@ def _other_value(item):
 
 
 # the inputs read otherwise than cast or looked up as a choice: what _other_value's values are read as
-READ_AS = {"eval_quantiles": [0.25, 0.75], "student_timesteps": [1.0, 0.75, 0.5, 0.25], "save_ema": "ema"}
+READ_AS = {"eval_quantiles": [0.25, 0.75], "quantiles": [0.25, 0.75], "student_timesteps": [1.0, 0.75, 0.5, 0.25],
+           "save_ema": "ema"}
 
 
 def _flat(spec) -> dict:
@@ -107,31 +109,37 @@ def _flat(spec) -> dict:
 
 
 def test_each_trainer_node_input_reaches_its_spec_field_and_no_other(monkeypatch):
-    """The one carrier (nodes/spec_inputs.py): every input of Train LoRA and Distill but the run's own
+    """The one carrier (nodes/spec_inputs.py): every input of Train LoRA, Distill and Evaluate but the run's own
     (NOT_SETTINGS) changes exactly one field of the draft spec the node hands the runner, the field of its name or
-    the node's SPEC_INPUTS entry; an input that reached no field, or two, fails here."""
+    the node's SPEC_INPUTS entry, to the value it means; an input that reached no field, or two, fails here."""
     import types
     schemas()  # bootstrapped
     from ingraph_trainer.nodes.distill_node import Distill
+    from ingraph_trainer.nodes.evaluate_node import Evaluate
     from ingraph_trainer.nodes.train_node import TrainLoRA
-    from ingraph_trainer.runner import node_run
-    from ingraph_trainer.trainer.spec import CHOICE_FIELDS, AdapterSpec, choice_value
+    from ingraph_trainer.runner import evaluation_run, node_run
+    from ingraph_trainer.trainer.spec import CHOICE_FIELDS, AdapterSpec, RunSpec, choice_value
 
     class Handed(Exception):
         pass
 
     def run_task(draft, *args, **kwargs):
         raise Handed(draft)
+
+    def evaluate_model(model, dataset, *, train, **kwargs):  # the Evaluate node's draft: its train section
+        raise Handed(RunSpec(task="evaluate", train=train))
     monkeypatch.setattr(node_run, "run_task", run_task)
+    monkeypatch.setattr(evaluation_run, "evaluate_model", evaluate_model)
     dataset = types.SimpleNamespace(require_cached=lambda name: None)
-    for node in (TrainLoRA, Distill):
+    for node, least in ((TrainLoRA, 30), (Distill, 15), (Evaluate, 5)):
         monkeypatch.setattr(node, "hidden", types.SimpleNamespace(unique_id="1", prompt=None), raising=False)
         inputs = [i for i in node.define_schema().inputs if i.id not in NOT_SETTINGS]
-        assert len(inputs) > 15, node
+        assert len(inputs) >= least, node
+        inputs_of_the_run = {} if node is Evaluate else {"adapter": AdapterSpec(), "output_name": "carrier"}
 
         def draft_of(**given):
             try:
-                node.execute(object(), dataset, AdapterSpec(), output_name="carrier", **given)
+                node.execute(object(), dataset, **inputs_of_the_run, **given)
             except Handed as handed:
                 return _flat(handed.args[0])
             raise AssertionError(f"{node.__name__} did not hand the runner a draft")

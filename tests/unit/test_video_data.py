@@ -482,6 +482,7 @@ def test_evaluate_refuses_references_the_model_cannot_take_before_anything_runs(
     import ingraph_trainer.trainer.comfy_env as comfy_env
     import ingraph_trainer.trainer.models as models
     from ingraph_trainer.runner.evaluation_run import evaluate_model
+    from ingraph_trainer.trainer.spec import TrainSpec
     from ingraph_trainer.trainer.tasks.evaluation import run_evaluation
     from ingraph_trainer.trainer.models.base import UnsupportedSetting
 
@@ -512,8 +513,9 @@ def test_evaluate_refuses_references_the_model_cannot_take_before_anything_runs(
         monkeypatch.setattr(models, "family_for", lambda *_, f=family, **__: f)
         with pytest.raises(ValueError, match=f"Evaluate \\({family.display_name} model\\): dataset: its items carry "
                                              f"2 reference image.*{refused}"):
-            evaluate_model(SimpleNamespace(model=None), dataset, quantiles=[0.5], seed=0, batch_size=1,
-                           precision="fp32", distributed=None, on_event=print, check_interrupt=lambda: None)
+            evaluate_model(SimpleNamespace(model=None), dataset, train=TrainSpec(eval_quantiles=[0.5], batch_size=1,
+                                                                                 precision="fp32"),
+                           distributed=None, on_event=print, check_interrupt=lambda: None)
 
     # the trainer's evaluate task checks again (a run spec written by hand), before any event or model
     manifest = write_manifest(tmp_path / "edit.json", dataset, tmp_path / "cache")
