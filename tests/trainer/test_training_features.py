@@ -321,13 +321,16 @@ def test_the_train_node_offers_the_evaluation_inputs_last_and_refuses_a_bad_one_
     from ingraph_trainer.nodes.train_node import TrainLoRA
     from ingraph_trainer.runner.evaluation_run import parse_quantiles
     from ingraph_trainer.trainer import spec as config
-    *_, last, items, before, after_stop, memory, budget = TrainLoRA.define_schema().inputs
+    *_, last, items, before, after_stop, memory, budget, weight_decay = TrainLoRA.define_schema().inputs
     assert last.id == "eval_quantiles" and last.optional and "forward pass" in last.tooltip
     assert (items.id, before.id, after_stop.id) == ("eval_items", "eval_before", "eval_after_stop")
     # appended after them (issue 30's memory plan), each default the spec's
     assert (memory.id, budget.id) == ("memory", "memory_budget_gb") and memory.optional and budget.optional
     assert (memory.default, budget.default) == (config.TrainSpec().memory, config.TrainSpec().memory_budget_gb) \
         == ("auto", 0.0)
+    # then weight_decay (issue 33's input added through the one carrier), the spec's default
+    assert weight_decay.id == "weight_decay" and weight_decay.optional
+    assert weight_decay.default == config.TrainSpec().weight_decay == 0.01
     spec = config.TrainSpec()
     assert (items.default, before.default, after_stop.default) == \
         (spec.eval_items, spec.eval_before, spec.eval_after_stop) == (8, False, False)

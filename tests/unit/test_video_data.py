@@ -414,6 +414,9 @@ def test_references_and_clips_reach_the_trainer_batch(tmp_path):
     class NoReferences:
         display_name, reference_input = "SDXL", None
 
+        def read_dataset(self, dataset):
+            pass
+
     class Edit(NoReferences):
         display_name, reference_input = "Flux Kontext", "reference_latents"
     check_dataset_for_family(cached_set, Edit())
@@ -460,6 +463,9 @@ def test_references_the_model_cannot_take_or_the_eval_set_lacks_are_refused_at_s
     class StartImage:
         display_name, reference_input = "Wan 2.2 image-to-video", "start_image"
 
+        def read_dataset(self, dataset):
+            pass
+
     def spec(train, eval_set=""):
         return SimpleNamespace(manifest=train, prior_manifest=None, shuffle=True, caption_dropout=0.0,
                                eval_manifest=eval_set)
@@ -490,6 +496,9 @@ def test_evaluate_refuses_references_the_model_cannot_take_before_anything_runs(
         display_name, reference_input = "SDXL", None
 
         def set_objective(self, **_):
+            pass
+
+        def read_dataset(self, dataset):
             pass
 
     class StartImage(NoReferences):
