@@ -1,6 +1,6 @@
 from comfy_api.latest import io
 
-from ..trainer.spec import DistillSpec, DistributedSpec, OutputSpec, RunSpec, TrainSpec
+from ..trainer.spec import DistillSpec, DistributedSpec, RunSpec
 from .train_node import _resumable, progress_relay
 from .inputs import output_file_inputs, precision_input
 from .spec_inputs import input_names, spec_section
@@ -154,11 +154,11 @@ class Distill(io.ComfyNode):
 
         check_student_adapter(adapter)
         dataset.require_cached("dataset")
-        distill = spec_section(cls, "distill", DistillSpec, inputs, read={"student_timesteps": str})
+        distill = spec_section(cls, "distill", inputs, read={"student_timesteps": str})
         distill.student_timesteps = parse_student_timesteps(distill.student_timesteps, distill.student_steps)
         draft = RunSpec(task=TASK, adapter=adapter, distributed=inputs.get("distributed") or DistributedSpec(),
-                        train=spec_section(cls, "train", TrainSpec, inputs), distill=distill,
-                        output=spec_section(cls, "output", OutputSpec, inputs))
+                        train=spec_section(cls, "train", inputs), distill=distill,
+                        output=spec_section(cls, "output", inputs))
         node_id = cls.hidden.unique_id
         node = NodeCall(TITLE, node_id, cls.hidden.prompt, progress_relay(node_id), raise_if_interrupted,
                         input_names(cls, "train", "distill", "output"))

@@ -1,6 +1,6 @@
 from comfy_api.latest import io
 
-from ..trainer.spec import DEFAULT_EVAL_QUANTILES_TEXT, TrainSpec
+from ..trainer.spec import DEFAULT_EVAL_QUANTILES_TEXT
 from .spec_inputs import spec_section
 from .types import CATEGORY, Dataset, Distributed
 
@@ -70,7 +70,7 @@ class Evaluate(io.ComfyNode):
         from ..runner.evaluation_run import evaluate_model, parse_quantiles, quantile_table
         from ..runner.loss_chart import chart_tensor, render_quantile_chart
         dataset.require_cached("dataset")
-        train = spec_section(cls, "train", TrainSpec, inputs, read={"eval_quantiles": parse_quantiles})
+        train = spec_section(cls, "train", inputs, read={"eval_quantiles": parse_quantiles})
         baseline, results = inputs.get("baseline"), {}
         for name, evaluated in (("baseline", baseline), ("model", model)):
             if evaluated is not None:

@@ -21,36 +21,29 @@ def _schema_inputs(node: type) -> dict:
     return _SCHEMA_INPUTS[key]
 
 
-def schema_defaults(node: type) -> dict:
-    """{input id: default} of the node's schema, for the inputs that have one."""
-    return {name: default for name, default in _schema_inputs(node).items() if default is not None}
-
-
-def spec_section(node: type, section: str, cls: type, inputs: dict, read: dict[str, Callable] | None = None):
-    """The spec section `cls` (named `section`, as the spec's tables are) from `inputs`, the node's execute
-    arguments. `node.SPEC_INPUTS` maps "section.field" to the input that fills it where the names differ (None: no
-    input of the node fills that field, though one has its name); `read` maps a field to a function of the
-    input's value where a cast is not enough (text to a list). Fields no input fills keep the dataclass's default."""
-    from ..trainer.spec import CHOICE_FIELDS, choice_value
-    renamed, defaults = getattr(node, "SPEC_INPUTS", {}), schema_defaults(node)
-    values = {}
-    for f in dataclasses.fields(cls):
-        dotted = f"{section}.{f.name}"
-        name = renamed.get(dotted, f.name)
-        if name is None or (name not in inputs and name not in defaults):
-            continue
+def spec_section(node: type, section: str, inputs: dict, read: dict[str, Callable] | None = None):
+    """The run spec's section `section` (its table's name: "train") from `inputs`, the node's execute arguments:
+    each field from the input input_names gives it, a choice's label read as its value, a value cast to the
+    field's type; `read` maps a field to a function of the input's value where a cast is not enough (text to a
+    list). An optional input a saved workflow lacks takes the schema's default; fields no input fills keep the
+    dataclass's."""
+    from ..trainer.spec import CHOICE_FIELDS, RunSpec, choice_value
+    cls = type(getattr(RunSpec(), section))
+    fields, defaults, values = {f.name: f for f in dataclasses.fields(cls)}, _schema_inputs(node), {}
+    for dotted, name in input_names(node, section).items():
+        field = dotted.split(".", 1)[1]
         value = inputs.get(name)
         if value is None:  # an optional input a saved workflow lacks (or not given by an API client)
-            value = defaults.get(name)
+            value = defaults[name]
             if value is None:
                 continue
-        if read and f.name in read:
-            value = read[f.name](value)
+        if read and field in read:
+            value = read[field](value)
         elif dotted in CHOICE_FIELDS:
             value = choice_value(CHOICE_FIELDS[dotted], value, name)
         else:
-            value = _cast(f, value)
-        values[f.name] = value
+            value = _cast(fields[field], value)
+        values[field] = value
     return cls(**values)
 
 
@@ -60,8 +53,10 @@ def _cast(f: dataclasses.Field, value):
 
 
 def input_names(node: type, *sections: str) -> dict[str, str]:
-    """{"section.field": the node's input that fills it} over `sections` (the ones the node builds): the map that
-    turns the spec's problems into errors naming the node's inputs (runner.node_run.NodeCall.refuse)."""
+    """{"section.field": the node's input that fills it} over `sections` (the ones the node builds): the input of
+    the field's name, or the one the node's SPEC_INPUTS names (None: none, though an input has its name). The one
+    rule spec_section fills fields by, and the map that turns the spec's problems into errors naming the node's
+    inputs (runner.node_run.NodeCall.refuse)."""
     from ..trainer.spec import RunSpec
     renamed, ids = getattr(node, "SPEC_INPUTS", {}), set(_schema_inputs(node))
     draft, names = RunSpec(), {}

@@ -4,8 +4,8 @@ from comfy_api.latest import io
 
 from ..trainer.spec import (ADAPTER_FORMAT_CHOICES, BASE_PRECISION_CHOICES, DEFAULT_EVAL_QUANTILES_TEXT,
                                LOSS_CHOICES, MEMORY_CHOICES, OPTIMIZER_CHOICES, SCHEDULE_CHOICES,
-                               TIMESTEP_SAMPLING_CHOICES, DataSpec, DistributedSpec, ModelSpec, OutputSpec, RunSpec,
-                               TrainSpec, choice_labels, choices_tooltip)
+                               TIMESTEP_SAMPLING_CHOICES, DistributedSpec, RunSpec, TrainSpec, choice_labels,
+                               choices_tooltip)
 from .inputs import output_file_inputs, precision_input
 from .spec_inputs import input_names, spec_section
 from .types import CATEGORY, Adapter, Dataset, Distributed, Previews
@@ -235,11 +235,11 @@ class TrainLoRA(io.ComfyNode):
             if cached is not None:
                 cached.require_cached(name)
         draft = RunSpec(task="train", adapter=adapter, distributed=inputs.get("distributed") or DistributedSpec(),
-                        model=spec_section(cls, "model", ModelSpec, inputs),
-                        data=spec_section(cls, "data", DataSpec, inputs),
-                        train=spec_section(cls, "train", TrainSpec, inputs, read={
+                        model=spec_section(cls, "model", inputs),
+                        data=spec_section(cls, "data", inputs),
+                        train=spec_section(cls, "train", inputs, read={
                             "eval_quantiles": lambda text: parse_quantiles(text, "eval_quantiles", allow_empty=True)}),
-                        output=spec_section(cls, "output", OutputSpec, inputs,
+                        output=spec_section(cls, "output", inputs,
                                             read={"weights": lambda save_ema: "ema" if save_ema else "trained"}))
         node_id = cls.hidden.unique_id
         node = NodeCall("Train LoRA", node_id, cls.hidden.prompt, progress_relay(node_id), raise_if_interrupted,
