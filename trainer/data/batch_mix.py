@@ -18,7 +18,7 @@ from .loading import StepSampler, seeded_generator, stack_conds, stack_reference
 from .dataset_checks import (check_caption_features, check_dataset_for_family, check_eval_references, reads_text_masks,
                              reference_slots)
 
-# generator streams (data.py uses 1, 2 and 4, evaluation 3): one per kind of draw, so adding one changes no other
+# generator streams (loading.py uses 1, 2 and 4, evaluation 3): one per kind of draw, so adding one changes no other
 TEXT_CHOICE_STREAM = 11
 PRIOR_SLOT_STREAM = 12
 PRIOR_PICK_STREAM = 13

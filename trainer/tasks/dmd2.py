@@ -9,7 +9,7 @@ import torch
 
 from ..data.loading import seeded_generator, stack_conds
 
-# generator streams (data.py uses 1-4, batch_mix 11-13): one per kind of draw
+# generator streams (data/loading.py uses 1-4, data/batch_mix 11-13): one per kind of draw
 STUDENT_STEP_STREAM = 21  # which student step each slot trains
 START_NOISE_STREAM = 22  # the noise the student's input is made from
 SIMULATION_NOISE_STREAM = 23  # backward simulation: the fresh noise of each re-noising

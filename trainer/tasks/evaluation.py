@@ -14,7 +14,7 @@ from ..data.loading import CachedDataset, seeded_generator
 from ..parallel.distributed import rank, set_cpu_threads, world_size
 from ..models import Batch
 
-EVAL_NOISE_STREAM = 3  # generator stream of the evaluation noise (data.py uses 1, 2 and 4)
+EVAL_NOISE_STREAM = 3  # generator stream of the evaluation noise (data/loading.py uses 1, 2 and 4)
 
 
 def eval_chunks(dataset: CachedDataset, indices: list[int], batch_size: int) -> list[list[int]]:
