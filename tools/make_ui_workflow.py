@@ -15,6 +15,17 @@ sys.path.insert(0, str(REPO))
 
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 PANEL_NODES = {"InGraphTrainLoRA", "InGraphDistill"}  # nodes with the live panel (web/ingraph_trainer.js)
+# a graph with a Train LoRA node opens with this note beside it: what its evaluation measures, when, and what it costs
+EVALUATION_NOTE = (
+    "What Train LoRA evaluates, and when\n\n"
+    "The chart's eval points are the held-out loss of eval_items items (default 8: a fixed subset, drawn with the "
+    "seed, of eval_dataset, or of the training images when none is wired) at each of the eval_quantiles points of "
+    "the noise schedule (five by default), with fixed noise: the numbers compare across steps, runs and resumes.\n\n"
+    "When: after the last step, and every eval_every steps (0: only at the end). Before step 1 only with "
+    "eval_before; after a Stop only with eval_after_stop.\n\n"
+    "Cost: one forward pass per item and quantile, 40 by default, about as long as 13 training steps of one image "
+    "(a step is a forward and a backward pass). eval_items 0, or an empty eval_quantiles, turns it off.")
+NOTE_TYPE = "Note"  # the frontend's own text node (no server class; ComfyUI's queue leaves it out)
 
 
 def is_widget(spec) -> bool:
@@ -87,8 +98,25 @@ def convert(api: dict, info: dict) -> dict:
         node["outputs"] = [{"name": name, "type": otype, "links": out_links.get((node["id"], slot), []),
                             "slot_index": slot}
                            for slot, (name, otype) in enumerate(zip(spec["output_name"], spec["output"]))]
-    return {"last_node_id": len(nodes), "last_link_id": len(links), "nodes": nodes, "links": links,
-            "groups": [], "config": {}, "extra": {}, "version": 0.4}
+    ui = {"last_node_id": len(nodes), "last_link_id": len(links), "nodes": nodes, "links": links,
+          "groups": [], "config": {}, "extra": {}, "version": 0.4}
+    return with_evaluation_note(ui)
+
+
+def with_evaluation_note(ui: dict) -> dict:
+    """`ui` with EVALUATION_NOTE in a column of its own right of the graph, where it has a Train LoRA node and no
+    such note yet (so that it is added once, to a converted graph or to a saved one)."""
+    nodes = ui["nodes"]
+    if not any(n["type"] == "InGraphTrainLoRA" for n in nodes) or \
+            any(n["type"] == NOTE_TYPE and n["widgets_values"] == [EVALUATION_NOTE] for n in nodes):
+        return ui
+    node_id = max(n["id"] for n in nodes) + 1
+    x = max(n["pos"][0] + n["size"][0] for n in nodes) + 40
+    nodes.append({"id": node_id, "type": NOTE_TYPE, "pos": [x, 60], "size": [340, 420], "flags": {},
+                  "order": len(nodes), "mode": 0, "inputs": [], "outputs": [], "properties": {},
+                  "widgets_values": [EVALUATION_NOTE], "title": "Evaluation: what, when, cost"})
+    ui["last_node_id"] = max(ui["last_node_id"], node_id)
+    return ui
 
 
 def main(argv=None):
