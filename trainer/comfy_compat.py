@@ -1,21 +1,17 @@
 """What differs between the ComfyUI versions the pack supports (0.3.64, October 2025, to 0.33, August 2026), in one
 place: the next ComfyUI change that breaks the pack is fixed here.
 
-- A wrapper of a ComfyUI function never has a narrower signature than the function: `wrap_method` installs one that
-  takes whatever ComfyUI passes (0.33 added `assign` to `BaseModel.load_model_weights`, and the pack's narrower
-  wrapper failed every model load).
-- Model parameter dataclasses gain required fields (0.33: `FluxParams.txt_ids_dims`, `HunyuanVideoParams.
-  use_cond_type_embedding`, `vision_in_dim`, `meanflow_sum`): `dit_config` fills each one the caller did not give
-  with the value ComfyUI's detection gives a file of the older layout: a model built from a config is 0.3.64's.
-- Quantized weights (0.33's `QuantizedTensor` layouts, loaded by its mixed-precision ops, whose Linear is no
-  `torch.nn.Linear`): which layers are linear, how many bytes a weight holds in its layout, its float value, and
-  the setting that makes a layer dequantize its weight for each matmul instead of quantizing the input.
-- ComfyUI's training switch (0.33's `model_management.in_training`, which its own TrainLoraNode sets): without it
-  0.33's DiTs apply rotary embeddings with comfy-kitchen kernels that have no backward (`enter_training`).
-- Model code whose structure changed: HunyuanVideo's joint sequence order (`joint_sequence_text_first`) and how
-  LTX-Video prepares its inputs and positions (`ltx_rope_split_mode`), read from the model itself, for the pipeline
-  layers that rebuild its forward.
-- A layer's weight as its forward casts it (`cast_weight`), for a backward pass that casts it again.
+- A wrapper of a ComfyUI function never has a narrower signature than the function (`wrap_method`: 0.33 added
+  `assign` to `BaseModel.load_model_weights`, and the pack's narrower wrapper failed every model load).
+- Model parameter dataclasses gain required fields (0.33: `FluxParams.txt_ids_dims`, HunyuanVideo's three):
+  `dit_config` fills each with the value ComfyUI's detection gives a file of the older layout.
+- Quantized weights (0.33's `QuantizedTensor` layouts, whose Linear is no `torch.nn.Linear`): which layers are
+  linear, a weight's bytes and float value, and dequantizing the weight for each matmul.
+- ComfyUI's training switch (0.33's `model_management.in_training`): without it 0.33's DiTs apply rotary embeddings
+  with comfy-kitchen kernels that have no backward (`enter_training`).
+- Model code whose structure changed (HunyuanVideo's joint sequence order, LTX-Video's positions), read from the
+  model itself for the pipeline layers that rebuild its forward; a layer's weight as its forward casts it.
+- ComfyUI's loaders as the pack calls them (model, VAE and LoRA files, and a written file's "config" metadata).
 - Which version is installed (`comfyui_version`), for the rare decision that needs it.
 """
 from __future__ import annotations
@@ -89,9 +85,8 @@ def wrap_method(owner, name: str, make_wrapper):
 
 @contextlib.contextmanager
 def loads_to_host():
-    """For the block's duration, ComfyUI builds loaded models in host memory, whatever device it would pick
-    (`model_management.unet_inital_load_device` may pick the GPU where it has more free memory than the host):
-    a standby's preload must not take GPU memory the graph's earlier nodes are still using."""
+    """Within: ComfyUI builds loaded models in host memory, whatever device `unet_inital_load_device` would pick (the
+    GPU where it has more free memory): a standby's preload takes no GPU memory the graph's earlier nodes use."""
     import comfy.model_management
     import torch
     with wrap_method(comfy.model_management, "unet_inital_load_device",
@@ -277,21 +272,15 @@ def free_memory_answers_for(asked, answer):
     """Within: ComfyUI's free-memory query about device `asked` answers for device `answer` (the memory plan's
     meta pass: ComfyUI chooses how to split attention by the free memory it is told)."""
     import comfy.model_management as mm
-    real = mm.get_free_memory
 
-    def free_memory(dev=None, *args, **kwargs):
-        if dev is not None and getattr(dev, "type", dev) == asked.type:
-            dev = answer
-        return real(dev, *args, **kwargs)
-    mm.get_free_memory = free_memory
-    try:
+    def make(real):
+        return lambda dev=None, *args, **kwargs: real(
+            answer if dev is not None and getattr(dev, "type", dev) == asked.type else dev, *args, **kwargs)
+    with wrap_method(mm, "get_free_memory", make):
         yield
-    finally:
-        mm.get_free_memory = real
 
 
-def load_tensors(path: str) -> dict:
-    """A .safetensors (or pickle-free .pt) file's tensors, read as ComfyUI's loaders read them."""
+def load_tensors(path: str) -> dict:  # a .safetensors (or pickle-free .pt) file's tensors, as ComfyUI reads them
     import comfy.utils
     return comfy.utils.load_torch_file(str(path), safe_load=True)
 
@@ -356,14 +345,25 @@ def model_from_state_dict(state: dict):
     return comfy.sd.load_diffusion_model_state_dict(state)
 
 
-def unet_to_diffusers(unet_config: dict) -> dict:
-    """ComfyUI's key map of a UNet: diffusers key → ldm key."""
+def config_metadata(patcher) -> dict[str, str]:
+    """A diffusion-model file's "config" metadata for ComfyUI's loader to build this MODEL from its weights: of the
+    settings its class is told apart by and its own (LTX-2's sizes, Wan's variants), those that detection from the
+    weights alone gives otherwise, and that a file can carry (JSON); {} where none."""
+    import json
+    from comfy.model_detection import detect_unet_config
+    config = patcher.model.model_config
+    detected = detect_unet_config(patcher.model.diffusion_model.state_dict(), "") or {}
+    differs = {k: v for k, v in {**config.unet_config, **type(config).unet_config}.items()
+               if (k not in detected or detected[k] != v) and json.loads(json.dumps(v, default=repr)) == v}
+    return {"config": json.dumps({"transformer": differs}, sort_keys=True)} if differs else {}
+
+
+def unet_to_diffusers(unet_config: dict) -> dict:  # ComfyUI's key map of a UNet: diffusers key → ldm key
     import comfy.utils
     return comfy.utils.unet_to_diffusers(unet_config)
 
 
-def loaded_models() -> list:
-    """The models ComfyUI holds loaded (its LoadedModel records)."""
+def loaded_models() -> list:  # the models ComfyUI holds loaded (its LoadedModel records)
     import comfy.model_management as mm
     return list(mm.current_loaded_models)
 

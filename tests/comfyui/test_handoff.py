@@ -336,3 +336,35 @@ def test_a_base_file_rewritten_since_comfyui_loaded_it_is_not_described(tmp_path
               str(base))  # re-downloaded: other weights under the same name
     with pytest.raises(ms.Undescribable, match=r"base\.safetensors on disk is not what the MODEL holds"):
         ms.describe_model(prompt, ["1", 0], live(torch.float16), resolve)
+
+
+# ComfyUI classes whose loader takes what the weights do not say from the file's "config" metadata: LTX-2's sizes,
+# Wan's variants (ComfyUI 0.33's), and a Wan whose weights say everything (no metadata to write)
+@pytest.mark.parametrize("class_name", ["LTXAV", "WAN_Animate2", "WAN21_CausalAR_T2V", "WAN21_FlowRVS",
+                                        "WAN21_Camera"])
+def test_a_materialised_copy_loads_as_the_graphs_model_where_the_file_it_came_from_said_its_sizes(tmp_path,
+                                                                                                  class_name):
+    """A MODEL no file describes (a patch node on the way) reaches the trainer as a copy of its weights: that copy
+    carries the "config" metadata ComfyUI's loader needs for the same model (an LTX-2 copy without it would be
+    built with ComfyUI's fixed 32 heads and fail to load; a Wan Animate one would load as plain Wan)."""
+    from tools.bootstrap import bootstrap
+    bootstrap()
+    import comfy.supported_models
+    import torch
+    from tools.family_coverage import CLASS_BUILT, class_state_dict, load_model
+    from ingraph_trainer.trainer.comfy_compat import load_model_file
+    if not hasattr(comfy.supported_models, class_name):
+        pytest.skip(f"this ComfyUI has no {class_name} (0.33 has; its tier runs this test)")
+    built = class_state_dict(class_name, *CLASS_BUILT[class_name])
+    state, metadata = built if isinstance(built, tuple) else (built, None)
+    model = load_model(state, metadata)
+    assert type(model.model.model_config).__name__ == class_name  # as the graph loaded it
+    key, weight = next((k, w) for k, w in model.model.diffusion_model.state_dict().items() if w.dim() == 2)
+    model.add_patches({f"diffusion_model.{key}": (torch.full_like(weight, 0.25),)}, 1.0)  # what a patch node adds
+    path = materialise.materialise_model(model, tmp_path)
+    again = load_model_file(str(path), from_checkpoint=False, options={"dtype": torch.float32})
+    assert type(again.model.model_config).__name__ == class_name
+    assert again.model.model_config.unet_config == model.model.model_config.unet_config
+    copied = again.model.diffusion_model.state_dict()
+    assert torch.equal(copied[key], weight + 0.25)
+    assert sorted(copied) == sorted(model.model.diffusion_model.state_dict())
