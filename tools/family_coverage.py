@@ -75,8 +75,6 @@ COSMOS_FLOW = ("Cosmos's flow objective (ComfyUI's FLOW_COSMOS sampling, EDM-sty
 COGVIDEOX_DDPM = ("CogVideoX's objective (ComfyUI's V_PREDICTION_DDPM: v on the unscaled noisy input): the trainer's "
                   "objectives are epsilon, v and plain flow; nor does the generic family's attention preset select its "
                   "blocks' q, k, v and attn_out")
-NO_ATTENTION = ("the generic family's attention preset (trainer/models/generic.py ATTENTION) selects none of its "
-                "layers ({})")
 NO_EXTRA = "trains as ComfyUI runs it without its {} (ComfyUI leaves them out or zero); the trainer gives none"
 WHY_NOT = {
     # trained, with what the training leaves out
@@ -116,13 +114,12 @@ WHY_NOT = {
     "CogVideoX_T2V": COGVIDEOX_DDPM,
     "CogVideoX_I2V": COGVIDEOX_DDPM + "; and it would train without its start image (ComfyUI's zeros)",
     "CogVideoX_Inpaint": COGVIDEOX_DDPM + "; and it would train without its inpaint video and mask (ComfyUI's zeros)",
-    "JoyImage": NO_ATTENTION.format("attn.img_attn_qkv, img_attn_proj, txt_attn_qkv, txt_attn_proj")
-                + "; past that, ComfyUI 0.33's JoyImage attention runs comfy-kitchen's rms_rope, which has no backward "
-                  "(in training too)",
+    "JoyImage": "its attention runs comfy-kitchen's fused rms_rope, which has no backward: the trainer gives it the "
+                "backward of comfy-kitchen's own eager implementation (trainer/kitchen_autograd.py)",
     "Boogu": "its forward needs num_tokens, which ComfyUI's extra_conds gives only with the text's attention mask "
              "(one prompt's), and the trainer gives none (trainer/models/base.py extra_cond_inputs)",
-    "Anima": "ComfyUI 0.33's Cosmos Predict2 attention runs comfy-kitchen's rms_rope_split_half, which has no "
-             "backward, in training too; it would also train without its LLM adapter (the cache keeps no T5 token ids)",
+    "Anima": "refused: its LLM adapter reads the T5 token ids of each caption, which the text cache does not keep; "
+             "trained on the text embedding alone, a LoRA would learn a path ComfyUI's sampler never runs",
     # not built here
     "HiDream": "ComfyUI fixes the size (16 double and 32 single MoE blocks, 2560 wide: ~17B parameters)",
     "Omnigen2": "ComfyUI fixes the size (32 layers, 2520 wide: ~4B parameters)",

@@ -417,7 +417,7 @@ def test_the_generic_family_trains_models_built_of_comfyuis_flux_blocks():
     batch = Batch(torch.randn(2, 16, 8, 8, generator=g), torch.randn(2, 8, context, generator=g),
                   torch.randn(2, pooled, generator=g), torch.randn(2, 16, 8, 8, generator=g), torch.tensor([0.3, 0.8]))
     family.loss(batch).backward()
-    assert all(modules[t].weight.grad is not None and modules[t].weight.grad.abs().sum() > 0 for t in targets)
+    assert all(modules[t].weight.grad is not None and modules[t].weight.grad.abs().sum() > 0 for t in targets), [(t, modules[t].weight.grad is None) for t in targets]
 
 
 def test_longcat_image_trains_with_the_rope_shift_its_comfyui_model_applies():
@@ -441,3 +441,53 @@ def test_longcat_image_trains_with_the_rope_shift_its_comfyui_model_applies():
     with torch.no_grad():
         got = family.loss(batch, reduce=False)
     assert torch.allclose(got, expected, rtol=1e-6, atol=0), (got, expected)
+
+
+def _class_built(class_name: str):
+    """ComfyUI's MODEL of tools/family_coverage.py's tiny model of `class_name` (skipped where this ComfyUI lacks the
+    class: ComfyUI 0.33 has these)."""
+    bootstrap_comfy()
+    import comfy.model_base
+    import comfy.sd
+    from tools.family_coverage import CLASS_BUILT, class_state_dict
+    if not hasattr(comfy.model_base, class_name):
+        pytest.skip(f"skipped: this ComfyUI has no {class_name} (0.33 and later have)")
+    torch.manual_seed(0)
+    return comfy.sd.load_diffusion_model_state_dict(class_state_dict(class_name, *CLASS_BUILT[class_name]),
+                                                    model_options={"dtype": torch.float32})
+
+
+def test_joyimage_trains_its_joint_attention_through_comfy_kitchens_rotary_op():
+    """JoyImage (ComfyUI 0.33, the generic family): its joint attention is one module holding each stream's layers
+    (attn.img_attn_qkv, ...), which the attention preset selects; its forward runs comfy-kitchen's fused rms_rope in
+    training too, which the trainer gives a backward (trainer/kitchen_autograd.py). The family's loss is ComfyUI's
+    sampler's, and every selected layer gets a gradient."""
+    from ingraph_trainer.trainer.models import family_for
+    patcher = _class_built("JoyImage")
+    family = family_for(patcher.model, patcher=patcher)
+    assert family.name == "generic" and type(patcher.model).__name__ == "JoyImage"
+    targets = family.adapter_targets("attention")
+    assert {t.rsplit(".", 1)[1] for t in targets} == {"img_attn_qkv", "img_attn_proj", "txt_attn_qkv",
+                                                       "txt_attn_proj"}, targets
+    batch = _batch((16, 1, 8, 8), (8, 4096))
+    expected = comfyui_losses(family, batch, {})
+    family.prepare_for_training()
+    modules = dict(family.diffusion_model.named_modules())
+    for t in targets:
+        modules[t].weight.requires_grad_(True)
+    loss = family.loss(batch, reduce=False)
+    assert torch.allclose(loss.detach(), expected, rtol=1e-6, atol=0), (loss, expected)
+    loss.mean().backward()
+    # the last block's text output is discarded (as in Flux's layout): its projection gets no gradient
+    trained = [t for t in targets if t != "double_blocks.0.attn.txt_attn_proj"]
+    assert len(trained) == 3 and all(modules[t].weight.grad.abs().sum() > 0 for t in trained)
+
+
+def test_anima_is_refused_naming_the_llm_adapters_token_ids():
+    """Anima reads its text through an LLM adapter fed each caption's T5 token ids (ComfyUI 0.33's
+    model_base.Anima), which the text cache does not keep: trained on the embedding alone, its LoRA would learn a
+    path the sampler never runs, so the generic family refuses it rather than train it wrongly."""
+    from ingraph_trainer.trainer.models import family_for
+    patcher = _class_built("Anima")
+    with pytest.raises(ValueError, match=r"Anima reads its text through an LLM adapter fed the T5 token ids"):
+        family_for(patcher.model, patcher=patcher)

@@ -213,3 +213,40 @@ def test_a_preload_builds_the_model_in_host_memory_whatever_device_comfyui_would
     if comfyui_available():
         source = (comfyui_path() / "comfy" / "model_management.py").read_text(encoding="utf-8")
         assert "def unet_inital_load_device(" in source
+
+
+def test_comfy_kitchens_rotary_ops_get_the_backward_of_its_eager_implementation():
+    """ComfyUI 0.33's JoyImage and Cosmos Predict2 attention call comfy-kitchen's fused RMS-norm-and-rotary ops in
+    training too, and those ops have no backward: trainer/kitchen_autograd.py gives each the backward of
+    comfy-kitchen's own eager (plain torch) implementation. Through the op, every input's gradient is the eager
+    implementation's; without the registration the op's backward raises."""
+    import torch
+    try:
+        from comfy_kitchen.backends.eager import rope as eager
+    except ImportError:
+        pytest.skip("no comfy-kitchen here (ComfyUI 0.3.64's environment); the ComfyUI 0.33 tier runs this test")
+    from ingraph_trainer.trainer.kitchen_autograd import OPS, register_backwards
+    register_backwards()
+    assert {"rms_rope", "rms_rope_split_half"} <= set(OPS)
+    generator = torch.Generator().manual_seed(0)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=generator)
+    q, k, freqs, q_scale, k_scale = leaf(2, 6, 2, 8), leaf(2, 6, 2, 8), leaf(1, 6, 1, 4, 2, 2), leaf(8), leaf(8)
+    arguments = {"apply_rope": (q, k, freqs), "apply_rope1": (q, freqs),
+                 "rms_rope": (q, k, freqs, q_scale, k_scale, 1e-6), "rms_rope1": (q, freqs, q_scale, 1e-6),
+                 "rms_rope_split_half1": (q, freqs, q_scale, 1e-6),
+                 "rms_rope_split_half": (q, k, freqs, q_scale, k_scale, 1e-6, 0)}
+    assert sorted(arguments) == sorted(OPS)
+    for name, args in arguments.items():
+        grads = []
+        for function in (getattr(torch.ops.comfy_kitchen, name), getattr(eager, name)):
+            leaves = [a.clone().requires_grad_(True) if isinstance(a, torch.Tensor) else a for a in args]
+            outputs = function(*leaves)
+            outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+            sum((out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)).sum()
+                for out in outputs).backward()
+            grads.append([a.grad for a in leaves if isinstance(a, torch.Tensor)])
+        assert all(g is not None for g in grads[0]), name
+        for through_op, through_eager in zip(*grads):
+            torch.testing.assert_close(through_op, through_eager, rtol=0, atol=0, msg=name)

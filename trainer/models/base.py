@@ -87,9 +87,12 @@ class ModelFamily:
     # load_family on the trainer's own copy.
     def prepare_for_training(self) -> None:
         """Patches the trainer's copy of the model's modules for training (once); ComfyUI's ops are told they train
-        (comfy_compat.enter_training)."""
+        (comfy_compat.enter_training), and comfy-kitchen's rotary ops, which some models call all the same, get a
+        backward (kitchen_autograd)."""
         from ..comfy_compat import enter_training
+        from ..kitchen_autograd import register_backwards
         enter_training()
+        register_backwards()
 
     def weight_dtype(self) -> torch.dtype:
         """The dtype the model computes in: compute_dtype, else the first parameter not stored in fp8 (fp8 bases

@@ -10,9 +10,10 @@ from .base import ModelFamily, block_lists, is_comfy_model
 from .residuals import residuals_out_of_place
 
 # AuraFlow names its projections w1q..w2o (text and image streams) and c_fc1/c_fc2/c_proj; Kandinsky 5 its
-# to_query/to_key/to_value/out_layer and its feed-forward in_layer/out_layer
+# to_query/to_key/to_value/out_layer and its feed-forward in_layer/out_layer; JoyImage's joint attention is one
+# module holding each stream's layers (attn.img_attn_qkv, ...)
 ATTENTION = (r"(attn|attention)[^.]*\.(to_q|to_k|to_v|to_out\.0|q|k|v|o|qkv|proj|out|q_proj|k_proj|v_proj|o_proj"
-             r"|w[12][qkvo]|to_query|to_key|to_value|out_layer)$",)
+             r"|w[12][qkvo]|to_query|to_key|to_value|out_layer)$", r"attn\.(img|txt)_attn_(qkv|proj)$")
 FEED_FORWARD = (r"(mlp|ffn|ff|feed_forward)[^.]*\.(\d+|fc[12]|w[123]|net\.0\.proj|net\.2|proj|linear[12]|c_fc[12]|c_proj"
                 r"|in_layer|out_layer)$",)
 
@@ -23,6 +24,10 @@ class GenericFamily(ModelFamily):
     target_patterns = {"attention": ATTENTION, "attention_ff": ATTENTION + FEED_FORWARD}
 
     def __init__(self, base_model, prediction: str, patcher=None):
+        if is_comfy_model(base_model, "Anima"):  # ComfyUI 0.33's model_base.Anima.extra_conds
+            raise ValueError("model: Anima reads its text through an LLM adapter fed the T5 token ids of each "
+                             "caption, which the text cache does not keep; trained on the text embedding alone, a "
+                             "LoRA would learn a path ComfyUI's sampler never runs")
         super().__init__(base_model, prediction, patcher)
         self.display_name = f"generic ({type(base_model.model_config).__name__})"
         self.base_model_version = type(base_model.model_config).__name__.lower()
