@@ -72,9 +72,8 @@ TEXT = {"sd_unet": (8, 768, None), "sdxl": (8, 2048, 1280), "sd3": (8, 64, 32), 
 # ComfyUI class -> why no tiny model here trains it (for a class that trains: what the training leaves out)
 COSMOS_FLOW = ("Cosmos's flow objective (ComfyUI's FLOW_COSMOS sampling, EDM-style scaling): the trainer's "
                "objectives are epsilon, v and plain flow")
-COGVIDEOX_DDPM = ("CogVideoX's objective (ComfyUI's V_PREDICTION_DDPM: v on the unscaled noisy input): the trainer's "
-                  "objectives are epsilon, v and plain flow; nor does the generic family's attention preset select its "
-                  "blocks' q, k, v and attn_out")
+COGVIDEOX_DDPM = ("trains on CogVideoX's objective, ComfyUI's V_PREDICTION_DDPM (v on the unscaled noisy latent: the "
+                  "trainer's v_prediction_ddpm)")
 NO_EXTRA = "trains as ComfyUI runs it without its {} (ComfyUI leaves them out or zero); the trainer gives none"
 WHY_NOT = {
     # trained, with what the training leaves out
@@ -112,10 +111,8 @@ WHY_NOT = {
     "CosmosT2IPredict2": COSMOS_FLOW,
     "CosmosI2VPredict2": COSMOS_FLOW,
     "CogVideoX_T2V": COGVIDEOX_DDPM,
-    "CogVideoX_I2V": COGVIDEOX_DDPM + "; and it would train without its start image (ComfyUI's zeros)",
-    "CogVideoX_Inpaint": COGVIDEOX_DDPM + "; and it would train without its inpaint video and mask (ComfyUI's zeros)",
-    "JoyImage": "its attention runs comfy-kitchen's fused rms_rope, which has no backward: the trainer gives it the "
-                "backward of comfy-kitchen's own eager implementation (trainer/kitchen_autograd.py)",
+    "CogVideoX_I2V": COGVIDEOX_DDPM + "; " + NO_EXTRA.format("start image"),
+    "CogVideoX_Inpaint": COGVIDEOX_DDPM + "; " + NO_EXTRA.format("inpaint video and mask"),
     "Boogu": "its forward needs num_tokens, which ComfyUI's extra_conds gives only with the text's attention mask "
              "(one prompt's), and the trainer gives none (trainer/models/base.py extra_cond_inputs)",
     "Anima": "refused: its LLM adapter reads the T5 token ids of each caption, which the text cache does not keep; "

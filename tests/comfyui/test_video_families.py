@@ -497,3 +497,37 @@ def test_the_generic_family_lays_an_image_dataset_out_as_one_frame_videos_for_a_
     images = torch.zeros(2, 16, 4, 8)
     assert family(comfy.latent_formats.Wan21).to_model_layout(images).shape == (2, 16, 1, 4, 8)
     assert family(comfy.latent_formats.SD3).to_model_layout(images).shape == (2, 16, 4, 8)
+
+
+@pytest.mark.parametrize("class_name", ["CogVideoX_T2V", "CogVideoX_I2V"])
+def test_cogvideox_trains_on_the_target_comfyuis_v_prediction_ddpm_turns_into_the_clean_latent(class_name):
+    """CogVideoX (ComfyUI 0.33, the generic family) is ComfyUI's V_PREDICTION_DDPM: v-prediction on the unscaled
+    noisy latent. The family's target is the output ComfyUI's own calculate_denoised turns back into the clean
+    latent, at every noise level; the attention and feed-forward presets find its blocks' layers (q, k, v,
+    attn_out; ff_proj, ff_out), and each gets a gradient from the loss."""
+    bootstrap_comfy()
+    import comfy.model_base
+    from ingraph_trainer.trainer.models import Batch, family_for
+    from tools.family_coverage import CLASS_BUILT, class_state_dict, load_model
+    if not hasattr(comfy.model_base, "CogVideoX"):
+        pytest.skip("skipped: this ComfyUI has no CogVideoX (0.33 and later have)")
+    torch.manual_seed(0)
+    patcher = load_model(class_state_dict(class_name, *CLASS_BUILT[class_name]), None)
+    family = family_for(patcher.model, patcher=patcher)
+    assert (family.name, family.prediction) == ("generic", "v_prediction_ddpm")
+    g = torch.Generator().manual_seed(0)
+    latents, noise = torch.randn(4, 16, 2, 8, 8, generator=g), torch.randn(4, 16, 2, 8, 8, generator=g)
+    x0, noise, sigma = family.noising(latents, noise, torch.tensor([0.02, 0.3, 0.7, 0.99]))
+    sampling, shape = patcher.model.model_sampling, (-1, 1, 1, 1, 1)
+    x_in = sampling.calculate_input(sigma.view(shape), sampling.noise_scaling(sigma.view(shape), noise, x0))
+    target = family.target(x0, noise, sigma.view(shape))
+    torch.testing.assert_close(sampling.calculate_denoised(sigma, target, x_in), x0, rtol=1e-5, atol=1e-5)
+    targets = family.adapter_targets("attention_ff")
+    assert sorted({t.split(".", 2)[2] for t in targets}) == ["attn_out", "ff_out", "ff_proj", "k", "q", "v"]
+    family.prepare_for_training()
+    modules = dict(family.diffusion_model.named_modules())
+    for t in targets:
+        modules[t].weight.requires_grad_(True)
+    text = torch.randn(2, 8, 4096, generator=g)
+    family.loss(Batch(latents[:2], text, None, noise[:2], torch.tensor([0.3, 0.8]))).backward()
+    assert all(modules[t].weight.grad.abs().sum() > 0 for t in targets)

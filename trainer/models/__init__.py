@@ -31,16 +31,19 @@ def detect_prediction(base_model) -> str:
 
 
 def prediction_from_sampling(sampling) -> str:
-    """epsilon, v_prediction or flow, from a ComfyUI model_sampling object."""
+    """epsilon, v_prediction, v_prediction_ddpm (CogVideoX's, ComfyUI 0.33's) or flow, from a ComfyUI model_sampling
+    object."""
     import comfy.model_sampling as ms
     if isinstance(sampling, ms.V_PREDICTION):
         return "v_prediction"
+    if isinstance(sampling, getattr(ms, "V_PREDICTION_DDPM", ())):
+        return "v_prediction_ddpm"
     if isinstance(sampling, ms.EPS):
         return "epsilon"
     if isinstance(sampling, ms.CONST):
         return "flow"
     raise ValueError(f"model: objective {type(sampling).__name__} is not supported "
-                     "(epsilon, v-prediction and flow-matching models)")
+                     "(epsilon, v-prediction, CogVideoX's v-prediction and flow-matching models)")
 
 
 def family_class(base_model, family: str = "auto") -> type[ModelFamily]:

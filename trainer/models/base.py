@@ -231,6 +231,8 @@ class ModelFamily:
             return noise - x0
         if self.prediction == "v_prediction":
             return (noise - sigma * x0) / (sigma ** 2 + 1.0).sqrt()
+        if self.prediction == "v_prediction_ddpm":  # the output ComfyUI's V_PREDICTION_DDPM turns into x0 from its
+            return (x0 + sigma * noise - x0 * (sigma ** 2 + 1.0).sqrt()) / sigma  # input, the unscaled x0 + sigma noise
         return noise
 
     def snr(self, sigma: torch.Tensor) -> torch.Tensor:

@@ -13,9 +13,10 @@ from .residuals import residuals_out_of_place
 # to_query/to_key/to_value/out_layer and its feed-forward in_layer/out_layer; JoyImage's joint attention is one
 # module holding each stream's layers (attn.img_attn_qkv, ...)
 ATTENTION = (r"(attn|attention)[^.]*\.(to_q|to_k|to_v|to_out\.0|q|k|v|o|qkv|proj|out|q_proj|k_proj|v_proj|o_proj"
-             r"|w[12][qkvo]|to_query|to_key|to_value|out_layer)$", r"attn\.(img|txt)_attn_(qkv|proj)$")
+             r"|w[12][qkvo]|to_query|to_key|to_value|out_layer)$", r"attn\.(img|txt)_attn_(qkv|proj)$",
+             r"^blocks\.\d+\.(q|k|v|attn_out)$")  # CogVideoX's blocks hold their attention's layers
 FEED_FORWARD = (r"(mlp|ffn|ff|feed_forward)[^.]*\.(\d+|fc[12]|w[123]|net\.0\.proj|net\.2|proj|linear[12]|c_fc[12]|c_proj"
-                r"|in_layer|out_layer)$",)
+                r"|in_layer|out_layer)$", r"^blocks\.\d+\.ff_(proj|out)$")
 
 
 class GenericFamily(ModelFamily):
