@@ -70,8 +70,9 @@ TEXT = {"sd_unet": (8, 768, None), "sdxl": (8, 2048, 1280), "sd3": (8, 64, 32), 
 
 
 # ComfyUI class -> why no tiny model here trains it (for a class that trains: what the training leaves out)
-COSMOS_FLOW = ("Cosmos's flow objective (ComfyUI's FLOW_COSMOS sampling, EDM-style scaling): the trainer's "
-               "objectives are epsilon, v and plain flow")
+COSMOS_FLOW = ("trains on Cosmos Predict2's objective, ComfyUI's COSMOS_RFLOW (rectified flow, each flow time named by "
+               "its EDM sigma t / (1 - t)); ComfyUI 0.3.64 fixes its depth (28 or 36 blocks), so there the tiny one "
+               "does not load whole")
 COGVIDEOX_DDPM = ("trains on CogVideoX's objective, ComfyUI's V_PREDICTION_DDPM (v on the unscaled noisy latent: the "
                   "trainer's v_prediction_ddpm)")
 NO_EXTRA = "trains as ComfyUI runs it without its {} (ComfyUI leaves them out or zero); the trainer gives none"

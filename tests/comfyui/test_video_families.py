@@ -499,35 +499,55 @@ def test_the_generic_family_lays_an_image_dataset_out_as_one_frame_videos_for_a_
     assert family(comfy.latent_formats.SD3).to_model_layout(images).shape == (2, 16, 4, 8)
 
 
-@pytest.mark.parametrize("class_name", ["CogVideoX_T2V", "CogVideoX_I2V"])
-def test_cogvideox_trains_on_the_target_comfyuis_v_prediction_ddpm_turns_into_the_clean_latent(class_name):
-    """CogVideoX (ComfyUI 0.33, the generic family) is ComfyUI's V_PREDICTION_DDPM: v-prediction on the unscaled
-    noisy latent. The family's target is the output ComfyUI's own calculate_denoised turns back into the clean
-    latent, at every noise level; the attention and feed-forward presets find its blocks' layers (q, k, v,
-    attn_out; ff_proj, ff_out), and each gets a gradient from the loss."""
+# ComfyUI 0.33 classes on objectives of their own: (the trainer's objective, latent shape, text width, the end of
+# the names of the layers its presets select)
+OWN_OBJECTIVES = {
+    # CogVideoX: ComfyUI's V_PREDICTION_DDPM (v-prediction on the unscaled noisy latent); its blocks hold their layers
+    "CogVideoX_T2V": ("v_prediction_ddpm", (16, 2, 8, 8), 4096, ["attn_out", "ff_out", "ff_proj", "k", "q", "v"]),
+    "CogVideoX_I2V": ("v_prediction_ddpm", (16, 2, 8, 8), 4096, ["attn_out", "ff_out", "ff_proj", "k", "q", "v"]),
+    # Cosmos Predict2: ComfyUI's COSMOS_RFLOW, rectified flow with each flow time t named by its EDM sigma t / (1 - t)
+    "CosmosT2IPredict2": ("flow", (16, 1, 8, 8), 1024, ["k_proj", "layer1", "layer2", "output_proj", "q_proj",
+                                                        "v_proj"]),
+}
+
+
+@pytest.mark.parametrize("class_name", sorted(OWN_OBJECTIVES))
+def test_a_model_on_an_objective_of_its_own_trains_on_the_target_comfyui_turns_into_the_clean_latent(class_name):
+    """CogVideoX's and Cosmos Predict2's objectives (the generic family): at every noise level the family's target
+    is the output ComfyUI's own calculate_denoised turns back into the clean latent from the input its sampler
+    gives the model, and the model is called at ComfyUI's timestep for that noise level (Cosmos: the flow time t of
+    its EDM sigma, at most its schedule's top); the presets find the blocks' layers, and each gets a gradient."""
     bootstrap_comfy()
-    import comfy.model_base
+    import comfy.supported_models
     from ingraph_trainer.trainer.models import Batch, family_for
     from tools.family_coverage import CLASS_BUILT, class_state_dict, load_model
-    if not hasattr(comfy.model_base, "CogVideoX"):
-        pytest.skip("skipped: this ComfyUI has no CogVideoX (0.33 and later have)")
+    if not hasattr(comfy.supported_models, class_name):
+        pytest.skip(f"skipped: this ComfyUI has no {class_name} (0.33 and later have)")
+    if class_name.startswith("Cosmos") and not ON_COMFYUI_033:
+        pytest.skip("skipped: ComfyUI 0.3.64 fixes Cosmos Predict2's depth (28 or 36 blocks), so no tiny one loads "
+                    "whole; the ComfyUI 0.33 tier runs this test")
+    objective, latent, text_width, layers = OWN_OBJECTIVES[class_name]
     torch.manual_seed(0)
     patcher = load_model(class_state_dict(class_name, *CLASS_BUILT[class_name]), None)
     family = family_for(patcher.model, patcher=patcher)
-    assert (family.name, family.prediction) == ("generic", "v_prediction_ddpm")
+    assert (family.name, family.prediction) == ("generic", objective)
     g = torch.Generator().manual_seed(0)
-    latents, noise = torch.randn(4, 16, 2, 8, 8, generator=g), torch.randn(4, 16, 2, 8, 8, generator=g)
-    x0, noise, sigma = family.noising(latents, noise, torch.tensor([0.02, 0.3, 0.7, 0.99]))
-    sampling, shape = patcher.model.model_sampling, (-1, 1, 1, 1, 1)
-    x_in = sampling.calculate_input(sigma.view(shape), sampling.noise_scaling(sigma.view(shape), noise, x0))
+    latents, noise = torch.randn(5, *latent, generator=g), torch.randn(5, *latent, generator=g)
+    places = torch.tensor([0.02, 0.3, 0.5, 0.7, 0.999])
+    x0, noise, sigma = family.noising(latents, noise, places)
+    sampling, shape = patcher.model.model_sampling, (-1,) + (1,) * len(latent)
+    assert float(sigma.max()) <= float(sampling.sigma_max) * (1 + 1e-6)
+    x_noisy = sampling.noise_scaling(sigma.view(shape), noise, x0)  # the sampler's latent; the model sees its input
     target = family.target(x0, noise, sigma.view(shape))
-    torch.testing.assert_close(sampling.calculate_denoised(sigma, target, x_in), x0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sampling.calculate_denoised(sigma, target, x_noisy), x0, rtol=1e-5, atol=1e-5)
+    if family.flow_by_edm_sigma:
+        torch.testing.assert_close(sampling.timestep(sigma)[:4], places[:4], rtol=1e-5, atol=1e-6)
     targets = family.adapter_targets("attention_ff")
-    assert sorted({t.split(".", 2)[2] for t in targets}) == ["attn_out", "ff_out", "ff_proj", "k", "q", "v"]
+    assert sorted({t.rsplit(".", 1)[1] for t in targets}) == layers, targets
     family.prepare_for_training()
     modules = dict(family.diffusion_model.named_modules())
     for t in targets:
         modules[t].weight.requires_grad_(True)
-    text = torch.randn(2, 8, 4096, generator=g)
+    text = torch.randn(2, 8, text_width, generator=g)
     family.loss(Batch(latents[:2], text, None, noise[:2], torch.tensor([0.3, 0.8]))).backward()
-    assert all(modules[t].weight.grad.abs().sum() > 0 for t in targets)
+    assert all(modules[t].weight.grad.abs().sum() > 0 for t in targets), targets

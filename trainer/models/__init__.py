@@ -40,7 +40,7 @@ def prediction_from_sampling(sampling) -> str:
         return "v_prediction_ddpm"
     if isinstance(sampling, ms.EPS):
         return "epsilon"
-    if isinstance(sampling, ms.CONST):
+    if isinstance(sampling, (ms.CONST, getattr(ms, "COSMOS_RFLOW", ()))):  # Cosmos's: flow by its EDM sigma
         return "flow"
     raise ValueError(f"model: objective {type(sampling).__name__} is not supported "
                      "(epsilon, v-prediction, CogVideoX's v-prediction and flow-matching models)")

@@ -77,6 +77,10 @@ class ModelFamily:
         if prediction not in PREDICTIONS:
             raise ValueError(f"model.prediction: {prediction!r} is not one of {PREDICTIONS}")
         self.prediction = prediction
+        # Cosmos Predict2's rectified flow (ComfyUI 0.33's COSMOS_RFLOW) names a flow time t by its EDM sigma,
+        # t / (1 - t): the same noising, input and velocity target as plain flow, reached through that sigma
+        self.flow_by_edm_sigma = prediction == "flow" and any(
+            c.__name__ == "COSMOS_RFLOW" for c in type(getattr(base_model, "model_sampling", None)).__mro__)
 
     @classmethod
     def matches(cls, base_model) -> bool:
@@ -194,7 +198,10 @@ class ModelFamily:
     def sigmas(self, timesteps: torch.Tensor) -> torch.Tensor:
         """Noise level of each sample from its place on the schedule (0 = clean, towards 1 = pure noise)."""
         if self.prediction == "flow":
-            return shifted(timesteps.float().clamp(1e-4, 1.0 - 1e-4), self.flow_shift)
+            t = shifted(timesteps.float().clamp(1e-4, 1.0 - 1e-4), self.flow_shift)
+            if self.flow_by_edm_sigma:  # up to the schedule's top, as ComfyUI's sampler starts there
+                return (t / (1.0 - t)).clamp(max=float(self.base_model.model_sampling.sigma_max))
+            return t
         sampling = self.base_model.model_sampling  # ComfyUI's discrete schedule: index from the fraction
         t = (timesteps * len(sampling.sigmas)).long().clamp(0, len(sampling.sigmas) - 1)
         return sampling.sigmas[t.cpu()].to(timesteps.device).float()
@@ -236,6 +243,8 @@ class ModelFamily:
         return noise
 
     def snr(self, sigma: torch.Tensor) -> torch.Tensor:
+        if self.flow_by_edm_sigma:
+            return 1.0 / sigma ** 2  # ((1 - t) / t) ** 2 at t = sigma / (sigma + 1)
         if self.prediction == "flow":
             return ((1.0 - sigma) / sigma) ** 2
         return 1.0 / sigma ** 2  # alpha_bar / (1 - alpha_bar) on ComfyUI's schedule

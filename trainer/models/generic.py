@@ -11,12 +11,14 @@ from .residuals import residuals_out_of_place
 
 # AuraFlow names its projections w1q..w2o (text and image streams) and c_fc1/c_fc2/c_proj; Kandinsky 5 its
 # to_query/to_key/to_value/out_layer and its feed-forward in_layer/out_layer; JoyImage's joint attention is one
-# module holding each stream's layers (attn.img_attn_qkv, ...)
+# module holding each stream's layers (attn.img_attn_qkv, ...); Cosmos Predict2 names its attention's output
+# output_proj and its feed-forward layer1/layer2
 ATTENTION = (r"(attn|attention)[^.]*\.(to_q|to_k|to_v|to_out\.0|q|k|v|o|qkv|proj|out|q_proj|k_proj|v_proj|o_proj"
-             r"|w[12][qkvo]|to_query|to_key|to_value|out_layer)$", r"attn\.(img|txt)_attn_(qkv|proj)$",
+             r"|output_proj|w[12][qkvo]|to_query|to_key|to_value|out_layer)$", r"attn\.(img|txt)_attn_(qkv|proj)$",
              r"^blocks\.\d+\.(q|k|v|attn_out)$")  # CogVideoX's blocks hold their attention's layers
-FEED_FORWARD = (r"(mlp|ffn|ff|feed_forward)[^.]*\.(\d+|fc[12]|w[123]|net\.0\.proj|net\.2|proj|linear[12]|c_fc[12]|c_proj"
-                r"|in_layer|out_layer)$", r"^blocks\.\d+\.ff_(proj|out)$")
+# (not an adaLN modulation's MLP, such as Cosmos Predict2's adaln_modulation_mlp: it conditions on the timestep)
+FEED_FORWARD = (r"(?<!modulation_)(mlp|ffn|ff|feed_forward)[^.]*\.(\d+|fc[12]|w[123]|net\.0\.proj|net\.2|proj"
+                r"|linear[12]|layer[12]|c_fc[12]|c_proj|in_layer|out_layer)$", r"^blocks\.\d+\.ff_(proj|out)$")
 
 
 class GenericFamily(ModelFamily):
