@@ -1,7 +1,7 @@
 from comfy_api.latest import io
 
 from ..trainer.spec import DEFAULT_EVAL_QUANTILES_TEXT
-from .spec_inputs import spec_section
+from .spec_inputs import input_names, spec_section
 from .types import CATEGORY, Dataset, Distributed
 
 
@@ -66,18 +66,24 @@ class Evaluate(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, dataset, **inputs) -> io.NodeOutput:
+        import dataclasses
         from ..trainer.comfy_compat import raise_if_interrupted
-        from ..runner.evaluation_run import evaluate_model, parse_quantiles, quantile_table
+        from ..trainer.spec import DistributedSpec, RunSpec
+        from ..runner.evaluation_run import parse_quantiles, quantile_table
         from ..runner.loss_chart import chart_tensor, render_quantile_chart
+        from ..runner.node_run import NodeCall, run_task
+        from ..runner.session import RunDatasets
         dataset.require_cached("dataset")
         train = spec_section(cls, "train", inputs, read={"eval_quantiles": parse_quantiles})
+        draft = RunSpec(task="evaluate", train=dataclasses.replace(train, steps=1),  # an evaluation is one step
+                        distributed=inputs.get("distributed") or DistributedSpec())
+        node = NodeCall("Evaluate", cls.hidden.unique_id, cls.hidden.prompt, lambda run_id, steps: lambda event: None,
+                        raise_if_interrupted, input_names(cls, "train"))
         baseline, results = inputs.get("baseline"), {}
         for name, evaluated in (("baseline", baseline), ("model", model)):
-            if evaluated is not None:
-                results[name] = evaluate_model(
-                    evaluated, dataset, train=train, distributed=inputs.get("distributed"),
-                    on_event=lambda event: None, check_interrupt=raise_if_interrupted, prompt=cls.hidden.prompt,
-                    node_id=cls.hidden.unique_id, model_input=name, remember=name == "baseline")
+            if evaluated is not None:  # the baseline's result is remembered: asked again, it is not run again
+                results[name] = run_task(draft, evaluated, RunDatasets(dataset), None, node, model_input=name,
+                                         remember=name == "baseline").result.finished["evaluation"]
         result = results["model"]
         table = quantile_table(results if baseline is not None else {"loss": result})
         chart = chart_tensor(render_quantile_chart(results))

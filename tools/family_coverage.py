@@ -114,6 +114,8 @@ WHY_NOT = {
     "CogVideoX_T2V": COGVIDEOX_DDPM,
     "CogVideoX_I2V": COGVIDEOX_DDPM + "; " + NO_EXTRA.format("start image"),
     "CogVideoX_Inpaint": COGVIDEOX_DDPM + "; " + NO_EXTRA.format("inpaint video and mask"),
+    "JoyImage": "its attention runs comfy-kitchen's fused rms_rope, which has no backward: the trainer gives it the "
+                "backward of comfy-kitchen's own eager implementation (trainer/kitchen_autograd.py)",
     "Boogu": "its forward needs num_tokens, which ComfyUI's extra_conds gives only with the text's attention mask "
              "(one prompt's), and the trainer gives none (trainer/models/base.py extra_cond_inputs)",
     "Anima": "refused: its LLM adapter reads the T5 token ids of each caption, which the text cache does not keep; "

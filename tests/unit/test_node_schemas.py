@@ -117,8 +117,8 @@ def test_each_trainer_node_input_reaches_its_spec_field_and_no_other(monkeypatch
     from ingraph_trainer.nodes.distill_node import Distill
     from ingraph_trainer.nodes.evaluate_node import Evaluate
     from ingraph_trainer.nodes.train_node import TrainLoRA
-    from ingraph_trainer.runner import evaluation_run, node_run
-    from ingraph_trainer.trainer.spec import CHOICE_FIELDS, AdapterSpec, RunSpec, choice_value
+    from ingraph_trainer.runner import node_run
+    from ingraph_trainer.trainer.spec import CHOICE_FIELDS, AdapterSpec, choice_value
 
     class Handed(Exception):
         pass
@@ -126,10 +126,7 @@ def test_each_trainer_node_input_reaches_its_spec_field_and_no_other(monkeypatch
     def run_task(draft, *args, **kwargs):
         raise Handed(draft)
 
-    def evaluate_model(model, dataset, *, train, **kwargs):  # the Evaluate node's draft: its train section
-        raise Handed(RunSpec(task="evaluate", train=train))
     monkeypatch.setattr(node_run, "run_task", run_task)
-    monkeypatch.setattr(evaluation_run, "evaluate_model", evaluate_model)
     dataset = types.SimpleNamespace(require_cached=lambda name: None)
     for node, least in ((TrainLoRA, 30), (Distill, 15), (Evaluate, 5)):
         monkeypatch.setattr(node, "hidden", types.SimpleNamespace(unique_id="1", prompt=None), raising=False)

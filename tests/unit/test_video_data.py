@@ -487,8 +487,9 @@ def test_evaluate_refuses_references_the_model_cannot_take_before_anything_runs(
     import ingraph_trainer.runner.model_source as model_source
     import ingraph_trainer.trainer.comfy_env as comfy_env
     import ingraph_trainer.trainer.models as models
-    from ingraph_trainer.runner.evaluation_run import evaluate_model
-    from ingraph_trainer.trainer.spec import TrainSpec
+    from ingraph_trainer.runner.node_run import NodeCall, run_task
+    from ingraph_trainer.runner.session import RunDatasets
+    from ingraph_trainer.trainer.spec import RunSpec, TrainSpec
     from ingraph_trainer.trainer.tasks.evaluation import run_evaluation
     from ingraph_trainer.trainer.models.base import UnsupportedSetting
 
@@ -518,13 +519,15 @@ def test_evaluate_refuses_references_the_model_cannot_take_before_anything_runs(
     def handed_off(*_):
         raise AssertionError("the MODEL was handed off before the dataset was checked")
     monkeypatch.setattr(model_source, "release_comfy_models", handed_off)
+    monkeypatch.setattr(model_source, "prediction_of", lambda model: "epsilon")
     for family, refused in ((NoReferences(), "SDXL takes none"), (StartImage(), "takes one start image per item")):
         monkeypatch.setattr(models, "family_for", lambda *_, f=family, **__: f)
         with pytest.raises(ValueError, match=f"Evaluate \\({family.display_name} model\\): dataset: its items carry "
                                              f"2 reference image.*{refused}"):
-            evaluate_model(SimpleNamespace(model=None), dataset, train=TrainSpec(eval_quantiles=[0.5], batch_size=1,
-                                                                                 precision="fp32"),
-                           distributed=None, on_event=print, check_interrupt=lambda: None)
+            run_task(RunSpec(task="evaluate", train=TrainSpec(steps=1, eval_quantiles=[0.5], batch_size=1,
+                                                              precision="fp32")),
+                     SimpleNamespace(model=None), RunDatasets(dataset), None,
+                     NodeCall("Evaluate", "1", None, lambda *_: print, lambda: None))
 
     # the trainer's evaluate task checks again (a run spec written by hand), before any event or model
     manifest = write_manifest(tmp_path / "edit.json", dataset, tmp_path / "cache")
