@@ -116,8 +116,8 @@ WHY_NOT = {
     "CogVideoX_Inpaint": COGVIDEOX_DDPM + "; " + NO_EXTRA.format("inpaint video and mask"),
     "JoyImage": "its attention runs comfy-kitchen's fused rms_rope, which has no backward: the trainer gives it the "
                 "backward of comfy-kitchen's own eager implementation (trainer/kitchen_autograd.py)",
-    "Boogu": "its forward needs num_tokens, which ComfyUI's extra_conds gives only with the text's attention mask "
-             "(one prompt's), and the trainer gives none (trainer/models/base.py extra_cond_inputs)",
+    "Boogu": "its forward needs num_tokens, which its extra_conds makes from the text's attention mask: the generic "
+             "family gives the cached embedding's, all ones (as the Lumina 2 family does)",
     "Anima": "refused: its LLM adapter reads the T5 token ids of each caption, which the text cache does not keep; "
              "trained on the text embedding alone, a LoRA would learn a path ComfyUI's sampler never runs",
     # not built here

@@ -491,3 +491,20 @@ def test_anima_is_refused_naming_the_llm_adapters_token_ids():
     patcher = _class_built("Anima")
     with pytest.raises(ValueError, match=r"Anima reads its text through an LLM adapter fed the T5 token ids"):
         family_for(patcher.model, patcher=patcher)
+
+
+def test_boogu_trains_with_the_token_count_its_comfyui_model_takes_from_the_text_mask():
+    """Boogu (ComfyUI 0.33, the generic family; Omnigen2's conditioning): its forward needs num_tokens, which its
+    extra_conds makes from the text encoder's attention mask; the family gives the cached embedding's all-ones mask,
+    and its loss is ComfyUI's sampler's with that mask (without it the model cannot run)."""
+    from ingraph_trainer.trainer.models import family_for
+    patcher = _class_built("Boogu")
+    family = family_for(patcher.model, patcher=patcher)
+    assert family.name == "generic" and type(patcher.model).__name__ == "Boogu"
+    text_width = patcher.model.diffusion_model.state_dict()["time_caption_embed.caption_embedder.1.weight"].shape[1]
+    batch = _batch((16, 8, 8), (8, text_width))
+    expected = comfyui_losses(family, batch, {"attention_mask": torch.ones(1, 8, dtype=torch.long)})
+    family.prepare_for_training()
+    with torch.no_grad():
+        got = family.loss(batch, reduce=False)
+    assert torch.allclose(got, expected, rtol=1e-6, atol=0), (got, expected)

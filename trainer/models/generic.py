@@ -1,10 +1,12 @@
 """Any other diffusion model ComfyUI loads: adapters on its linear layers, conditioning from ComfyUI's
-own extra_conds, the objective from its model_sampling (epsilon, v-prediction or flow).
+own extra_conds, the objective from its model_sampling (epsilon, v-prediction, CogVideoX's v-prediction or flow).
 
 It trains what ComfyUI's sampler would run with a text embedding (and pooled vector, where the model
 takes one); inputs a model needs beyond those (reference images, masks) are left at ComfyUI's defaults.
 """
 from __future__ import annotations
+
+import torch
 
 from .base import ModelFamily, block_lists, is_comfy_model
 from .residuals import residuals_out_of_place
@@ -49,6 +51,14 @@ class GenericFamily(ModelFamily):
         # their blocks add residuals in place, as the flux and hunyuan_video families' own
         flux_blocks = [b for b in block_lists(self.diffusion_model) if type(b).__module__ == "comfy.ldm.flux.layers"]
         residuals_out_of_place(flux_blocks)
+
+    def extra_cond_inputs(self, batch, x_noisy: torch.Tensor) -> dict:
+        inputs = super().extra_cond_inputs(batch, x_noisy)
+        if any(is_comfy_model(self.base_model, name) for name in ("Omnigen2", "Boogu")):
+            # their extra_conds make the model's num_tokens from the text encoder's attention mask (per
+            # conditioning, batch 1), as Lumina 2's do; the cached embeddings hold every token: the mask is all ones
+            inputs["attention_mask"] = torch.ones((1, batch.cond.shape[1]), dtype=torch.long, device=x_noisy.device)
+        return inputs
 
     def transformer_options(self, kwargs: dict) -> dict:
         if is_comfy_model(self.base_model, "LongCatImage"):  # its _apply_model shifts the rotary positions by the
