@@ -64,7 +64,10 @@ def check_evaluation_references(model, dataset, title: str = "Evaluate"):
     the trainer: the graph's dataset holds its bucket settings, not the sizes), naming the Evaluate node's input."""
     from ..trainer.data.dataset_checks import check_dataset_for_family
     from ..trainer.models import UnsupportedSetting, family_for
-    family = family_for(model.model)
+    try:
+        family = family_for(model.model)
+    except ValueError as exc:  # a model no family takes (Anima: its text's token ids)
+        raise ValueError(f"{title}: {exc}") from None
     try:
         check_dataset_for_family(dataset, family, "dataset")
     except UnsupportedSetting as exc:

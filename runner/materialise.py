@@ -99,10 +99,10 @@ def digest_state_dict(state_dict: dict) -> str:
 def materialise_model(model, root: str | Path, prompt: dict | None = None, link=None) -> Path:
     """The MODEL's patched diffusion-model weights in a file ComfyUI's Load Diffusion Model builds the same model
     from: with the "config" metadata its detection needs beside the weights (LTX-2's sizes, Wan's variants)."""
-    from ..trainer.comfy_compat import config_metadata
+    from ..trainer.models.file_metadata import config_metadata
     names = model.model.diffusion_model.state_dict()  # names, shapes, dtypes (the patches change no shape)
     return materialise_state_dict(lambda: patched_state_dict(model), root, "diffusion model",
-                                  graph_key(prompt, link, "model", names), config_metadata(model))
+                                  graph_key(prompt, link, "model", names), config_metadata(model.model, names))
 
 
 def materialise_vae(vae, root: str | Path, prompt: dict | None = None, link=None) -> Path:

@@ -19,6 +19,7 @@ from .train_run import TrainOutcome, check_new_training, refuse_foreign_file, ti
 
 log = logging.getLogger("ingraph_trainer")
 
+
 @dataclass(frozen=True)
 class TaskRun:
     """What the runner does for one task beyond what every run does."""
@@ -108,7 +109,11 @@ def run_task(draft: RunSpec, model, datasets: RunDatasets, previews, node: NodeC
             log.info("InGraph Trainer: no checkpoint of %r to resume; starting a new run", name)
         resume_tag = None
         node.refuse(settings_problems(draft, datasets))
-        task_run.check_new(draft, model, datasets, prediction_of(model), node)
+        try:
+            prediction = prediction_of(model)
+        except ValueError as exc:  # an objective the trainer has not (EDM, image-to-image flow...)
+            raise ValueError(f"{title}: {exc}") from None
+        task_run.check_new(draft, model, datasets, prediction, node)
         # the GPU goes to the trainer; and a fallback reads weights unpatched, as a loaded model may hold them patched
         _, timings["releasing ComfyUI's models"] = timed(release_comfy_models, model)
         hand_off, timings["describing the model"] = timed(hand_off_model, model, node.prompt, node.node_id,

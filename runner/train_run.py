@@ -29,7 +29,10 @@ def check_family_settings(model, prediction: str, train, adapter, file_format: s
             check_local_processes(distributed.processes)
         except ValueError as exc:
             raise ValueError(f"{title}: {exc}") from None
-    family = family_for(model.model, prediction=prediction)
+    try:
+        family = family_for(model.model, prediction=prediction)
+    except ValueError as exc:  # a model no family trains (Anima: its text's token ids)
+        raise ValueError(f"{title}: {exc}") from None
     try:
         family.check_settings(RunSpec(train=train, adapter=adapter, output=OutputSpec(format=file_format),
                                       distributed=distributed or DistributedSpec()))

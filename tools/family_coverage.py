@@ -93,7 +93,8 @@ WHY_NOT = {
     "WAN21_SCAIL": NO_EXTRA.format("pose and reference latents"),
     "WAN21_SCAIL2": NO_EXTRA.format("pose, reference and identity-mask latents"),
     "WAN22_WanDancer": NO_EXTRA.format("audio and reference-image inputs"),
-    "WAN21_FlowRVS": "generic family (a Wan 2.1 told apart by its file's metadata)",
+    "WAN21_FlowRVS": "refused: its objective, ComfyUI's IMG_TO_IMG_FLOW (a flow from the clean latent, image to "
+                     "image), is not one the trainer has (it trained as plain flow before, which ComfyUI never runs)",
     "WAN21_CausalAR_T2V": "generic family, trained as a whole clip (not causally, frame block by block)",
     "HunyuanVideoI2V": NO_EXTRA.format("start image's latent and mask"),
     "HunyuanVideoSkyreelsI2V": NO_EXTRA.format("start image's latent"),

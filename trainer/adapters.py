@@ -303,7 +303,7 @@ def kohya_metadata(spec, family, num_images: int, steps_done: int, started_at: f
         "ss_network_dropout": str(a.dropout),
         "ss_base_model_version": family.base_model_version,
         "ss_v2": str(family.base_model_version == "sd_v2"),
-        "ss_v_parameterization": str(family.prediction == "v_prediction"),
+        "ss_v_parameterization": str(family.prediction in ("v_prediction", "v_prediction_ddpm")),
         "ss_output_name": spec.output.name,
         "ss_training_started_at": str(started_at),
         "ss_training_finished_at": str(time.time()),

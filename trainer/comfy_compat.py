@@ -11,7 +11,7 @@ place: the next ComfyUI change that breaks the pack is fixed here.
   with comfy-kitchen kernels that have no backward (`enter_training`).
 - Model code whose structure changed (HunyuanVideo's joint sequence order, LTX-Video's positions), read from the
   model itself for the pipeline layers that rebuild its forward; a layer's weight as its forward casts it.
-- ComfyUI's loaders as the pack calls them (model, VAE and LoRA files, and a written file's "config" metadata).
+- ComfyUI's loaders as the pack calls them (model, VAE and LoRA files).
 - Which version is installed (`comfyui_version`), for the rare decision that needs it.
 """
 from __future__ import annotations
@@ -343,19 +343,6 @@ def model_from_state_dict(state: dict):
     """The MODEL ComfyUI's loader detects for a diffusion model's tensors (None where it recognises none)."""
     import comfy.sd
     return comfy.sd.load_diffusion_model_state_dict(state)
-
-
-def config_metadata(patcher) -> dict[str, str]:
-    """A diffusion-model file's "config" metadata for ComfyUI's loader to build this MODEL from its weights: of the
-    settings its class is told apart by and its own (LTX-2's sizes, Wan's variants), those that detection from the
-    weights alone gives otherwise, and that a file can carry (JSON); {} where none."""
-    import json
-    from comfy.model_detection import detect_unet_config
-    config = patcher.model.model_config
-    detected = detect_unet_config(patcher.model.diffusion_model.state_dict(), "") or {}
-    differs = {k: v for k, v in {**config.unet_config, **type(config).unet_config}.items()
-               if (k not in detected or detected[k] != v) and json.loads(json.dumps(v, default=repr)) == v}
-    return {"config": json.dumps({"transformer": differs}, sort_keys=True)} if differs else {}
 
 
 def unet_to_diffusers(unet_config: dict) -> dict:  # ComfyUI's key map of a UNet: diffusers key → ldm key

@@ -11,7 +11,8 @@ from __future__ import annotations
 import functools
 
 # comfy-kitchen's out-of-place rotary ops (the in-place ones write into their inputs, which no trained path does)
-OPS = ("apply_rope", "apply_rope1", "rms_rope", "rms_rope1", "rms_rope_split_half", "rms_rope_split_half1")
+OPS = ("apply_rope", "apply_rope1", "apply_rope_split_half", "apply_rope_split_half1", "rms_rope", "rms_rope1",
+       "rms_rope_split_half", "rms_rope_split_half1")
 
 
 @functools.cache
@@ -27,15 +28,21 @@ def register_backwards() -> tuple[str, ...]:
     given = []
     for name in OPS:
         reference = getattr(eager, name, None)
-        if reference is None or not hasattr(torch.ops.comfy_kitchen, name):
+        if reference is None or not hasattr(torch.ops.comfy_kitchen, name) or _has_backward(f"comfy_kitchen::{name}"):
             continue
-        try:
-            torch.library.register_autograd(f"comfy_kitchen::{name}", _backward_of(reference),
-                                            setup_context=_keep_inputs)
-        except RuntimeError:  # a comfy-kitchen that defines a backward itself keeps it
-            continue
+        torch.library.register_autograd(f"comfy_kitchen::{name}", _backward_of(reference), setup_context=_keep_inputs)
         given.append(name)
     return tuple(given)
+
+
+def _has_backward(qualname: str) -> bool:
+    """Whether the custom op already has a backward (a comfy-kitchen that defines its own keeps it: registering
+    replaces one silently). Read from torch's custom-op record; a torch without it is taken as none."""
+    try:
+        from torch._library.custom_ops import _maybe_get_opdef
+        return getattr(_maybe_get_opdef(qualname), "_backward_fn", None) is not None
+    except (ImportError, AttributeError):
+        return False
 
 
 def _keep_inputs(ctx, inputs, output):
@@ -54,7 +61,8 @@ def _backward_of(reference):
             leaves = [x.detach().requires_grad_(True) if i in wanted else x for i, x in enumerate(inputs)]
             outputs = reference(*leaves)
             outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-            pairs = [(out, grad) for out, grad in zip(outputs, grads) if grad is not None]
+            # autograd hands a (zero) gradient for every output: only those computed from an input wanted count
+            pairs = [(out, grad) for out, grad in zip(outputs, grads) if grad is not None and out.requires_grad]
             if not wanted or not pairs:
                 return tuple(result)
             found = torch.autograd.grad([out for out, _ in pairs], [leaves[i] for i in wanted],

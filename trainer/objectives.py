@@ -42,7 +42,8 @@ def batch_loss(per_sample: torch.Tensor, sample_weight: torch.Tensor | None = No
 def min_snr_weight(snr: torch.Tensor, gamma: float, prediction: str) -> torch.Tensor:
     """Min-SNR-gamma weighting (Hang et al. 2023), per sample: the target's own loss scale is undone.
 
-    epsilon: min(SNR, gamma) / SNR; v-prediction: min(SNR, gamma) / (SNR + 1);
+    epsilon: min(SNR, gamma) / SNR; v-prediction (CogVideoX's too: its error is (SNR + 1) times the clean
+    latent's, as plain v's): min(SNR, gamma) / (SNR + 1);
     flow matching (velocity target): min(SNR, gamma) / (SNR + 1) as well."""
     clipped = torch.minimum(snr, torch.full_like(snr, gamma))
     if prediction == "epsilon":

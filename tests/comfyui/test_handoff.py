@@ -351,6 +351,7 @@ def test_a_materialised_copy_loads_as_the_graphs_model_where_the_file_it_came_fr
     bootstrap()
     import comfy.supported_models
     import torch
+    from safetensors import safe_open
     from tools.family_coverage import CLASS_BUILT, class_state_dict, load_model
     from ingraph_trainer.trainer.comfy_compat import load_model_file
     if not hasattr(comfy.supported_models, class_name):
@@ -362,6 +363,8 @@ def test_a_materialised_copy_loads_as_the_graphs_model_where_the_file_it_came_fr
     key, weight = next((k, w) for k, w in model.model.diffusion_model.state_dict().items() if w.dim() == 2)
     model.add_patches({f"diffusion_model.{key}": (torch.full_like(weight, 0.25),)}, 1.0)  # what a patch node adds
     path = materialise.materialise_model(model, tmp_path)
+    with safe_open(str(path), "pt") as copy:  # metadata only where the weights alone load as something else
+        assert ("config" in copy.metadata()) == (class_name != "WAN21_Camera"), copy.metadata()
     again = load_model_file(str(path), from_checkpoint=False, options={"dtype": torch.float32})
     assert type(again.model.model_config).__name__ == class_name
     assert again.model.model_config.unet_config == model.model.model_config.unet_config

@@ -417,7 +417,7 @@ def test_the_generic_family_trains_models_built_of_comfyuis_flux_blocks():
     batch = Batch(torch.randn(2, 16, 8, 8, generator=g), torch.randn(2, 8, context, generator=g),
                   torch.randn(2, pooled, generator=g), torch.randn(2, 16, 8, 8, generator=g), torch.tensor([0.3, 0.8]))
     family.loss(batch).backward()
-    assert all(modules[t].weight.grad is not None and modules[t].weight.grad.abs().sum() > 0 for t in targets), [(t, modules[t].weight.grad is None) for t in targets]
+    assert all(modules[t].weight.grad is not None and modules[t].weight.grad.abs().sum() > 0 for t in targets)
 
 
 def test_longcat_image_trains_with_the_rope_shift_its_comfyui_model_applies():
@@ -491,6 +491,14 @@ def test_anima_is_refused_naming_the_llm_adapters_token_ids():
     patcher = _class_built("Anima")
     with pytest.raises(ValueError, match=r"Anima reads its text through an LLM adapter fed the T5 token ids"):
         family_for(patcher.model, patcher=patcher)
+    # at queue time, before the hand-off: the error names the node
+    from ingraph_trainer.runner.evaluation_run import check_evaluation_references
+    from ingraph_trainer.runner.train_run import check_family_settings
+    from ingraph_trainer.trainer.spec import AdapterSpec, TrainSpec
+    with pytest.raises(ValueError, match=r"^Train LoRA: model: Anima reads its text"):
+        check_family_settings(patcher, "flow", TrainSpec(), AdapterSpec(), "comfyui")
+    with pytest.raises(ValueError, match=r"^Evaluate: model: Anima reads its text"):
+        check_evaluation_references(patcher, None)
 
 
 def test_boogu_trains_with_the_token_count_its_comfyui_model_takes_from_the_text_mask():

@@ -224,3 +224,27 @@ def test_flux_single_and_double_blocks_train_despite_in_place_residuals(family_m
             out = layer(out)
         got = family.loss_of_output(out, batch.latents, batch.noise, batch.timesteps, reduce=False)
     assert torch.equal(expected, got)
+
+
+def test_each_objective_is_read_from_comfyuis_model_sampling_and_one_that_only_looks_alike_is_refused():
+    """The trainer's objective is read from ComfyUI's model_sampling class; classes that subclass a trained one but
+    compute another thing are refused by name (EDM's output has the other sign, X0 and IMG_TO_IMG predict the clean
+    latent, IMG_TO_IMG_FLOW starts its flow from the clean latent), not trained on a target ComfyUI never runs."""
+    from tools.bootstrap import bootstrap
+    bootstrap()
+    import comfy.model_sampling as ms
+    from ingraph_trainer.trainer.models import prediction_from_sampling
+
+    def sampling(objective, schedule=ms.ModelSamplingDiscrete):
+        return type("ModelSampling", (schedule, objective), {})(None)
+    read = {"EPS": "epsilon", "V_PREDICTION": "v_prediction", "V_PREDICTION_DDPM": "v_prediction_ddpm"}
+    for name, prediction in read.items():
+        if hasattr(ms, name):  # V_PREDICTION_DDPM: ComfyUI 0.33's
+            assert prediction_from_sampling(sampling(getattr(ms, name))) == prediction, name
+    assert prediction_from_sampling(sampling(ms.CONST, ms.ModelSamplingDiscreteFlow)) == "flow"
+    assert prediction_from_sampling(sampling(ms.COSMOS_RFLOW, ms.ModelSamplingCosmosRFlow)) == "flow"
+    for name, schedule in (("EDM", ms.ModelSamplingContinuousEDM), ("X0", ms.ModelSamplingDiscrete),
+                           ("IMG_TO_IMG", ms.ModelSamplingDiscrete), ("IMG_TO_IMG_FLOW", ms.ModelSamplingDiscreteFlow)):
+        if hasattr(ms, name):
+            with pytest.raises(ValueError, match=f"model: objective {name} is not supported"):
+                prediction_from_sampling(sampling(getattr(ms, name), schedule))

@@ -233,7 +233,8 @@ def test_comfy_kitchens_rotary_ops_get_the_backward_of_its_eager_implementation(
     def leaf(*shape):
         return torch.randn(*shape, generator=generator)
     q, k, freqs, q_scale, k_scale = leaf(2, 6, 2, 8), leaf(2, 6, 2, 8), leaf(1, 6, 1, 4, 2, 2), leaf(8), leaf(8)
-    arguments = {"apply_rope": (q, k, freqs), "apply_rope1": (q, freqs),
+    arguments = {"apply_rope": (q, k, freqs), "apply_rope1": (q, freqs), "apply_rope_split_half": (q, k, freqs),
+                 "apply_rope_split_half1": (q, freqs),
                  "rms_rope": (q, k, freqs, q_scale, k_scale, 1e-6), "rms_rope1": (q, freqs, q_scale, 1e-6),
                  "rms_rope_split_half1": (q, freqs, q_scale, 1e-6),
                  "rms_rope_split_half": (q, k, freqs, q_scale, k_scale, 1e-6, 0)}
@@ -250,3 +251,10 @@ def test_comfy_kitchens_rotary_ops_get_the_backward_of_its_eager_implementation(
         assert all(g is not None for g in grads[0]), name
         for through_op, through_eager in zip(*grads):
             torch.testing.assert_close(through_op, through_eager, rtol=0, atol=0, msg=name)
+    # a layer adapted on one side only: the query wants a gradient, the key and its norm scale do not
+    query = q.clone().requires_grad_(True)
+    out_q, out_k = torch.ops.comfy_kitchen.rms_rope(query, k, freqs, q_scale, k_scale, 1e-6)
+    (out_q.sum() + out_k.sum()).backward()
+    reference = q.clone().requires_grad_(True)
+    eager.rms_rope(reference, k, freqs, q_scale, k_scale, 1e-6)[0].sum().backward()
+    torch.testing.assert_close(query.grad, reference.grad, rtol=0, atol=0)

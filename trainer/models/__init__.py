@@ -34,6 +34,13 @@ def prediction_from_sampling(sampling) -> str:
     """epsilon, v_prediction, v_prediction_ddpm (CogVideoX's, ComfyUI 0.33's) or flow, from a ComfyUI model_sampling
     object."""
     import comfy.model_sampling as ms
+    # objectives that subclass one below but are not it: EDM's output has the other sign (Cosmos 1), X0 and
+    # IMG_TO_IMG predict the clean latent (Lotus), IMG_TO_IMG_FLOW starts from the clean latent (Wan FlowRVS)
+    other = tuple(getattr(ms, name) for name in ("EDM", "X0", "IMG_TO_IMG_FLOW") if hasattr(ms, name))
+    if isinstance(sampling, other):
+        objective = next(c for c in type(sampling).__mro__[1:] if issubclass(c, other))  # IMG_TO_IMG, not its X0
+        raise ValueError(f"model: objective {objective.__name__} is not "
+                         "supported (epsilon, v-prediction, CogVideoX's v-prediction and flow-matching models)")
     if isinstance(sampling, ms.V_PREDICTION):
         return "v_prediction"
     if isinstance(sampling, getattr(ms, "V_PREDICTION_DDPM", ())):

@@ -196,7 +196,8 @@ class ModelFamily:
         return self.base_model.process_latent_in(self.to_model_layout(latents))
 
     def sigmas(self, timesteps: torch.Tensor) -> torch.Tensor:
-        """Noise level of each sample from its place on the schedule (0 = clean, towards 1 = pure noise)."""
+        """Noise level (ComfyUI's sigma) of each sample from its place on the schedule (0 = clean, towards 1 = pure
+        noise): the flow time itself for flow models, Cosmos's EDM sigma of it, a discrete schedule's sigma."""
         if self.prediction == "flow":
             t = shifted(timesteps.float().clamp(1e-4, 1.0 - 1e-4), self.flow_shift)
             if self.flow_by_edm_sigma:  # up to the schedule's top, as ComfyUI's sampler starts there

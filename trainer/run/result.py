@@ -56,6 +56,9 @@ def write_result(spec, family, params, layout, is_rank0: bool, num_images: int, 
         meta = {PACK_METADATA_KEY: json.dumps({"spec_version": spec.version, "family": family.name,
                                                "prediction": family.prediction, "kind": "full",
                                                "steps": steps_done})}
+        if is_rank0:  # what ComfyUI's loader needs beside the weights to build the same model (LTX-2's sizes...)
+            from ..models.file_metadata import config_metadata
+            meta.update(config_metadata(family.base_model, tensors))
     else:
         # DoRA's export reads the base weights too; under ZeRO-3 they are sharded like the rest
         export_params = list(family.diffusion_model.parameters()) if a.kind == "dora" else params
