@@ -42,8 +42,8 @@ def titled_errors(node: type[io.ComfyNode]) -> type[io.ComfyNode]:
     return node
 
 
-NODES: list[type[io.ComfyNode]] = [LoadTrainingImages, CacheLatents, CacheTextEmbeddings, LoRAAdapter, DeepSpeedSettings,
-                                   SamplePreviews, NewModel, TrainLoRA, Distill, Evaluate, Compare]
+NODES: list[type[io.ComfyNode]] = [LoadTrainingImages, CacheLatents, CacheTextEmbeddings, LoRAAdapter,
+                                   DeepSpeedSettings, SamplePreviews, NewModel, TrainLoRA, Distill, Evaluate, Compare]
 for _node in NODES:
     titled_errors(_node)
 

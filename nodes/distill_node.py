@@ -79,7 +79,8 @@ class Distill(io.ComfyNode):
                                 tooltip="File name in models/loras (a full fine-tune: models/diffusion_models); "
                                         "sub-folders allowed. A file of that name this pack wrote is replaced when "
                                         "the run finishes."),
-                io.Combo.Input("resume", options=["off", "latest", *_resumable("distill")], default="off", optional=True,
+                io.Combo.Input("resume", options=["off", "latest", *_resumable("distill")], default="off",
+                               optional=True,
                                tooltip="off: a new run. latest: continue the newest distillation with this "
                                        "output_name from its last complete checkpoint (a new run if there is "
                                        "none). Or pick a checkpoint of a distillation. A resumed run uses the "
@@ -90,8 +91,9 @@ class Distill(io.ComfyNode):
                                           "connected. Pipeline stages are refused."),
                 Previews.Input("previews", optional=True,
                                tooltip="Sample Previews settings: images rendered with the current student during "
-                                       "the run, shown in this node (its prompts, size and seed; the student is always rendered at "
-                                       "student_steps with lcm, sgm_uniform and cfg 1, whatever its steps and cfg)."),
+                                       "the run, shown in this node (its prompts, size and seed; the student is always "
+                                       "rendered at student_steps with lcm, sgm_uniform and cfg 1, whatever its steps "
+                                       "and cfg)."),
                 io.String.Input("student_timesteps", default="", optional=True,
                                 tooltip="Empty (usual): the noise levels KSampler's sgm_uniform scheduler visits "
                                         "at student_steps steps, so KSampler samples the student as trained. Or "

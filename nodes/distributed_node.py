@@ -12,7 +12,8 @@ class DeepSpeedSettings(io.ComfyNode):
             display_name="DeepSpeed Settings",
             category=CATEGORY,
             description="How Train LoRA runs: how many processes (GPUs), ZeRO memory sharding, optimizer and "
-                        "weight offload, and a hostfile for several machines. Without this node a run uses one process.",
+                        "weight offload, and a hostfile for several machines. Without this node a run uses one "
+                        "process.",
             inputs=[
                 io.Int.Input("processes", default=1, min=1, max=1024,
                              tooltip="Processes on this machine, normally one per GPU (data parallel)."),

@@ -19,8 +19,8 @@ def _send(event: dict, node_id: str, run_id: str):
     from server import PromptServer
     server = PromptServer.instance
     # to every client: a reloaded page or a second browser follows the run too (prompt_id lets API clients filter)
-    server.send_sync(EVENT_NAME, {"node": node_id, "run_id": run_id, "prompt_id": getattr(server, "last_prompt_id", None),
-                                  "event": event}, None)
+    server.send_sync(EVENT_NAME, {"node": node_id, "run_id": run_id,
+                                  "prompt_id": getattr(server, "last_prompt_id", None), "event": event}, None)
 
 
 def progress_relay(node_id: str):
@@ -108,7 +108,8 @@ class TrainLoRA(io.ComfyNode):
                 io.Float.Input("min_snr_gamma", default=0.0, min=0.0, max=100.0, step=0.5, optional=True,
                                tooltip="Min-SNR weighting of the training loss (faster convergence; 5 is usual, "
                                        "0 = off)."),
-                io.Combo.Input("file_format", options=choice_labels(ADAPTER_FORMAT_CHOICES), default="ComfyUI", optional=True,
+                io.Combo.Input("file_format", options=choice_labels(ADAPTER_FORMAT_CHOICES), default="ComfyUI",
+                               optional=True,
                                tooltip="Key layout of the saved file. ComfyUI: what Load LoRA reads natively. kohya: "
                                        "lora_unet_* keys for kohya-based tools (ComfyUI reads these too). diffusers: "
                                        "the peft layout diffusers' load_lora_weights reads (plain LoRA only; "
@@ -118,7 +119,8 @@ class TrainLoRA(io.ComfyNode):
                                        "from its last complete checkpoint (a new run if there is none). Or pick a "
                                        "checkpoint. A resumed run uses the settings saved with it."),
                 # appended last: saved workflows map widget values by position
-                io.Combo.Input("timestep_sampling", options=choice_labels(TIMESTEP_SAMPLING_CHOICES), default="uniform", optional=True,
+                io.Combo.Input("timestep_sampling", options=choice_labels(TIMESTEP_SAMPLING_CHOICES),
+                               default="uniform", optional=True,
                                tooltip="Where on the noise schedule training samples fall. uniform: evenly. "
                                        "logit-normal: concentrated at mid noise (SD3's recipe; usual for "
                                        "flow-matching models)."),

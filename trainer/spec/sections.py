@@ -151,7 +151,8 @@ class DistillSpec:
                         and list(ts) == sorted(ts, reverse=True)), "student_timesteps",
              f"give {self.student_steps} noise level(s) in (0, 1], highest first (one per student step), or leave it "
              f"empty for evenly spaced ones (got {ts})"),
-            (self.guidance_scale >= 1.0, "guidance_scale", f"must be 1 (no guidance) or more (got {self.guidance_scale})"),
+            (self.guidance_scale >= 1.0, "guidance_scale",
+             f"must be 1 (no guidance) or more (got {self.guidance_scale})"),
             (self.fake_learning_rate > 0, "fake_learning_rate", f"must be positive (got {self.fake_learning_rate})"),
             (self.fake_updates >= 1, "fake_updates", f"must be at least 1 (got {self.fake_updates})"),
             (self.dmd_weight >= 0 and self.denoising_weight > 0 and self.gan_weight >= 0, "dmd_weight",

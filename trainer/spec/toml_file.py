@@ -29,7 +29,8 @@ def _from_dict(cls, data: dict, where: str):
             value = _from_dict(hint, value, path)
         elif hint is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
-        elif hint in (int, float, str, bool, list) and not (isinstance(value, hint) and not (hint is int and isinstance(value, bool))):
+        elif hint in (int, float, str, bool, list) and not (
+                isinstance(value, hint) and not (hint is int and isinstance(value, bool))):
             raise RunSpecError(f"{path}: expected {hint.__name__}, got {type(value).__name__} {_short(value)}")
         if hint is float and not math.isfinite(value):
             raise RunSpecError(f"{path}: must be a finite number (got {value})")
