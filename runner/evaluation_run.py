@@ -44,7 +44,9 @@ def remembered_result(draft: RunSpec, datasets):
 
 
 def remember_result(draft: RunSpec, datasets, result) -> None:
-    _remembered[_result_key(draft, datasets)] = result
+    """Remembers a copy of an evaluation's RunResult (the caller keeps its own), the oldest forgotten past
+    REMEMBERED_RESULTS."""
+    _remembered[_result_key(draft, datasets)] = copy.deepcopy(result)
     while len(_remembered) > REMEMBERED_RESULTS:
         del _remembered[next(iter(_remembered))]  # the oldest
 

@@ -4,7 +4,6 @@ runner owns: resume or a new run, the refusals before anything is written, the m
 launch, watch, and the input MODEL with the result applied (a task that writes an output file)."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import time
@@ -144,7 +143,7 @@ def run_task(draft: RunSpec, model, datasets: RunDatasets, previews, node: NodeC
     result = watch_run(process, on_event, node.check_interrupt)
     if not task_run.writes_output:
         if remember:
-            remember_result(draft, datasets, copy.deepcopy(result))
+            remember_result(draft, datasets, result)
         return TrainOutcome(None, "", result)
     log.info("InGraph Trainer: run %s finished; written to %s%s", run_dir.name, result.adapter_path,
              f" (the file it replaced is kept as {result.finished['replaced_kept']})"

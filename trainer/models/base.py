@@ -222,6 +222,13 @@ class ModelFamily:
         out["context"] = out.pop("c_crossattn", None)
         return out
 
+    @staticmethod
+    def whole_text_mask(batch: Batch, device) -> torch.Tensor:
+        """The text attention mask [1, tokens] that ComfyUI's encoders hand extra_conds for a model that counts its
+        text's tokens from it (per conditioning, batch 1: Lumina 2's, Omnigen2's): the cached embeddings hold every
+        token, so all ones."""
+        return torch.ones((1, batch.cond.shape[1]), dtype=torch.long, device=device)
+
     def extra_cond_inputs(self, batch: Batch, x_noisy: torch.Tensor) -> dict:
         """What extra_conds is given: the cached text embedding (and pooled vector), the noisy latent's shape, and
         for a model that concatenates an image to its input (ComfyUI's concat_keys: HunyuanVideo's image-to-video,

@@ -55,9 +55,8 @@ class GenericFamily(ModelFamily):
     def extra_cond_inputs(self, batch, x_noisy: torch.Tensor) -> dict:
         inputs = super().extra_cond_inputs(batch, x_noisy)
         if any(is_comfy_model(self.base_model, name) for name in ("Omnigen2", "Boogu")):
-            # their extra_conds make the model's num_tokens from the text encoder's attention mask (per
-            # conditioning, batch 1), as Lumina 2's do; the cached embeddings hold every token: the mask is all ones
-            inputs["attention_mask"] = torch.ones((1, batch.cond.shape[1]), dtype=torch.long, device=x_noisy.device)
+            # their extra_conds make the model's num_tokens from the text's attention mask, as Lumina 2's do
+            inputs["attention_mask"] = self.whole_text_mask(batch, x_noisy.device)
         return inputs
 
     def transformer_options(self, kwargs: dict) -> dict:

@@ -28,9 +28,8 @@ class Lumina2Family(ModelFamily):
         return [*model.noise_refiner, *model.context_refiner, *model.layers]
 
     def extra_cond_inputs(self, batch: Batch, x_noisy: torch.Tensor) -> dict:
-        # ComfyUI's Gemma encoder hands its attention mask to extra_conds, which makes the model's num_tokens from
-        # it (per conditioning, batch 1); the cached embeddings hold every token, so the mask is all ones
-        mask = torch.ones((1, batch.cond.shape[1]), dtype=torch.long, device=x_noisy.device)
+        # ComfyUI's Gemma encoder hands its attention mask to extra_conds, which makes the model's num_tokens from it
+        mask = self.whole_text_mask(batch, x_noisy.device)
         return {**super().extra_cond_inputs(batch, x_noisy), "attention_mask": mask}
 
     @classmethod
