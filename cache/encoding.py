@@ -92,6 +92,19 @@ def returns_text_mask(clip) -> bool:
         getattr(m, "return_attention_masks", False) for m in model.modules())
 
 
+# Text encoders whose encoding returns more than the embedding, the pooled vector and the attention mask, which
+# CLIPTextEncode puts into the conditioning for the model's extra_conds: HunyuanDiT's mT5 embedding and mask, Anima's
+# T5 token ids and weights (its LLM adapter's input), HiDream's Llama layers, HunyuanImage 2.1's ByT5 glyph embedding.
+# Their entries hold those too (TEXT_EXTRA), and their identity says so: entries cached before they did are not reused.
+TEXT_EXTRAS_ENCODERS = ("HyditModel", "AnimaTEModel", "HiDreamTEModel", "HunyuanImageTEModel")
+TEXT_EXTRA = "extra."  # a text entry's tensor of that name: one of the encoder's extra outputs, as it returned it
+
+
+def returns_text_extras(clip) -> bool:
+    model = getattr(clip, "cond_stage_model", None)
+    return any(c.__name__ in TEXT_EXTRAS_ENCODERS for c in type(model).__mro__)
+
+
 def clip_identity(clip) -> str:
     """What determines a CLIP's text embeddings: the weights its encoding reads (unread_text_weights left out), its
     layer setting (CLIPSetLastLayer) and any LoRA patched onto it."""
@@ -100,6 +113,8 @@ def clip_identity(clip) -> str:
     ident = {"weights": fingerprint_state_dict(weights), "layer_idx": getattr(clip, "layer_idx", None)}
     if returns_text_mask(clip):  # its entries hold the mask too (entries cached before they did are not reused)
         ident["text_mask"] = True
+    if returns_text_extras(clip):
+        ident["text_extras"] = True
     patches = getattr(getattr(clip, "patcher", None), "patches", {}) or {}
     if patches:  # a LoRA applied to the text encoder changes every embedding
         ident["patches"] = fingerprint_state_dict(
@@ -302,6 +317,9 @@ def encode_text(dataset: TrainingDataset, clip, store: CacheStore, progress: Pro
                     tensors["pooled"] = out["pooled_output"][0].float()
                 if hasattr(out.get("attention_mask"), "shape"):  # [1, tokens]: 1 on a token, 0 on padding
                     tensors["attention_mask"] = out["attention_mask"][0].long()
+                for name, value in out.items():  # kept as returned (their shapes are what extra_conds reads)
+                    if name not in ("cond", "pooled_output", "attention_mask") and hasattr(value, "is_floating_point"):
+                        tensors[TEXT_EXTRA + name] = value.float() if value.is_floating_point() else value
                 meta = {"caption": caption, **({"images": list(item.references)} if item is not None else {})}
                 entry = store.put("text", key, tensors, meta)
                 counts[0] += counted

@@ -49,7 +49,9 @@ TEXT_OF_BUILDER = {"lumina2 z_image": (8, 2560, None),  # Qwen3-4B's width
                    "generic (SD2.1 unCLIP-L)": (8, 1024, None), "generic (SD2.1 unCLIP-H)": (8, 1024, None),
                    "generic (SDXL refiner)": (8, 1280, 1280),  # OpenCLIP-G alone, its pooled vector too
                    "tiny CosmosT2IPredict2": (8, 1024, None), "tiny CosmosI2VPredict2": (8, 1024, None),
-                   "tiny HunyuanDiT": (8, 1024, None), "tiny HunyuanDiT1": (8, 1024, None),  # CLIP's (mT5's: none)
+                   # its Chinese CLIP's, padded to the 77 tokens the model overwrites past the mask (its mT5's, 256
+                   # tokens 2048 wide, are an extra: TEXT_EXTRAS_OF_BUILDER)
+                   "tiny HunyuanDiT": (77, 1024, None), "tiny HunyuanDiT1": (77, 1024, None),
                    "tiny AuraFlow": (8, 2048, None),
                    "tiny LongCatImage": (8, 3584, None),  # Qwen2.5-VL-7B's
                    "tiny HunyuanImage21": (8, 3584, None),  # Qwen2.5-VL-7B's
@@ -59,6 +61,22 @@ TEXT_OF_BUILDER = {"lumina2 z_image": (8, 2560, None),  # Qwen3-4B's width
                    "tiny Lens": (8, 4 * 2880, None),  # GPT-OSS-20B's, 4 layers side by side
                    "tiny Kandinsky5": (8, 3584, 768), "tiny Kandinsky5Image": (8, 3584, 768),  # Qwen2.5-VL's, CLIP-L's
                    "hunyuan_video i2v": (8, 4096, 768), "hunyuan_video skyreels i2v": (8, 4096, 768)}  # Pile-T5-XL's
+# what the text encoder returns beside the embedding (Batch.text_extras, as a batch of 2 stacks them): HunyuanDiT's
+# mT5 embedding and both masks (half the tokens padding); Anima's T5 token ids and weights (its LLM adapter's input)
+def _hunyuan_dit_extras(g):
+    import torch
+    mask = (torch.arange(256) < 128).long().repeat(2, 1)
+    return {"conditioning_mt5xl": torch.randn(2, 256, 2048, generator=g), "attention_mask_mt5xl": mask}
+
+
+def _anima_extras(g):
+    import torch
+    return {"t5xxl_ids": torch.randint(0, 32000, (2, 6), generator=g, dtype=torch.int32),
+            "t5xxl_weights": torch.ones(2, 6)}
+
+
+TEXT_EXTRAS_OF_BUILDER = {"tiny HunyuanDiT": _hunyuan_dit_extras, "tiny HunyuanDiT1": _hunyuan_dit_extras,
+                          "tiny Anima": _anima_extras}
 # text (tokens, width, pooled width or None) each family's tiny model takes in --train (its conditioning's shapes)
 TEXT = {"sd_unet": (8, 768, None), "sdxl": (8, 2048, 1280), "sd3": (8, 64, 32), "flux": (8, 4096, 64),
         "wan": (8, 4096, None), "hunyuan_video": (8, 4096, 768), "ltxv": (8, 4096, None),
@@ -82,7 +100,8 @@ WHY_NOT = {
     "SDXL_instructpix2pix": "trains with ComfyUI's zeros for the image to edit (the trainer gives no edit pairs)",
     "SD21UnclipL": NO_EXTRA.format("CLIP-vision image embedding"),
     "SD21UnclipH": NO_EXTRA.format("CLIP-vision image embedding"),
-    "SDXLRefiner": "generic family: ComfyUI's default aesthetic score (6) and sizes",
+    "SDXLRefiner": "generic family: ComfyUI's default aesthetic score (6); the sizes the latent's, as the sampler "
+                   "gives them",
     "WAN21_FunControl2V": NO_EXTRA.format("control video and start image"),
     "WAN21_Camera": NO_EXTRA.format("camera poses"), "WAN22_Camera": NO_EXTRA.format("camera poses"),
     "WAN21_Vace": NO_EXTRA.format("VACE control frames and mask"),
@@ -108,8 +127,10 @@ WHY_NOT = {
     # built, not trained: what stops it
     "FluxInpaint": "trains with ComfyUI's defaults for the inpaint image and mask (the flux family gives none); "
                    "built on ComfyUI 0.33 only (0.3.64's Flux takes no txt_ids_dims)",
-    "HunyuanDiT": "needs its mT5 embedding and attention masks, which the generic family does not give",
-    "HunyuanDiT1": "needs its mT5 embedding and attention masks, which the generic family does not give",
+    "HunyuanDiT": "generic family, on its Chinese CLIP's embedding and mask and its mT5 embedding and mask (the text "
+                  "cache keeps the encoder's extra outputs, as CLIPTextEncode puts them into the conditioning)",
+    "HunyuanDiT1": "generic family, on its Chinese CLIP's embedding and mask and its mT5 embedding and mask (the text "
+                   "cache keeps the encoder's extra outputs, as CLIPTextEncode puts them into the conditioning)",
     "CosmosT2IPredict2": COSMOS_FLOW,
     "CosmosI2VPredict2": COSMOS_FLOW,
     "CogVideoX_T2V": COGVIDEOX_DDPM,
@@ -119,8 +140,9 @@ WHY_NOT = {
                 "backward of comfy-kitchen's own eager implementation (trainer/kitchen_autograd.py)",
     "Boogu": "its forward needs num_tokens, which its extra_conds makes from the text's attention mask: the generic "
              "family gives the cached embedding's, all ones (as the Lumina 2 family does)",
-    "Anima": "refused: its LLM adapter reads the T5 token ids of each caption, which the text cache does not keep; "
-             "trained on the text embedding alone, a LoRA would learn a path ComfyUI's sampler never runs",
+    "Anima": "generic family: its LLM adapter reads each caption's T5 token ids and weights beside the Qwen3 "
+             "embedding (the text cache keeps the encoder's extra outputs), given to the model for the whole batch as "
+             "its extra_conds gives them in training",
     # not built here
     "HiDream": "ComfyUI fixes the size (16 double and 32 single MoE blocks, 2560 wide: ~17B parameters)",
     "Omnigen2": "ComfyUI fixes the size (32 layers, 2520 wide: ~4B parameters)",
@@ -376,10 +398,15 @@ def random_batch(family, builder: str, shape: tuple, generator):
     """Random latents, text of the family's shapes (its conditioning's), noise and timesteps."""
     import torch
     from ingraph_trainer.trainer.models import Batch
+    from ingraph_trainer.trainer.data.loading import TextExtras
     tokens, width, pooled = TEXT_OF_BUILDER.get(builder) or TEXT.get(family.name, (8, 4096, None))
+    extras = TEXT_EXTRAS_OF_BUILDER.get(builder)
+    text_mask = (torch.arange(tokens) < tokens // 2).long().repeat(2, 1) if builder in ("tiny HunyuanDiT",
+                                                                                         "tiny HunyuanDiT1") else None
     return Batch(torch.randn(shape, generator=generator), torch.randn(2, tokens, width, generator=generator),
                  torch.randn(2, pooled, generator=generator) if pooled else None,
-                 torch.randn(shape, generator=generator), torch.rand(2, generator=generator))
+                 torch.randn(shape, generator=generator), torch.rand(2, generator=generator),
+                 text_mask=text_mask, text_extras=TextExtras(extras(generator)) if extras else None)
 
 
 def train_two_steps(family, builder: str, shape: tuple) -> str:

@@ -65,22 +65,26 @@ def _batch(latent, text, pooled=None, references=()):
                  references=[torch.randn(2, *ref, generator=g) for ref in references] or None)
 
 
-def comfyui_losses(family, batch, extras, model_references=None) -> torch.Tensor:
+def comfyui_losses(family, batch, extras, model_references=None, inference: bool = False) -> torch.Tensor:
     """Per-sample loss of what ComfyUI's sampler computes for each item: its conditioning as CLIPTextEncode (+ the
-    encoder's extras, + ReferenceLatent's reference_latents) gives it, through the sampler's convert_cond,
-    encode_model_conds (the model's extra_conds) and calc_cond_batch (apply_model); the velocity recovered from the
-    denoised output against the flow target."""
+    encoder's extras: a dict, or item -> dict, + ReferenceLatent's reference_latents) gives it, through the sampler's
+    convert_cond, encode_model_conds (the model's extra_conds) and calc_cond_batch (apply_model); the model's
+    prediction recovered from the denoised output ((x - denoised) / sigma: a flow model's velocity, an epsilon
+    model's noise; v-prediction's from its calculate_denoised), against the family's target. `inference`: under torch.inference_mode, as ComfyUI samples (some
+    extra_conds, such as Anima's, take another path there), else under no_grad (what a training run's would)."""
     import comfy.sampler_helpers
     import comfy.samplers
+    assert family.prediction in ("flow", "epsilon", "v_prediction")
     base = family.base_model
     base.current_patcher = family.patcher  # what ComfyUI's sampling sets while a sampler runs
-    with torch.no_grad():
+    with torch.inference_mode() if inference else torch.no_grad():
         x0, noise, sigma = family.noising(batch.latents, batch.noise, batch.timesteps)
         shape = (-1,) + (1,) * (x0.dim() - 1)
         x_noisy = base.model_sampling.noise_scaling(sigma.view(shape), noise, x0)
+        target = family.target(x0, noise, sigma.view(shape))
         losses = []
         for i in range(x0.shape[0]):
-            item = dict(extras)
+            item = dict(extras(i) if callable(extras) else extras)
             if batch.pooled is not None:
                 item["pooled_output"] = batch.pooled[i:i + 1]
             if batch.references:
@@ -89,8 +93,12 @@ def comfyui_losses(family, batch, extras, model_references=None) -> torch.Tensor
             conds = comfy.sampler_helpers.convert_cond([[batch.cond[i:i + 1], item]])
             conds = comfy.samplers.encode_model_conds(base.extra_conds, conds, x_noisy[i:i + 1], x0.device, "positive")
             denoised = comfy.samplers.calc_cond_batch(base, [conds], x_noisy[i:i + 1], sigma[i:i + 1], {})[0]
-            velocity = (x_noisy[i:i + 1] - denoised) / sigma[i]
-            losses.append(((velocity - (noise[i:i + 1] - x0[i:i + 1])) ** 2).mean())
+            if family.prediction == "v_prediction":  # V_PREDICTION.calculate_denoised solved for the output
+                s2 = sigma[i] ** 2 + 1.0
+                predicted = (x_noisy[i:i + 1] / s2 - denoised) * s2.sqrt() / sigma[i]
+            else:
+                predicted = (x_noisy[i:i + 1] - denoised) / sigma[i]
+            losses.append(((predicted - target[i:i + 1]) ** 2).mean())
     return torch.stack(losses)
 
 
@@ -444,13 +452,13 @@ def test_longcat_image_trains_with_the_rope_shift_its_comfyui_model_applies():
 
 
 def _class_built(class_name: str):
-    """ComfyUI's MODEL of tools/family_coverage.py's tiny model of `class_name` (skipped where this ComfyUI lacks the
-    class: ComfyUI 0.33 has these)."""
+    """ComfyUI's MODEL of tools/family_coverage.py's tiny model of the model class `class_name` of ComfyUI's list
+    (skipped where this ComfyUI lacks the class: ComfyUI 0.33 has these)."""
     bootstrap_comfy()
-    import comfy.model_base
     import comfy.sd
+    import comfy.supported_models
     from tools.family_coverage import CLASS_BUILT, class_state_dict
-    if not hasattr(comfy.model_base, class_name):
+    if class_name not in {c.__name__ for c in comfy.supported_models.models}:
         pytest.skip(f"skipped: this ComfyUI has no {class_name} (0.33 and later have)")
     torch.manual_seed(0)
     return comfy.sd.load_diffusion_model_state_dict(class_state_dict(class_name, *CLASS_BUILT[class_name]),
@@ -483,22 +491,138 @@ def test_joyimage_trains_its_joint_attention_through_comfy_kitchens_rotary_op():
     assert len(trained) == 3 and all(modules[t].weight.grad.abs().sum() > 0 for t in trained)
 
 
-def test_anima_is_refused_naming_the_llm_adapters_token_ids():
-    """Anima reads its text through an LLM adapter fed each caption's T5 token ids (ComfyUI 0.33's
-    model_base.Anima), which the text cache does not keep: trained on the embedding alone, its LoRA would learn a
-    path the sampler never runs, so the generic family refuses it rather than train it wrongly."""
-    from ingraph_trainer.trainer.models import family_for
+def _tiny_anima_text_encoder():
+    """ComfyUI 0.33's own Anima text encoder (its Qwen3 one layer deep, 1024 wide as the model reads it) and
+    tokenizers: what CLIPLoader's "anima" type builds."""
+    import comfy.sd
+    import comfy.supported_models_base
+    import comfy.text_encoders.anima
+    config = {"hidden_size": 1024, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "num_key_value_heads": 1}
+    clip = comfy.sd.CLIP(comfy.supported_models_base.ClipTarget(comfy.text_encoders.anima.AnimaTokenizer,
+                                                                 comfy.text_encoders.anima.te()),
+                         model_options={"qwen3_06b_model_config": config})
+    g = torch.Generator().manual_seed(0)
+    for p in clip.cond_stage_model.parameters():  # ComfyUI's layers are built uninitialised
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return clip
+
+
+def test_anima_trains_on_each_captions_t5_token_ids_as_comfyuis_sampler_reads_them(tmp_path):
+    """Anima (ComfyUI 0.33) reads its text through an LLM adapter fed each caption's T5 token ids and weights beside
+    the Qwen3 embedding. Its text encoder returns them beside the embedding; Cache Text Embeddings keeps them (the
+    encoder's identity says so, so entries cached before are not reused), the trainer's batches carry them, and the
+    family's loss on a cached caption is ComfyUI's sampler's (inference mode, where its extra_conds runs the adapter)
+    on CLIPTextEncode's conditioning of it. Without them a dataset is refused, naming them; captions of other token
+    counts do not batch, as ComfyUI would not batch them."""
+    from PIL import Image
+
+    import ingraph_trainer.cache.encoding as encoding
+    from ingraph_trainer.cache.buckets import BucketSettings
+    from ingraph_trainer.cache.folder_scan import scan_image_folder
+    from ingraph_trainer.cache.store import CacheStore, write_manifest
+    from ingraph_trainer.trainer.data.batch_mix import training_batch
+    from ingraph_trainer.trainer.data.dataset_checks import check_dataset_for_family
+    from ingraph_trainer.trainer.data.loading import load_cached_dataset
+    from ingraph_trainer.trainer.models import Batch, family_for
     patcher = _class_built("Anima")
-    with pytest.raises(ValueError, match=r"Anima reads its text through an LLM adapter fed the T5 token ids"):
-        family_for(patcher.model, patcher=patcher)
-    # at queue time, before the hand-off: the error names the node
-    from ingraph_trainer.runner.evaluation_run import check_evaluation_references
-    from ingraph_trainer.runner.train_run import check_family_settings
-    from ingraph_trainer.trainer.spec import AdapterSpec, TrainSpec
-    with pytest.raises(ValueError, match=r"^Train LoRA: model: Anima reads its text"):
-        check_family_settings(patcher, "flow", TrainSpec(), AdapterSpec(), "comfyui")
-    with pytest.raises(ValueError, match=r"^Evaluate: model: Anima reads its text"):
-        check_evaluation_references(patcher, None)
+    family = family_for(patcher.model, patcher=patcher)
+    assert family.name == "generic" and family.text_extras_needed == ("t5xxl_ids", "t5xxl_weights")
+    torch.manual_seed(0)
+    clip = _tiny_anima_text_encoder()
+    folder = tmp_path / "images"
+    folder.mkdir()
+    # the same number of Qwen3 tokens, not of T5 tokens (5 and 8, 5 and 7)
+    captions = {"cat": "a cat on a mat", "dog": "an aardvark"}
+    for name, caption in captions.items():
+        Image.new("RGB", (64, 64), (90, 40, 200)).save(folder / f"{name}.png")
+        (folder / f"{name}.txt").write_text(caption)
+
+    class VAE:
+        def get_sd(self):
+            return {"w": torch.ones(1)}
+
+        def encode(self, pixels):
+            return torch.zeros(1, 16, 8, 8)
+    store = CacheStore(tmp_path / "cache")
+    dataset = scan_image_folder(folder, buckets=BucketSettings(resolution=64, enabled=False))
+    dataset, _, _ = encoding.encode_latents(dataset, VAE(), store)
+    dataset, _, _ = encoding.encode_text(dataset, clip, store)
+    store.close()
+    cached = load_cached_dataset(str(write_manifest(tmp_path / "m.json", dataset, tmp_path / "cache")))
+    by_name = {Path(s).stem: i for i, s in enumerate(cached.sources)}
+    check_dataset_for_family(cached, family)
+
+    conditioning = clip.encode_from_tokens(clip.tokenize(captions["cat"]), return_dict=True)  # CLIPTextEncode's
+    assert conditioning["t5xxl_ids"].dim() == 1 and len(conditioning["t5xxl_ids"]) > 1
+    b = training_batch(cached, [by_name["cat"]])
+    assert torch.equal(b.text_extras["t5xxl_ids"], conditioning["t5xxl_ids"][None])
+    assert torch.equal(b.text_extras["t5xxl_weights"], conditioning["t5xxl_weights"][None])
+    g = torch.Generator().manual_seed(1)
+    batch = Batch(torch.randn(1, 16, 8, 8, generator=g), b.cond, None, torch.randn(1, 16, 8, 8, generator=g),
+                  torch.tensor([0.6]), text_mask=b.text_mask, text_extras=b.text_extras)
+    item = {k: v for k, v in conditioning.items() if k != "cond"}
+    expected = comfyui_losses(family, batch, item, inference=True)
+    family.prepare_for_training()
+    with torch.no_grad():
+        got = family.loss(batch, reduce=False)
+    assert torch.allclose(got, expected, rtol=1e-6, atol=0), (got, expected)
+    # the token ids reach the model: other ids, another loss
+    other = b.text_extras.to("cpu")
+    other["t5xxl_ids"] = (other["t5xxl_ids"] + 1) % 32000
+    with torch.no_grad():
+        assert not torch.allclose(family.loss(Batch(**{**batch.__dict__, "text_extras": other}), reduce=False), got)
+    # captions of other T5 token counts: ComfyUI conditions them one at a time
+    with pytest.raises(ValueError, match=r"train.batch_size: the text encoder's t5xxl_ids has a different shape"):
+        training_batch(cached, [by_name["cat"], by_name["dog"]])
+    # entries cached before the extras were kept are not reused: the encoder's identity says it returns them
+    assert encoding.returns_text_extras(clip)
+    identity = encoding.clip_identity(clip)
+    original = encoding.returns_text_extras
+    encoding.returns_text_extras = lambda clip: False
+    try:
+        assert encoding.clip_identity(clip) != identity
+    finally:
+        encoding.returns_text_extras = original
+
+    class WithoutExtras:  # captions another text encoder cached: no token ids
+        def __len__(self):
+            return 1
+
+        def text(self, i):
+            return {"cond": b.cond[0]}
+        reference_slots = 0
+    with pytest.raises(ValueError, match=r"data.manifest: generic \(Anima\) is conditioned on its text encoder's "
+                                         r"t5xxl_ids, t5xxl_weights beside the embedding, which the cached captions"):
+        check_dataset_for_family(WithoutExtras(), family)
+
+
+@pytest.mark.parametrize("class_name", ["HunyuanDiT", "HunyuanDiT1"])
+def test_hunyuan_dit_trains_on_both_its_text_encoders_as_comfyuis_sampler_reads_them(class_name):
+    """HunyuanDiT (the generic family) reads two text encoders: its Chinese CLIP's embedding and attention mask, and
+    the mT5 embedding and its mask that ComfyUI's HunyuanDiT text encoder returns beside them (the text cache keeps
+    them: Batch.text_mask and Batch.text_extras). With the image size the sampler gives extra_conds, the family's loss
+    is ComfyUI's sampler's on that conditioning, item by item (HunyuanDiT 1.0 reads the size too); the mT5 embedding
+    reaches the model."""
+    from ingraph_trainer.trainer.models import Batch, family_for
+    from tools.family_coverage import random_batch
+    patcher = _class_built(class_name)
+    family = family_for(patcher.model, patcher=patcher)
+    assert family.name == "generic" and family.reads_text_mask
+    assert family.text_extras_needed == ("conditioning_mt5xl", "attention_mask_mt5xl")
+    batch = random_batch(family, f"tiny {class_name}", (2, 4, 8, 8), torch.Generator().manual_seed(0))
+    assert batch.text_mask.shape == (2, 77) and 0 < batch.text_mask.sum() < batch.text_mask.numel()
+
+    def conditioning(i):  # what CLIPTextEncode puts beside item i's embedding
+        return {"attention_mask": batch.text_mask[i:i + 1],
+                **{name: value[i:i + 1] for name, value in batch.text_extras.items()}}
+    expected = comfyui_losses(family, batch, conditioning)
+    family.prepare_for_training()
+    with torch.no_grad():
+        got = family.loss(batch, reduce=False)
+        assert torch.allclose(got, expected, rtol=1e-6, atol=0), (got, expected)
+        other = type(batch.text_extras)(batch.text_extras, conditioning_mt5xl=batch.text_extras["conditioning_mt5xl"] + 1)
+        assert not torch.allclose(family.loss(Batch(**{**batch.__dict__, "text_extras": other}), reduce=False), got)
 
 
 def test_boogu_trains_with_the_token_count_its_comfyui_model_takes_from_the_text_mask():

@@ -882,7 +882,7 @@ def test_cpu_evaluation_runs_passes_side_by_side_with_one_threads_numbers_and_no
             return (batch.latents.flatten(1).sum(1) * (1 + batch.timesteps) + batch.noise.flatten(1).mean(1)).float()
 
     dataset = types.SimpleNamespace(
-        buckets=[(8, 8)] * 5, reference_slots=0, text_masks=lambda chunk: None,
+        buckets=[(8, 8)] * 5, reference_slots=0, text_masks=lambda chunk: None, text_extras=lambda chunk: None,
         batch=lambda chunk: (torch.stack([torch.full((1, 2, 2), float(i)) for i in chunk]),
                              torch.zeros(len(chunk), 3, 4), None))
     module = torch.nn.Linear(2, 2)

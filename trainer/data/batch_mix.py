@@ -14,9 +14,9 @@ from typing import NamedTuple
 
 import torch
 
-from .loading import StepSampler, seeded_generator, stack_conds, stack_references, stack_text_masks
-from .dataset_checks import (check_caption_features, check_dataset_for_family, check_eval_references, reads_text_masks,
-                             reference_slots)
+from .loading import StepSampler, seeded_generator, stack_conds, stack_references, stack_text_extras, stack_text_masks
+from .dataset_checks import (check_caption_features, check_dataset_for_family, check_eval_references,
+                             reference_slots, text_inputs_beside_the_embedding)
 
 # generator streams (loading.py uses 1, 2 and 4, evaluation 3): one per kind of draw, so adding one changes no other
 TEXT_CHOICE_STREAM = 11
@@ -75,6 +75,7 @@ class TrainingBatch(NamedTuple):
     mask: torch.Tensor | None  # [B, 1, (1,) h, w] loss weights per latent pixel, or None when nothing is masked
     references: list[torch.Tensor] | None = None  # Batch.references: one [B, C, (T,) h, w] per slot, or None
     text_mask: torch.Tensor | None = None  # Batch.text_mask: [B, tokens] (stack_text_masks), or None
+    text_extras: dict | None = None  # Batch.text_extras (stack_text_extras), or None
 
 
 def training_batch(dataset, indices: list[int], draw: TextDraw | None = None, shuffle_tags: bool = True,
@@ -106,7 +107,8 @@ def training_batch(dataset, indices: list[int], draw: TextDraw | None = None, sh
         ones = torch.ones((1,) * (stacked.dim() - 3) + tuple(stacked.shape[-2:]))
         mask = torch.stack([m if m is not None else ones for m in masks])
     return TrainingBatch(stacked, cond, pooled, mask,
-                         stack_references(shards, reference_slots(dataset), sources), stack_text_masks(texts))
+                         stack_references(shards, reference_slots(dataset), sources), stack_text_masks(texts),
+                         stack_text_extras(texts))
 
 
 # --- prior (regularisation) images -------------------------------------------------------------------------
@@ -149,6 +151,10 @@ class MixedDataset:
         """As CachedDataset.text_masks, over both sets (evaluation on a run with prior images): the captions as
         written, no latents."""
         return stack_text_masks([part.text(j) for part, j in map(self.locate, indices)])
+
+    def text_extras(self, indices: list[int]):
+        """As CachedDataset.text_extras, over both sets."""
+        return stack_text_extras([part.text(j) for part, j in map(self.locate, indices)])
 
 
 def locate(dataset, i: int):
@@ -284,8 +290,9 @@ def build_training_data(data_spec, global_batch: int, seed: int, family=None, pi
     if pipeline_stages > 1 and reference_slots(dataset):
         raise ValueError("data.manifest: its items carry reference images, which pipeline stages "
                          "(distributed.pipeline_stages > 1) do not pass on; train with 1 stage")
-    if pipeline_stages > 1 and reads_text_masks(family, dataset):
-        raise ValueError(f"data.manifest: its captions carry the text encoder's attention mask, which "
+    beside_text = text_inputs_beside_the_embedding(family, dataset) if pipeline_stages > 1 else ""
+    if beside_text:
+        raise ValueError(f"data.manifest: its captions carry the text encoder's {beside_text}, which "
                          f"{family.display_name} reads and pipeline stages (distributed.pipeline_stages > 1) do not "
                          "pass on; train with 1 stage")
     return dataset, sampler
@@ -303,12 +310,13 @@ class MicroBatch(NamedTuple):
     is_prior: torch.Tensor | None = None  # bool per sample, for loss_parts; None without prior images
     references: list | None = None  # Batch.references (reference latents per slot), or None
     text_mask: torch.Tensor | None = None  # Batch.text_mask (the text encoder's attention mask), or None
+    text_extras: dict | None = None  # Batch.text_extras (the text encoder's other outputs), or None
 
     def model_inputs(self) -> tuple[tuple, dict]:
         """(positional, keyword) arguments of TrainingModule.forward: the features go as keywords, and only
         where the step has them, so a plain run calls the model exactly as before."""
         features = {"mask": self.mask, "sample_weight": self.sample_weight, "is_prior": self.is_prior,
-                    "references": self.references, "text_mask": self.text_mask}
+                    "references": self.references, "text_mask": self.text_mask, "text_extras": self.text_extras}
         return tuple(self[:5]), {k: v for k, v in features.items() if v is not None}
 
 
@@ -329,7 +337,7 @@ def load_step(dataset, sampler, step: int, data_spec, seed: int, batch_size: int
     weights = sample_weights(is_prior, data_spec.prior_weight) if is_prior is not None else None
     micro = [MicroBatch(b.latents, b.cond, noise[s], timesteps[s], b.pooled, b.mask,
                         weights[s] if weights is not None else None, is_prior[s] if is_prior is not None else None,
-                        b.references, b.text_mask)
+                        b.references, b.text_mask, b.text_extras)
              for b, s in zip(batches, slots)]
     return indices, micro, timesteps
 

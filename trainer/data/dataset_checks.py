@@ -3,6 +3,8 @@ at some step: the caption features caption dropout needs, and the reference imag
 the model family takes (the one rule for training, distillation and the Evaluate node)."""
 from __future__ import annotations
 
+from ...cache.encoding import TEXT_EXTRA
+
 
 def check_caption_features(dataset, caption_dropout: float, where: str = "data.manifest"):
     """Fails at start-up, not at some step, when the manifest cannot serve caption dropout."""
@@ -67,6 +69,18 @@ def check_dataset_for_family(dataset, family, where: str = "data.manifest"):
     the reference images its items carry, and their sizes."""
     _check_reference_input(dataset, family, where)
     check_image_sizes(dataset, family, where)
+    _check_text_extras(dataset, family, where)
+
+
+def _check_text_extras(dataset, family, where: str):
+    needed = getattr(family, "text_extras_needed", ())
+    for part, name in _parts(dataset, where):
+        if needed and len(part) > 0:
+            missing = [n for n in needed if TEXT_EXTRA + n not in part.text(0)]
+            if missing:
+                raise ValueError(f"{name}: {family.display_name} is conditioned on its text encoder's "
+                                 f"{', '.join(missing)} beside the embedding, which the cached captions lack: encode "
+                                 "them with the model's own text encoder (its CLIP loader) in Cache Text Embeddings")
 
 
 def check_eval_references(dataset, eval_dataset, family=None,
@@ -84,7 +98,13 @@ def check_eval_references(dataset, eval_dataset, family=None,
                          "reference folder), or leave the evaluation set out to evaluate the training images")
 
 
-def reads_text_masks(family, dataset) -> bool:
-    """The family reads the text encoder's attention mask (Batch.text_mask) and the dataset's captions carry one."""
-    return getattr(family, "reads_text_mask", False) and len(dataset) > 0 \
-        and "attention_mask" in _parts(dataset, "")[0][0].text(0)
+def text_inputs_beside_the_embedding(family, dataset) -> str:
+    """What the dataset's captions carry beside the embedding and pooled vector that the family's model is given,
+    in words ("" where nothing): the text encoder's attention mask where the family reads it (Batch.text_mask), and
+    its extra outputs (Batch.text_extras). Pipeline stages and distillation's networks pass on neither."""
+    if len(dataset) == 0:
+        return ""
+    text = _parts(dataset, "")[0][0].text(0)
+    what = ["attention mask"] if getattr(family, "reads_text_mask", False) and "attention_mask" in text else []
+    what += sorted(k[len(TEXT_EXTRA):] for k in text if k.startswith(TEXT_EXTRA))
+    return ", ".join(what)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...cache.encoding import TEXT_EXTRA
 from ...cache.shards import load_checked, read_manifest
 
 
@@ -96,6 +97,10 @@ class CachedDataset:
         """The items' text attention masks as batch() stacks their embeddings (stack_text_masks), or None."""
         return stack_text_masks([self.text(i) for i in indices])
 
+    def text_extras(self, indices: list[int]) -> "TextExtras | None":
+        """The items' text encoder extras as batch() stacks their embeddings (stack_text_extras), or None."""
+        return stack_text_extras([self.text(i) for i in indices])
+
     def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(latents, text embeddings, pooled text vectors or None where the text encoder has none)."""
         latents = torch.stack([self.latent(i) for i in indices])
@@ -133,6 +138,42 @@ def stack_text_masks(texts: list[dict]) -> torch.Tensor | None:
              else torch.ones(text["cond"].shape[0], dtype=torch.long) for text in texts]
     total = math.lcm(*(len(m) for m in masks))
     return torch.stack([m.repeat(total // len(m)) for m in masks])
+
+
+class TextExtras(dict):
+    """Batch.text_extras: what the text encoder returned beside the embedding, pooled vector and mask (HunyuanDiT's
+    mT5 embedding, Anima's T5 token ids ...), by the name ComfyUI's encoder gave it, which is the name its
+    extra_conds reads; it moves to a device as one tensor does (the layouts move each micro-batch field with .to)."""
+
+    def to(self, *args, **kwargs) -> "TextExtras":
+        return TextExtras({name: t.to(*args, **kwargs) for name, t in self.items()})
+
+    def rows(self, repeat: int) -> "TextExtras":
+        """Each extra's batch `repeat` times over (evaluation's quantiles in one pass)."""
+        return TextExtras({name: torch.cat([t] * repeat) for name, t in self.items()})
+
+
+def stack_text_extras(texts: list[dict]) -> TextExtras | None:
+    """The text encoder's extras of one batch's text entries, each [B, ...], or None where its encoder returns none.
+    Each text's is as the encoder returned it, with its batch axis of 1 (a 1-D one, such as Anima's token ids, gets
+    one), stacked along it as ComfyUI batches such conditioning, which needs the same shape in every text."""
+    names = sorted({k for text in texts for k in text if k.startswith(TEXT_EXTRA)})
+    if not names:
+        return None
+    out = TextExtras()
+    for key in names:
+        values = [text.get(key) for text in texts]
+        name = key[len(TEXT_EXTRA):]
+        if any(v is None for v in values):
+            raise ValueError(f"the text cache holds the text encoder's {name} for some captions and not "
+                             "others; queue Cache Text Embeddings again")
+        values = [v if v.dim() > 1 and v.shape[0] == 1 else v.unsqueeze(0) for v in values]
+        if any(v.shape != values[0].shape for v in values):
+            raise ValueError(f"train.batch_size: the text encoder's {name} has a different shape for each caption "
+                             f"({[tuple(v.shape[1:]) for v in values]}), so ComfyUI would not batch them: train with "
+                             "batch_size 1 and use gradient_accumulation for a larger batch")
+        out[name] = torch.cat(values)
+    return out
 
 
 def load_cached_dataset(manifest_path: str) -> CachedDataset:

@@ -33,6 +33,10 @@ class Batch:
     # the text encoder's attention mask, as cached beside the embedding ([B, tokens], 1 on a token, 0 on padding),
     # or None (no padding); a family whose ComfyUI model reads it (LTX-Video) hands it to extra_conds
     text_mask: torch.Tensor | None = None
+    # what the text encoder returned beside the embedding, pooled vector and mask, by the names ComfyUI's encoder
+    # gave them (HunyuanDiT's conditioning_mt5xl, Anima's t5xxl_ids ...; data.loading.TextExtras), or None; the
+    # conditioning CLIPTextEncode makes holds them, and extra_conds is given them as the sampler gives them
+    text_extras: dict | None = None
 
 
 def is_comfy_model(base_model, class_name: str) -> bool:
@@ -66,6 +70,9 @@ class ModelFamily:
     # "start_image" (Wan image-to-video: the concat latent and mask WanImageToVideo builds)
     reference_input: str | None = None
     frame_rate = 0.0  # the dataset's clips' frame rate (read_dataset), for a family whose conditioning takes one
+    # the text encoder's extra outputs (Batch.text_extras) without which the model cannot run: a dataset whose
+    # captions lack them (encoded by another text encoder) is refused before the first step
+    text_extras_needed: tuple[str, ...] = ()
 
     def __init__(self, base_model, prediction: str, patcher=None):
         self.loss_kind, self.huber_delta, self.min_snr_gamma = "mse", 0.1, 0.0  # see set_objective
@@ -234,12 +241,15 @@ class ModelFamily:
         for a model that concatenates an image to its input (ComfyUI's concat_keys: HunyuanVideo's image-to-video,
         inpainting models) the sampler's latent_image as an empty latent gives it, which concat_cond falls back on
         where the trainer has no image to give."""
-        inputs = {"noise": x_noisy, "device": x_noisy.device, "cross_attn": batch.cond}
+        inputs = {"noise": x_noisy, "device": x_noisy.device, "cross_attn": batch.cond, "prompt_type": "positive",
+                  # the size ComfyUI's sampler gives every extra_conds (samplers.encode_model_conds), read off the
+                  # noisy latent's axes 3 and 2 whatever the model's layout (PixArt's and HunyuanDiT's size inputs)
+                  "width": x_noisy.shape[3] * 8, "height": x_noisy.shape[2] * 8}
         if getattr(self.base_model, "concat_keys", ()):
             inputs["latent_image"] = self.base_model.process_latent_in(torch.zeros_like(x_noisy))
         if batch.pooled is not None:
             inputs["pooled_output"] = batch.pooled
-        return inputs
+        return {**(batch.text_extras or {}), **inputs}
 
     def target(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
         if self.prediction == "flow":  # rectified flow: the model predicts the velocity noise - x0

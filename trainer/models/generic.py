@@ -1,8 +1,9 @@
 """Any other diffusion model ComfyUI loads: adapters on its linear layers, conditioning from ComfyUI's
 own extra_conds, the objective from its model_sampling (epsilon, v-prediction, CogVideoX's v-prediction or flow).
 
-It trains what ComfyUI's sampler would run with a text embedding (and pooled vector, where the model
-takes one); inputs a model needs beyond those (reference images, masks) are left at ComfyUI's defaults.
+It trains what ComfyUI's sampler would run with what CLIPTextEncode gives: the text embedding, the pooled vector
+where the model takes one, and the encoder's other outputs (HunyuanDiT's mT5 embedding, Anima's T5 token ids); inputs
+a model needs beyond those (reference images, masks) are left at ComfyUI's defaults.
 """
 from __future__ import annotations
 
@@ -23,17 +24,26 @@ FEED_FORWARD = (r"(?<!modulation_)(mlp|ffn|ff|feed_forward)[^.]*\.(\d+|fc[12]|w[
                 r"|linear[12]|layer[12]|c_fc[12]|c_proj|in_layer|out_layer)$", r"^blocks\.\d+\.ff_(proj|out)$")
 
 
+# the text encoder's extras (Batch.text_extras) some of ComfyUI's model classes cannot run without: HunyuanDiT's
+# (1.0's too) mT5 embedding and its mask; Anima's T5 token ids and weights, which its LLM adapter reads with the
+# Qwen3 embedding
+TEXT_EXTRAS_NEEDED = {"HunyuanDiT": ("conditioning_mt5xl", "attention_mask_mt5xl"),
+                      "Anima": ("t5xxl_ids", "t5xxl_weights")}
+
+
 class GenericFamily(ModelFamily):
     name = "generic"
     display_name = "generic"
     target_patterns = {"attention": ATTENTION, "attention_ff": ATTENTION + FEED_FORWARD}
 
     def __init__(self, base_model, prediction: str, patcher=None):
-        if is_comfy_model(base_model, "Anima"):  # ComfyUI 0.33's model_base.Anima.extra_conds
-            raise ValueError("model: Anima reads its text through an LLM adapter fed the T5 token ids of each "
-                             "caption, which the text cache does not keep; trained on the text embedding alone, a "
-                             "LoRA would learn a path ComfyUI's sampler never runs")
         super().__init__(base_model, prediction, patcher)
+        for class_name, needed in TEXT_EXTRAS_NEEDED.items():
+            if is_comfy_model(base_model, class_name):
+                self.text_extras_needed = needed
+        # HunyuanDiT's extra_conds makes its CLIP text's mask from the encoder's attention mask, as LTX-Video's
+        self.reads_text_mask = is_comfy_model(base_model, "HunyuanDiT")
+        self.anima = is_comfy_model(base_model, "Anima")
         self.display_name = f"generic ({type(base_model.model_config).__name__})"
         self.base_model_version = type(base_model.model_config).__name__.lower()
         # a video class (its latent format has a frame axis) takes B C T H W: an image dataset's latents become
@@ -57,7 +67,23 @@ class GenericFamily(ModelFamily):
         if any(is_comfy_model(self.base_model, name) for name in ("Omnigen2", "Boogu")):
             # their extra_conds make the model's num_tokens from the text's attention mask, as Lumina 2's do
             inputs["attention_mask"] = self.whole_text_mask(batch, x_noisy.device)
+        if self.reads_text_mask:  # (no mask cached: every token counts)
+            inputs["attention_mask"] = batch.text_mask if batch.text_mask is not None else \
+                torch.ones(batch.cond.shape[:2], dtype=torch.long, device=x_noisy.device)
+        if self.anima:  # given to the model in model_kwargs: extra_conds takes them one caption at a time
+            for name in self.text_extras_needed:
+                inputs.pop(name, None)
         return inputs
+
+    def model_kwargs(self, batch, x_noisy: torch.Tensor, dtype) -> dict:
+        out = super().model_kwargs(batch, x_noisy, dtype)
+        if self.anima:
+            # what ComfyUI 0.33's Anima.extra_conds hands a model that trains (grad on), for the whole batch: the T5
+            # token ids [B, tokens] and their weights [B, tokens, 1], which its forward runs the LLM adapter on
+            extras = batch.text_extras or {}
+            out["t5xxl_ids"] = extras["t5xxl_ids"].to(x_noisy.device)
+            out["t5xxl_weights"] = extras["t5xxl_weights"].unsqueeze(-1).to(x_noisy.device, dtype)
+        return out
 
     def transformer_options(self, kwargs: dict) -> dict:
         if is_comfy_model(self.base_model, "LongCatImage"):  # its _apply_model shifts the rotary positions by the

@@ -277,7 +277,7 @@ def item_inputs(family, dataset, item: int, batch_size: int):
     b = training_batch(dataset, [item] * batch_size)
     zeros = torch.zeros_like(b.latents)
     batch = Batch(b.latents, b.cond, b.pooled, zeros, torch.full((batch_size,), 0.5), b.mask,
-                  b.references, b.text_mask)
+                  b.references, b.text_mask, b.text_extras)
     with torch.no_grad():
         return family.model_inputs(batch)
 

@@ -57,7 +57,7 @@ from ..adapters import inject_adapter
 from ..data.batch_mix import StepBatches, build_training_data, micro_batch_slots
 from ..run.checkpoint import Checkpointer
 from ..comfy_env import import_comfy
-from ..data.dataset_checks import reads_text_masks
+from ..data.dataset_checks import text_inputs_beside_the_embedding
 from ..device import training_device
 from .distill_networks import (Denoiser, GanHead, Network, Networks, fake_score_spec, frozen, held_weight_bytes,
                                peak_rss_per_rank)
@@ -110,9 +110,10 @@ class Distiller(DMD2Objective, TrainingTask):
                                                       is not None, spec.data.manifest)
         if caption_problem:  # the spec's own rules (block_swap, ema_decay, ...) were checked as it was read
             raise ValueError(caption_problem)
-        if reads_text_masks(generator, self.dataset):  # the networks are called without Batch.text_mask
-            raise ValueError(f"data.manifest: its captions carry the text encoder's attention mask, which "
-                             f"{generator.display_name} reads; distilling it with the mask is not yet supported")
+        beside_text = text_inputs_beside_the_embedding(generator, self.dataset)
+        if beside_text:  # the networks are called with the embedding and pooled vector only
+            raise ValueError(f"data.manifest: its captions carry the text encoder's {beside_text}, which "
+                             f"{generator.display_name} reads; distilling it with them is not yet supported")
         if getattr(generator, "variant", None) == "ti2v_5b" and getattr(self.dataset, "reference_slots", 0):
             raise ValueError("data.manifest: distilling Wan 2.2 TI2V with start images is not yet supported; "
                              "distil it on items without a start image")

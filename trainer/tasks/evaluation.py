@@ -97,6 +97,7 @@ def _evaluate(module, dataset, indices, quantiles, seed, batch_size, device, sid
             latents, cond, pooled = dataset.batch(chunk)
             references = dataset.references(chunk) if getattr(dataset, "reference_slots", 0) else None
             text_mask = dataset.text_masks(chunk)
+            text_extras = dataset.text_extras(chunk)
             noise = eval_noise(latents.shape[1:], chunk, seed)
             for group in quantile_groups:
                 def rows(x):
@@ -104,7 +105,8 @@ def _evaluate(module, dataset, indices, quantiles, seed, batch_size, device, sid
                 timesteps = torch.tensor([float(quantiles[qn]) for qn in group for _ in chunk], device=device)
                 yield chunk, group, slot < len(chunks), Batch(
                     latents=rows(latents), cond=rows(cond), pooled=rows(pooled), noise=rows(noise),
-                    timesteps=timesteps, references=rows(references), text_mask=rows(text_mask))
+                    timesteps=timesteps, references=rows(references), text_mask=rows(text_mask),
+                    text_extras=text_extras.rows(len(group)).to(device) if text_extras else None)
 
     def losses_of(batch):
         with torch.no_grad():  # grad mode is per thread
