@@ -46,6 +46,10 @@ IMAGE_FOLDER = "ingraph_example"
 ONE_IMAGE_FOLDER = "ingraph_one"  # the first example image and its caption: evaluation where it is not the point
 SUITE_EVAL_QUANTILES = "0.5"  # the Train node's eval_quantiles where evaluation is not the point (suite time)
 SKIP_DISTILL_QUALITY = os.environ.get("INGRAPH_SKIP_DISTILL_QUALITY") == "1"  # ~3.5 min of one core left out
+# a part of the selected tests (scripts/test.sh runs the ComfyUI 0.33 tier in two): "serverless", the unit and trainer
+# tests that start no ComfyUI server (what can run beside another tier, at the lowest priority, with no time limit
+# to miss), or "rest", the others; unset: all
+SUITE_PART = os.environ.get("INGRAPH_SUITE_PART", "")
 
 
 def pytest_report_header(config):
@@ -58,12 +62,24 @@ def pytest_collection_modifyitems(config, items):
     # rest by file name across the tier folders (the order the suite's timing was tuned in: the tiny models build
     # in the background while the first files run)
     items.sort(key=lambda item: (_needs_background_run(item), item.path.name))
+    if SUITE_PART:
+        if SUITE_PART not in ("serverless", "rest"):
+            raise pytest.UsageError(f"INGRAPH_SUITE_PART={SUITE_PART!r}: serverless, rest or unset")
+        keep = [item for item in items if _serverless(item) == (SUITE_PART == "serverless")]
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
     if comfyui_available():
         return
     skip = pytest.mark.skip(reason=COMFYUI_MISSING)
     for item in items:
         if "comfyui" in item.keywords:
             item.add_marker(skip)
+
+
+def _serverless(item) -> bool:
+    """A unit or trainer-program test that uses no ComfyUI server (the session's `comfy`, or one of its own)."""
+    return item.path.parent.name in ("unit", "trainer") and "comfy" not in getattr(item, "fixturenames", ()) \
+        and item.get_closest_marker("own_server") is None
 
 
 def _needs_distill_quality(item) -> bool:
