@@ -77,9 +77,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _serverless(item) -> bool:
-    """A unit or trainer-program test that uses no ComfyUI server (the session's `comfy`, or one of its own)."""
-    return item.path.parent.name in ("unit", "trainer") and "comfy" not in getattr(item, "fixturenames", ()) \
-        and item.get_closest_marker("own_server") is None
+    """A test that uses no ComfyUI server (the session's `comfy`, or one of its own)."""
+    return "comfy" not in getattr(item, "fixturenames", ()) and item.get_closest_marker("own_server") is None
 
 
 def _needs_distill_quality(item) -> bool:
