@@ -92,11 +92,13 @@ def returns_text_mask(clip) -> bool:
         getattr(m, "return_attention_masks", False) for m in model.modules())
 
 
-# Text encoders whose encoding returns more than the embedding, the pooled vector and the attention mask, which
-# CLIPTextEncode puts into the conditioning for the model's extra_conds: HunyuanDiT's mT5 embedding and mask, Anima's
-# T5 token ids and weights (its LLM adapter's input), HiDream's Llama layers, HunyuanImage 2.1's ByT5 glyph embedding.
-# Their entries hold those too (TEXT_EXTRA), and their identity says so: entries cached before they did are not reused.
-TEXT_EXTRAS_ENCODERS = ("HyditModel", "AnimaTEModel", "HiDreamTEModel", "HunyuanImageTEModel")
+# Text encoders whose extra outputs (beside the embedding, the pooled vector and the attention mask) the cache keeps,
+# as CLIPTextEncode puts them into the conditioning for the model's extra_conds: those the models read on every
+# caption, HunyuanDiT's mT5 embedding and mask, Anima's T5 token ids and weights (its LLM adapter's input), HiDream's
+# Llama layers. Their entries hold them (TEXT_EXTRA), and their identity says so: entries cached before are not
+# reused. (HunyuanImage 2.1's ByT5 glyph embedding, only for a caption with quoted text, is not kept: it trains
+# without it, as before.)
+TEXT_EXTRAS_ENCODERS = ("HyditModel", "AnimaTEModel", "HiDreamTEModel")
 TEXT_EXTRA = "extra."  # a text entry's tensor of that name: one of the encoder's extra outputs, as it returned it
 
 
@@ -300,6 +302,7 @@ def encode_text(dataset: TrainingDataset, clip, store: CacheStore, progress: Pro
     (reads_its_source_images), as TextEncodeQwenImageEditPlus conditions the model at inference; the empty
     caption of caption dropout stays text alone."""
     encoder = clip_identity(clip)
+    keeps_extras = returns_text_extras(clip)
     template = edit_prompt_template(clip)
     counts, done = [0, 0], {}
 
@@ -317,7 +320,7 @@ def encode_text(dataset: TrainingDataset, clip, store: CacheStore, progress: Pro
                     tensors["pooled"] = out["pooled_output"][0].float()
                 if hasattr(out.get("attention_mask"), "shape"):  # [1, tokens]: 1 on a token, 0 on padding
                     tensors["attention_mask"] = out["attention_mask"][0].long()
-                for name, value in out.items():  # kept as returned (their shapes are what extra_conds reads)
+                for name, value in out.items() if keeps_extras else ():  # as returned: extra_conds reads their shapes
                     if name not in ("cond", "pooled_output", "attention_mask") and hasattr(value, "is_floating_point"):
                         tensors[TEXT_EXTRA + name] = value.float() if value.is_floating_point() else value
                 meta = {"caption": caption, **({"images": list(item.references)} if item is not None else {})}

@@ -68,7 +68,7 @@ def check_evaluation_references(model, dataset, title: str = "Evaluate"):
     from ..trainer.models import UnsupportedSetting, family_for
     try:
         family = family_for(model.model)
-    except ValueError as exc:  # a model no family takes (Anima: its text's token ids)
+    except ValueError as exc:  # a model no family takes (an objective the trainer has not: EDM, ...)
         raise ValueError(f"{title}: {exc}") from None
     try:
         check_dataset_for_family(dataset, family, "dataset")

@@ -31,7 +31,7 @@ def check_family_settings(model, prediction: str, train, adapter, file_format: s
             raise ValueError(f"{title}: {exc}") from None
     try:
         family = family_for(model.model, prediction=prediction)
-    except ValueError as exc:  # a model no family trains (Anima: its text's token ids)
+    except ValueError as exc:  # a model no family trains (an objective the trainer has not: EDM, ...)
         raise ValueError(f"{title}: {exc}") from None
     try:
         family.check_settings(RunSpec(train=train, adapter=adapter, output=OutputSpec(format=file_format),

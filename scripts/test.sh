@@ -96,6 +96,8 @@ if [ "$run_033" = 1 ]; then
        "priority, from $bg_start s to $SECONDS s of this script at the latest), exit $bg_status; their output:"
   cat "$bg_log"
   rm -f "$bg_log"
+  # its folder (pytest keeps a failing test's files there, and only those: pyproject's retention policy)
+  [ "$bg_status" != 0 ] || rm -rf "${TMPDIR:-/tmp}/ingraph-033-serverless-$$"
   [ "$tier_status" = 0 ] || status=$tier_status
   [ "$bg_status" = 0 ] || status=$bg_status
 fi

@@ -239,7 +239,8 @@ def pytest_collection_finish(session):
     if any(map(_needs_distill_quality, session.items)) and not SKIP_DISTILL_QUALITY:
         work = temp.mktemp("distill_quality")
         DISTILL_QUALITY.start(work, ["--work", work / "check"])
-    wanted = _tiny_models_wanted(session.items)
+    # only a test with the session's server puts tiny models into it (tiny_models): a serverless part builds none
+    wanted = _tiny_models_wanted([item for item in session.items if not _serverless(item)])
     if wanted["families"] or len(wanted) > 1:
         out = temp.mktemp("tiny_models")
         argv = ["--out-dir", out, "--families", *(f"{f}:{d}" for f, d in wanted["families"].items())]

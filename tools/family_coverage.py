@@ -123,14 +123,14 @@ WHY_NOT = {
     "LongCatImage": "generic family (its Flux blocks' residuals made out of place, its text-length rope shift as its "
                     "_apply_model adds it)",
     "HunyuanImage21": "generic family (its Flux blocks' residuals made out of place); built on ComfyUI 0.33 only "
-                      "(0.3.64's HunyuanVideo takes no use_cond_type_embedding)",
-    # built, not trained: what stops it
-    "FluxInpaint": "trains with ComfyUI's defaults for the inpaint image and mask (the flux family gives none); "
-                   "built on ComfyUI 0.33 only (0.3.64's Flux takes no txt_ids_dims)",
+                      "(0.3.64's HunyuanVideo takes no use_cond_type_embedding); trained without its ByT5 glyph "
+                      "embedding (its encoder gives it only for quoted text)",
     "HunyuanDiT": "generic family, on its Chinese CLIP's embedding and mask and its mT5 embedding and mask (the text "
                   "cache keeps the encoder's extra outputs, as CLIPTextEncode puts them into the conditioning)",
     "HunyuanDiT1": "generic family, on its Chinese CLIP's embedding and mask and its mT5 embedding and mask (the text "
                    "cache keeps the encoder's extra outputs, as CLIPTextEncode puts them into the conditioning)",
+    "FluxInpaint": "trains with ComfyUI's defaults for the inpaint image and mask (the flux family gives none); "
+                   "built on ComfyUI 0.33 only (0.3.64's Flux takes no txt_ids_dims)",
     "CosmosT2IPredict2": COSMOS_FLOW,
     "CosmosI2VPredict2": COSMOS_FLOW,
     "CogVideoX_T2V": COGVIDEOX_DDPM,
@@ -141,8 +141,8 @@ WHY_NOT = {
     "Boogu": "its forward needs num_tokens, which its extra_conds makes from the text's attention mask: the generic "
              "family gives the cached embedding's, all ones (as the Lumina 2 family does)",
     "Anima": "generic family: its LLM adapter reads each caption's T5 token ids and weights beside the Qwen3 "
-             "embedding (the text cache keeps the encoder's extra outputs), given to the model for the whole batch as "
-             "its extra_conds gives them in training",
+             "embedding (the text cache keeps the encoder's extra outputs), given to the model as its extra_conds "
+             "gives them in training; batch size 1 (each caption has its own number of T5 tokens)",
     # not built here
     "HiDream": "ComfyUI fixes the size (16 double and 32 single MoE blocks, 2560 wide: ~17B parameters)",
     "Omnigen2": "ComfyUI fixes the size (32 layers, 2520 wide: ~4B parameters)",

@@ -20,7 +20,8 @@ class TrainingModule(torch.nn.Module):
         """The micro-batch's training loss: the mean of its per-sample losses, each masked per latent pixel
         (`mask`) and scaled by its `sample_weight` where given (objectives.batch_loss). With `is_prior` (a run
         with prior images), (loss, batch_mix.loss_parts of the unweighted per-sample losses), kept on the device.
-        `references`: the items' reference latents per slot (Batch.references), for a family that takes them."""
+        `references`: the items' reference latents per slot (Batch.references), for a family that takes them;
+        `text_mask`, `text_extras`: the text encoder's attention mask and extra outputs (Batch's), where cached."""
         per_sample = self.family.loss(Batch(latents, cond, pooled, noise, timesteps, mask, references, text_mask,
                                             text_extras),
                                       reduce=False)

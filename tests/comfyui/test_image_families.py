@@ -21,14 +21,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SUITE_EVAL_QUANTILES
+from conftest import ON_COMFYUI_033, SUITE_EVAL_QUANTILES, tiny_models
 from ingraph_trainer.runner.evaluation_run import parse_quantiles
 from ingraph_trainer.trainer.spec import DEFAULT_EVAL_QUANTILES_TEXT
 from family_graphs import EDIT_FOLDER, EDIT_REFERENCE, IMAGE_FAMILIES, IMAGE_TINY_MODELS as TINY_MODELS, SINGLE_FOLDER
 from family_graphs import image_family_models  # noqa: F401  (a fixture)
 from family_graphs import bootstrap_comfy, sampling_graph, saved_latent, training_graph
 
-pytestmark = [pytest.mark.comfyui, pytest.mark.tiny_models(**TINY_MODELS)]
+# Z-Image (ComfyUI 0.33's ZImage, the lumina2 family's variant): ComfyUI fixes its width, so the tiny one is 0.9B
+# parameters, built once a session (the starting graphs' test runs it too)
+Z_IMAGE_TINY_MODEL = dict(families={"z_image": "bf16"})
+pytestmark = [pytest.mark.comfyui, pytest.mark.tiny_models(**TINY_MODELS),
+              *([pytest.mark.tiny_models(**Z_IMAGE_TINY_MODEL)] if ON_COMFYUI_033 else [])]
 # what the family's stock text encoder adds to CLIPTextEncode's conditioning beside the embedding
 ENCODER_EXTRAS = {"chroma": {"pooled_output": None},  # T5 alone: no pooled vector
                   "lumina2": {"attention_mask": torch.ones((1, 8), dtype=torch.long)}}  # Gemma's mask
@@ -134,6 +138,24 @@ DAY0_FAMILIES = {"flux2": ("Flux2Family", "Flux2", (128, 4, 6), (7, 64), {"guida
                  "krea2": ("Krea2Family", "Krea2", (16, 1, 4, 6), (7, 320), {}),
                  "hunyuan_video15": ("HunyuanVideo15Family", "HunyuanVideo15", (32, 3, 4, 6), (7, 64),
                                      {"pooled_output": None})}  # its text encoder gives no pooled vector
+
+
+def test_z_image_is_detected_and_its_loss_is_comfyuis(image_family_models, tools):  # noqa: F811
+    """Z-Image (ComfyUI 0.33): ComfyUI's loader detects the tiny file as ZImage, the lumina2 family takes it, and its
+    loss is ComfyUI's sampler's to 1e-6 on CLIPTextEncode's conditioning of Qwen3-4B's 2560-wide text with its
+    attention mask (which its extra_conds counts the text's tokens from)."""
+    bootstrap_comfy()
+    if not ON_COMFYUI_033:
+        pytest.skip("skipped: this ComfyUI has no ZImage (0.33 and later have)")
+    tiny_models(tools, image_family_models, **Z_IMAGE_TINY_MODEL)
+    family = _load(image_family_models, "z_image")
+    assert family.name == "lumina2" and type(family.base_model.model_config).__name__ == "ZImage"
+    batch = _batch((16, 8, 8), (8, 2560))
+    expected = comfyui_losses(family, batch, {"attention_mask": torch.ones((1, 8), dtype=torch.long)})
+    family.prepare_for_training()
+    with torch.no_grad():
+        got = family.loss(batch, reduce=False)
+    assert torch.allclose(got, expected, rtol=1e-6, atol=0), (got, expected)
 
 
 @pytest.mark.parametrize("name", list(DAY0_FAMILIES))
@@ -514,7 +536,7 @@ def test_anima_trains_on_each_captions_t5_token_ids_as_comfyuis_sampler_reads_th
     encoder's identity says so, so entries cached before are not reused), the trainer's batches carry them, and the
     family's loss on a cached caption is ComfyUI's sampler's (inference mode, where its extra_conds runs the adapter)
     on CLIPTextEncode's conditioning of it. Without them a dataset is refused, naming them; captions of other token
-    counts do not batch, as ComfyUI would not batch them."""
+    counts do not batch, as ComfyUI would not batch them, so a batch size over 1 is refused at queue time."""
     from PIL import Image
 
     import ingraph_trainer.cache.encoding as encoding
@@ -572,7 +594,16 @@ def test_anima_trains_on_each_captions_t5_token_ids_as_comfyuis_sampler_reads_th
     other["t5xxl_ids"] = (other["t5xxl_ids"] + 1) % 32000
     with torch.no_grad():
         assert not torch.allclose(family.loss(Batch(**{**batch.__dict__, "text_extras": other}), reduce=False), got)
-    # captions of other T5 token counts: ComfyUI conditions them one at a time
+    # captions of other T5 token counts: ComfyUI conditions them one at a time, so a batch of several is refused at
+    # queue time (the node's check, and the trainer's), and a batch that reached a step anyway fails naming it
+    from ingraph_trainer.runner.evaluation_run import check_evaluation_references
+    from ingraph_trainer.runner.train_run import check_family_settings
+    from ingraph_trainer.trainer.spec import AdapterSpec, TrainSpec
+    with pytest.raises(ValueError, match=r"^Train LoRA \(generic \(Anima\) model\): train.batch_size: Anima's "
+                                         r"captions each have their own number of T5 tokens"):
+        check_family_settings(patcher, "flow", TrainSpec(batch_size=2), AdapterSpec(), "comfyui")
+    check_family_settings(patcher, "flow", TrainSpec(batch_size=1), AdapterSpec(), "comfyui")
+    check_evaluation_references(patcher, dataset)  # the graph's dataset: its captions are the trainer's to check
     with pytest.raises(ValueError, match=r"train.batch_size: the text encoder's t5xxl_ids has a different shape"):
         training_batch(cached, [by_name["cat"], by_name["dog"]])
     # entries cached before the extras were kept are not reused: the encoder's identity says it returns them

@@ -66,16 +66,18 @@ def check_image_sizes(dataset, family, where: str = "data.manifest"):
 
 def check_dataset_for_family(dataset, family, where: str = "data.manifest"):
     """What every task that runs a family on a dataset checks first (training, distillation, the Evaluate node):
-    the reference images its items carry, and their sizes."""
+    the reference images its items carry, their sizes, and the text encoder's extras its captions carry."""
     _check_reference_input(dataset, family, where)
     check_image_sizes(dataset, family, where)
     _check_text_extras(dataset, family, where)
 
 
 def _check_text_extras(dataset, family, where: str):
+    """A cached dataset's captions carry the text encoder's extras the family's model needs (the graph's
+    TrainingDataset holds no embeddings: the trainer checks its cache at start-up)."""
     needed = getattr(family, "text_extras_needed", ())
     for part, name in _parts(dataset, where):
-        if needed and len(part) > 0:
+        if needed and hasattr(part, "text") and len(part) > 0:
             missing = [n for n in needed if TEXT_EXTRA + n not in part.text(0)]
             if missing:
                 raise ValueError(f"{name}: {family.display_name} is conditioned on its text encoder's "

@@ -31,7 +31,7 @@ class Batch:
     # cached); a family whose `reference_input` is set hands them to its model as ComfyUI's conditioning nodes do
     references: list[torch.Tensor] | None = None
     # the text encoder's attention mask, as cached beside the embedding ([B, tokens], 1 on a token, 0 on padding),
-    # or None (no padding); a family whose ComfyUI model reads it (LTX-Video) hands it to extra_conds
+    # or None (no padding); a family whose ComfyUI model reads it (LTX-Video, HunyuanDiT) hands it to extra_conds
     text_mask: torch.Tensor | None = None
     # what the text encoder returned beside the embedding, pooled vector and mask, by the names ComfyUI's encoder
     # gave them (HunyuanDiT's conditioning_mt5xl, Anima's t5xxl_ids ...; data.loading.TextExtras), or None; the
@@ -237,7 +237,8 @@ class ModelFamily:
         return torch.ones((1, batch.cond.shape[1]), dtype=torch.long, device=device)
 
     def extra_cond_inputs(self, batch: Batch, x_noisy: torch.Tensor) -> dict:
-        """What extra_conds is given: the cached text embedding (and pooled vector), the noisy latent's shape, and
+        """What extra_conds is given: the cached text embedding (and pooled vector, and the text encoder's extras:
+        Batch.text_extras), the noisy latent, its size and the prompt type as the sampler gives them, and
         for a model that concatenates an image to its input (ComfyUI's concat_keys: HunyuanVideo's image-to-video,
         inpainting models) the sampler's latent_image as an empty latent gives it, which concat_cond falls back on
         where the trainer has no image to give."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import ModelFamily, block_lists, is_comfy_model
+from .base import ModelFamily, UnsupportedSetting, block_lists, is_comfy_model
 from .residuals import residuals_out_of_place
 
 # AuraFlow names its projections w1q..w2o (text and image streams) and c_fc1/c_fc2/c_proj; Kandinsky 5 its
@@ -54,6 +54,13 @@ class GenericFamily(ModelFamily):
     @classmethod
     def matches(cls, base_model) -> bool:
         return True
+
+    def check_settings(self, spec) -> None:
+        super().check_settings(spec)
+        if self.anima and spec.train.batch_size > 1:
+            raise UnsupportedSetting("train.batch_size: Anima's captions each have their own number of T5 tokens, "
+                                     "which ComfyUI conditions one caption at a time: train with batch_size 1 and use "
+                                     "gradient_accumulation for a larger batch")
 
     def prepare_for_training(self) -> None:
         super().prepare_for_training()
