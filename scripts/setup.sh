@@ -52,9 +52,9 @@ if [ "${INGRAPH_BROWSER:-0}" = "1" ] && ! command -v chromium >/dev/null 2>&1 &&
 fi
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-# no byte-compiling of every installed file (~50 s of CPU for this environment's 16,000): Python compiles each module
-# the first time it is imported, which is a fraction of them
-PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --no-compile -q)
+# (pip byte-compiles every installed file, ~50 s of CPU here; it stays: where PYTHONDONTWRITEBYTECODE is set, as on
+# this project's machines, Python would otherwise compile each module again in every process that imports it)
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 
 comfy_reqs=""
 [ -f "$COMFYUI_PATH/requirements.txt" ] && comfy_reqs="$COMFYUI_PATH/requirements.txt"
