@@ -537,42 +537,19 @@ def test_anima_trains_on_each_captions_t5_token_ids_as_comfyuis_sampler_reads_th
     family's loss on a cached caption is ComfyUI's sampler's (inference mode, where its extra_conds runs the adapter)
     on CLIPTextEncode's conditioning of it. Without them a dataset is refused, naming them; captions of other token
     counts do not batch, as ComfyUI would not batch them, so a batch size over 1 is refused at queue time."""
-    from PIL import Image
-
     import ingraph_trainer.cache.encoding as encoding
-    from ingraph_trainer.cache.buckets import BucketSettings
-    from ingraph_trainer.cache.folder_scan import scan_image_folder
-    from ingraph_trainer.cache.store import CacheStore, write_manifest
     from ingraph_trainer.trainer.data.batch_mix import training_batch
     from ingraph_trainer.trainer.data.dataset_checks import check_dataset_for_family
-    from ingraph_trainer.trainer.data.loading import load_cached_dataset
     from ingraph_trainer.trainer.models import Batch, family_for
+    from media_files import cached_captions
     patcher = _class_built("Anima")
     family = family_for(patcher.model, patcher=patcher)
     assert family.name == "generic" and family.text_extras_needed == ("t5xxl_ids", "t5xxl_weights")
     torch.manual_seed(0)
     clip = _tiny_anima_text_encoder()
-    folder = tmp_path / "images"
-    folder.mkdir()
     # the same number of Qwen3 tokens, not of T5 tokens (5 and 8, 5 and 7)
     captions = {"cat": "a cat on a mat", "dog": "an aardvark"}
-    for name, caption in captions.items():
-        Image.new("RGB", (64, 64), (90, 40, 200)).save(folder / f"{name}.png")
-        (folder / f"{name}.txt").write_text(caption)
-
-    class VAE:
-        def get_sd(self):
-            return {"w": torch.ones(1)}
-
-        def encode(self, pixels):
-            return torch.zeros(1, 16, 8, 8)
-    store = CacheStore(tmp_path / "cache")
-    dataset = scan_image_folder(folder, buckets=BucketSettings(resolution=64, enabled=False))
-    dataset, _, _ = encoding.encode_latents(dataset, VAE(), store)
-    dataset, _, _ = encoding.encode_text(dataset, clip, store)
-    store.close()
-    cached = load_cached_dataset(str(write_manifest(tmp_path / "m.json", dataset, tmp_path / "cache")))
-    by_name = {Path(s).stem: i for i, s in enumerate(cached.sources)}
+    dataset, cached, by_name = cached_captions(tmp_path, clip, captions, latent_channels=16)
     check_dataset_for_family(cached, family)
 
     conditioning = clip.encode_from_tokens(clip.tokenize(captions["cat"]), return_dict=True)  # CLIPTextEncode's

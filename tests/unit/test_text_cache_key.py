@@ -94,14 +94,10 @@ def test_ltxv_text_encoders_attention_mask_is_cached_beside_the_embedding_and_ba
     import comfy.sd
     import comfy.supported_models_base
     import comfy.text_encoders.lt
-    from PIL import Image
 
-    from ingraph_trainer.cache.buckets import BucketSettings
-    from ingraph_trainer.cache.folder_scan import scan_image_folder
-    from ingraph_trainer.cache.encoding import clip_identity, encode_latents, encode_text
-    from ingraph_trainer.cache.store import CacheStore, write_manifest
+    from ingraph_trainer.cache.encoding import clip_identity
     from ingraph_trainer.trainer.data.batch_mix import training_batch
-    from ingraph_trainer.trainer.data.loading import load_cached_dataset
+    from media_files import cached_captions
 
     tiny_t5 = {"d_ff": 32, "d_kv": 8, "d_model": 16, "num_heads": 2, "num_layers": 1}
     clip = comfy.sd.CLIP(comfy.supported_models_base.ClipTarget(comfy.text_encoders.lt.LTXVT5Tokenizer,
@@ -110,28 +106,11 @@ def test_ltxv_text_encoders_attention_mask_is_cached_beside_the_embedding_and_ba
     g = torch.Generator().manual_seed(0)
     for p in clip.cond_stage_model.parameters():
         p.data.copy_(torch.randn(p.shape, generator=g))
-    folder = tmp_path / "images"
-    folder.mkdir()
     # 4 tokens padded to 128, and 256 tokens (T5 gives "cat" one token, then its end token): no padding
-    for name, caption in (("short", "a cat"), ("long", " ".join(["cat"] * 255))):
-        Image.new("RGB", (64, 64), (90, 40, 200)).save(folder / f"{name}.png")
-        (folder / f"{name}.txt").write_text(caption)
-
-    class VAE:
-        def get_sd(self):
-            return {"w": torch.ones(1)}
-
-        def encode(self, pixels):
-            return torch.zeros(1, 4, 8, 8)
-    store = CacheStore(tmp_path / "cache")
-    dataset = scan_image_folder(folder, buckets=BucketSettings(resolution=64, enabled=False))
-    dataset, _, _ = encode_latents(dataset, VAE(), store)
-    dataset, _, _ = encode_text(dataset, clip, store)
-    store.close()
-    manifest = str(write_manifest(tmp_path / "m.json", dataset, tmp_path / "cache"))
-    cached = load_cached_dataset(manifest)
-    by_name = {Path(s).stem: i for i, s in enumerate(cached.sources)}
-    expected = {name: clip.encode_from_tokens(clip.tokenize((folder / f"{name}.txt").read_text()),
+    captions = {"short": "a cat", "long": " ".join(["cat"] * 255)}
+    _, cached, by_name = cached_captions(tmp_path, clip, captions)
+    manifest = str(tmp_path / "m.json")
+    expected = {name: clip.encode_from_tokens(clip.tokenize(captions[name]),
                                               return_dict=True)["attention_mask"][0] for name in by_name}
     assert expected["short"].sum() < 128 == len(expected["short"]) and expected["long"].all()
     for name, i in by_name.items():
