@@ -3,8 +3,7 @@
 # then the ComfyUI 0.33 tier (COMFYUI_033_PATH; skipped with one line where absent). Arguments (tests to run,
 # pytest flags) go to both runs, in place of the 0.33 tier's list (so `-k video` runs those tests on both, and
 # a flag alone runs the whole suite on 0.33 too); INGRAPH_033_TESTS replaces that list, INGRAPH_SKIP_033=1 leaves
-# the tier out. The 0.33 tier runs in two parts (conftest's INGRAPH_SUITE_PART): its tests with no ComfyUI server
-# beside the 0.3.64 suite at the lowest priority, the others after it.
+# the tier out.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$REPO/scripts/setup.sh"
@@ -42,63 +41,24 @@ TIER_033="${INGRAPH_033_TESTS:-tests --ignore=tests/trainer/test_distributed.py 
   --deselect=tests/comfyui/test_model_families.py::test_wan_on_two_pipeline_stages_matches_one_stage}"
 
 status=0
-tier=()
-run_033=0
+start=$SECONDS
+"$VENV/bin/python" -m pytest -v "$@" || status=$?
+echo "test.sh: ComfyUI $(cat "${COMFYUI_PATH:-/opt/ComfyUI}/comfyui_version.py" 2>/dev/null | grep -o '[0-9][0-9.]*' || echo '?'): whole suite in $((SECONDS - start)) s (exit $status)"
+
 if [ "${INGRAPH_SKIP_033:-0}" = "1" ]; then
   echo "test.sh: skipped: the ComfyUI 0.33 tier (INGRAPH_SKIP_033=1)"
 elif [ ! -f "$COMFYUI_033_PATH/main.py" ]; then
   echo "test.sh: skipped: ComfyUI 0.33 not found at $COMFYUI_033_PATH (set COMFYUI_033_PATH)"
 else
-  run_033=1
+  start=$SECONDS
+  tier_status=0
   # the arguments as given (quoted ones stay one word), else the tier's list
   tier=("$@")
   [ "$#" -gt 0 ] || read -ra tier <<< "$(echo $TIER_033)"  # word-split on purpose: the list is paths and flags
-fi
-
-tier_033() {  # the 0.33 tier's part $1 (conftest's INGRAPH_SUITE_PART), further pytest arguments after it
-  local part="$1"
-  shift
   COMFYUI_PATH="$COMFYUI_033_PATH" PYTHONPATH="$VENV/comfyui-0.33${PYTHONPATH:+:$PYTHONPATH}" \
-    INGRAPH_TEST_ARTIFACTS="$REPO/test-artifacts/comfyui-0.33" INGRAPH_SKIP_DISTILL_QUALITY=1 INGRAPH_SUITE_PART="$part" \
-    "$VENV/bin/python" -m pytest -v "$@" "${tier[@]}"
-}
-
-# The 0.33 tier's unit and trainer tests that start no ComfyUI server run beside the 0.3.64 suite, in a session of
-# their own at the lowest CPU priority (its autogroup at nice 19): they take the core time the suite leaves idle
-# (process starts, servers' waits, one-thread work) and have no time limit to miss; the suite's own timed tests keep
-# the machine. Their output is printed after the suite's.
-bg_pid=""
-bg_log="${TMPDIR:-/tmp}/ingraph-033-serverless-$$.log"
-if [ "$run_033" = 1 ]; then
-  bg_start=$SECONDS
-  nice -n 19 setsid bash -c 'echo 19 > /proc/self/autogroup 2>/dev/null; "$@"' _ \
-    bash -c "$(declare -f tier_033); $(declare -p tier VENV COMFYUI_033_PATH REPO); tier_033 serverless \
-      --basetemp '${TMPDIR:-/tmp}/ingraph-033-serverless-$$'" > "$bg_log" 2>&1 &
-  bg_pid=$!
-  trap '[ -n "$bg_pid" ] && kill -- -"$bg_pid" 2>/dev/null; true' EXIT
-fi
-
-start=$SECONDS
-"$VENV/bin/python" -m pytest -v "$@" || status=$?
-echo "test.sh: ComfyUI $(cat "${COMFYUI_PATH:-/opt/ComfyUI}/comfyui_version.py" 2>/dev/null | grep -o '[0-9][0-9.]*' || echo '?'): whole suite in $((SECONDS - start)) s (exit $status)"
-
-if [ "$run_033" = 1 ]; then
-  start=$SECONDS
-  tier_status=0
-  tier_033 rest || tier_status=$?
-  [ "$tier_status" != 5 ] || tier_status=0  # pytest's "no tests ran": the arguments chose none of this part
-  echo "test.sh: ComfyUI 0.33 tier, the tests with a ComfyUI server, in $((SECONDS - start)) s (exit $tier_status)"
-  bg_status=0
-  wait "$bg_pid" || bg_status=$?
-  [ "$bg_status" != 5 ] || bg_status=0
-  bg_pid=""
-  echo "test.sh: ComfyUI 0.33 tier, the unit and trainer tests with no server (beside the suite at the lowest" \
-       "priority, from $bg_start s to $SECONDS s of this script at the latest), exit $bg_status; their output:"
-  cat "$bg_log"
-  rm -f "$bg_log"
-  # its folder (pytest keeps a failing test's files there, and only those: pyproject's retention policy)
-  [ "$bg_status" != 0 ] || rm -rf "${TMPDIR:-/tmp}/ingraph-033-serverless-$$"
+    INGRAPH_TEST_ARTIFACTS="$REPO/test-artifacts/comfyui-0.33" INGRAPH_SKIP_DISTILL_QUALITY=1 \
+    "$VENV/bin/python" -m pytest -v "${tier[@]}" || tier_status=$?
+  echo "test.sh: ComfyUI 0.33 tier in $((SECONDS - start)) s (exit $tier_status)"
   [ "$tier_status" = 0 ] || status=$tier_status
-  [ "$bg_status" = 0 ] || status=$bg_status
 fi
 exit "$status"

@@ -46,10 +46,6 @@ IMAGE_FOLDER = "ingraph_example"
 ONE_IMAGE_FOLDER = "ingraph_one"  # the first example image and its caption: evaluation where it is not the point
 SUITE_EVAL_QUANTILES = "0.5"  # the Train node's eval_quantiles where evaluation is not the point (suite time)
 SKIP_DISTILL_QUALITY = os.environ.get("INGRAPH_SKIP_DISTILL_QUALITY") == "1"  # ~3.5 min of one core left out
-# a part of the selected tests (scripts/test.sh runs the ComfyUI 0.33 tier in two): "serverless", the unit and trainer
-# tests that start no ComfyUI server (what can run beside another tier, at the lowest priority, with no time limit
-# to miss), or "rest", the others; unset: all
-SUITE_PART = os.environ.get("INGRAPH_SUITE_PART", "")
 
 
 def pytest_report_header(config):
@@ -62,23 +58,12 @@ def pytest_collection_modifyitems(config, items):
     # rest by file name across the tier folders (the order the suite's timing was tuned in: the tiny models build
     # in the background while the first files run)
     items.sort(key=lambda item: (_needs_background_run(item), item.path.name))
-    if SUITE_PART:
-        if SUITE_PART not in ("serverless", "rest"):
-            raise pytest.UsageError(f"INGRAPH_SUITE_PART={SUITE_PART!r}: serverless, rest or unset")
-        keep = [item for item in items if _serverless(item) == (SUITE_PART == "serverless")]
-        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
-        items[:] = keep
     if comfyui_available():
         return
     skip = pytest.mark.skip(reason=COMFYUI_MISSING)
     for item in items:
         if "comfyui" in item.keywords:
             item.add_marker(skip)
-
-
-def _serverless(item) -> bool:
-    """A test that uses no ComfyUI server (the session's `comfy`, or one of its own)."""
-    return "comfy" not in getattr(item, "fixturenames", ()) and item.get_closest_marker("own_server") is None
 
 
 def _needs_distill_quality(item) -> bool:
@@ -239,8 +224,7 @@ def pytest_collection_finish(session):
     if any(map(_needs_distill_quality, session.items)) and not SKIP_DISTILL_QUALITY:
         work = temp.mktemp("distill_quality")
         DISTILL_QUALITY.start(work, ["--work", work / "check"])
-    # only a test with the session's server puts tiny models into it (tiny_models): a serverless part builds none
-    wanted = _tiny_models_wanted([item for item in session.items if not _serverless(item)])
+    wanted = _tiny_models_wanted(session.items)
     if wanted["families"] or len(wanted) > 1:
         out = temp.mktemp("tiny_models")
         argv = ["--out-dir", out, "--families", *(f"{f}:{d}" for f, d in wanted["families"].items())]

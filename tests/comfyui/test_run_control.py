@@ -222,7 +222,6 @@ class socket_closed_port:
         return False
 
 
-@pytest.mark.own_server
 def test_trainer_exits_within_10s_when_comfyui_dies(assets, tmp_path):
     server = small_server(assets, tmp_path / "dying", pack_name="ingraph_trainer")
     from client.api import ComfyClient

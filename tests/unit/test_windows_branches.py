@@ -123,7 +123,6 @@ def test_memory_probes_on_windows_come_from_psutil(monkeypatch):
     assert not opened  # no /proc on Windows
 
 
-@pytest.mark.own_server
 def test_through_a_comfyui_server_on_windows_a_run_succeeds_and_cancel_leaves_no_process(assets, tmp_path):
     """A ComfyUI server (and every trainer it starts) whose platform module sees Windows (tests/windows_view):
     a one-process run from the graph trains and the node succeeds; a second run, cancelled, leaves no process."""
