@@ -148,10 +148,6 @@ class TextExtras(dict):
     def to(self, *args, **kwargs) -> "TextExtras":
         return TextExtras({name: t.to(*args, **kwargs) for name, t in self.items()})
 
-    def rows(self, repeat: int) -> "TextExtras":
-        """Each extra's batch `repeat` times over (evaluation's quantiles in one pass)."""
-        return TextExtras({name: torch.cat([t] * repeat) for name, t in self.items()})
-
 
 def stack_text_extras(texts: list[dict]) -> TextExtras | None:
     """The text encoder's extras of one batch's text entries, each [B, ...], or None where its encoder returns none.

@@ -73,6 +73,9 @@ class ModelFamily:
     # the text encoder's extra outputs (Batch.text_extras) without which the model cannot run: a dataset whose
     # captions lack them (encoded by another text encoder) is refused before the first step
     text_extras_needed: tuple[str, ...] = ()
+    # whether the model's extra_conds reads the text encoder's attention mask (Batch.text_mask), which it is then
+    # handed where cached (batch_mix refuses pipeline stages, which do not carry it)
+    reads_text_mask = False
 
     def __init__(self, base_model, prediction: str, patcher=None):
         self.loss_kind, self.huber_delta, self.min_snr_gamma = "mse", 0.1, 0.0  # see set_objective
@@ -250,6 +253,8 @@ class ModelFamily:
             inputs["latent_image"] = self.base_model.process_latent_in(torch.zeros_like(x_noisy))
         if batch.pooled is not None:
             inputs["pooled_output"] = batch.pooled
+        if self.reads_text_mask and batch.text_mask is not None:
+            inputs["attention_mask"] = batch.text_mask
         return {**(batch.text_extras or {}), **inputs}
 
     def target(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:

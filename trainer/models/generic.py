@@ -74,9 +74,6 @@ class GenericFamily(ModelFamily):
         if any(is_comfy_model(self.base_model, name) for name in ("Omnigen2", "Boogu")):
             # their extra_conds make the model's num_tokens from the text's attention mask, as Lumina 2's do
             inputs["attention_mask"] = self.whole_text_mask(batch, x_noisy.device)
-        if self.reads_text_mask:  # (no mask cached: every token counts)
-            inputs["attention_mask"] = batch.text_mask if batch.text_mask is not None else \
-                torch.ones(batch.cond.shape[:2], dtype=torch.long, device=x_noisy.device)
         if self.anima:  # given to the model in model_kwargs: extra_conds takes them one caption at a time
             for name in self.text_extras_needed:
                 inputs.pop(name, None)

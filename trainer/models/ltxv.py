@@ -21,7 +21,7 @@ class LTXVFamily(ModelFamily):
     # ComfyUI fixes 32 heads, 128 latent channels and 4096-wide text; it reads the head width and the cross-
     # attention width (the model width: the text is projected to it) from the weights
     scratch_sizes = {"tiny": dict(attention_head_dim=4, num_layers=1)}
-    reads_text_mask = True  # Batch.text_mask (batch_mix refuses pipeline stages, which do not carry it)
+    reads_text_mask = True  # T5's mask: its cross-attention leaves the padding tokens out
 
     @classmethod
     def matches(cls, base_model) -> bool:
@@ -41,11 +41,7 @@ class LTXVFamily(ModelFamily):
                 LTXVEnd(self)]
 
     def extra_cond_inputs(self, batch: Batch, x_noisy: torch.Tensor) -> dict:
-        # T5's attention mask, as ComfyUI's LTX-Video text encoder returns it beside the embedding and
-        # CLIPTextEncode hands it to extra_conds: the model's cross-attention leaves the padding tokens out
         inputs = super().extra_cond_inputs(batch, x_noisy)
-        if batch.text_mask is not None:
-            inputs["attention_mask"] = batch.text_mask
         if self.frame_rate:  # the clips' frame rate, as LTXVConditioning gives it (the model's positions in time)
             inputs["frame_rate"] = self.frame_rate
         return inputs

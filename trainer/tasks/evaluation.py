@@ -48,11 +48,13 @@ def eval_noise(shape, items: list[int], seed: int) -> torch.Tensor:
 
 def repeated_rows(x, times: int, device):
     """A batch field's rows `times` over (a chunk once per quantile), on the device; a list of tensors (the reference
-    slots) keeps its type; None stays None."""
+    slots) or a dict of them (the text encoder's extras) keeps its type; None stays None."""
     if x is None:
         return None
     if isinstance(x, list):
         return type(x)(repeated_rows(t, times, device) for t in x)
+    if isinstance(x, dict):
+        return type(x)({name: repeated_rows(t, times, device) for name, t in x.items()})
     return (torch.cat([x] * times) if times > 1 else x).to(device)
 
 
@@ -106,7 +108,7 @@ def _evaluate(module, dataset, indices, quantiles, seed, batch_size, device, sid
                 yield chunk, group, slot < len(chunks), Batch(
                     latents=rows(latents), cond=rows(cond), pooled=rows(pooled), noise=rows(noise),
                     timesteps=timesteps, references=rows(references), text_mask=rows(text_mask),
-                    text_extras=text_extras.rows(len(group)).to(device) if text_extras else None)
+                    text_extras=rows(text_extras))
 
     def losses_of(batch):
         with torch.no_grad():  # grad mode is per thread
