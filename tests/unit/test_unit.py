@@ -733,6 +733,26 @@ def test_previews_keep_the_training_model_on_its_device_and_out_of_comfyuis_list
     assert mm.current_loaded_models == [other] and unloaded == [vae]
 
 
+@pytest.mark.parametrize("ratio, channels, side", [(None, 4, 8), (16, 128, 4), (1, 3, 64)])
+def test_a_preview_samples_the_latent_comfyuis_empty_latent_nodes_make_for_its_size(monkeypatch, ratio, channels,
+                                                                                    side):
+    """A 64 px preview samples a latent of 64 / the model's pixels per latent cell (its latent format's
+    spacial_downscale_ratio, as ComfyUI 0.33's empty-latent nodes read it): 16 for Flux.2's and Wan 2.2's latents
+    (an 8-cell latent is a 128 px image), 1 for a pixel-space model's (Chroma Radiance); 8 where the format says
+    none (ComfyUI 0.3.64's)."""
+    import types
+    from ingraph_trainer.trainer import comfy_compat, sampling
+    latent_format = types.SimpleNamespace(latent_channels=channels)
+    if ratio is not None:
+        latent_format.spacial_downscale_ratio = ratio
+    patcher = types.SimpleNamespace(get_model_object=lambda name: {"latent_format": latent_format}[name])
+    sampled = []
+    monkeypatch.setattr(comfy_compat, "sample", lambda patcher, latent, *args: sampled.append(latent.shape) or latent)
+    sampling.sample_latent(patcher, [], [], 0, steps=1, cfg=1.0, sampler="euler", scheduler="simple", width=64,
+                           height=64)
+    assert sampled == [(1, channels, side, side)]
+
+
 def test_the_out_of_memory_message_names_the_peak_and_only_settings_not_yet_used(monkeypatch):
     """On a GPU the message gives the run's peak against the card; suggestions already taken are left out."""
     from ingraph_trainer.trainer import device
