@@ -100,8 +100,8 @@ def test_every_widget_value_is_one_the_installed_comfyui_accepts(client):
 
 
 def with_tiny_stand_ins(name: str, graph: dict) -> dict:
-    """The graph with the family's tiny files in place of the real ones, at 64 px for one step with no evaluation;
-    nothing else changes (precision, checkpointing, the fp8 load, previews, the adapter)."""
+    """The graph with the family's tiny files in place of the real ones, at 64 px for one step with no evaluation
+    and one-pass previews; nothing else changes (precision, checkpointing, the fp8 load, previews, the adapter)."""
     graph = copy.deepcopy(graph)
     _, unet, text_family, vae, folder = STAND_INS[name]
     if unet is None:
@@ -116,7 +116,8 @@ def with_tiny_stand_ins(name: str, graph: dict) -> dict:
                 if value in (["1", 1], ["1", 2]):
                     node["inputs"][key] = ["2", 0] if value == ["1", 1] else ["3", 0]
     graph["4"]["inputs"].update(folder=folder, resolution=64, min_side=64, max_side=256)
-    graph["8"]["inputs"].update(width=64, height=64, steps=1, every=1000)
+    # previews as shipped but for their cost: one sampler step without the negative prompt's pass (cfg 1)
+    graph["8"]["inputs"].update(width=64, height=64, steps=1, every=1000, cfg=1.0)
     if vae in VAE_CHANNELS.values() and graph["1"]["inputs"]["unet_name"].startswith("tiny_wan"):
         # the 48-channel stand-in VAE is an image TAESD, which cannot decode the video latent a preview makes
         # (the real graph's Wan 2.2 VAE does); there is no tiny Wan 2.2 video VAE
