@@ -55,7 +55,8 @@ TEXT_OF_BUILDER = {"lumina2 z_image": (8, 2560, None),  # Qwen3-4B's width
                    "tiny AuraFlow": (8, 2048, None),
                    "tiny LongCatImage": (8, 3584, None),  # Qwen2.5-VL-7B's
                    "tiny HunyuanImage21": (8, 3584, None),  # Qwen2.5-VL-7B's
-                   "tiny Anima": (8, 1024, None),  # Qwen3-0.6B's
+                   "tiny Anima": (8, 1024, None),
+                   "tiny ZImagePixelSpace": (8, 2560, None),  # Z-Image's Qwen3-4B  # Qwen3-0.6B's
                    "tiny MageFlow": (8, 2560, None),  # Qwen3-VL-4B's
                    "tiny Ideogram4": (8, 13 * 4096, None),  # 13 of Qwen3-VL-8B's layers side by side
                    "tiny Lens": (8, 4 * 2880, None),  # GPT-OSS-20B's, 4 layers side by side
@@ -151,10 +152,10 @@ WHY_NOT = {
                  "EDM", "CosmosI2V": "ComfyUI fixes the depth (28 or 36 blocks at 4096 or 5120 wide: 7B or 14B) "
                                      "and the objective is EDM",
     "SeedVR2": "video restoration (upscaler), detected only at its released 3B and 7B depths",
-    "ChromaRadiance": "pixel-space model: no VAE latents, the cache encodes latents",
-    "ZImagePixelSpace": "pixel-space model: no VAE latents, the cache encodes latents",
-    "HiDreamO1": "pixel-space model (HiDreamO1Pixel latents): the cache encodes VAE latents; ComfyUI reads no size",
-    "PixelDiTT2I": "pixel-space model (PixelDiTPixel latents): the cache encodes VAE latents; ComfyUI reads no size",
+    "HiDreamO1": "ComfyUI reads no size from the weights: only the released model loads (a pixel-space model, "
+                 "which would train on the \"pixel_space\" VAE's images as Chroma Radiance does)",
+    "PixelDiTT2I": "ComfyUI reads no size from the weights: only the released model loads (a pixel-space model, "
+                   "which would train on the \"pixel_space\" VAE's images as Chroma Radiance does)",
     "PiD": "pixel diffusion decoder: turns another model's latents into pixels, not text-to-image",
     "SD_X4Upscaler": "upscaler, not text-to-image (needs the low-resolution image and noise level)",
     "HunyuanImage21Refiner": "refiner of HunyuanImage 2.1's output (image-to-image), not built here",
@@ -330,6 +331,20 @@ CLASS_BUILT = {
     # Ideogram 4: ComfyUI reads only the depth and input channels (18 heads of 256: 4608 wide, 53248-wide text);
     # 1 layer of it on Flux.2's 128 channels (~0.5B parameters)
     "Ideogram4": (dict(in_channels=128, num_layers=1), None),
+    # pixel-space models (3 RGB channels, no VAE: ComfyUI's "pixel_space" VAE hands the image over as it is) at
+    # ComfyUI's fixed widths, 1 block, 16-pixel patches; each predicts the clean image, which ComfyUI turns into a
+    # flow velocity ("__x0__")
+    "ChromaRadiance": (dict(in_channels=3, out_channels=3, in_dim=64, out_dim=3072, hidden_dim=5120, n_layers=5,
+                            context_in_dim=4096, hidden_size=3072, mlp_ratio=4.0, num_heads=24, depth=1,
+                            depth_single_blocks=0, axes_dim=[16, 56, 56], theta=10000, patch_size=16, qkv_bias=True,
+                            nerf_hidden_size=64, nerf_mlp_ratio=4, nerf_depth=4, nerf_max_freqs=8, nerf_tile_size=512,
+                            nerf_final_head_type="conv", nerf_embedder_dtype=None, use_x0=True, use_sequential_txt_ids=True, txt_ids_dims=[],
+                            vec_in_dim=None), None),
+    "ZImagePixelSpace": (dict(dim=3840, cap_feat_dim=2560, n_heads=30, n_kv_heads=30, axes_dims=[32, 48, 48],
+                              axes_lens=[1536, 512, 512], rope_theta=256.0, ffn_dim_multiplier=8.0 / 3.0,
+                              z_image_modulation=True, time_scale=1000.0, pad_tokens_multiple=32, patch_size=16,
+                              in_channels=3, n_layers=1, qk_norm=True, decoder_hidden_size=64,
+                              decoder_num_res_blocks=1, decoder_max_freqs=8, use_x0=True), None),
     # LTX-2: ComfyUI reads its sizes from the file's "config" metadata (Lightricks' files carry one), else fixes 32
     # heads and 2048-wide audio; 2 heads of 8 for video, 2 of 4 for audio, 32-wide text connectors, 1 block
     "LTXAV": (LTXAV_TINY, {"config": json.dumps({"transformer": LTXAV_TINY})}),
@@ -382,7 +397,7 @@ LORA_RANK, LORA_ALPHA = 2, 2.0
 
 # ComfyUI class -> the latent side its tiny model trains at, where 8 cannot run: PixArt scales its position
 # embedding by round(side / 64), which is 0 (a division by zero) below a 48-latent (384 px) image
-LATENT_SIDE = {"PixArtAlpha": 64, "PixArtSigma": 64}
+LATENT_SIDE = {"PixArtAlpha": 64, "PixArtSigma": 64, "ChromaRadiance": 32, "ZImagePixelSpace": 32}
 
 
 def latent_shape(family, kind: str, side: int = 8) -> tuple:

@@ -20,8 +20,8 @@ class Lumina2Family(ModelFamily):
 
     @classmethod
     def matches(cls, base_model) -> bool:
-        import comfy.model_base
-        return type(base_model) is comfy.model_base.Lumina2
+        import comfy.model_base  # and its subclass ZImagePixelSpace (ComfyUI 0.33): the same blocks on RGB patches
+        return isinstance(base_model, comfy.model_base.Lumina2)
 
     def checkpoint_blocks(self):
         model = self.diffusion_model
