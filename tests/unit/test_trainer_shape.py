@@ -114,6 +114,14 @@ def _trainer_import_graph() -> dict[str, set[str]]:
     return graph
 
 
+def test_no_file_in_the_trainer_the_runner_or_the_cache_is_over_400_lines():
+    """Issue 33: a file over 400 lines holds several concepts; split it along them."""
+    long = {str(path.relative_to(conftest.REPO)): n for folder in ("trainer", "runner", "cache")
+            for path in (conftest.REPO / folder).rglob("*.py")
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > 400}
+    assert not long, long
+
+
 def test_no_import_cycle_in_the_trainer():
     """Lazy imports count too: loop, evaluation and pipeline used to import each other in a circle."""
     graph = _trainer_import_graph()

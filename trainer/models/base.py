@@ -380,34 +380,3 @@ def random_state_dict(module: torch.nn.Module, seed: int) -> dict[str, torch.Ten
 def block_lists(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The blocks of every ModuleList directly under the model (transformer blocks of most DiTs)."""
     return [block for child in module.children() if isinstance(child, torch.nn.ModuleList) for block in child]
-
-
-class StageInput(torch.nn.Module):
-    """A family's first pipeline layer: stage inputs (latents, cond, noise, timesteps[, pooled]) to what the
-    model's blocks take. The family is kept out of the submodules: its model is split across the layers."""
-
-    def __init__(self, family):
-        super().__init__()
-        self._family = [family]
-
-    @property
-    def family(self):
-        return self._family[0]
-
-    def model_inputs(self, inputs):
-        latents, cond, noise, timesteps, *pooled = inputs
-        return self.family.model_inputs(Batch(latents, cond, pooled[0] if pooled else None, noise, timesteps))
-
-    @staticmethod
-    def sendable(*tensors):
-        """DeepSpeed sends a gradient back for every floating-point tensor that crosses a stage."""
-        for tensor in tensors:
-            tensor.requires_grad_(True)
-        return tensors
-
-
-def ends_here(output: torch.Tensor, *carried: torch.Tensor) -> torch.Tensor:
-    """The last layer's output, with a zero-weighted use of tensors carried along but not needed any more, so
-    that they get the (zero) gradient DeepSpeed sends back across stages."""
-    return output + 0.0 * sum(t.sum() for t in carried)
-

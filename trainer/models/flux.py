@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Batch, ModelFamily, StageInput, UnsupportedSetting, ends_here, random_state_dict
+from .base import Batch, ModelFamily, UnsupportedSetting, random_state_dict
+from .stages import StageInput, ends_here
 from .residuals import residuals_out_of_place
 from .references import ReferenceLatentsInput
 

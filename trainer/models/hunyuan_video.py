@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from ..comfy_compat import joint_sequence_text_first
-from .base import (Batch, ModelFamily, StageInput, UnsupportedSetting, ends_here, random_state_dict,
-                   is_comfy_model)
+from .base import Batch, ModelFamily, UnsupportedSetting, random_state_dict, is_comfy_model
+from .stages import StageInput, ends_here
 from .residuals import residuals_out_of_place
 
 ATTENTION = (r"double_blocks\.\d+\.(img|txt)_attn\.(qkv|proj)$", r"single_blocks\.\d+\.linear[12]$")

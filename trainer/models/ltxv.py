@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..comfy_compat import ltx_rope_split_mode
-from .base import Batch, ModelFamily, StageInput, UnsupportedSetting, ends_here, random_state_dict
+from .base import Batch, ModelFamily, UnsupportedSetting, random_state_dict
+from .stages import StageInput, ends_here
 from .residuals import residuals_out_of_place
 
 ATTENTION = (r"transformer_blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_out\.0)$",)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import ModelFamily, StageInput, UnsupportedSetting, init_weights
+from .base import ModelFamily, UnsupportedSetting, init_weights
+from .stages import StageInput
 
 ATTENTION = (r"joint_blocks\.\d+\.(context_block|x_block)\.attn2?\.(qkv|proj)$",)
 FEED_FORWARD = (r"joint_blocks\.\d+\.(context_block|x_block)\.mlp\.fc[12]$",)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import ModelFamily, StageInput, ends_here
+from .base import ModelFamily
+from .stages import StageInput, ends_here
 
 UNET_ATTENTION = (r"\.attn[12]\.(to_q|to_k|to_v|to_out\.0)$",)
 UNET_FEED_FORWARD = (r"\.ff\.net\.(0\.proj|2)$",)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Batch, ModelFamily, StageInput, UnsupportedSetting, ends_here, random_state_dict
+from .base import Batch, ModelFamily, UnsupportedSetting, random_state_dict
+from .stages import StageInput, ends_here
 
 ATTENTION = (r"blocks\.\d+\.(self_attn|cross_attn)\.[qkvo]$",)
 FEED_FORWARD = (r"blocks\.\d+\.ffn\.[02]$",)
