@@ -252,6 +252,17 @@ def scheduler_sigmas(model_sampling, scheduler: str, steps: int):
     return comfy.samplers.calculate_sigmas(model_sampling, scheduler, steps)
 
 
+# the pixels per latent cell that ComfyUI 0.33's latent formats state (spacial_downscale_ratio), for the formats
+# ComfyUI 0.3.64 already had without stating it (its empty-latent nodes divide by these); any other: its VAEs' 8
+_CELL_PIXELS_BEFORE_033 = {"Wan22": 16, "LTXV": 32, "HunyuanImage21": 32, "ChromaRadiance": 1}
+
+
+def latent_cell_pixels(latent_format) -> int:
+    """How many pixels one latent cell spans on a side, as ComfyUI's empty-latent nodes size a latent."""
+    return (getattr(latent_format, "spacial_downscale_ratio", None)
+            or _CELL_PIXELS_BEFORE_033.get(type(latent_format).__name__, 8))
+
+
 def sample(patcher, latent, seed: int, steps: int, cfg: float, sampler: str, scheduler: str, positive, negative):
     """What KSampler returns for an empty `latent` (its channels fixed to the model's, as KSampler does)."""
     import comfy.sample

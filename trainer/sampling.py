@@ -37,11 +37,10 @@ def conditioning_from(tensors: dict[str, torch.Tensor], prefix: str) -> list:
 def sample_latent(patcher, positive, negative, seed: int, *, steps: int, cfg: float, sampler: str, scheduler: str,
                   width: int, height: int) -> torch.Tensor:
     """One latent the way ComfyUI's Empty Latent Image + KSampler make it."""
-    from .comfy_compat import sample
+    from .comfy_compat import latent_cell_pixels, sample
     latent_format = patcher.get_model_object("latent_format")
-    # the model's own pixels per latent cell, as ComfyUI's empty-latent nodes use them (16 for Wan 2.2's and Flux.2's
-    # latents, 1 for a pixel-space model's); ComfyUI 0.3.64's latent formats say none: its VAEs' 8
-    ratio = getattr(latent_format, "spacial_downscale_ratio", 8)
+    # the model's own pixels per latent cell (16 for Wan 2.2's and Flux.2's latents, 1 for a pixel-space model's)
+    ratio = latent_cell_pixels(latent_format)
     empty = torch.zeros((1, latent_format.latent_channels, max(1, height // ratio), max(1, width // ratio)))
     return sample(patcher, empty, seed, steps, cfg, sampler, scheduler, positive, negative)
 

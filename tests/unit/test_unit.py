@@ -733,16 +733,18 @@ def test_previews_keep_the_training_model_on_its_device_and_out_of_comfyuis_list
     assert mm.current_loaded_models == [other] and unloaded == [vae]
 
 
-@pytest.mark.parametrize("ratio, channels, side", [(None, 4, 8), (16, 128, 4), (1, 3, 64)])
-def test_a_preview_samples_the_latent_comfyuis_empty_latent_nodes_make_for_its_size(monkeypatch, ratio, channels,
-                                                                                    side):
+@pytest.mark.parametrize("format_name, ratio, channels, side", [("SD15", None, 4, 8), ("Flux2", 16, 128, 4),
+                                                                 ("ChromaRadiance", 1, 3, 64), ("Wan22", None, 48, 4),
+                                                                 ("LTXV", None, 128, 2)])
+def test_a_preview_samples_the_latent_comfyuis_empty_latent_nodes_make_for_its_size(monkeypatch, format_name, ratio,
+                                                                                    channels, side):
     """A 64 px preview samples a latent of 64 / the model's pixels per latent cell (its latent format's
-    spacial_downscale_ratio, as ComfyUI 0.33's empty-latent nodes read it): 16 for Flux.2's and Wan 2.2's latents
-    (an 8-cell latent is a 128 px image), 1 for a pixel-space model's (Chroma Radiance); 8 where the format says
-    none (ComfyUI 0.3.64's)."""
-    import types
+    spacial_downscale_ratio, as ComfyUI 0.33 states it): 16 for Flux.2's and Wan 2.2's latents (an 8-cell latent is
+    a 128 px image), 1 for a pixel-space model's (Chroma Radiance). ComfyUI 0.3.64's formats state none: the ones
+    it divides by another number in its empty-latent nodes (Wan 2.2's 16, LTX-Video's 32) are known by name, any
+    other is its VAEs' 8."""
     from ingraph_trainer.trainer import comfy_compat, sampling
-    latent_format = types.SimpleNamespace(latent_channels=channels)
+    latent_format = type(format_name, (), {"latent_channels": channels})()
     if ratio is not None:
         latent_format.spacial_downscale_ratio = ratio
     patcher = types.SimpleNamespace(get_model_object=lambda name: {"latent_format": latent_format}[name])
