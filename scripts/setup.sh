@@ -58,6 +58,18 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 
 comfy_reqs=""
 [ -f "$COMFYUI_PATH/requirements.txt" ] && comfy_reqs="$COMFYUI_PATH/requirements.txt"
+# ComfyUI's and this pack's own modules byte-compiled, as pip does the environment's: where PYTHONDONTWRITEBYTECODE
+# is set (this project's machines), every process importing ComfyUI (a server, each trainer) otherwise compiles its
+# ~1,200 files again (~0.4 s of CPU a trainer, more a server start). Python would write the same files itself on a
+# first import where the variable is unset. Each run: an updated ComfyUI or pack is compiled again (what is current
+# is skipped, ~2 s); what cannot be written or compiled is left to run as it is
+for tree in "$COMFYUI_PATH" "$COMFYUI_033_PATH" "$REPO"/*; do  # (the pack's visible entries: not .venv, .git)
+  if [ -e "$tree" ]; then
+    "$VENV/bin/python" -m compileall -q -j 0 "$tree" >/dev/null 2>&1 \
+      || echo "setup: could not byte-compile all of $tree (some files unwritable or not compilable);" \
+              "those run as they are" >&2
+  fi
+done
 stamp="$VENV/.ingraph-setup-stamp"
 newer_reqs=""
 [ -f "$COMFYUI_033_PATH/requirements.txt" ] && newer_reqs="$COMFYUI_033_PATH/requirements.txt"
@@ -92,15 +104,5 @@ if [ -n "$newer_reqs" ]; then
   echo "setup: overlay for $COMFYUI_033_PATH in $VENV/comfyui-0.33" >&2
   "$VENV/bin/python" "$REPO/scripts/comfyui_overlay.py" "$COMFYUI_033_PATH" "$VENV/comfyui-0.33"
 fi
-# ComfyUI's and this pack's own modules byte-compiled once, as pip does the environment's: where
-# PYTHONDONTWRITEBYTECODE is set (this project's machines), every process importing ComfyUI (a server, each trainer)
-# otherwise compiles its ~1,200 files again (~0.4 s of CPU a trainer, more a server start). Python would write the
-# same files itself on a first import where the variable is unset; a folder this user cannot write is left as it is
-for tree in "$COMFYUI_PATH" "$COMFYUI_033_PATH" "$REPO"/*; do  # (the pack's visible entries: not .venv, .git)
-  if [ -e "$tree" ]; then
-    "$VENV/bin/python" -m compileall -q -j 0 "$tree" >/dev/null 2>&1 \
-      || echo "setup: could not byte-compile all of $tree (not writable?); the rest runs as it is" >&2
-  fi
-done
 echo "$want" > "$stamp"
 echo "setup: done" >&2
