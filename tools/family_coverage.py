@@ -55,8 +55,8 @@ TEXT_OF_BUILDER = {"lumina2 z_image": (8, 2560, None),  # Qwen3-4B's width
                    "tiny AuraFlow": (8, 2048, None),
                    "tiny LongCatImage": (8, 3584, None),  # Qwen2.5-VL-7B's
                    "tiny HunyuanImage21": (8, 3584, None),  # Qwen2.5-VL-7B's
-                   "tiny Anima": (8, 1024, None),
-                   "tiny ZImagePixelSpace": (8, 2560, None),  # Z-Image's Qwen3-4B  # Qwen3-0.6B's
+                   "tiny Anima": (8, 1024, None),  # Qwen3-0.6B's
+                   "tiny ZImagePixelSpace": (8, 2560, None),  # Z-Image's Qwen3-4B's
                    "tiny MageFlow": (8, 2560, None),  # Qwen3-VL-4B's
                    "tiny Ideogram4": (8, 13 * 4096, None),  # 13 of Qwen3-VL-8B's layers side by side
                    "tiny Lens": (8, 4 * 2880, None),  # GPT-OSS-20B's, 4 layers side by side
@@ -123,15 +123,15 @@ WHY_NOT = {
     "Kandinsky5": NO_EXTRA.format("start image and its mask"),
     "LongCatImage": "generic family (its Flux blocks' residuals made out of place, its text-length rope shift as its "
                     "_apply_model adds it)",
-    "HunyuanImage21": "generic family (its Flux blocks' residuals made out of place); built on ComfyUI 0.33 only "
-                      "(0.3.64's HunyuanVideo takes no use_cond_type_embedding); trained without its ByT5 glyph "
-                      "embedding (its encoder gives it only for quoted text)",
+    "HunyuanImage21": "generic family (its Flux blocks' residuals made out of place); trained without its ByT5 "
+                      "glyph embedding (its encoder gives it only for quoted text)",
     "HunyuanDiT": "generic family, on its Chinese CLIP's embedding and mask and its mT5 embedding and mask (the text "
                   "cache keeps the encoder's extra outputs, as CLIPTextEncode puts them into the conditioning)",
     "HunyuanDiT1": "generic family, on its Chinese CLIP's embedding and mask and its mT5 embedding and mask (the text "
                    "cache keeps the encoder's extra outputs, as CLIPTextEncode puts them into the conditioning)",
     "FluxInpaint": "trains with ComfyUI's defaults for the inpaint image and mask (the flux family gives none); "
-                   "built on ComfyUI 0.33 only (0.3.64's Flux takes no txt_ids_dims)",
+                   "trained on ComfyUI 0.33 only (0.3.64 detects the tiny file as FluxInpaint but builds its "
+                   "model another shape)",
     "CosmosT2IPredict2": COSMOS_FLOW,
     "CosmosI2VPredict2": COSMOS_FLOW,
     "CogVideoX_T2V": COGVIDEOX_DDPM,
@@ -331,15 +331,16 @@ CLASS_BUILT = {
     # Ideogram 4: ComfyUI reads only the depth and input channels (18 heads of 256: 4608 wide, 53248-wide text);
     # 1 layer of it on Flux.2's 128 channels (~0.5B parameters)
     "Ideogram4": (dict(in_channels=128, num_layers=1), None),
-    # pixel-space models (3 RGB channels, no VAE: ComfyUI's "pixel_space" VAE hands the image over as it is) at
-    # ComfyUI's fixed widths, 1 block, 16-pixel patches; each predicts the clean image, which ComfyUI turns into a
-    # flow velocity ("__x0__")
+    # pixel-space models (3 RGB channels, no VAE: ComfyUI's "pixel_space" VAE hands the image over, scaled to -1..1)
+    # at ComfyUI's fixed widths, 1 block, 16-pixel patches; on ComfyUI 0.33 each predicts the clean image, which its
+    # model turns into a flow velocity ("__x0__"; ComfyUI 0.3.64's Chroma Radiance has no such key, nor the
+    # sequential text positions, so class_state_dict leaves those out there)
     "ChromaRadiance": (dict(in_channels=3, out_channels=3, in_dim=64, out_dim=3072, hidden_dim=5120, n_layers=5,
                             context_in_dim=4096, hidden_size=3072, mlp_ratio=4.0, num_heads=24, depth=1,
                             depth_single_blocks=0, axes_dim=[16, 56, 56], theta=10000, patch_size=16, qkv_bias=True,
                             nerf_hidden_size=64, nerf_mlp_ratio=4, nerf_depth=4, nerf_max_freqs=8, nerf_tile_size=512,
-                            nerf_final_head_type="conv", nerf_embedder_dtype=None, use_x0=True, use_sequential_txt_ids=True, txt_ids_dims=[],
-                            vec_in_dim=None), None),
+                            nerf_final_head_type="conv", nerf_embedder_dtype=None, use_x0=True,
+                            use_sequential_txt_ids=True, txt_ids_dims=[], vec_in_dim=None), None),
     "ZImagePixelSpace": (dict(dim=3840, cap_feat_dim=2560, n_heads=30, n_kv_heads=30, axes_dims=[32, 48, 48],
                               axes_lens=[1536, 512, 512], rope_theta=256.0, ffn_dim_multiplier=8.0 / 3.0,
                               z_image_modulation=True, time_scale=1000.0, pad_tokens_multiple=32, patch_size=16,
@@ -353,14 +354,26 @@ CLASS_BUILT = {
 
 def class_state_dict(class_name: str, unet_config: dict, metadata: dict | None):
     """Random weights of ComfyUI's model for `class_name` at `unet_config`, built by the class's own get_model:
-    the state dict, or (state dict, file metadata) where the class is told apart by metadata."""
+    the state dict, or (state dict, file metadata) where the class is told apart by metadata. A setting this
+    ComfyUI's model does not take (a newer ComfyUI's) is left out."""
+    import re
+
     import comfy.supported_models
     import torch
     from ingraph_trainer.trainer.models.base import random_state_dict
     cls = getattr(comfy.supported_models, class_name)
-    config = cls({**cls.unet_config, **unet_config})
-    config.set_inference_dtype(torch.float32, None)
-    model = config.get_model({}).diffusion_model
+    unet_config = dict(unet_config)
+    while True:
+        config = cls({**cls.unet_config, **unet_config})
+        config.set_inference_dtype(torch.float32, None)
+        try:
+            model = config.get_model({}).diffusion_model
+            break
+        except TypeError as exc:
+            unknown = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
+            if unknown is None or unknown.group(1) not in unet_config:
+                raise
+            del unet_config[unknown.group(1)]
     state = random_state_dict(model, 0)
     return (state, metadata) if metadata else state
 
@@ -396,7 +409,8 @@ LORA_RANK, LORA_ALPHA = 2, 2.0
 
 
 # ComfyUI class -> the latent side its tiny model trains at, where 8 cannot run: PixArt scales its position
-# embedding by round(side / 64), which is 0 (a division by zero) below a 48-latent (384 px) image
+# embedding by round(side / 64), which is 0 (a division by zero) below a 48-latent (384 px) image; the pixel-space
+# classes' latent is the image, 32 px: 2x2 of their 16-pixel patches
 LATENT_SIDE = {"PixArtAlpha": 64, "PixArtSigma": 64, "ChromaRadiance": 32, "ZImagePixelSpace": 32}
 
 

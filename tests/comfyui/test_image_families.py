@@ -158,6 +158,23 @@ def test_z_image_is_detected_and_its_loss_is_comfyuis(image_family_models, tools
     assert torch.allclose(got, expected, rtol=1e-6, atol=0), (got, expected)
 
 
+def test_z_images_pixel_space_variant_trains_as_lumina_2_on_images_and_its_loss_is_comfyuis():
+    """Z-Image's pixel-space variant (ComfyUI 0.33's ZImagePixelSpace, tools/family_coverage.py's tiny one: 0.9B
+    parameters at the width ComfyUI fixes): the lumina2 family takes it (its extra_conds counts the text's tokens from
+    the attention mask the family gives), it trains on 3-channel image-sized latents as the "pixel_space" VAE caches
+    them, and its loss is ComfyUI's sampler's to 1e-6 through the model's clean-image output turned velocity."""
+    from ingraph_trainer.trainer.models import family_for
+    patcher = _class_built("ZImagePixelSpace")
+    family = family_for(patcher.model, patcher=patcher)
+    assert family.name == "lumina2" and type(patcher.model).__name__ == "ZImagePixelSpace"
+    batch = _batch((3, 32, 32), (8, 2560))
+    expected = comfyui_losses(family, batch, {"attention_mask": torch.ones((1, 8), dtype=torch.long)})
+    family.prepare_for_training()
+    with torch.no_grad():
+        got = family.loss(batch, reduce=False)
+    assert torch.allclose(got, expected, rtol=1e-6, atol=0), (got, expected)
+
+
 @pytest.mark.parametrize("name", list(DAY0_FAMILIES))
 def test_day0_family_is_detected_its_loss_is_comfyuis_and_its_lora_loads_whole(name, caplog):
     """ComfyUI 0.33's new families (issue 34): the tiny model the family file builds is detected by ComfyUI as that

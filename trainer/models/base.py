@@ -251,8 +251,9 @@ class ModelFamily:
                   "width": x_noisy.shape[3] * 8, "height": x_noisy.shape[2] * 8}
         if getattr(self.base_model, "concat_keys", ()):
             inputs["latent_image"] = self.base_model.process_latent_in(torch.zeros_like(x_noisy))
-        if batch.pooled is not None:
-            inputs["pooled_output"] = batch.pooled
+        # CLIPTextEncode's conditioning always carries it, None from an encoder with none (T5's, an LLM's): an
+        # extra_conds that reads it unconditionally (ComfyUI 0.3.64's Flux and its Chroma kin, HunyuanVideo) gets None
+        inputs["pooled_output"] = batch.pooled
         if self.reads_text_mask and batch.text_mask is not None:
             inputs["attention_mask"] = batch.text_mask
         return {**(batch.text_extras or {}), **inputs}

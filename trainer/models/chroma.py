@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Batch, ModelFamily, UnsupportedSetting, random_state_dict
+from .base import ModelFamily, UnsupportedSetting, random_state_dict
 from .flux import ATTENTION, FEED_FORWARD
 
 
@@ -17,8 +17,14 @@ class ChromaFamily(ModelFamily):
 
     @classmethod
     def matches(cls, base_model) -> bool:
+        """Chroma, and Chroma Radiance where it is built of Chroma's blocks (ComfyUI 0.3.64; 0.33's has Flux's,
+        which the generic family trains as they are)."""
         import comfy.model_base
-        return type(base_model) is comfy.model_base.Chroma
+        if type(base_model) is comfy.model_base.Chroma:
+            return True
+        blocks = getattr(getattr(base_model, "diffusion_model", None), "double_blocks", ())
+        return (isinstance(base_model, comfy.model_base.Chroma) and len(blocks) > 0
+                and all(type(b).__module__ == "comfy.ldm.chroma.layers" for b in blocks))
 
     def checkpoint_blocks(self):
         return [*self.diffusion_model.double_blocks, *self.diffusion_model.single_blocks]
@@ -39,10 +45,6 @@ class ChromaFamily(ModelFamily):
         if spec.train.guidance != 1.0:
             raise UnsupportedSetting("train.guidance: Chroma runs with ComfyUI's default guidance (0) as its "
                                      "samplers do; leave guidance at 1")
-
-    def extra_cond_inputs(self, batch: Batch, x_noisy: torch.Tensor) -> dict:
-        # ComfyUI's Flux extra_conds reads pooled_output unconditionally; Chroma's T5 encoder gives none
-        return {**super().extra_cond_inputs(batch, x_noisy), "pooled_output": None}
 
     @classmethod
     def scratch_state_dict(cls, seed: int = 0, depth: int = 1, depth_single_blocks: int = 0, **_):

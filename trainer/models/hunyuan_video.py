@@ -59,9 +59,8 @@ class HunyuanVideoFamily(ModelFamily):
         if batch.pooled is None and self.diffusion_model.vector_in is not None:
             raise UnsupportedSetting("dataset: HunyuanVideo needs pooled text embeddings (its CLIP-L vector); "
                                      "cache the captions with a HunyuanVideo CLIP")
-        inputs = super().extra_cond_inputs(batch, x_noisy)
-        inputs.setdefault("pooled_output", None)  # HunyuanVideo.encode_adm reads it
-        return {**inputs, "guidance": self.guidance if self.guidance_distilled else None}
+        return {**super().extra_cond_inputs(batch, x_noisy),
+                "guidance": self.guidance if self.guidance_distilled else None}
 
     @classmethod
     def scratch_state_dict(cls, seed: int = 0, hidden_size: int = 128, depth: int = 1, depth_single_blocks: int = 1,
