@@ -1,7 +1,8 @@
 """The starting graphs for real models (tools/starting_graphs.py, issue 32): SD1.5, SDXL, Flux dev on an fp8 base,
 Wan 2.2 5B video and Qwen-Image-Edit, and on ComfyUI 0.33 Flux.2 dev and Z-Image (issue 34). Every widget value is one the installed ComfyUI's /object_info accepts, and
 each graph runs through the API with the family's tiny model, a synthetic text encoder and a tiny VAE in place of
-the real files (everything else as shipped: the fp8 load, checkpointing, previews, accumulation), trains and
+the real files (everything else as shipped: the fp8 load, checkpointing, previews (one pass where the negative's
+carries nothing of its own), accumulation), trains and
 writes a LoRA with ComfyUI's keys."""
 from __future__ import annotations
 
@@ -116,8 +117,11 @@ def with_tiny_stand_ins(name: str, graph: dict) -> dict:
                 if value in (["1", 1], ["1", 2]):
                     node["inputs"][key] = ["2", 0] if value == ["1", 1] else ["3", 0]
     graph["4"]["inputs"].update(folder=folder, resolution=64, min_side=64, max_side=256)
-    # previews as shipped but for their cost: one sampler step without the negative prompt's pass (cfg 1)
-    graph["8"]["inputs"].update(width=64, height=64, steps=1, every=1000, cfg=1.0)
+    # previews as shipped but for their cost: one sampler step, without the negative prompt's pass (cfg 1) except
+    # where that pass carries something of its own (Qwen-Image-Edit's: the reference latents)
+    graph["8"]["inputs"].update(width=64, height=64, steps=1, every=1000)
+    if name != "start_qwen_image_edit_lora":
+        graph["8"]["inputs"]["cfg"] = 1.0
     if vae in VAE_CHANNELS.values() and graph["1"]["inputs"]["unet_name"].startswith("tiny_wan"):
         # the 48-channel stand-in VAE is an image TAESD, which cannot decode the video latent a preview makes
         # (the real graph's Wan 2.2 VAE does); there is no tiny Wan 2.2 video VAE
