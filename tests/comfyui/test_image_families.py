@@ -140,6 +140,17 @@ DAY0_FAMILIES = {"flux2": ("Flux2Family", "Flux2", (128, 4, 6), (7, 64), {"guida
                                      {"pooled_output": None})}  # its text encoder gives no pooled vector
 
 
+def _assert_z_image_loss_is_comfyuis(family, latent: tuple):
+    """The family's loss is ComfyUI's sampler's to 1e-6 on 8 tokens of Qwen3-4B's 2560-wide text, with the attention
+    mask CLIPTextEncode hands Z-Image's extra_conds (which counts the text's tokens from it)."""
+    batch = _batch(latent, (8, 2560))
+    expected = comfyui_losses(family, batch, {"attention_mask": torch.ones((1, 8), dtype=torch.long)})
+    family.prepare_for_training()
+    with torch.no_grad():
+        got = family.loss(batch, reduce=False)
+    assert torch.allclose(got, expected, rtol=1e-6, atol=0), (got, expected)
+
+
 def test_z_image_is_detected_and_its_loss_is_comfyuis(image_family_models, tools):  # noqa: F811
     """Z-Image (ComfyUI 0.33): ComfyUI's loader detects the tiny file as ZImage, the lumina2 family takes it, and its
     loss is ComfyUI's sampler's to 1e-6 on CLIPTextEncode's conditioning of Qwen3-4B's 2560-wide text with its
@@ -150,12 +161,7 @@ def test_z_image_is_detected_and_its_loss_is_comfyuis(image_family_models, tools
     tiny_models(tools, image_family_models, **Z_IMAGE_TINY_MODEL)
     family = _load(image_family_models, "z_image")
     assert family.name == "lumina2" and type(family.base_model.model_config).__name__ == "ZImage"
-    batch = _batch((16, 8, 8), (8, 2560))
-    expected = comfyui_losses(family, batch, {"attention_mask": torch.ones((1, 8), dtype=torch.long)})
-    family.prepare_for_training()
-    with torch.no_grad():
-        got = family.loss(batch, reduce=False)
-    assert torch.allclose(got, expected, rtol=1e-6, atol=0), (got, expected)
+    _assert_z_image_loss_is_comfyuis(family, (16, 8, 8))
 
 
 def test_z_images_pixel_space_variant_trains_as_lumina_2_on_images_and_its_loss_is_comfyuis():
@@ -167,12 +173,7 @@ def test_z_images_pixel_space_variant_trains_as_lumina_2_on_images_and_its_loss_
     patcher = _class_built("ZImagePixelSpace")
     family = family_for(patcher.model, patcher=patcher)
     assert family.name == "lumina2" and type(patcher.model).__name__ == "ZImagePixelSpace"
-    batch = _batch((3, 32, 32), (8, 2560))
-    expected = comfyui_losses(family, batch, {"attention_mask": torch.ones((1, 8), dtype=torch.long)})
-    family.prepare_for_training()
-    with torch.no_grad():
-        got = family.loss(batch, reduce=False)
-    assert torch.allclose(got, expected, rtol=1e-6, atol=0), (got, expected)
+    _assert_z_image_loss_is_comfyuis(family, (3, 32, 32))
 
 
 @pytest.mark.parametrize("name", list(DAY0_FAMILIES))
