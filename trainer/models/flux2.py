@@ -26,8 +26,8 @@ class Flux2Family(FluxFamily):
 
     def extra_cond_inputs(self, batch: Batch, x_noisy: torch.Tensor) -> dict:
         # Flux's own refuses a batch without the pooled vector; past it, the reference images (ReferenceLatentsInput,
-        # as ReferenceLatent gives them) and the text, which extra_conds pads; no pooled vector (None: ComfyUI's Flux
-        # extra_conds reads pooled_output)
+        # as ReferenceLatent gives them) and the text, which extra_conds pads; Flux.2 takes no pooled vector, so one
+        # cached by another encoder is left out (None, not the batch's, which the base hands over)
         return {**super(FluxFamily, self).extra_cond_inputs(batch, x_noisy), "pooled_output": None,
                 "guidance": self.guidance if self.guidance_distilled else None}
 
