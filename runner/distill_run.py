@@ -44,11 +44,10 @@ def parse_student_timesteps(text: str, student_steps: int) -> list[float]:
     return values
 
 
-def check_new_distillation(draft: RunSpec, model, datasets, prediction: str, node):
+def check_new_distillation(draft: RunSpec, model, datasets, node):
     """A new Distill run's refusals beyond the spec's own rules (runner.node_run asks those of every task): the
     teacher's guidance against the dataset's cache, and what the MODEL's family cannot honour."""
     problem = draft.distill.guidance_caption_problem(bool(getattr(datasets.train, "empty_text", None)),
                                                      "the dataset's cache")
     node.refuse([problem] if problem else [])
-    check_family_settings(model, prediction, draft.train, draft.adapter, draft.output.format, draft.distributed,
-                          title=node.title)
+    check_family_settings(model, draft.train, draft.adapter, draft.output.format, draft.distributed, title=node.title)

@@ -25,7 +25,7 @@ def parse_quantiles(text: str, name: str = "quantiles", allow_empty: bool = Fals
     return sorted(set(values))
 
 
-def check_new_evaluation(draft: RunSpec, model, datasets, prediction: str, node) -> None:
+def check_new_evaluation(draft: RunSpec, model, datasets, node) -> None:
     """An evaluation's refusals before its MODEL is handed off (runner.node_run.TASK_RUNS): a dataset whose
     reference images the MODEL's family cannot take."""
     check_evaluation_references(model, datasets.train, node.title)
@@ -65,9 +65,9 @@ def check_evaluation_references(model, dataset, title: str = "Evaluate"):
     cannot take: training's rule (trainer.data.dataset_checks.check_dataset_for_family, which leaves the items' sizes to
     the trainer: the graph's dataset holds its bucket settings, not the sizes), naming the Evaluate node's input."""
     from ..trainer.data.dataset_checks import check_dataset_for_family
-    from ..trainer.models import UnsupportedSetting, family_for
+    from ..trainer.models import UnsupportedSetting
     try:
-        family = family_for(model.model)
+        family = model.family()
     except ValueError as exc:  # a model no family takes (an objective the trainer has not: EDM, ...)
         raise ValueError(f"{title}: {exc}") from None
     try:

@@ -68,23 +68,6 @@ def graph_key(prompt: dict | None, link, what: str, state: dict) -> str | None:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def patched_state_dict(model) -> dict:
-    """The MODEL's diffusion-model weights with its patches applied, computed tensor by tensor on the CPU the way
-    ComfyUI's ModelPatcher.patch_weight_to_device does, without loading the model onto the device or changing it.
-    Call release_comfy_models first: a model ComfyUI holds loaded may carry its patches in place."""
-    from ..trainer.comfy_compat import patched_weight
-    if getattr(model.model, "current_weight_patches_uuid", None) is not None:
-        model.unpatch_model()  # patched in place and still loaded: restore the originals before reading them
-    state = {}
-    for name, tensor in model.model.diffusion_model.state_dict().items():
-        key = f"diffusion_model.{name}"
-        if key not in model.patches:
-            state[name] = tensor.detach()
-            continue
-        state[name] = patched_weight(model, key, model.patches[key])
-    return state
-
-
 def digest_state_dict(state_dict: dict) -> str:
     """Content hash of the weights: only where no graph can key them (see graph_key), since it reads every byte."""
     import torch
@@ -97,12 +80,12 @@ def digest_state_dict(state_dict: dict) -> str:
 
 
 def materialise_model(model, root: str | Path, prompt: dict | None = None, link=None) -> Path:
-    """The MODEL's patched diffusion-model weights in a file ComfyUI's Load Diffusion Model builds the same model
-    from: with the "config" metadata its detection needs beside the weights (LTX-2's sizes, Wan's variants)."""
-    from ..trainer.models.file_metadata import config_metadata
-    names = model.model.diffusion_model.state_dict()  # names, shapes, dtypes (the patches change no shape)
-    return materialise_state_dict(lambda: patched_state_dict(model), root, "diffusion model",
-                                  graph_key(prompt, link, "model", names), config_metadata(model.model, names))
+    """The MODEL's (a trainer.graph_model.GraphModel) patched diffusion-model weights in a file ComfyUI's Load
+    Diffusion Model builds the same model from: with the "config" metadata its detection needs beside the weights
+    (LTX-2's sizes, Wan's variants)."""
+    names = model.weight_shapes()  # names, shapes, dtypes (the patches change no shape)
+    return materialise_state_dict(model.patched_state_dict, root, "diffusion model",
+                                  graph_key(prompt, link, "model", names), model.config_metadata(names))
 
 
 def materialise_vae(vae, root: str | Path, prompt: dict | None = None, link=None) -> Path:

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..trainer.graph_model import GraphModel
 from .materialise import materialise_model, materialise_vae
 
 log = logging.getLogger("ingraph_trainer")
@@ -68,12 +69,6 @@ def file_stamp(path: str | Path) -> str:
     return stamp(str(path))
 
 
-def prediction_of(model) -> str:
-    """The objective the MODEL is configured for (a ModelSamplingDiscrete node upstream included)."""
-    from ..trainer.models import prediction_from_sampling
-    return prediction_from_sampling(model.get_model_object("model_sampling"))
-
-
 # --- what a Train node produced, so that its output MODEL is described as its source plus the new file --------
 
 @dataclass
@@ -85,12 +80,12 @@ class _TrainedOutput:
 _TRAINED: dict[str, _TrainedOutput] = {}
 
 
-def record_trained_output(node_id: str, trained_model, source: ModelSource | None):
+def record_trained_output(node_id: str, trained: GraphModel, source: ModelSource | None):
     """Remembers what Train node `node_id` output (None: not describable, downstream nodes materialise it)."""
     if source is None:
         _TRAINED.pop(str(node_id), None)
     else:
-        _TRAINED[str(node_id)] = _TrainedOutput(source, getattr(trained_model, "patches_uuid", None))
+        _TRAINED[str(node_id)] = _TrainedOutput(source, trained.patches_uuid)
 
 
 def trained_output_source(adapter_path: str, input_source: ModelSource | None, *, full: bool,
@@ -173,7 +168,7 @@ def _walk(prompt: dict, link, resolve, depth: int = 0) -> tuple[ModelSource, obj
     raise Undescribable(node_id, kind, "a node whose effect on the weights this pack cannot describe")
 
 
-def describe_model(prompt: dict | None, link, model=None, resolve=_folder_file) -> ModelSource:
+def describe_model(prompt: dict | None, link, model: GraphModel | None = None, resolve=_folder_file) -> ModelSource:
     """The files the MODEL at `link` ([node id, output]) was loaded and patched from; raises Undescribable.
 
     With the live `model`, its weight patches must agree with the description (a prompt that does not match the
@@ -184,9 +179,9 @@ def describe_model(prompt: dict | None, link, model=None, resolve=_folder_file) 
         raise Undescribable("?", "?", "the model input is not a link")
     source, last = _walk(prompt, link, resolve)
     if model is not None:
-        patches = getattr(model, "patches", None)
+        patches = model.patches
         if isinstance(last, tuple):
-            agrees = getattr(model, "patches_uuid", None) == last[1]
+            agrees = model.patches_uuid == last[1]
         elif last is None:
             agrees = not patches
         elif last == "lora":
@@ -196,7 +191,7 @@ def describe_model(prompt: dict | None, link, model=None, resolve=_folder_file) 
         if not agrees:
             node = prompt.get(str(link[0]), {})
             raise Undescribable(link[0], node.get("class_type", "?"), "the MODEL's patches differ from the prompt's")
-        if not isinstance(last, tuple) and not _file_holds_the_base(source, model, patches):
+        if not isinstance(last, tuple) and not _file_holds_the_base(source, model):
             node = prompt.get(str(link[0]), {})
             raise Undescribable(link[0], node.get("class_type", "?"),
                                 f"{os.path.basename(source.path)} on disk is not what the MODEL holds (rewritten "
@@ -216,7 +211,7 @@ BASE_PROBE_ELEMENTS = 4096  # strided elements of each
 BASE_SAME_COSINE = 0.999  # the same weights after any cast ComfyUI applies (fp8 rounding: ~0.9995 and up)
 
 
-def _file_holds_the_base(source: "ModelSource", model, patches: dict | None) -> bool:
+def _file_holds_the_base(source: "ModelSource", model: GraphModel) -> bool:
     """Whether the base file on disk holds the weights the live MODEL was loaded with. ComfyUI keeps a loader's
     output cached while the file under its name is rewritten (a re-download), and the trainer would rebuild from the
     new file. Compares a strided sample of a few weights the MODEL holds unpatched (ComfyUI's copies are unpatched
@@ -224,16 +219,15 @@ def _file_holds_the_base(source: "ModelSource", model, patches: dict | None) -> 
     fp8 or bf16). True where nothing can be compared (renamed keys, quantized or offloaded weights)."""
     import torch
     from safetensors import safe_open
-    try:
-        live = dict(model.model.diffusion_model.named_parameters())
-    except AttributeError:
+    live, patches = model.diffusion_parameters(), model.patches
+    if live is None:
         return True
     prefix = "model.diffusion_model." if source.format == "checkpoint" else ""
     try:
         with safe_open(source.path, "pt") as f:
             keys = set(f.keys())
             names = [n for n, p in live.items() if prefix + n in keys and p.dim() >= 2 and p.numel() >= 1024
-                     and f"diffusion_model.{n}" not in (patches or {}) and p.device.type != "meta"]
+                     and f"diffusion_model.{n}" not in patches and p.device.type != "meta"]
             step = max(1, len(names) // BASE_PROBES)
             for name in names[::step][:BASE_PROBES]:
                 held = live[name].detach().reshape(-1)
@@ -317,18 +311,13 @@ def input_link(prompt: dict | None, node_id, input_name: str):
 
 # --- the GPU goes to the trainer ------------------------------------------------------------------------------
 
-def release_comfy_models(trained_model=None) -> int:
+def release_comfy_models(model: GraphModel) -> int:
     """Unloads ComfyUI's loaded models (diffusion model, encoders) and empties its cache, so the trainer gets the
-    whole device; weights go back to their offload device, unpatched. Returns how many loaded models remain."""
-    from ..trainer.comfy_compat import loaded_models, unload_all_models
-    unload_all_models()
-    remaining = loaded_models()
-    holds_trained = trained_model is not None and any(
-        getattr(loaded, "model", None) is not None and loaded.model.model is trained_model.model
-        for loaded in remaining)
+    whole device (GraphModel.release). Returns how many loaded models remain."""
+    remaining, holds_trained = model.release()
     log.info("InGraph Trainer: ComfyUI holds %d loaded model(s) as the trainer starts (the trained model: %s)",
-             len(remaining), "loaded" if holds_trained else "not loaded")
-    return len(remaining)
+             remaining, "loaded" if holds_trained else "not loaded")
+    return remaining
 
 
 # --- the run spec's model section -----------------------------------------------------------------------------
@@ -343,12 +332,12 @@ class HandOff:
     notes: list = field(default_factory=list)
 
 
-def hand_off_model(model, prompt: dict | None, node_id, input_name: str, models_root: Path,
+def hand_off_model(model: GraphModel, prompt: dict | None, node_id, input_name: str, models_root: Path,
                    resolve=_folder_file) -> HandOff:
     """The spec's model section for the MODEL on `input_name` of node `node_id`: described by its files where the
     graph allows, else materialised (one log line names the node that forced it). `resolve(folder, name)` finds a
     loader's file (ComfyUI's folder_paths by default)."""
-    prediction = prediction_of(model)
+    prediction = model.prediction
     link = input_link(prompt, node_id, input_name)
     try:
         source = describe_model(prompt, link, model, resolve)

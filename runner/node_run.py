@@ -14,7 +14,7 @@ from ..trainer.spec import RunSpec, named_inputs
 from .distill_run import check_new_distillation
 from .evaluation_run import check_new_evaluation, remember_result, remembered_result
 from .session import RunDatasets
-from .train_run import TrainOutcome, check_new_training, refuse_foreign_file, timed, trained_model_of
+from .train_run import TrainOutcome, check_new_training, refuse_foreign_file, timed
 
 log = logging.getLogger("ingraph_trainer")
 
@@ -22,8 +22,8 @@ log = logging.getLogger("ingraph_trainer")
 @dataclass(frozen=True)
 class TaskRun:
     """What the runner does for one task beyond what every run does."""
-    # the task's refusals of a new run beyond the spec's own rules: (draft, MODEL, datasets, prediction, NodeCall) ->
-    # None or ValueError
+    # the task's refusals of a new run beyond the spec's own rules: (draft, GraphModel, datasets, NodeCall) -> None or
+    # ValueError
     check_new: Callable
     # an output file (an adapter, a model) that the output MODEL applies, resumable runs under runs/; else a result
     # only (Evaluate), in a folder of its own under evals/, never resumed
@@ -70,17 +70,20 @@ def run_task(draft: RunSpec, model, datasets: RunDatasets, previews, node: NodeC
     (and must be of the same task); a new one is refused first by the spec's rules and its task's check_new, then
     its MODEL (the node's input `model_input`) is handed off (draft.model's base_precision kept) and its folder
     written (runner.session.prepare_run). `remember` (Evaluate's baseline): a result of this server for the same
-    files, datasets and settings is given again without a run (runner.evaluation_run.remembered_result)."""
+    files, datasets and settings is given again without a run (runner.evaluation_run.remembered_result).
+    The MODEL is asked about through one trainer-side view (trainer.graph_model.GraphModel), built here."""
     from . import paths
     from .launcher import TrainerProcess
+    from ..trainer.graph_model import GraphModel
     from .model_source import (Undescribable, describe_model, hand_off_model, hand_off_vae, input_link,
-                               prediction_of, record_trained_output, release_comfy_models, trained_output_source)
+                               record_trained_output, release_comfy_models, trained_output_source)
     from .run_record import trainer_running
     from .runs import SPEC_FILE, resolve_resume_choice, write_owner
     from .session import prepare_run, watch_run
     from ..trainer.spec import load_run_spec
 
     title, task, task_run = node.title, draft.task, TASK_RUNS[draft.task]
+    graph_model = GraphModel(model)
     began = time.perf_counter()
     timings = {}  # what the node spends before the trainer starts, for the log (the hand-off's cost)
     if task_run.writes_output:
@@ -98,9 +101,10 @@ def run_task(draft: RunSpec, model, datasets: RunDatasets, previews, node: NodeC
         run_dir, resume_tag = resume_from
         spec_path = run_dir / SPEC_FILE
         log.info("InGraph Trainer: resuming run %s from %s", run_dir.name, resume_tag)
-        _, timings["releasing ComfyUI's models"] = timed(release_comfy_models, model)
+        _, timings["releasing ComfyUI's models"] = timed(release_comfy_models, graph_model)
         try:  # the output MODEL is the live input plus the result: described as such where the graph allows
-            input_source = describe_model(node.prompt, input_link(node.prompt, node.node_id, model_input), model)
+            input_source = describe_model(node.prompt, input_link(node.prompt, node.node_id, model_input),
+                                          graph_model)
         except Undescribable:
             input_source = None
     else:
@@ -108,14 +112,14 @@ def run_task(draft: RunSpec, model, datasets: RunDatasets, previews, node: NodeC
             log.info("InGraph Trainer: no checkpoint of %r to resume; starting a new run", name)
         resume_tag = None
         node.refuse(settings_problems(draft, datasets))
-        try:
-            prediction = prediction_of(model)
+        try:  # the objective first: every refusal below reads the MODEL's family, which needs it
+            graph_model.prediction
         except ValueError as exc:  # an objective the trainer has not (EDM, image-to-image flow...)
             raise ValueError(f"{title}: {exc}") from None
-        task_run.check_new(draft, model, datasets, prediction, node)
+        task_run.check_new(draft, graph_model, datasets, node)
         # the GPU goes to the trainer; and a fallback reads weights unpatched, as a loaded model may hold them patched
-        _, timings["releasing ComfyUI's models"] = timed(release_comfy_models, model)
-        hand_off, timings["describing the model"] = timed(hand_off_model, model, node.prompt, node.node_id,
+        _, timings["releasing ComfyUI's models"] = timed(release_comfy_models, graph_model)
+        hand_off, timings["describing the model"] = timed(hand_off_model, graph_model, node.prompt, node.node_id,
                                                           model_input, paths.models_root())
         input_source = hand_off.source
         previews_vae = hand_off_vae(previews.vae, node.prompt, node.node_id, paths.models_root()) if previews else None
@@ -150,7 +154,7 @@ def run_task(draft: RunSpec, model, datasets: RunDatasets, previews, node: NodeC
              if result.finished.get("replaced_kept") else "")
     lora_name = paths.lora_name_of(saved.output.lora_path, paths.output_folder(saved.adapter.kind))
     full = saved.adapter.kind == "full"
-    trained = trained_model_of(model, result.adapter_path, saved.output.format, full=full)
+    trained = graph_model.with_result(result.adapter_path, saved.output.format, full=full)
     record_trained_output(node.node_id, trained, trained_output_source(result.adapter_path, input_source, full=full,
                                                                        file_format=saved.output.format))
-    return TrainOutcome(trained, lora_name, result)
+    return TrainOutcome(trained.patcher, lora_name, result)

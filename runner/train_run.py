@@ -1,5 +1,5 @@
-"""The Train node's own part of a run (its refusals before anything is written), and what a trainer node's run
-ends with: the input MODEL with the result applied (runner.node_run.run_task runs it)."""
+"""The Train node's own part of a run: its refusals before anything is written (runner.node_run.run_task asks
+them)."""
 from __future__ import annotations
 
 import logging
@@ -17,12 +17,11 @@ class TrainOutcome:
     result: object  # runner.session.RunResult
 
 
-def check_family_settings(model, prediction: str, train, adapter, file_format: str, distributed=None,
-                          title: str = "Train LoRA"):
-    """Rejects, before anything is written, settings the MODEL's family cannot honour (the trainer checks again).
-    `title`: the node the error names."""
+def check_family_settings(model, train, adapter, file_format: str, distributed=None, title: str = "Train LoRA"):
+    """Rejects, before anything is written, settings the MODEL's (a trainer.graph_model.GraphModel) family cannot
+    honour (the trainer checks again). `title`: the node the error names."""
     from ..trainer.spec import DistributedSpec, OutputSpec, RunSpec
-    from ..trainer.models import UnsupportedSetting, family_for
+    from ..trainer.models import UnsupportedSetting
     from .launcher import check_local_processes
     if distributed is not None and distributed.processes > 1 and not distributed.hostfile:
         try:
@@ -30,7 +29,7 @@ def check_family_settings(model, prediction: str, train, adapter, file_format: s
         except ValueError as exc:
             raise ValueError(f"{title}: {exc}") from None
     try:
-        family = family_for(model.model, prediction=prediction)
+        family = model.family()
     except ValueError as exc:  # a model no family trains (an objective the trainer has not: EDM, ...)
         raise ValueError(f"{title}: {exc}") from None
     try:
@@ -38,7 +37,7 @@ def check_family_settings(model, prediction: str, train, adapter, file_format: s
                                       distributed=distributed or DistributedSpec()))
     except UnsupportedSetting as exc:
         raise ValueError(f"{title} ({family.display_name} model): {exc}") from None
-    log.info("InGraph Trainer: %s on a %s model (%s)", title, family.display_name, prediction)
+    log.info("InGraph Trainer: %s on a %s model (%s)", title, family.display_name, model.prediction)
 
 
 def check_prior_dataset(dataset, prior_dataset):
@@ -70,20 +69,6 @@ def refuse_foreign_file(path, overwrite: bool, title: str = "Train LoRA", full: 
                          "choose another output_name, or turn on overwrite to replace it (a copy is kept)")
 
 
-def trained_model_of(model, path: str, file_format: str, full: bool):
-    """The input MODEL with the result applied the way ComfyUI's loaders apply it (lazily: nothing loads now)."""
-    from ..trainer.comfy_compat import load_tensors, with_lora
-    from ..trainer.export import comfyui_readable, diffusers_module_names
-    tensors = load_tensors(path)
-    if full:  # every weight replaced; the MODEL's own options (sampling, patches on top) are kept
-        trained = model.clone()
-        trained.add_patches({f"diffusion_model.{k}": ("set", (v,)) for k, v in tensors.items()}, 1.0, 0.0)
-        return trained
-    if file_format == "diffusers":
-        tensors = comfyui_readable(tensors, diffusers_module_names(model.model))
-    return with_lora(model, tensors)
-
-
 def timed(function, *args):
     """(what `function(*args)` returned, the seconds it took)."""
     t0 = time.perf_counter()
@@ -91,10 +76,9 @@ def timed(function, *args):
     return result, time.perf_counter() - t0
 
 
-def check_new_training(draft, model, datasets, prediction: str, node):
+def check_new_training(draft, model, datasets, node):
     """A new Train LoRA run's refusals before anything is written: what the MODEL's family cannot honour, and prior
     images the trainer could not mix into the training batches."""
-    check_family_settings(model, prediction, draft.train, draft.adapter, draft.output.format, draft.distributed,
-                          title=node.title)
+    check_family_settings(model, draft.train, draft.adapter, draft.output.format, draft.distributed, title=node.title)
     if datasets.prior is not None:
         check_prior_dataset(datasets.train, datasets.prior)

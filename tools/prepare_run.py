@@ -48,6 +48,7 @@ def prepare(checkpoint: Path, images: Path, run_dir: Path, overrides: dict, reso
     import comfy.sd
     from ingraph_trainer.runner.model_source import hand_off_model, hand_off_vae
     from ingraph_trainer.runner.session import RunDatasets, prepare_run
+    from ingraph_trainer.trainer.graph_model import GraphModel
     from ingraph_trainer.trainer.spec import RunSpec, SampleSpec, spec_from_dict
     from tools.cache_dataset import encode_folder
 
@@ -62,7 +63,7 @@ def prepare(checkpoint: Path, images: Path, run_dir: Path, overrides: dict, reso
         prior_dataset, _ = encode_folder(prior_images, work / "cache", clip, vae, resolution, bucketing, **features)
         check_prior_dataset(dataset, prior_dataset)
     prompt, resolve = checkpoint_graph(checkpoint)
-    hand_off = hand_off_model(model, prompt, TRAIN_NODE_ID, "model", work / "models", resolve=resolve)
+    hand_off = hand_off_model(GraphModel(model), prompt, TRAIN_NODE_ID, "model", work / "models", resolve=resolve)
     previews = previews_vae = None
     if overrides.get("samples.every"):
         from ingraph_trainer.runner.previews import PreviewSettings, encode_prompts

@@ -22,6 +22,7 @@ from panel_script import run_panel_script
 from ingraph_trainer.runner import distill_run, runs
 from ingraph_trainer.trainer.run import checkpoint as ckpt
 from ingraph_trainer.trainer import spec as config
+from ingraph_trainer.trainer.graph_model import GraphModel
 from ingraph_trainer.trainer.run import trust
 
 WORKFLOW = "distill_turbo_lora_api.json"
@@ -87,7 +88,7 @@ def test_settings_the_spec_refuses_are_refused_naming_the_node_input(monkeypatch
         raise AssertionError("a refused run was handed off")
     monkeypatch.setattr(model_source, "hand_off_model", hand_off)
     monkeypatch.setattr(model_source, "release_comfy_models", lambda model: None)
-    monkeypatch.setattr(model_source, "prediction_of", lambda model: "epsilon")
+    monkeypatch.setattr(GraphModel, "prediction", "epsilon")
     monkeypatch.setattr(distill_run, "check_family_settings", lambda *a, **k: None)
     monkeypatch.setattr(Distill, "hidden", types.SimpleNamespace(unique_id="6", prompt=None), raising=False)
     cached = types.SimpleNamespace(empty_text=("key", "sha"), require_cached=lambda name: None)
@@ -132,7 +133,7 @@ def test_the_runner_writes_a_distill_spec_through_the_train_nodes_run(monkeypatc
     monkeypatch.setattr(model_source, "hand_off_model", lambda *a, **k: handed_off.append(a) or types.SimpleNamespace(
         model_spec=config.ModelSpec(path="teacher.safetensors"), source=None))
     monkeypatch.setattr(model_source, "release_comfy_models", lambda model: None)
-    monkeypatch.setattr(model_source, "prediction_of", lambda model: "epsilon")
+    monkeypatch.setattr(GraphModel, "prediction", "epsilon")
     monkeypatch.setattr(distill_run, "check_family_settings", lambda *a, **k: None)
     monkeypatch.setattr(session, "prepare_run", prepare_run)
     monkeypatch.setattr(node_run, "refuse_foreign_file", lambda *a, **k: None)
@@ -171,7 +172,7 @@ def test_a_node_after_distill_gets_the_teacher_and_the_turbo_lora_as_files(tmp_p
     def resolve(folder, name):
         return str(teacher) if (folder, name) == ("checkpoints", teacher.name) else None
     base = ms.describe_model(prompt, ["1", 0], None, resolve)
-    distilled = types.SimpleNamespace(patches={"k": [1]}, patches_uuid="student-patches")
+    distilled = GraphModel(types.SimpleNamespace(patches={"k": [1]}, patches_uuid="student-patches"))
     ms.record_trained_output("6", distilled, ms.trained_output_source(str(student), base, full=False,
                                                                       file_format="comfyui"))
     try:

@@ -16,6 +16,7 @@ from conftest import evaluate_on_one_image, load_workflow, write_upstream_lora
 
 from ingraph_trainer.runner import model_source as ms
 from ingraph_trainer.runner import materialise
+from ingraph_trainer.trainer.graph_model import GraphModel
 
 
 # --- the walk over API prompts (no server) ---------------------------------------------------------------------
@@ -48,11 +49,16 @@ def ckpt_lora_train(strength=0.7) -> dict:
     }
 
 
-class FakeModel:
+class FakePatcher:
     """What the walk reads of a live ModelPatcher: its weight patches and their identity."""
 
     def __init__(self, patches=None, uuid=None):
         self.patches, self.patches_uuid = patches or {}, uuid
+
+
+def FakeModel(patches=None, uuid=None) -> GraphModel:  # noqa: N802 - stands where a class stood
+    """A live MODEL as the runner holds it (the trainer-side view of FakePatcher)."""
+    return GraphModel(FakePatcher(patches, uuid))
 
 
 def test_checkpoint_then_loras_in_graph_order_with_their_strengths(files):
@@ -166,7 +172,7 @@ def test_release_leaves_comfyui_no_loaded_model(assets, caplog):
     mm.load_models_gpu([model])
     assert any(m.model is model for m in mm.current_loaded_models)
     with caplog.at_level("INFO", logger="ingraph_trainer"):
-        assert ms.release_comfy_models(model) == 0
+        assert ms.release_comfy_models(GraphModel(model)) == 0
     assert not mm.current_loaded_models
     assert "ComfyUI holds 0 loaded model(s) as the trainer starts (the trained model: not loaded)" in caplog.text
 
@@ -327,9 +333,9 @@ def test_a_base_file_rewritten_since_comfyui_loaded_it_is_not_described(tmp_path
         net.blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64, bias=False) for _ in range(6))
         for i, block in enumerate(net.blocks):
             block.weight = torch.nn.Parameter(weights[f"blocks.{i}.weight"].to(dtype), requires_grad=False)
-        model = FakeModel()
-        model.model = types.SimpleNamespace(diffusion_model=net)
-        return model
+        patcher = FakePatcher()
+        patcher.model = types.SimpleNamespace(diffusion_model=net)
+        return GraphModel(patcher)
     for dtype in (torch.float16, torch.bfloat16, torch.float8_e4m3fn):
         assert ms.describe_model(prompt, ["1", 0], live(dtype), resolve).path == str(base)
     save_file({f"model.diffusion_model.{k}": torch.randn(64, 64, generator=generator).half() for k in weights},
@@ -362,7 +368,7 @@ def test_a_materialised_copy_loads_as_the_graphs_model_where_the_file_it_came_fr
     assert type(model.model.model_config).__name__ == class_name  # as the graph loaded it
     key, weight = next((k, w) for k, w in model.model.diffusion_model.state_dict().items() if w.dim() == 2)
     model.add_patches({f"diffusion_model.{key}": (torch.full_like(weight, 0.25),)}, 1.0)  # what a patch node adds
-    path = materialise.materialise_model(model, tmp_path)
+    path = materialise.materialise_model(GraphModel(model), tmp_path)
     with safe_open(str(path), "pt") as copy:  # metadata only where the weights alone load as something else
         assert ("config" in copy.metadata()) == (class_name != "WAN21_Camera"), copy.metadata()
     again = load_model_file(str(path), from_checkpoint=False, options={"dtype": torch.float32})

@@ -51,6 +51,7 @@ def test_fp8_lora_trains_like_bf16_and_loads_onto_comfyuis_fp8_model(prepared, t
     assert len(losses["fp8"]) == len(losses["bf16"]) == STEPS
     mean = {name: sum(values) / len(values) for name, values in losses.items()}
     assert abs(mean["fp8"] - mean["bf16"]) <= 0.05 * mean["bf16"], losses
+    assert len(evals["fp8"]) == len(evals["bf16"]) > 0, evals
     for fp8_loss, bf16_loss in zip(evals["fp8"], evals["bf16"]):
         assert abs(fp8_loss - bf16_loss) <= 0.05 * bf16_loss, evals
     started = runs["fp8"][0]

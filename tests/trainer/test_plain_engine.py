@@ -89,7 +89,7 @@ def test_bf16_one_process_run_follows_the_fp32_run(bf16_run, fp32_pair):
     plain, lora, events = bf16_run
     fp32, _, fp32_events = fp32_pair["plain"]
     assert [s["loss"] for s in plain] != [s["loss"] for s in fp32]  # computed in bf16 indeed
-    for a, b in zip(plain, fp32):
+    for a, b in zip(plain, fp32, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 5e-3 * b["loss"], (a["loss"], b["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 2e-2 * b["grad_norm"], (a["grad_norm"], b["grad_norm"])
     assert abs(events[-1]["eval_after"] - fp32_events[-1]["eval_after"]) <= 5e-3 * fp32_events[-1]["eval_after"]

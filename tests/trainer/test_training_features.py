@@ -224,8 +224,8 @@ lora_path = "{tmp_path / 'lora.safetensors'}"
     empties = 0
     for step in range(10):
         ours, theirs = from_hand(step).micro_batches, from_tools(step).micro_batches
-        for a, b in zip(ours, theirs):
-            assert all(torch.equal(x, y) for x, y in zip(a, b) if x is not None)
+        for a, b in zip(ours, theirs, strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True) if x is not None)
             if a.mask is None:  # the prior images have no masks: a micro-batch of them alone has none
                 assert a.is_prior.all()
             else:  # and weigh 1 everywhere beside masked training images
@@ -292,6 +292,7 @@ def test_the_train_node_offers_base_precision_and_hands_it_to_the_spec(monkeypat
     # the runner keeps the draft's base_precision in the model section the hand-off gives, which it hands to
     # prepare_run
     from ingraph_trainer.runner import model_source, node_run, session
+    from ingraph_trainer.trainer.graph_model import GraphModel
 
     class Handed(Exception):
         pass
@@ -301,7 +302,7 @@ def test_the_train_node_offers_base_precision_and_hands_it_to_the_spec(monkeypat
     monkeypatch.setattr(model_source, "hand_off_model", lambda *a, **k: types.SimpleNamespace(
         model_spec=config.ModelSpec(path="base.safetensors", weight_dtype="default"), source=None))
     monkeypatch.setattr(model_source, "release_comfy_models", lambda model: None)
-    monkeypatch.setattr(model_source, "prediction_of", lambda model: "epsilon")
+    monkeypatch.setattr(GraphModel, "prediction", "epsilon")
     monkeypatch.setattr(train_run, "check_family_settings", lambda *a, **k: None)
     monkeypatch.setattr(session, "prepare_run", prepare_run)
     draft = config.RunSpec(model=config.ModelSpec(base_precision="fp8"))

@@ -249,7 +249,7 @@ def test_comfy_kitchens_rotary_ops_get_the_backward_of_its_eager_implementation(
                 for out in outputs).backward()
             grads.append([a.grad for a in leaves if isinstance(a, torch.Tensor)])
         assert all(g is not None for g in grads[0]), name
-        for through_op, through_eager in zip(*grads):
+        for through_op, through_eager in zip(*grads, strict=True):
             torch.testing.assert_close(through_op, through_eager, rtol=0, atol=0, msg=name)
     # a layer adapted on one side only: the query wants a gradient, the key and its norm scale do not
     query = q.clone().requires_grad_(True)

@@ -304,7 +304,7 @@ def test_a_changed_mask_re_encodes_only_its_item_and_mask_files_are_not_images(t
     Image.new("L", (64, 64), 255).save(tmp_path / "images" / "i1.mask.png")
     ds2, encoded, reused = run()
     assert (encoded, reused) == (1, 3)
-    changed = [a.path for a, b in zip(ds.items, ds2.items) if a.latent != b.latent]
+    changed = [a.path for a, b in zip(ds.items, ds2.items, strict=True) if a.latent != b.latent]
     assert changed == [str(tmp_path / "images" / "i1.png")]
     # an unmasked item's key is the one it had before masks existed
     store = store_mod.CacheStore(root)
@@ -456,7 +456,7 @@ def step_by_slot(dataset, sampler, spec_data, step, batch_size, grad_accum, worl
     slots = {}
     for rank in range(world):
         _, micro, _ = mix.load_step(dataset, sampler, step, spec_data, 5, batch_size, grad_accum, world, rank)
-        for s, mb in zip(mix.micro_batch_slots(batch_size, grad_accum, world, rank), micro):
+        for s, mb in zip(mix.micro_batch_slots(batch_size, grad_accum, world, rank), micro, strict=True):
             for k, slot in enumerate(range(s.start, s.stop)):
                 slots[slot] = {name: (v[k] if v is not None else None) for name, v in mb._asdict().items()}
     return [slots[n] for n in range(len(slots))]
@@ -479,7 +479,7 @@ def test_one_and_two_processes_load_the_same_step_with_every_feature_on(tmp_path
     for step in range(6):
         one = step_by_slot(dataset, sampler, spec, step, 2, 2, 1)
         two = step_by_slot(dataset, sampler, spec, step, 2, 1, 2)
-        for a, b in zip(one, two):
+        for a, b in zip(one, two, strict=True):
             assert a.keys() == b.keys()
             for name in a:
                 assert (a[name] is None and b[name] is None) or torch.equal(a[name], b[name]), name

@@ -259,7 +259,7 @@ def test_the_layouts_gradient_clipping_is_deepspeeds_bit_for_bit(monkeypatch):
         clipping.order(ours, trainable)
         reported = clipping.clip()
         assert torch.equal(reported, expected_norm)
-        pairs = list(zip(theirs.parameters(), ours.parameters()))
+        pairs = list(zip(theirs.parameters(), ours.parameters(), strict=True))
         assert len(pairs) == 48 and sum(p.grad is not None for _, p in pairs) == 46
         assert torch.equal(list(ours.parameters())[unused].grad, torch.zeros(6))
         for a, b in pairs:
@@ -305,6 +305,32 @@ def test_comfyui_is_called_through_comfy_compat_alone():
                 found += [f"{rel}:{node.lineno} {n}" for n in names if n == "comfy" or n.startswith("comfy.")]
     assert not found, found
     assert (root / "trainer" / "models" / "__init__.py").is_file()  # the exemption names a real folder
+
+
+def test_the_runner_asks_about_the_graphs_model_through_one_trainer_side_view():
+    """Issue 33: the node's MODEL crosses into the trainer's side once. run_task reads its `model` once, to build
+    trainer.graph_model.GraphModel, and the runner asks that view for the objective, the family, the patches, the
+    release, the weights and the result applied; no runner module takes those from the trainer by another route,
+    so the MODEL never comes back up to the runner to be passed down again."""
+    import ast
+    root = Path(conftest.REPO) / "runner"
+    tree = ast.parse((root / "node_run.py").read_text(encoding="utf-8"))
+    run_task = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "run_task")
+    assert run_task.args.args[1].arg == "model"
+    reads = [n for n in ast.walk(run_task) if isinstance(n, ast.Name) and n.id == "model"]
+    calls = [n for n in ast.walk(run_task) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "GraphModel"]
+    assert len(reads) == 1 and [c.args[0] for c in calls] == reads, [n.lineno for n in reads]
+    asked_of_the_view = {"family_for", "prediction_from_sampling", "detect_prediction", "with_lora", "patched_weight",
+                         "unload_all_models", "loaded_models", "config_metadata", "comfyui_readable"}
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                found += [f"{path.name}:{node.lineno} {a.name}" for a in node.names if a.name in asked_of_the_view]
+            if isinstance(node, ast.Attribute) and node.attr in ("diffusion_model", "get_model_object",
+                                                                  "unpatch_model", "add_patches"):
+                found.append(f"{path.name}:{node.lineno} .{node.attr}")
+    assert not found, found
 
 
 def test_no_test_module_imports_another_and_each_is_in_its_tier():

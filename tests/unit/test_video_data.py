@@ -222,7 +222,7 @@ def test_clips_cache_5d_latents_and_an_edited_clip_is_reencoded_alone(tmp_path):
     vae = VideoVAE()
     dataset2, encoded, reused = cached(folder, store, vae, **kw)
     assert (encoded, reused) == (2, 3) and vae.encoded == [9, 9]
-    changed = {Path(a.path).name for a, b in zip(dataset.items, dataset2.items) if a.latent != b.latent}
+    changed = {Path(a.path).name for a, b in zip(dataset.items, dataset2.items, strict=True) if a.latent != b.latent}
     assert changed == {"b"}
     # another fps changes which frames a video's items hold: its items are re-encoded, the frame folder's not
     vae = VideoVAE()
@@ -485,6 +485,7 @@ def test_evaluate_refuses_references_the_model_cannot_take_before_anything_runs(
     from types import SimpleNamespace
 
     import ingraph_trainer.runner.model_source as model_source
+    from ingraph_trainer.trainer.graph_model import GraphModel
     import ingraph_trainer.trainer.comfy_env as comfy_env
     import ingraph_trainer.trainer.models as models
     from ingraph_trainer.runner.node_run import NodeCall, run_task
@@ -519,7 +520,7 @@ def test_evaluate_refuses_references_the_model_cannot_take_before_anything_runs(
     def handed_off(*_):
         raise AssertionError("the MODEL was handed off before the dataset was checked")
     monkeypatch.setattr(model_source, "release_comfy_models", handed_off)
-    monkeypatch.setattr(model_source, "prediction_of", lambda model: "epsilon")
+    monkeypatch.setattr(GraphModel, "prediction", "epsilon")
     for family, refused in ((NoReferences(), "SDXL takes none"), (StartImage(), "takes one start image per item")):
         monkeypatch.setattr(models, "family_for", lambda *_, f=family, **__: f)
         with pytest.raises(ValueError, match=f"Evaluate \\({family.display_name} model\\): dataset: its items carry "
