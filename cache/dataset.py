@@ -116,11 +116,16 @@ class TrainingDataset:
 
 def prior_problems(dataset: TrainingDataset, prior: TrainingDataset, input_name: str = "prior_dataset") -> list[str]:
     """Why a prior (regularisation) dataset cannot be mixed into this one's batches: both must be cached with
-    the same VAE and text encoder, or the model would learn from latents and embeddings of another model."""
+    the same VAE and text encoder, or the model would learn from latents and embeddings of another model; and
+    caption dropout, which draws over every slot of a batch, needs the prior images' empty caption."""
     problems = []
     if prior.latent_encoder != dataset.latent_encoder:
         problems.append(f"{input_name}: its latents were cached with another VAE than the training images'")
     if prior.text_encoder != dataset.text_encoder:
         problems.append(f"{input_name}: its captions were encoded with another text encoder than the training "
                         "images'")
+    if dataset.caption_dropout > 0 and not prior.empty_text:
+        problems.append(f"{input_name}: the training images' caption dropout gives prior images the empty caption "
+                        "too, which the prior images' cache lacks; set the same caption_dropout on their Load "
+                        "Training Images node (Cache Text Embeddings then caches the empty caption)")
     return problems

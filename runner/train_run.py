@@ -44,10 +44,6 @@ def check_prior_dataset(dataset, prior_dataset):
     """Refuses, before anything is written, prior images the trainer could not mix into the training batches."""
     from ..cache.dataset import prior_problems
     problems = prior_problems(dataset, prior_dataset)
-    if dataset.caption_dropout > 0 and not prior_dataset.empty_text:  # dropout draws over every slot of a batch
-        problems.append("prior_dataset: the training images' caption dropout gives prior images the empty caption "
-                        "too, which the prior images' cache lacks; set the same caption_dropout on their Load "
-                        "Training Images node (Cache Text Embeddings then caches the empty caption)")
     if problems:
         raise ValueError("Train LoRA: " + "; ".join(problems))
 
