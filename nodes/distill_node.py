@@ -150,11 +150,10 @@ class Distill(io.ComfyNode):
     def execute(cls, model, dataset, adapter, **inputs) -> io.NodeOutput:
         from ..trainer.comfy_compat import raise_if_interrupted
 
-        from ..runner.distill_run import TASK, TITLE, check_student_adapter, parse_student_timesteps
+        from ..runner.distill_run import TASK, TITLE, parse_student_timesteps
         from ..runner.node_run import NodeCall, run_task
         from ..runner.session import RunDatasets
 
-        check_student_adapter(adapter)
         dataset.require_cached("dataset")
         distill = spec_section(cls, "distill", inputs, read={"student_timesteps": str})
         distill.student_timesteps = parse_student_timesteps(distill.student_timesteps, distill.student_steps)

@@ -4,25 +4,11 @@ trainer/tasks/distill.py). Resume, the model's hand-off, launch, watch and the o
 (runner.node_run.run_task); only the settings and their checks are distillation's own."""
 from __future__ import annotations
 
-from ..trainer.spec import (ADAPTER_KIND_CHOICES, DISTILL_STUDENT_KINDS, AdapterSpec, DistillSpec, RunSpec,
-                              named_inputs)
+from ..trainer.spec import DistillSpec, RunSpec, named_inputs
 from .train_run import check_family_settings
 
 TITLE = "Distill"
 TASK = "distill"
-
-
-def check_student_adapter(adapter: AdapterSpec):
-    """The adapter input: a LoRA or a full fine-tune (trainer.spec.DISTILL_STUDENT_KINDS: the other kinds make no
-    turbo LoRA that ComfyUI users load, and the trainer refuses them)."""
-    if adapter.kind not in DISTILL_STUDENT_KINDS:
-        labels = {c.value: c.label for c in ADAPTER_KIND_CHOICES}
-        kinds = " or ".join(labels[k] for k in DISTILL_STUDENT_KINDS)
-        raise ValueError(f"{TITLE}: adapter: the student trains as {kinds}; the LoRA Adapter node's kind is "
-                         f"{labels.get(adapter.kind, adapter.kind)}")
-    if adapter.init_from:  # the student starts as the teacher (trainer/tasks/distill.py reads no adapter file)
-        raise ValueError(f"{TITLE}: adapter: the student starts as a copy of the teacher, not from continue_from "
-                         "(set it to none; to continue a distillation, use the resume input)")
 
 
 def parse_student_timesteps(text: str, student_steps: int) -> list[float]:

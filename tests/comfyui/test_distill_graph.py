@@ -64,16 +64,19 @@ def test_the_node_is_registered_with_a_tooltip_on_every_input_and_the_spec_defau
     assert "output_name" in Distill.validate_inputs("bad:name", 1)
 
 
-def test_the_student_must_be_a_lora_or_a_full_fine_tune_naming_the_adapter_input():
+def test_the_student_must_be_a_lora_or_a_full_fine_tune_not_continued_from_an_adapter_file(tmp_path):
+    """The spec's rule (DistillSpec.problems), so a hand-written distill spec is refused the same: the trainer reads
+    no adapter file for the student, which starts as the teacher's copy."""
+    def problems(adapter):
+        return [p for p in config.RunSpec(task="distill", adapter=adapter).problems() if p.startswith("adapter.")]
     for kind, label in (("loha", "LoHa"), ("lokr", "LoKr"), ("dora", "DoRA")):
-        with pytest.raises(ValueError, match=rf"^Distill: adapter: the student trains as LoRA or Full fine-tune; "
-                                             rf"the LoRA Adapter node's kind is {label}$"):
-            distill_run.check_student_adapter(config.AdapterSpec(kind=kind))
+        assert problems(config.AdapterSpec(kind=kind)) == [
+            f"adapter.kind: the student trains as LoRA or Full fine-tune; the LoRA Adapter node's kind is {label}"]
     for kind in config.DISTILL_STUDENT_KINDS:
-        distill_run.check_student_adapter(config.AdapterSpec(kind=kind))
-    with pytest.raises(ValueError, match=r"^Distill: adapter: the student starts as a copy of the teacher, not from "
-                                         r"continue_from"):
-        distill_run.check_student_adapter(config.AdapterSpec(kind="lora", init_from="/loras/turbo.safetensors"))
+        assert problems(config.AdapterSpec(kind=kind)) == []
+    (tmp_path / "turbo.safetensors").write_bytes(b"")
+    [refused] = problems(config.AdapterSpec(kind="lora", init_from=str(tmp_path / "turbo.safetensors")))
+    assert refused.startswith("adapter.init_from: the student starts as a copy of the teacher, not from continue_from")
 
 
 @pytest.mark.comfyui
@@ -93,11 +96,13 @@ def test_settings_the_spec_refuses_are_refused_naming_the_node_input(monkeypatch
     monkeypatch.setattr(Distill, "hidden", types.SimpleNamespace(unique_id="6", prompt=None), raising=False)
     cached = types.SimpleNamespace(empty_text=("key", "sha"), require_cached=lambda name: None)
 
-    def refused(dataset=cached, **inputs):
+    def refused(dataset=cached, adapter=config.AdapterSpec(), **inputs):
         with pytest.raises(ValueError) as info:
-            Distill.execute(object(), dataset, config.AdapterSpec(), output_name="refused_probe", **inputs)
+            Distill.execute(object(), dataset, adapter, output_name="refused_probe", **inputs)
         return str(info.value)
     assert refused(fake_updates=0).startswith("Distill: fake_updates: must be at least 1")
+    assert refused(adapter=config.AdapterSpec(kind="lokr")) == (  # the LoRA Adapter node's field keeps its name
+        "Distill: adapter.kind: the student trains as LoRA or Full fine-tune; the LoRA Adapter node's kind is LoKr")
     assert refused(min_t=0.9, max_t=0.5).startswith("Distill: min_t: needs 0 <= min_t < max_t")
     assert refused(fake_score_per_step=True, gan_weight=0.1).startswith(
         "Distill: fake_score_per_step: the GAN term is not yet kept with a fake score per student step")
@@ -153,7 +158,7 @@ def test_the_runner_writes_a_distill_spec_through_the_train_nodes_run(monkeypatc
     assert written.task == "distill" and written.distill == distill and written.distill is not distill
 
     handed_off.clear()
-    with pytest.raises(ValueError, match="Distill: adapter: .* kind is DoRA"):
+    with pytest.raises(ValueError, match="Distill: adapter.kind: .* kind is DoRA"):
         Distill.execute(object(), dataset, config.AdapterSpec(kind="dora"), **inputs)
     assert not handed_off
 

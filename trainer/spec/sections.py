@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .choices import DEFAULT_EVAL_QUANTILES, DISTILL_STUDENT_KINDS
+from .choices import ADAPTER_KIND_CHOICES, DEFAULT_EVAL_QUANTILES, DISTILL_STUDENT_KINDS
 
 
 class RunSpecError(ValueError):
@@ -145,6 +145,7 @@ class DistillSpec:
     def problems(self, spec) -> list[str]:
         """What is wrong with these settings (a run whose task is "distill")."""
         ts = self.student_timesteps
+        labels = {c.value: c.label for c in ADAPTER_KIND_CHOICES}
         rules = [
             (1 <= self.student_steps <= 4, "student_steps", f"must be 1 to 4 (got {self.student_steps})"),
             (not ts or (len(ts) == self.student_steps and all(isinstance(v, (int, float)) and 0 < v <= 1 for v in ts)
@@ -164,7 +165,12 @@ class DistillSpec:
             (0.0 <= self.min_t < self.max_t <= 1.0, "min_t", f"needs 0 <= min_t < max_t <= 1 (got {self.min_t}, "
                                                              f"{self.max_t})"),
             (spec.adapter.kind in DISTILL_STUDENT_KINDS, "adapter.kind",
-             f"the student trains as a LoRA or in full (got {spec.adapter.kind!r})"),
+             f"the student trains as {' or '.join(labels[k] for k in DISTILL_STUDENT_KINDS)}; the LoRA Adapter "
+             f"node's kind is {labels.get(spec.adapter.kind, spec.adapter.kind)}"),
+            # trainer/tasks/distill.py reads no adapter file: the student is the teacher's copy
+            (not spec.adapter.init_from, "adapter.init_from",
+             "the student starts as a copy of the teacher, not from continue_from (set it to none; to continue a "
+             "distillation, use the resume input)"),
             (spec.distributed.pipeline_stages <= 1, "distributed.pipeline_stages",
              "distillation runs three models on whole-model layouts (ZeRO 0-3); use 1 stage"),
             (spec.train.ema_decay <= 0, "train.ema_decay", "the weight average is not yet kept for distillation; "
