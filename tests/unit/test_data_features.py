@@ -503,3 +503,26 @@ def test_one_and_two_processes_load_the_same_step_with_every_feature_on(tmp_path
         assert mb.sample_weight is None and mb.is_prior is None and mb.mask is not None
     assert mix.load_step(dataset, sampler, 3, config.DataSpec(manifest=spec.manifest, masked_loss=False), 5, 2, 2,
                          1, 0)[1][0].mask is None
+
+
+@pytest.mark.comfyui
+def test_the_pixel_space_vae_caches_each_image_itself_for_pixel_space_models(tmp_path):
+    """Pixel-space models (Chroma Radiance, Z-Image's pixel-space variant) train on Load VAE's "pixel_space" VAE
+    (comfy.sd.VAE of the state dict VAELoader gives it): the cache holds each image at full size, 3 channels, scaled
+    to -1..1, which is what ComfyUI's VAE Encode hands such a model's sampler; an image VAE with its own identity."""
+    from tools.bootstrap import bootstrap
+    bootstrap()
+    import comfy.sd
+    from media_files import write_image
+    pixel_space = comfy.sd.VAE(sd={"pixel_space_vae": torch.tensor(1.0)})  # as nodes.VAELoader builds "pixel_space"
+    assert not encoding.is_video_vae(pixel_space)
+    assert encoding.vae_identity(pixel_space) != encoding.vae_identity(AreaVAE())
+    (tmp_path / "images").mkdir()
+    write_image(tmp_path / "images" / "a.png", 128, size=(64, 64))
+    (tmp_path / "images" / "a.txt").write_text("a flat colour")
+    ds, cached, _, _ = cached_run(tmp_path, vae=pixel_space)
+    assert ds.latent_encoder == encoding.vae_identity(pixel_space)
+    latent = cached.latent(0).float()
+    assert latent.shape == (3, 64, 64), latent.shape  # the image's own pixels: no downscale, RGB
+    expected = torch.tensor([128, 40, 200]).float().div(255).mul(2).sub(1)  # write_image's colour, in -1..1
+    assert torch.allclose(latent, expected.view(3, 1, 1).expand_as(latent), atol=4e-3), latent.mean((1, 2))
