@@ -113,7 +113,7 @@ def run_task(draft: RunSpec, model, datasets: RunDatasets, previews, node: NodeC
         resume_tag = None
         node.refuse(settings_problems(draft, datasets))
         try:  # the objective first: every refusal below reads the MODEL's family, which needs it
-            graph_model.prediction
+            _ = graph_model.prediction
         except ValueError as exc:  # an objective the trainer has not (EDM, image-to-image flow...)
             raise ValueError(f"{title}: {exc}") from None
         task_run.check_new(draft, graph_model, datasets, node)

@@ -71,12 +71,13 @@ def test_the_student_must_be_a_lora_or_a_full_fine_tune_not_continued_from_an_ad
         return [p for p in config.RunSpec(task="distill", adapter=adapter).problems() if p.startswith("adapter.")]
     for kind, label in (("loha", "LoHa"), ("lokr", "LoKr"), ("dora", "DoRA")):
         assert problems(config.AdapterSpec(kind=kind)) == [
-            f"adapter.kind: the student trains as LoRA or Full fine-tune; the LoRA Adapter node's kind is {label}"]
+            f"adapter.kind: the student trains as LoRA or Full fine-tune (got {label})"]
     for kind in config.DISTILL_STUDENT_KINDS:
         assert problems(config.AdapterSpec(kind=kind)) == []
     (tmp_path / "turbo.safetensors").write_bytes(b"")
     [refused] = problems(config.AdapterSpec(kind="lora", init_from=str(tmp_path / "turbo.safetensors")))
-    assert refused.startswith("adapter.init_from: the student starts as a copy of the teacher, not from continue_from")
+    assert refused.startswith("adapter.init_from: the student starts as a copy of the teacher, not from an adapter "
+                              "file (the LoRA Adapter node's continue_from")
 
 
 @pytest.mark.comfyui
@@ -102,7 +103,7 @@ def test_settings_the_spec_refuses_are_refused_naming_the_node_input(monkeypatch
         return str(info.value)
     assert refused(fake_updates=0).startswith("Distill: fake_updates: must be at least 1")
     assert refused(adapter=config.AdapterSpec(kind="lokr")) == (  # the LoRA Adapter node's field keeps its name
-        "Distill: adapter.kind: the student trains as LoRA or Full fine-tune; the LoRA Adapter node's kind is LoKr")
+        "Distill: adapter.kind: the student trains as LoRA or Full fine-tune (got LoKr)")
     assert refused(min_t=0.9, max_t=0.5).startswith("Distill: min_t: needs 0 <= min_t < max_t")
     assert refused(fake_score_per_step=True, gan_weight=0.1).startswith(
         "Distill: fake_score_per_step: the GAN term is not yet kept with a fake score per student step")
@@ -158,7 +159,7 @@ def test_the_runner_writes_a_distill_spec_through_the_train_nodes_run(monkeypatc
     assert written.task == "distill" and written.distill == distill and written.distill is not distill
 
     handed_off.clear()
-    with pytest.raises(ValueError, match="Distill: adapter.kind: .* kind is DoRA"):
+    with pytest.raises(ValueError, match=r"Distill: adapter.kind: .* \(got DoRA\)"):
         Distill.execute(object(), dataset, config.AdapterSpec(kind="dora"), **inputs)
     assert not handed_off
 

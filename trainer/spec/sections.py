@@ -165,12 +165,13 @@ class DistillSpec:
             (0.0 <= self.min_t < self.max_t <= 1.0, "min_t", f"needs 0 <= min_t < max_t <= 1 (got {self.min_t}, "
                                                              f"{self.max_t})"),
             (spec.adapter.kind in DISTILL_STUDENT_KINDS, "adapter.kind",
-             f"the student trains as {' or '.join(labels[k] for k in DISTILL_STUDENT_KINDS)}; the LoRA Adapter "
-             f"node's kind is {labels.get(spec.adapter.kind, spec.adapter.kind)}"),
-            # trainer/tasks/distill.py reads no adapter file: the student is the teacher's copy
-            (not spec.adapter.init_from, "adapter.init_from",
-             "the student starts as a copy of the teacher, not from continue_from (set it to none; to continue a "
-             "distillation, use the resume input)"),
+             f"the student trains as {' or '.join(labels[k] for k in DISTILL_STUDENT_KINDS)} (got "
+             f"{labels.get(spec.adapter.kind, spec.adapter.kind)})"),
+            # trainer/tasks/distill.py reads no adapter file: the student is the teacher's copy (a full fine-tune
+            # from a file is refused for every task, by RunSpec's own rule)
+            (not spec.adapter.init_from or spec.adapter.kind == "full", "adapter.init_from",
+             "the student starts as a copy of the teacher, not from an adapter file (the LoRA Adapter node's "
+             "continue_from: set it to none; to continue a distillation, resume its run)"),
             (spec.distributed.pipeline_stages <= 1, "distributed.pipeline_stages",
              "distillation runs three models on whole-model layouts (ZeRO 0-3); use 1 stage"),
             (spec.train.ema_decay <= 0, "train.ema_decay", "the weight average is not yet kept for distillation; "
