@@ -226,7 +226,7 @@ def test_flux_single_and_double_blocks_train_despite_in_place_residuals(family_m
     assert torch.equal(expected, got)
 
 
-def test_each_objective_is_read_from_comfyuis_model_sampling_and_one_that_only_looks_alike_is_refused():
+def test_each_objective_is_read_from_comfyuis_model_sampling_and_one_that_only_looks_alike_is_refused(monkeypatch):
     """The trainer's objective is read from ComfyUI's model_sampling class; classes that subclass a trained one but
     compute another thing are refused by name (EDM's output has the other sign, X0 and IMG_TO_IMG predict the clean
     latent, IMG_TO_IMG_FLOW starts its flow from the clean latent), not trained on a target ComfyUI never runs."""
@@ -248,3 +248,14 @@ def test_each_objective_is_read_from_comfyuis_model_sampling_and_one_that_only_l
         if hasattr(ms, name):
             with pytest.raises(ValueError, match=f"model: objective {name} is not supported"):
                 prediction_from_sampling(sampling(getattr(ms, name), schedule))
+    # a node's run reads the MODEL's objective as configured (a ModelSamplingDiscrete node upstream included), and
+    # builds the family for it, for every task (trainer.graph_model.GraphModel), not the base model's own
+    import types
+    from ingraph_trainer.trainer import models
+    from ingraph_trainer.trainer.graph_model import GraphModel
+    configured = GraphModel(types.SimpleNamespace(model="the base", get_model_object=lambda name: {
+        "model_sampling": sampling(ms.V_PREDICTION)}[name]))
+    asked = []
+    monkeypatch.setattr(models, "family_for", lambda base, prediction="auto", **_: asked.append((base, prediction)))
+    configured.family()
+    assert configured.prediction == "v_prediction" and asked == [("the base", "v_prediction")]
