@@ -599,7 +599,8 @@ def test_anima_trains_on_each_captions_t5_token_ids_as_comfyuis_sampler_reads_th
                                          r"captions each have their own number of T5 tokens"):
         check_family_settings(GraphModel(patcher), TrainSpec(batch_size=2), AdapterSpec(), "comfyui")
     check_family_settings(GraphModel(patcher), TrainSpec(batch_size=1), AdapterSpec(), "comfyui")
-    check_evaluation_references(GraphModel(patcher), dataset)  # the graph's dataset: its captions are the trainer's to check
+    # the graph's dataset: its captions are the trainer's to check
+    check_evaluation_references(GraphModel(patcher), dataset)
     with pytest.raises(ValueError, match=r"train.batch_size: the text encoder's t5xxl_ids has a different shape"):
         training_batch(cached, [by_name["cat"], by_name["dog"]])
     # entries cached before the extras were kept are not reused: the encoder's identity says it returns them
