@@ -162,6 +162,9 @@ def probe_clip(path: str | Path, image_extensions=()) -> ClipInfo:
                 rotation = next((upright_rotation(f.rotation) for f in stream.codec_context.decode(None)), None)
             pts.sort()
             rotation = rotation or 0
+            # read while the file is open: a stream's fields after it closes are freed memory (a segfault, seen on
+            # clips with an audio track)
+            rate = float(stream.average_rate or stream.guessed_rate or 0) or None
     except ClipError:
         raise
     except Exception as exc:  # PyAV raises its own error types for bad files
@@ -172,7 +175,6 @@ def probe_clip(path: str | Path, image_extensions=()) -> ClipInfo:
     if rotation in (90, 270):
         width, height = height, width
     times = tuple((p - pts[0]) * base for p in pts)
-    rate = float(stream.average_rate or stream.guessed_rate or 0) or None
     gaps = [b - a for a, b in zip(times, times[1:]) if b > a]
     frame_s = (1.0 / rate) if rate else (sorted(gaps)[len(gaps) // 2] if gaps else 1.0)
     return ClipInfo(width, height, times, frame_s, pts[0], base, rotation)
