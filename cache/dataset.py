@@ -47,6 +47,8 @@ class TrainingDataset:
     skipped_files: tuple[str, ...] = field(default=())
     background: tuple[int, int, int] = DEFAULT_BACKGROUND
     latent_encoder: str = ""  # identity of the VAE its latents were cached with (encoding.vae_identity)
+    # identity of the audio VAE its clips' sound was cached with beside their frames (LTX-2's), or "" (no audio)
+    audio_encoder: str = ""
     text_encoder: str = ""  # identity of the text encoder its captions were cached with
     caption_variants: int = 0  # tag-shuffled variants of each caption cached beside it (0: no shuffling)
     keep_tags: int = 0  # leading comma-separated tags that stay in place when the others are shuffled
@@ -54,6 +56,11 @@ class TrainingDataset:
     empty_text: tuple[str, str] = ()  # (key, sha) of the empty caption's embedding under text_encoder, once cached
     # (fps, clip mode, frame buckets) where the dataset holds clips; () for images only (their identity unchanged)
     video: tuple = ()
+
+    @property
+    def audio(self) -> bool:
+        """Whether every item's latent carries its clip's audio latent (Batch.audio)."""
+        return bool(self.audio_encoder)
 
     @property
     def fps(self) -> float:
@@ -124,6 +131,12 @@ def prior_problems(dataset: TrainingDataset, prior: TrainingDataset, input_name:
     if prior.text_encoder != dataset.text_encoder:
         problems.append(f"{input_name}: its captions were encoded with another text encoder than the training "
                         "images'")
+    if prior.audio_encoder != dataset.audio_encoder:  # a batch holds audio latents for every item or none
+        how = ("was cached with another audio VAE than the training clips'" if prior.audio and dataset.audio else
+               "was cached with an audio VAE, the training clips' without one" if prior.audio else
+               "was not cached, unlike the training clips' (Cache Latents' audio_vae)")
+        problems.append(f"{input_name}: its items' sound {how}; cache both sets with the same audio_vae, or both "
+                        "without")
     if dataset.caption_dropout > 0 and not prior.empty_text:
         problems.append(f"{input_name}: the training images' caption dropout gives prior images the empty caption "
                         "too, which the prior images' cache lacks; set the same caption_dropout on their Load "

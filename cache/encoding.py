@@ -12,6 +12,7 @@ import dataclasses
 from pathlib import Path
 from typing import Callable
 
+from .audio import audio_rate, encode_clip_audio, is_audio_vae, load_clip_audio
 from .captions import caption_variants_of
 from .dataset import TrainingDataset
 from .pixels import ALPHA_MASK, IMAGE_EXTENSIONS, DatasetError, clip_fps, load_clip_item_tensor, load_image_tensor, \
@@ -26,6 +27,9 @@ MASK_FORMAT = 1  # how a mask becomes latent-grid weights (mask_to_latent_grid);
 # how reference images are encoded (with their target's crop and flip, as_start_image); part of the key of an item
 # with them
 REFERENCE_FORMAT = 2
+# how a clip item's sound becomes its audio latent (cache/audio.py: its span, resampling, the fitted length); part
+# of the key of an item cached with an audio VAE
+AUDIO_FORMAT = 1
 
 Progress = Callable[[int, int], None]
 
@@ -126,7 +130,7 @@ def clip_identity(clip) -> str:
 
 
 def latent_key(digest: str, item, dataset: TrainingDataset, encoder: str, mask_digest: str = "",
-               reference_digests=()) -> str:
+               reference_digests=(), audio_encoder: str = "") -> str:
     # `pixels` only where decoding is more than a plain 8-bit conversion (16-bit, transparency on a chosen
     # background), `mask` only for a masked item: every other image keeps the key it had before those existed
     extra = {"pixels": item.pixels} if item.pixels else {}
@@ -141,6 +145,8 @@ def latent_key(digest: str, item, dataset: TrainingDataset, encoder: str, mask_d
     if reference_digests:  # a clip's reference is encoded as a start image of its length (as_start_image)
         extra["references"] = {"sources": list(reference_digests), "format": REFERENCE_FORMAT,
                                "background": list(dataset.background)}
+    if audio_encoder:  # the clip's sound beside its frames; an item cached without it keeps its key
+        extra["audio"] = {"encoder": audio_encoder, "format": AUDIO_FORMAT}
     return content_key(kind="latent", format=LATENT_FORMAT, source=digest, bucket=list(item.bucket),
                        crop=dataset.buckets.crop, flip=item.flip, encoder=encoder, **extra)
 
@@ -247,22 +253,39 @@ def source_digest(item, store: CacheStore) -> str:
         else store.source_digest(item.path)
 
 
-def encode_latents(dataset: TrainingDataset, vae, store: CacheStore, progress: Progress | None = None):
+def check_audio_source(item, audio_vae) -> None:
+    """An item cached with an audio VAE is a clip from a video file (a folder of frames or a still image has no
+    sound), and the VAE is an audio VAE; the error names the file, or the input."""
+    if not is_audio_vae(audio_vae):
+        raise DatasetError("audio_vae: this VAE does not encode audio for a video model (connect LTX-2's audio VAE "
+                           "from Load LTXV Audio VAE, or leave audio_vae unconnected to train on video alone)")
+    if not item.is_clip or Path(item.path).is_dir():
+        what = "folder of frames" if item.is_clip else "image"
+        raise DatasetError(f"{what} {shown(item.path)}: the audio VAE encodes each clip's sound, and a {what} has "
+                           "none; train on video files with sound, or leave audio_vae unconnected")
+
+
+def encode_latents(dataset: TrainingDataset, vae, store: CacheStore, progress: Progress | None = None,
+                   audio_vae=None):
     """Returns (dataset with latent entries, encoded count, reused count). A clip item's frames become one video
     latent [C, T, h, w] (a video VAE's); its reference images are encoded beside it, one `reference<n>` tensor
-    per slot on the item's bucket (a clip window's start image: starts_from_own_frame)."""
+    per slot on the item's bucket (a clip window's start image: starts_from_own_frame). With an `audio_vae`, each
+    clip item's sound over its frames becomes an `audio` latent [C, T, F] beside them (cache/audio.py)."""
     encoder = vae_identity(vae)
+    audio_encoder = vae_identity(audio_vae) if audio_vae is not None else ""
     items, encoded, reused = [], 0, 0
     for n, item in enumerate(dataset.items):
         if item.frames > 1 and not is_video_vae(vae):
             raise DatasetError(f"clip {shown(item.path)}: its {item.frames}-frame items need a video VAE (Wan, "
                                "HunyuanVideo, LTX-Video ...); this VAE encodes single images. Connect the video "
                                "model's VAE, or set frame_buckets to 1 to train on single frames")
+        if audio_vae is not None:
+            check_audio_source(item, audio_vae)
         digest = source_digest(item, store)
         own_first_frame = starts_from_own_frame(item)
         reference_digests = [OWN_FIRST_FRAME if own_first_frame and slot == 0 else store.source_digest(r)
                              for slot, r in enumerate(item.references)]
-        key = latent_key(digest, item, dataset, encoder, mask_digest(item, store), reference_digests)
+        key = latent_key(digest, item, dataset, encoder, mask_digest(item, store), reference_digests, audio_encoder)
         entry = store.lookup(key)
         if entry is None:
             if item.is_clip:  # decoded frame by frame, only the item's frames kept
@@ -276,6 +299,10 @@ def encode_latents(dataset: TrainingDataset, vae, store: CacheStore, progress: P
                 ref = pixels[:1, :, :, :3] if own_first_frame and slot == 0 else \
                     load_reference_tensor(path, item, dataset.buckets.crop, digest, dataset.background)
                 tensors[f"reference{slot}"] = vae.encode(as_start_image(ref, item.frames))[0].float()
+            if audio_vae is not None:  # the sound over the item's frames, at the rate they are read
+                fps = clip_fps(item, dataset.fps)
+                sound = load_clip_audio(item.path, item.start / fps, item.frames / fps, audio_rate(audio_vae))
+                tensors["audio"] = encode_clip_audio(audio_vae, sound, item.frames, fps)
             if item.mask_source:  # same crop, flip and random-crop seed as the pixels above
                 mask = load_mask_tensor(item.path, item.mask_source, item.bucket, dataset.buckets.crop, item.flip,
                                         digest)
@@ -290,7 +317,8 @@ def encode_latents(dataset: TrainingDataset, vae, store: CacheStore, progress: P
         items.append(dataclasses.replace(item, latent=entry.key, latent_sha=entry.checksum))
         if progress:
             progress(n + 1, len(dataset.items))
-    return dataclasses.replace(dataset, items=tuple(items), latent_encoder=encoder), encoded, reused
+    return dataclasses.replace(dataset, items=tuple(items), latent_encoder=encoder, audio_encoder=audio_encoder), \
+        encoded, reused
 
 
 def encode_text(dataset: TrainingDataset, clip, store: CacheStore, progress: Progress | None = None):

@@ -10,7 +10,7 @@ from .types import CATEGORY, Dataset
 log = logging.getLogger("ingraph_trainer")
 
 
-def _encode(encode, label: str, dataset, encoder) -> io.NodeOutput:
+def _encode(encode, label: str, dataset, encoder, **options) -> io.NodeOutput:
     """Runs one encoder over the dataset into the cache, with ComfyUI's progress bar (and its interrupt)."""
     from ..trainer.comfy_compat import progress_bar
     bar = progress_bar(len(dataset))
@@ -18,7 +18,7 @@ def _encode(encode, label: str, dataset, encoder) -> io.NodeOutput:
     try:
         with store.caching_pass():  # a prune meanwhile keeps what this pass reads and writes until it is recorded
             dataset, encoded, reused = encode(dataset, encoder, store,
-                                              lambda done, total: bar.update_absolute(done, total))
+                                              lambda done, total: bar.update_absolute(done, total), **options)
             record_usage(dataset, store)
     finally:
         store.close()
@@ -37,11 +37,17 @@ class CacheLatents(io.ComfyNode):
             description="Encodes each image once with the graph's VAE into the on-disk cache the trainer reads "
                         "(with its loss mask, if it has one, on the latent grid, and its reference images beside "
                         "it). Clips are encoded with a video VAE (Wan, HunyuanVideo, LTX-Video) into one video "
-                        "latent per item. Unchanged images and clips are reused from the cache.",
+                        "latent per item, and with LTX-2's audio VAE their sound into an audio latent beside it. "
+                        "Unchanged images and clips are reused from the cache.",
             inputs=[
                 Dataset.Input("dataset", tooltip="Images from Load Training Images."),
                 io.Vae.Input("vae", tooltip="The VAE of the model you train (e.g. from Load Checkpoint); a video "
                                             "model's VAE for clips of more than one frame."),
+                io.Vae.Input("audio_vae", optional=True,
+                             tooltip="LTX-2 only: its audio VAE (Load LTXV Audio VAE), to train the model's audio "
+                                     "stream on the clips' sound. Each clip item's sound over its frames is encoded "
+                                     "beside them; every item must then be a video file with an audio track. Leave "
+                                     "unconnected to train on video alone."),
             ],
             outputs=[Dataset.Output(display_name="dataset", tooltip="The dataset with its latents cached."),
                      io.Int.Output(display_name="encoded", tooltip="Images encoded in this run."),
@@ -49,8 +55,8 @@ class CacheLatents(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, dataset, vae) -> io.NodeOutput:
-        return _encode(encode_latents, "latents", dataset, vae)
+    def execute(cls, dataset, vae, audio_vae=None) -> io.NodeOutput:
+        return _encode(encode_latents, "latents", dataset, vae, audio_vae=audio_vae)
 
 
 class CacheTextEmbeddings(io.ComfyNode):

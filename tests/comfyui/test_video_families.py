@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -324,6 +325,63 @@ def test_ltx2_trains_its_video_stream_and_checkpointed_blocks_give_the_same_grad
     assert x0.shape == batch.noise.shape and torch.isfinite(x0).all()
 
 
+def audio_video_batch(frames: int = 3, audio_frames: int = 5):
+    """random_batch for LTX-2 with its clips' audio latents (LTX-2's audio VAE: 8 channels, 16 frequency bins)."""
+    batch = random_batch(128, "ltxav", frames=frames)
+    g = torch.Generator().manual_seed(2)
+    batch.audio = torch.randn(len(batch.latents), 8, audio_frames, 16, generator=g)
+    batch.audio_noise = torch.randn(batch.audio.shape, generator=g)
+    return batch
+
+
+@pytest.mark.skipif(not ON_COMFYUI_033, reason="skipped: this ComfyUI has no LTX-2 (0.33 and later have)")
+def test_ltx2_trains_both_streams_on_audio_latents_and_its_loss_is_comfyuis(video_model_files):
+    """LTX-2 on clips with their audio latents: the loss is the video stream's plus the audio stream's, each of
+    ComfyUI's own sampler output on the packed audio-video latent (the nested latent LTXVConcatAVLatent makes,
+    packed as its sampler packs it, the latent shapes handed to extra_conds), to 1e-6; the presets then add the
+    audio stream's layers and the cross-attention between the streams, and every one takes a gradient."""
+    import comfy.utils
+    from ingraph_trainer.trainer.adapters import inject_adapter
+    from ingraph_trainer.trainer.data.loading import CachedDataset
+    from ingraph_trainer.trainer.models import family_for
+    patcher = load_with_unet_loader(video_model_files["tiny_ltxav"])
+    family = family_for(patcher.model, patcher=patcher)
+    video_only = family.adapter_targets("attention_ff")
+    dataset = CachedDataset("", [], [], [], [], [], [], [], audio=True)
+    family.read_dataset(dataset)
+    targets = family.adapter_targets("attention_ff")
+    added = sorted(set(targets) - set(video_only))
+    assert set(video_only) < set(targets) and all(
+        any(k in t for k in ("audio_attn1", "audio_attn2", "audio_ff", "audio_to_video", "video_to_audio"))
+        for t in added), added
+    assert any("audio_ff" in t for t in added) and any("video_to_audio_attn" in t for t in added)
+    batch = audio_video_batch()
+    with torch.no_grad():
+        ours = family.loss(batch, reduce=False)
+        x0, _ = comfy.utils.pack_latents([batch.latents, batch.audio])
+        noise, shapes = comfy.utils.pack_latents([batch.noise, batch.audio_noise])
+        sigma = family.sigmas(batch.timesteps)
+        x = family.base_model.model_sampling.noise_scaling(sigma.view(-1, 1, 1), noise, x0)
+        out = comfy_sampler_output(patcher, x, sigma, conditioning_of(batch, unprocessed_ltxav_embeds=True), noise,
+                                   latent_shapes=shapes)
+    assert out.shape == x.shape and len(shapes) == 2
+    streams = zip(comfy.utils.unpack_latents(out, shapes), comfy.utils.unpack_latents(noise - x0, shapes), strict=True)
+    theirs = sum((o - t).pow(2).mean(dim=tuple(range(1, o.dim()))) for o, t in streams)
+    torch.testing.assert_close(ours, theirs, **SAME)
+    # the audio counts: the same batch with other audio latents has another loss
+    other = audio_video_batch()
+    other.audio = other.audio.flip(2)
+    with torch.no_grad():
+        assert not torch.allclose(family.loss(other, reduce=False), ours)
+    family.prepare_for_training()
+    params = inject_adapter(family.diffusion_model, targets, "lora", 2, 2.0, 0.0)
+    torch.manual_seed(3)
+    for param in params:
+        param.data.normal_(0, 0.1)
+    family.loss(batch).backward()
+    assert params and all(param.grad is not None and param.grad.abs().sum() > 0 for param in params)
+
+
 def video_sampling_graph(stem: str, lora_name: str | None, prefix: str) -> dict:
     return sampling_graph(stem, lora_name, prefix, unet_name=f"{stem}.safetensors", text_family=VIDEO_MODELS[stem][6])
 
@@ -376,6 +434,73 @@ def test_every_video_family_trains_in_one_graph_and_loads_in_lora_loader(video_m
     for stem in GRAPH_MODELS:
         base, trained = saved_latent(comfy, f"{stem}_base"), saved_latent(comfy, f"{stem}_lora")
         assert base.shape == trained.shape and (base - trained).abs().max() > 1e-6, f"{stem}: the LoRA changed nothing"
+
+
+@pytest.mark.skipif(not ON_COMFYUI_033, reason="skipped: this ComfyUI has no LTX-2 (0.33 and later have)")
+def test_ltx2_trains_its_audio_stream_on_clips_with_sound_through_the_graph(video_models_in_server, client):
+    """Two clips with sound (lossless PCM in .mkv, AAC in .mp4), cached through Cache Latents with an audio VAE
+    (a stand-in for LTX-2's: ComfyUI's needs torchaudio, which has no wheel here), train the tiny LTX-2 2 steps on
+    video and audio. The LoRA holds the audio stream's layers and the cross-attention between the streams beside the
+    video's, loads through the stock LoraLoaderModelOnly with no "lora key not loaded", and changes the audio that
+    ComfyUI's own audio-video graph (EmptyLTXVLatentVideo + LTXVEmptyLatentAudio → LTXVConcatAVLatent → KSampler →
+    LTXVSeparateAVLatent) makes."""
+    from safetensors.torch import load_file
+
+    from media_files import time_ramp, write_video
+    from ingraph_trainer.trainer.data.loading import load_cached_dataset
+    comfy, stem = video_models_in_server, "tiny_ltxav"
+    folder = comfy.dir("input", "ingraph_ltx2_sound")
+    write_video(folder / "talk.mkv", 16, fps=8, sound=time_ramp)
+    write_video(folder / "wave.mp4", 16, fps=8, sound=lambda t: np.sin(2 * np.pi * 440 * t)[None] * 0.5,
+                audio_codec="aac")
+    for clip in ("talk", "wave"):
+        (folder / f"{clip}.txt").write_text(f"a {clip}, ingraph style")
+    model = {"class_type": "UNETLoader", "inputs": {"unet_name": f"{stem}.safetensors", "weight_dtype": "default"}}
+    graph = training_graph("wan", "ltx2_sound", model=model, text_family="ltxav")
+    graph["2"]["inputs"]["vae_name"] = VAE_CHANNELS[128]
+    graph["4"]["inputs"].update(folder="ingraph_ltx2_sound", frame_buckets="1", fps=8.0)
+    graph["20"] = {"class_type": "InGraphTestStandInAudioVAE", "inputs": {}}
+    graph["5"]["inputs"]["audio_vae"] = ["20", 0]
+    graph["7"]["inputs"]["targets"] = "attention + feed-forward"
+    outcome = client.run(graph, timeout=600)
+    assert outcome.ok, outcome.error
+    events = run_events(outcome)
+    started = next(e for e in events if e["type"] == "started")
+    steps = [e for e in events if e["type"] == "step"]
+    assert started["family"] == "ltxav" and len(steps) == 2 and all(np.isfinite(e["loss"]) for e in steps)
+    dataset = load_cached_dataset(str(Path(started["run_dir"]) / "dataset.json"))
+    assert dataset.audio and dataset.audio_latents([0, 1]).shape == (2, 8, 3, 16)  # 1 frame at 8 fps: 0.125 s
+    adapter = load_file(str(comfy.base_dir / "models" / "loras" / "ltx2_sound.safetensors"))
+    layers = {k.split(".lora_")[0] for k in adapter if ".lora_" in k}
+    for part in (".attn1.", ".ff.", ".audio_attn1.", ".audio_attn2.", ".audio_ff.", ".audio_to_video_attn.",
+                 ".video_to_audio_attn."):
+        assert any(part in layer for layer in layers), (part, sorted(layers)[:8])
+    # the audio layers trained: their LoRA's up half starts at zero, and only an audio loss moves it
+    ups = {k: v for k, v in adapter.items() if k.endswith("lora_up.weight") and ".audio_" in k}
+    assert ups and all(v.abs().sum() > 0 for v in ups.values()), sorted(ups)[:4]
+
+    def av_sampling(lora: str | None, prefix: str) -> dict:
+        graph = sampling_graph("wan", lora, prefix, unet_name=f"{stem}.safetensors", text_family="ltxav")
+        graph.update({
+            "12": {"class_type": "EmptyLTXVLatentVideo", "inputs": {"width": 64, "height": 64, "length": 9,
+                                                                    "batch_size": 1}},
+            "20": {"class_type": "InGraphTestStandInAudioVAE", "inputs": {}},
+            "15": {"class_type": "LTXVEmptyLatentAudio", "inputs": {"frames_number": 9, "frame_rate": 8.0,
+                                                                    "batch_size": 1, "audio_vae": ["20", 0]}},
+            "16": {"class_type": "LTXVConcatAVLatent", "inputs": {"video_latent": ["12", 0], "audio_latent": ["15", 0]}},
+            "17": {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["13", 0]}}})
+        graph["13"]["inputs"]["latent_image"] = ["16", 0]
+        graph["14"]["inputs"]["samples"] = ["17", 1]  # the audio stream's latent
+        return graph
+    log_before = len(comfy.log_text())
+    outcome = client.run(merged({"base": av_sampling(None, "ltx2_sound_base"),
+                                 "lora": av_sampling("ltx2_sound.safetensors", "ltx2_sound_lora")}), timeout=600)
+    assert outcome.ok, outcome.error
+    log = comfy.log_text()[log_before:]
+    assert "lora key not loaded" not in log and "ERROR" not in log, log[-3000:]
+    base, trained = saved_latent(comfy, "ltx2_sound_base"), saved_latent(comfy, "ltx2_sound_lora")
+    assert base.shape == trained.shape == (1, 8, 28, 16)  # 9 frames at 8 fps: 1.125 s, 25 latents a second
+    assert (base - trained).abs().max() > 1e-6, "the LoRA did not change the audio"
 
 
 @pytest.mark.tiny_models(wan_vae=WAN_VAE)

@@ -9,10 +9,22 @@ import numpy as np
 SIDE = 64
 
 
-def write_video(path: Path, frames: int, fps: int = 8, codec: str = "libx264", keyframe_every: int = 250):
-    """A clip whose frame k is a flat grey of level 5 * k (so a decoded frame says which frame it is)."""
+def time_ramp(t):
+    """A stereo sound that says when it is: the left channel is t / 10 (seconds), the right its negative."""
+    return np.stack([t / 10.0, -t / 10.0])
+
+
+def write_video(path: Path, frames: int, fps: int = 8, codec: str = "libx264", keyframe_every: int = 250,
+                sound=None, sound_s: float | None = None, audio_codec: str = "pcm_s16le", audio_rate: int = 16000):
+    """A clip whose frame k is a flat grey of level 5 * k (so a decoded frame says which frame it is); with `sound`
+    (seconds → [channels, samples] in -1..1, time_ramp say) an audio track of sound_s seconds (the clip's length
+    unless given) beside it, lossless by default (PCM; .mkv or .mov) so decoded samples say where they were."""
     import av
     with av.open(str(path), "w") as container:
+        audio = None
+        if sound is not None:
+            layout = "mono" if len(sound(np.zeros(1))) == 1 else "stereo"
+            audio = container.add_stream(audio_codec, rate=audio_rate, layout=layout)
         stream = container.add_stream(codec, rate=fps)
         stream.width = stream.height = SIDE
         stream.pix_fmt = "rgb8" if codec == "gif" else "yuv420p"
@@ -23,6 +35,16 @@ def write_video(path: Path, frames: int, fps: int = 8, codec: str = "libx264", k
             image = np.full((SIDE, SIDE, 3), 5 * k, dtype=np.uint8)
             container.mux(stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")))
         container.mux(stream.encode())
+        if audio is not None:
+            total = round((frames / fps if sound_s is None else sound_s) * audio_rate)
+            chunk = 1024 if audio_codec == "aac" else 4000  # AAC encodes frames of 1024 samples
+            for at in range(0, total, chunk):
+                samples = sound(np.arange(at, min(at + chunk, total)) / audio_rate).astype(np.float32)
+                frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples), format="fltp",
+                                                   layout=audio.layout.name)
+                frame.sample_rate, frame.pts = audio_rate, at
+                container.mux(audio.encode(frame))
+            container.mux(audio.encode())
     return path
 
 
@@ -71,3 +93,32 @@ def cached_captions(folder: Path, clip, captions: dict[str, str], latent_channel
     store.close()
     cached = load_cached_dataset(str(write_manifest(folder / "m.json", dataset, folder / "cache")))
     return dataset, cached, {Path(s).stem: i for i, s in enumerate(cached.sources)}
+
+
+class StandInAudioVAE:
+    """Stands in for LTX-2's audio VAE as ComfyUI's Load LTXV Audio VAE gives it, whose encode needs torchaudio (no
+    wheel matches this machine's torch): the same interface (encode takes [B, samples, channels] at
+    audio_sample_rate, first_stage_model says how many latents a video's frames have), 25 latents a second of 8
+    channels by 16 bins, each the mean of its window's first channel, so a latent says which sound it was made of."""
+    audio_sample_rate = 16000
+    latent_channels = 8
+    latents_per_second = 25
+
+    def __init__(self):
+        import types
+        self.encoded = []  # the shape of each encode call's waveform
+        per_second = self.latents_per_second
+        self.first_stage_model = types.SimpleNamespace(
+            latent_frequency_bins=16,
+            num_of_latents_from_frames=lambda frames, fps: round(float(frames) / fps * per_second))
+
+    def get_sd(self):
+        import torch
+        return {"stand_in_audio_vae": torch.tensor([float(self.audio_sample_rate)])}
+
+    def encode(self, audio):
+        self.encoded.append(tuple(audio.shape))
+        hop = self.audio_sample_rate // self.latents_per_second
+        usable = audio.shape[1] // hop * hop
+        windows = audio[:, :usable, 0].reshape(audio.shape[0], -1, hop).mean(-1)
+        return windows[:, None, :, None].expand(-1, self.latent_channels, -1, 16).clone()

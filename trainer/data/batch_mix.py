@@ -14,7 +14,8 @@ from typing import NamedTuple
 
 import torch
 
-from .loading import StepSampler, seeded_generator, stack_conds, stack_references, stack_text_extras, stack_text_masks
+from .loading import (StepSampler, seeded_generator, stack_audio, stack_conds, stack_references, stack_text_extras,
+                      stack_text_masks)
 from .dataset_checks import (check_caption_features, check_dataset_for_family, check_eval_references,
                              reference_slots, text_inputs_beside_the_embedding)
 
@@ -76,6 +77,7 @@ class TrainingBatch(NamedTuple):
     references: list[torch.Tensor] | None = None  # Batch.references: one [B, C, (T,) h, w] per slot, or None
     text_mask: torch.Tensor | None = None  # Batch.text_mask: [B, tokens] (stack_text_masks), or None
     text_extras: dict | None = None  # Batch.text_extras (stack_text_extras), or None
+    audio: torch.Tensor | None = None  # Batch.audio: [B, C, T, F] (stack_audio), or None
 
 
 def training_batch(dataset, indices: list[int], draw: TextDraw | None = None, shuffle_tags: bool = True,
@@ -108,7 +110,7 @@ def training_batch(dataset, indices: list[int], draw: TextDraw | None = None, sh
         mask = torch.stack([m if m is not None else ones for m in masks])
     return TrainingBatch(stacked, cond, pooled, mask,
                          stack_references(shards, reference_slots(dataset), sources), stack_text_masks(texts),
-                         stack_text_extras(texts))
+                         stack_text_extras(texts), stack_audio(shards, sources))
 
 
 # --- prior (regularisation) images -------------------------------------------------------------------------
@@ -156,6 +158,11 @@ class MixedDataset:
         """As CachedDataset.text_extras, over both sets."""
         return stack_text_extras([part.text(j) for part, j in map(self.locate, indices)])
 
+    def audio_latents(self, indices: list[int]):
+        """As CachedDataset.audio_latents, over both sets."""
+        located = [self.locate(i) for i in indices]
+        return stack_audio([part.latent_shard(j) for part, j in located], [part.sources[j] for part, j in located])
+
 
 def locate(dataset, i: int):
     """(CachedDataset, index in it) of index i of a CachedDataset or a MixedDataset."""
@@ -185,6 +192,7 @@ class PriorMixSampler:
     square size) every step is covered."""
 
     noise_and_timesteps = StepSampler.noise_and_timesteps  # the same noise and timesteps: seed, global_batch
+    audio_noise = StepSampler.audio_noise
 
     def __init__(self, main_buckets, prior_buckets, global_batch: int, seed: int, shuffle: bool = True,
                  prior_fraction: float = 0.5):
@@ -311,12 +319,15 @@ class MicroBatch(NamedTuple):
     references: list | None = None  # Batch.references (reference latents per slot), or None
     text_mask: torch.Tensor | None = None  # Batch.text_mask (the text encoder's attention mask), or None
     text_extras: dict | None = None  # Batch.text_extras (the text encoder's other outputs), or None
+    audio: torch.Tensor | None = None  # Batch.audio (the clips' audio latents), or None
+    audio_noise: torch.Tensor | None = None  # Batch.audio_noise, where there is audio
 
     def model_inputs(self) -> tuple[tuple, dict]:
         """(positional, keyword) arguments of TrainingModule.forward: the features go as keywords, and only
         where the step has them, so a plain run calls the model exactly as before."""
         features = {"mask": self.mask, "sample_weight": self.sample_weight, "is_prior": self.is_prior,
-                    "references": self.references, "text_mask": self.text_mask, "text_extras": self.text_extras}
+                    "references": self.references, "text_mask": self.text_mask, "text_extras": self.text_extras,
+                    "audio": self.audio, "audio_noise": self.audio_noise}
         return tuple(self[:5]), {k: v for k, v in features.items() if v is not None}
 
 
@@ -332,12 +343,15 @@ def load_step(dataset, sampler, step: int, data_spec, seed: int, batch_size: int
     batches = [training_batch(dataset, indices[s], draw[s], data_spec.shuffle_tags, data_spec.masked_loss)
                for s in slots]
     noise, uniform = sampler.noise_and_timesteps(step, tuple(batches[0].latents.shape[1:]))
+    audio_noise = sampler.audio_noise(step, tuple(batches[0].audio.shape[1:])) if batches[0].audio is not None \
+        else None
     timesteps = timesteps_of(uniform)
     is_prior = sampler.is_prior(indices) if isinstance(sampler, PriorMixSampler) else None
     weights = sample_weights(is_prior, data_spec.prior_weight) if is_prior is not None else None
     micro = [MicroBatch(b.latents, b.cond, noise[s], timesteps[s], b.pooled, b.mask,
                         weights[s] if weights is not None else None, is_prior[s] if is_prior is not None else None,
-                        b.references, b.text_mask, b.text_extras)
+                        b.references, b.text_mask, b.text_extras, b.audio,
+                        audio_noise[s] if audio_noise is not None else None)
              for b, s in zip(batches, slots)]
     return indices, micro, timesteps
 

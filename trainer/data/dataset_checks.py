@@ -70,6 +70,27 @@ def check_dataset_for_family(dataset, family, where: str = "data.manifest"):
     _check_reference_input(dataset, family, where)
     check_image_sizes(dataset, family, where)
     _check_text_extras(dataset, family, where)
+    _check_audio(dataset, family, where)
+
+
+def has_audio(dataset) -> bool:
+    """Whether the dataset's items carry audio latents beside their video latents (Batch.audio)."""
+    return any(getattr(part, "audio", False) for part, _ in _parts(dataset, ""))
+
+
+def _check_audio(dataset, family, where: str):
+    """A dataset whose clips carry audio latents trains a model that takes an audio stream (LTX-2), and every part
+    of it carries them: a batch cannot mix items with and without audio."""
+    parts = [(name, bool(getattr(part, "audio", False))) for part, name in _parts(dataset, where)]
+    if len({audio for _, audio in parts}) > 1:
+        with_audio = [name for name, audio in parts if audio]
+        raise ValueError(f"data.prior_manifest: {'the prior items' if with_audio == [where] else 'the training items'}"
+                         " carry no audio latents and the others do; a batch needs audio for every item or none "
+                         "(cache both sets with the audio VAE, or neither)")
+    if parts[0][1] and not getattr(family, "takes_audio", False):
+        from ..models.base import UnsupportedSetting
+        raise UnsupportedSetting(f"{where}: its clips carry audio latents, and {family.display_name} takes no audio "
+                                 "stream (LTX-2 does); cache the clips without the audio VAE")
 
 
 def _check_text_extras(dataset, family, where: str):

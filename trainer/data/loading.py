@@ -67,6 +67,7 @@ class CachedDataset:
     empty_text: tuple[str, str] | None = None  # the empty caption's embedding (caption dropout), if cached
     reference_slots: int = 0  # reference images in every item's latent shard (reference0 ...; Batch.references)
     fps: float = 0.0  # the clips' frame rate, as the cache resampled them (0: images, or each clip at its own)
+    audio: bool = False  # whether every item's latent shard holds its clip's audio latent ("audio"; Batch.audio)
 
     def __len__(self):
         return len(self.latent_keys)
@@ -101,6 +102,12 @@ class CachedDataset:
         """The items' text encoder extras as batch() stacks their embeddings (stack_text_extras), or None."""
         return stack_text_extras([self.text(i) for i in indices])
 
+    def audio_latents(self, indices: list[int]) -> torch.Tensor | None:
+        """The items' audio latents, stacked as batch() stacks their latents (Batch.audio), or None."""
+        if not self.audio:
+            return None
+        return stack_audio([self.latent_shard(i) for i in indices], [self.sources[i] for i in indices])
+
     def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(latents, text embeddings, pooled text vectors or None where the text encoder has none)."""
         latents = torch.stack([self.latent(i) for i in indices])
@@ -108,6 +115,18 @@ class CachedDataset:
         cond = stack_conds([text["cond"] for text in texts])
         pooled = torch.stack([text["pooled"] for text in texts]) if all("pooled" in text for text in texts) else None
         return latents, cond, pooled
+
+
+def stack_audio(shards: list[dict], sources: list[str]) -> torch.Tensor | None:
+    """The items' audio latents as one [B, C, T, F] tensor (Batch.audio), or None where the shards hold none; an
+    item of a dataset with audio whose shard lacks it is named."""
+    if not any("audio" in shard for shard in shards):
+        return None
+    for shard, source in zip(shards, sources, strict=True):
+        if "audio" not in shard:
+            raise ValueError(f"the cache entry of {source} has no audio latent though its dataset has audio; run "
+                             "Cache Latents again")
+    return torch.stack([shard["audio"] for shard in shards])
 
 
 def stack_conds(conds: list[torch.Tensor]) -> torch.Tensor:
@@ -204,6 +223,7 @@ def load_cached_dataset(manifest_path: str) -> CachedDataset:
     if manifest.get("empty_text"):
         dataset.empty_text = _entry_ref(manifest["empty_text"], manifest_path)
     dataset.fps = float(manifest.get("fps") or 0.0)  # manifests written before it: 0
+    dataset.audio = bool(manifest.get("audio"))  # manifests written before it: no audio
     return dataset
 
 
@@ -235,6 +255,9 @@ def _entry_ref(value, manifest_path) -> tuple[str, str]:
     if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value)):
         raise ValueError(f"{manifest_path}: a text entry must be [key, sha256] (got {str(value)[:80]})")
     return value[0], value[1]
+
+
+AUDIO_NOISE_STREAM = 5  # generator stream of the audio latents' noise (StepSampler.audio_noise)
 
 
 def seeded_generator(*parts: int) -> torch.Generator:
@@ -287,6 +310,11 @@ class StepSampler:
         noise = torch.randn((self.global_batch, *latent_shape), generator=g)
         timesteps = torch.rand((self.global_batch,), generator=g)
         return noise, timesteps
+
+    def audio_noise(self, step: int, audio_shape: tuple[int, ...]):
+        """The noise of the global batch's audio latents (Batch.audio_noise): a stream of its own, so a run with
+        audio draws the same video noise and timesteps as one without."""
+        return torch.randn((self.global_batch, *audio_shape), generator=seeded_generator(self.seed, AUDIO_NOISE_STREAM, step))
 
 
 def step_loader(load, device):

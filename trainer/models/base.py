@@ -37,6 +37,11 @@ class Batch:
     # gave them (HunyuanDiT's conditioning_mt5xl, Anima's t5xxl_ids ...; data.loading.TextExtras), or None; the
     # conditioning CLIPTextEncode makes holds them, and extra_conds is given them as the sampler gives them
     text_extras: dict | None = None
+    # the items' audio latents, cached beside their clips' video latents ([B, C, T, F] as the audio VAE gives them),
+    # and the noise drawn for them: a joint audio-video model's second stream (LTX-2's); None where the dataset has
+    # no audio, or the family takes none
+    audio: torch.Tensor | None = None
+    audio_noise: torch.Tensor | None = None
 
 
 def is_comfy_model(base_model, class_name: str) -> bool:
@@ -76,6 +81,9 @@ class ModelFamily:
     # whether the model's extra_conds reads the text encoder's attention mask (Batch.text_mask), which it is then
     # handed where cached (batch_mix refuses pipeline stages, which do not carry it)
     reads_text_mask = False
+    # whether the model takes an audio stream beside the video (Batch.audio): a dataset with audio latents is
+    # refused for a family without one, before the first step
+    takes_audio = False
 
     def __init__(self, base_model, prediction: str, patcher=None):
         self.loss_kind, self.huber_delta, self.min_snr_gamma = "mse", 0.1, 0.0  # see set_objective
@@ -177,8 +185,12 @@ class ModelFamily:
         linear = [n for n, m in self.diffusion_model.named_modules() if is_linear(m)]
         if preset == "all_linear":
             return linear
-        patterns = [re.compile(p) for p in self.target_patterns[preset]]
+        patterns = [re.compile(p) for p in self.preset_patterns(preset)]
         return [n for n in linear if any(p.search(n) for p in patterns)]
+
+    def preset_patterns(self, preset: str) -> tuple[str, ...]:
+        """The layer-name patterns of a named adapter preset (target_patterns'), for this run."""
+        return self.target_patterns[preset]
 
     def checkpoint_blocks(self) -> list[torch.nn.Module]:
         """Blocks whose activations gradient checkpointing recomputes."""
@@ -248,7 +260,8 @@ class ModelFamily:
         inputs = {"noise": x_noisy, "device": x_noisy.device, "cross_attn": batch.cond, "prompt_type": "positive",
                   # the size ComfyUI's sampler gives every extra_conds (samplers.encode_model_conds), read off the
                   # noisy latent's axes 3 and 2 whatever the model's layout (PixArt's and HunyuanDiT's size inputs)
-                  "width": x_noisy.shape[3] * 8, "height": x_noisy.shape[2] * 8}
+                  # (none for a packed latent of several streams, [B, 1, N]: an audio-video model's)
+                  "width": x_noisy.shape[3] * 8 if x_noisy.dim() >= 4 else None, "height": x_noisy.shape[2] * 8}
         if getattr(self.base_model, "concat_keys", ()):
             inputs["latent_image"] = self.base_model.process_latent_in(torch.zeros_like(x_noisy))
         # CLIPTextEncode's conditioning always carries it, None from an encoder with none (T5's, an LLM's): an

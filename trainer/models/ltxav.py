@@ -2,12 +2,17 @@
 video stream and an audio stream side by side, with cross-attention between them; the text (Gemma 3's layers,
 projected) goes through the model's own connectors into a video and an audio context.
 
-The trainer trains it on video (and images, as one-frame videos) with no audio latents, as ComfyUI samples it from
-a video latent alone: the audio stream is then empty, so ComfyUI's blocks skip their audio attention, audio
-feed-forward and the cross-attention between the two. The adapter presets select the video stream's layers only
-(`attn1`, `attn2`, `ff`; not `audio_attn1`, `audio_ff`, `audio_to_video_attn`, ...), which is what a video-only
-batch gives gradients to. Training the audio stream needs audio latents (ComfyUI's LTX-2 audio VAE) in the
-batches, which the cache does not make yet.
+On video alone (clips cached without an audio VAE, and images as one-frame videos) the trainer runs it as ComfyUI
+samples it from a video latent alone: the audio stream is then empty, so ComfyUI's blocks skip their audio
+attention, audio feed-forward and the cross-attention between the two, and the adapter presets select the video
+stream's layers only (`attn1`, `attn2`, `ff`), which is all a video-only batch gives gradients to.
+
+On clips cached with LTX-2's audio VAE (their audio latents in Batch.audio) it trains both streams, as ComfyUI
+samples an audio-video latent (LTXVConcatAVLatent's): the video and audio latents packed into one flat latent
+(comfy.utils.pack_latents), noised at one sigma, the model handed the latent shapes to unpack them; the loss is
+the video stream's plus the audio stream's, each its own mean (the audio latent is a few hundred values beside
+the video's tens of thousands, so one mean over both would all but ignore it). The presets then add the audio
+stream's layers and the cross-attention between the streams.
 
 ComfyUI 0.3.64 has no LTX-2: there this family matches nothing."""
 from __future__ import annotations
@@ -17,6 +22,11 @@ import torch
 from .base import Batch, ModelFamily, UnsupportedSetting, is_comfy_model
 from .ltxv import LTXVFamily
 from .residuals import residuals_out_of_place
+
+# the audio stream's layers, and the cross-attention between the two streams, which an audio-video batch trains
+AUDIO_ATTENTION = (r"transformer_blocks\.\d+\.(audio_attn[12]|audio_to_video_attn|video_to_audio_attn)\."
+                   r"(to_q|to_k|to_v|to_out\.0)$",)
+AUDIO_FEED_FORWARD = (r"transformer_blocks\.\d+\.audio_ff\.net\.(0\.proj|2)$",)
 
 
 class LTXAVFamily(LTXVFamily):
@@ -28,10 +38,21 @@ class LTXAVFamily(LTXVFamily):
     # So no builder here (LTX-Video's would build an LTX-Video)
     scratch_sizes = {}
     scratch_state_dict = vars(ModelFamily)["scratch_state_dict"]
+    # the audio stream's layers each preset adds where the run's clips carry audio
+    audio_target_patterns = {"attention": AUDIO_ATTENTION, "attention_ff": AUDIO_ATTENTION + AUDIO_FEED_FORWARD}
+    takes_audio = True
+    trains_audio = False  # whether the run's clips carry audio latents (read_dataset)
 
     @classmethod
     def matches(cls, base_model) -> bool:
         return is_comfy_model(base_model, "LTXAV")
+
+    def read_dataset(self, dataset) -> None:
+        super().read_dataset(dataset)
+        self.trains_audio = bool(getattr(getattr(dataset, "main", dataset), "audio", False))
+
+    def preset_patterns(self, preset: str) -> tuple[str, ...]:
+        return super().preset_patterns(preset) + (self.audio_target_patterns[preset] if self.trains_audio else ())
 
     def prepare_for_training(self) -> None:
         super(LTXVFamily, self).prepare_for_training()
@@ -50,15 +71,56 @@ class LTXAVFamily(LTXVFamily):
         # connectors' already: two contexts side by side, 2 x caption_channels wide. The cache keeps the
         # embedding, not the mark, which the width tells apart
         processed = batch.cond.shape[-1] == 2 * model.caption_channels
-        # the latent shapes ComfyUI's sampler hands a one-latent (video-only) sample: the model takes [video]
+        # the latent shapes ComfyUI's sampler hands the model: [video] for a one-latent (video-only) sample, [video,
+        # audio] for an audio-video one, whose latent comes packed
         return {**super().extra_cond_inputs(batch, x_noisy), "unprocessed_ltxav_embeds": not processed,
-                "latent_shapes": [tuple(x_noisy.shape)]}
+                "latent_shapes": self.latent_shapes(batch) if batch.audio is not None else [tuple(x_noisy.shape)]}
+
+    def latent_shapes(self, batch: Batch) -> list[tuple]:
+        """(video, audio) latent shapes of an audio-video batch, in the model's layout."""
+        return [tuple(self.to_model_layout(batch.latents).shape), tuple(batch.audio.shape)]
+
+    def audio_video_noising(self, batch: Batch):
+        """noising's (x0, noise, sigma) for an audio-video batch: the streams packed into one flat latent
+        [B, 1, N] as ComfyUI's sampler packs a nested latent, then put through the latent format."""
+        import comfy.utils
+        video = self.to_model_layout(batch.latents.float())
+        x0, _ = comfy.utils.pack_latents([video, batch.audio.float().to(video.device)])
+        noise, _ = comfy.utils.pack_latents([self.to_model_layout(batch.noise.float()),
+                                             batch.audio_noise.float().to(video.device)])
+        return self.base_model.process_latent_in(x0), noise, self.sigmas(batch.timesteps).to(x0.device)
+
+    def model_inputs(self, batch: Batch):
+        if batch.audio is None:
+            return super().model_inputs(batch)
+        sampling, dtype = self.base_model.model_sampling, self.weight_dtype()
+        x0, noise, sigma = self.audio_video_noising(batch)
+        x_noisy = sampling.noise_scaling(sigma.view(-1, 1, 1), noise, x0)
+        x_in = sampling.calculate_input(sigma.view(-1, 1, 1), x_noisy)
+        return x_in.to(dtype), sampling.timestep(sigma).float(), self.model_kwargs(batch, x_noisy, dtype)
+
+    def loss(self, batch: Batch, reduce: bool = True, weighted: bool = True) -> torch.Tensor:
+        if batch.audio is None:
+            return super().loss(batch, reduce, weighted)
+        import comfy.utils
+        out = self.model_output(batch)
+        x0, noise, sigma = self.audio_video_noising(batch)
+        shapes = self.latent_shapes(batch)
+        video_out, audio_out = comfy.utils.unpack_latents(out, shapes)
+        video_target, audio_target = comfy.utils.unpack_latents(self.target(x0, noise, sigma.view(-1, 1, 1)), shapes)
+        mask = self.to_model_layout(batch.mask) if batch.mask is not None else None  # the video's pixels
+        snr = self.snr(sigma)
+        per_sample = self.training_loss(video_out, video_target, snr, weighted, mask) \
+            + self.training_loss(audio_out, audio_target, snr, weighted)
+        return per_sample.mean() if reduce else per_sample
 
     def run_model(self, x_in: torch.Tensor, timestep: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        """As ComfyUI's apply_model runs LTX-2: the latent unpacked into its list of streams (video alone here), the
-        timestep made the (video, audio) pair by the model class's process_timestep."""
+        """As ComfyUI's apply_model runs LTX-2: the latent unpacked into its list of streams (video, and audio where
+        the batch has it), the timestep made the (video, audio) pair by the model class's process_timestep."""
         import comfy.utils
         kwargs = dict(kwargs)
         timestep = self.base_model.process_timestep(timestep, x=x_in, **kwargs)
         x_in = comfy.utils.unpack_latents(x_in, kwargs.pop("latent_shapes"))
-        return self.diffusion_model(x_in, timestep, transformer_options=self.transformer_options(kwargs), **kwargs)
+        out = self.diffusion_model(x_in, timestep, transformer_options=self.transformer_options(kwargs), **kwargs)
+        # both streams' outputs come back as a list, packed as ComfyUI's apply_model packs them
+        return out if torch.is_tensor(out) else comfy.utils.pack_latents(out)[0]

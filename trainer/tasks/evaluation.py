@@ -14,7 +14,8 @@ from ..data.loading import CachedDataset, seeded_generator
 from ..parallel.distributed import rank, set_cpu_threads, world_size
 from ..models import Batch
 
-EVAL_NOISE_STREAM = 3  # generator stream of the evaluation noise (data/loading.py uses 1, 2 and 4)
+EVAL_NOISE_STREAM = 3  # generator stream of the evaluation noise (data/loading.py uses 1, 2, 4 and 5)
+EVAL_AUDIO_NOISE_STREAM = 6  # and of its audio latents' noise
 
 
 def eval_chunks(dataset: CachedDataset, indices: list[int], batch_size: int) -> list[list[int]]:
@@ -41,9 +42,9 @@ def layout_independent_threads(device):
         set_cpu_threads(threads)
 
 
-def eval_noise(shape, items: list[int], seed: int) -> torch.Tensor:
+def eval_noise(shape, items: list[int], seed: int, stream: int = EVAL_NOISE_STREAM) -> torch.Tensor:
     """The fixed noise of each evaluated image (by its index), whatever batch or process computes it."""
-    return torch.stack([torch.randn(shape, generator=seeded_generator(seed, EVAL_NOISE_STREAM, i)) for i in items])
+    return torch.stack([torch.randn(shape, generator=seeded_generator(seed, stream, i)) for i in items])
 
 
 def repeated_rows(x, times: int, device):
@@ -101,6 +102,9 @@ def _evaluate(module, dataset, indices, quantiles, seed, batch_size, device, sid
             text_mask = dataset.text_masks(chunk)
             text_extras = dataset.text_extras(chunk)
             noise = eval_noise(latents.shape[1:], chunk, seed)
+            audio = dataset.audio_latents(chunk)
+            audio_noise = eval_noise(audio.shape[1:], chunk, seed, EVAL_AUDIO_NOISE_STREAM) if audio is not None \
+                else None
             for group in quantile_groups:
                 def rows(x):
                     return repeated_rows(x, len(group), device)
@@ -108,7 +112,7 @@ def _evaluate(module, dataset, indices, quantiles, seed, batch_size, device, sid
                 yield chunk, group, slot < len(chunks), Batch(
                     latents=rows(latents), cond=rows(cond), pooled=rows(pooled), noise=rows(noise),
                     timesteps=timesteps, references=rows(references), text_mask=rows(text_mask),
-                    text_extras=rows(text_extras))
+                    text_extras=rows(text_extras), audio=rows(audio), audio_noise=rows(audio_noise))
 
     def losses_of(batch):
         with torch.no_grad():  # grad mode is per thread

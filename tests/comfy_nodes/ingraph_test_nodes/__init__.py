@@ -100,5 +100,26 @@ class ModelForwards:
         return {"ui": {"model_id": [id(diffusion_model)], "wrapped": wrapped, "label": [label]}}
 
 
+class StandInAudioVAELoader:
+    """LTX-2's audio VAE stand-in (tests/helpers/media_files.StandInAudioVAE): ComfyUI's own needs torchaudio."""
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {}}
+
+    RETURN_TYPES = ("VAE",)
+    FUNCTION = "load"
+    CATEGORY = "testing"
+
+    def load(self):
+        import sys
+        from pathlib import Path
+        helpers = str(Path(__file__).resolve().parents[2] / "helpers")
+        if helpers not in sys.path:
+            sys.path.append(helpers)
+        from media_files import StandInAudioVAE
+        return (StandInAudioVAE(),)
+
+
 NODE_CLASS_MAPPINGS = {"InGraphTestSyntheticTextEncoder": SyntheticTextEncoder,
-                       "InGraphTestModelForwards": ModelForwards}
+                       "InGraphTestModelForwards": ModelForwards,
+                       "InGraphTestStandInAudioVAE": StandInAudioVAELoader}

@@ -1,0 +1,168 @@
+"""Clips with sound, for LTX-2's audio stream: each clip item's sound over its own frames is decoded (PyAV),
+encoded by the audio VAE and cached beside its video latent, reaches the trainer's batches with noise of its own,
+and is refused where it cannot be used (an image or a silent clip with an audio VAE, a model with no audio stream,
+a prior set cached otherwise). The audio VAE is a stand-in (media_files.StandInAudioVAE): ComfyUI's needs
+torchaudio, which has no wheel for this machine's torch; everything else is the pack's own code on real files."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from media_files import SIDE, StandInAudioVAE, time_ramp, write_image, write_video
+from test_video_data import SyntheticClip, VideoVAE, scan
+from ingraph_trainer.cache.dataset import prior_problems
+from ingraph_trainer.cache.encoding import encode_latents, encode_text
+from ingraph_trainer.cache.pixels import DatasetError
+from ingraph_trainer.cache.store import CacheStore, write_manifest
+from ingraph_trainer.cache.video import ClipError
+
+CLIPS = dict(frame_buckets="9", fps=8, clip_mode="multiple_overlapping")
+
+
+def clips_with_sound(folder: Path) -> Path:
+    """A 16-frame clip (2 s at 8 fps) with a lossless sound that says when it is, and one with AAC sound."""
+    folder.mkdir(parents=True, exist_ok=True)
+    write_video(folder / "a.mkv", 16, fps=8, sound=time_ramp)
+    write_video(folder / "b.mp4", 16, fps=8, sound=time_ramp, audio_codec="aac")
+    return folder
+
+
+def cache(folder: Path, store: CacheStore, audio_vae=None, **kw):
+    return encode_latents(scan(folder, **{**CLIPS, **kw}), VideoVAE(), store, audio_vae=audio_vae)
+
+
+def test_each_clip_items_sound_is_cached_beside_its_frames_over_its_own_span(tmp_path):
+    """9-frame windows of each 2 s clip (at 8 fps, overlapping): each window's audio latent holds the sound of its
+    own 1.125 s, as many latents as LTXV Empty Latent Audio gives 9 frames at 8 fps (28 at 25 a
+    second), 8 channels by 16 bins; caching again reuses every entry, and the same clips cached without the audio
+    VAE are other entries (no audio in them)."""
+    folder = clips_with_sound(tmp_path / "data")
+    store = CacheStore(tmp_path / "cache")
+    vae = StandInAudioVAE()
+    dataset, encoded, reused = cache(folder, store, vae)
+    assert encoded == len(dataset.items) == len(vae.encoded) >= 4 and reused == 0 and dataset.audio
+    assert {i.start for i in dataset.items} > {0} and {i.frames for i in dataset.items} == {9}
+    assert all(shape == (1, 18000, 2) for shape in vae.encoded)  # 1.125 s at 16 kHz, stereo, as VAE.encode takes it
+    count = vae.first_stage_model.num_of_latents_from_frames(9, 8)
+    assert count == 28
+    hop_s = 1 / 25
+    for item in dataset.items:
+        shard = load_file(str(store.lookup(item.latent).path))
+        assert shard["audio"].shape == (8, count, 16) and shard["latent"].shape[1] == 3
+        # the ramp's mean over the k-th window of the item's own span: t / 10 at the window's middle
+        start_s = item.start / 8
+        expected = torch.tensor([(start_s + (k + 0.5) * hop_s) / 10 for k in range(count)])
+        tolerance = 1e-3 if item.path.endswith(".mkv") else 5e-3  # AAC is lossy
+        torch.testing.assert_close(shard["audio"][0, :, 0], expected, rtol=0, atol=tolerance, msg=item.path)
+        assert torch.equal(shard["audio"][:, :, 0], shard["audio"][:1, :, 0].expand(8, -1))
+
+    again, encoded, reused = cache(folder, store, StandInAudioVAE())
+    assert (encoded, reused) == (0, len(dataset.items)) and [i.latent for i in again.items] == [
+        i.latent for i in dataset.items]
+    silent, encoded, reused = cache(folder, store)
+    assert (encoded, reused) == (len(dataset.items), 0) and not silent.audio
+    assert not {i.latent for i in silent.items} & {i.latent for i in dataset.items}
+    assert "audio" not in load_file(str(store.lookup(silent.items[0].latent).path))
+    store.close()
+
+
+def test_a_sound_shorter_than_the_item_is_silent_past_its_end(tmp_path):
+    """A clip whose sound stops after 1.5 s: its last window (from 0.875 s or later) keeps its latents' count,
+    silent (zero) where the sound has ended."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_video(folder / "a.mkv", 16, fps=8, sound=lambda t: time_ramp(t) + 0.5, sound_s=1.5)
+    store = CacheStore(tmp_path / "cache")
+    dataset, _, _ = cache(folder, store, StandInAudioVAE())
+    late = max(dataset.items, key=lambda i: i.start)
+    assert late.start >= 7
+    audio = load_file(str(store.lookup(late.latent).path))["audio"][0, :, 0]
+    assert audio.shape == (28,)
+    heard = round((1.5 - late.start / 8) * 25)  # latents before the sound ends
+    assert (audio[:heard - 1] > 0.5).all() and torch.equal(audio[heard + 1:], torch.zeros(28 - heard - 1))
+    store.close()
+
+
+def test_an_audio_vae_needs_clips_with_sound_and_names_what_has_none(tmp_path):
+    """With an audio VAE, a still image and a clip with no audio track are refused naming the file, and a VAE that
+    does not encode audio naming the input."""
+    store = CacheStore(tmp_path / "cache")
+    folder = clips_with_sound(tmp_path / "with_image")
+    write_image(folder / "still.png")
+    with pytest.raises(DatasetError, match="image .*still.png: the audio VAE encodes each clip's sound"):
+        cache(folder, store, StandInAudioVAE())
+    silent = tmp_path / "silent"
+    silent.mkdir()
+    write_video(silent / "quiet.mp4", 16, fps=8)
+    with pytest.raises(ClipError, match="clip .*quiet.mp4 has no audio track"):
+        cache(silent, store, StandInAudioVAE())
+    with pytest.raises(DatasetError, match="audio_vae: this VAE does not encode audio"):
+        cache(clips_with_sound(tmp_path / "data"), store, VideoVAE())
+    store.close()
+
+
+def test_cached_sound_reaches_the_trainers_batches_with_noise_of_its_own(tmp_path):
+    """The manifest says the items carry audio; the trainer's batches stack each item's audio latent
+    (Batch.audio), and each step draws their noise from a stream of its own (the same on every load, the video
+    noise and timesteps those of a run without audio). A family with no audio stream and a prior set cached without
+    sound refuse such a dataset before any step, naming the setting."""
+    from ingraph_trainer.trainer.data.batch_mix import MixedDataset, load_step, training_batch
+    from ingraph_trainer.trainer.data.dataset_checks import check_dataset_for_family
+    from ingraph_trainer.trainer.data.loading import StepSampler, load_cached_dataset
+    from ingraph_trainer.trainer.models.base import UnsupportedSetting
+
+    folder = clips_with_sound(tmp_path / "data")
+    store = CacheStore(tmp_path / "cache")
+    dataset, _, _ = cache(folder, store, StandInAudioVAE())
+    dataset, _, _ = encode_text(dataset, SyntheticClip(), store)
+    silent, _, _ = cache(folder, store)
+    silent, _, _ = encode_text(silent, SyntheticClip(), store)
+    store.close()
+    manifest = write_manifest(tmp_path / "dataset.json", dataset, tmp_path / "cache")
+    assert json.loads(manifest.read_text())["audio"] is True
+    silent_manifest = write_manifest(tmp_path / "silent.json", silent, tmp_path / "cache")
+    assert json.loads(silent_manifest.read_text())["audio"] is False
+
+    cached_set, silent_set = load_cached_dataset(str(manifest)), load_cached_dataset(str(silent_manifest))
+    assert cached_set.audio and not silent_set.audio
+    batch = training_batch(cached_set, [0, 3])
+    assert batch.audio.shape == (2, 8, 28, 16) and batch.latents.shape == (2, 4, 3, SIDE // 8, SIDE // 8)
+    assert training_batch(silent_set, [0, 3]).audio is None
+    assert cached_set.audio_latents([1]).shape == (1, 8, 28, 16) and silent_set.audio_latents([1]) is None
+
+    data_spec = SimpleNamespace(caption_dropout=0.0, shuffle_tags=False, masked_loss=True, prior_weight=1.0)
+    sampler = StepSampler(cached_set.buckets, 2, seed=5)
+
+    def step(dataset):
+        return load_step(dataset, sampler, 0, data_spec, 5, 2, 1, 1, 0)[1]
+    (micro,), (again,), (plain,) = step(cached_set), step(cached_set), step(silent_set)
+    assert micro.audio.shape == micro.audio_noise.shape == (2, 8, 28, 16)
+    assert torch.equal(micro.audio_noise, again.audio_noise) and micro.audio_noise.std() > 0.5
+    assert torch.equal(micro.noise, plain.noise) and torch.equal(micro.timesteps, plain.timesteps)
+    assert plain.audio is None and plain.audio_noise is None
+    args, features = micro.model_inputs()
+    assert torch.equal(features["audio"], micro.audio) and "audio" not in plain.model_inputs()[1]
+
+    class NoAudio:
+        display_name, reference_input = "Wan", None
+
+    class AudioVideo(NoAudio):
+        display_name, takes_audio = "LTX-2", True
+    check_dataset_for_family(cached_set, AudioVideo())
+    check_dataset_for_family(silent_set, NoAudio())
+    with pytest.raises(UnsupportedSetting, match="data.manifest: its clips carry audio latents, and Wan takes no "
+                                                 "audio stream"):
+        check_dataset_for_family(cached_set, NoAudio())
+    with pytest.raises(ValueError, match="data.prior_manifest: the prior items carry no audio latents"):
+        check_dataset_for_family(MixedDataset(cached_set, silent_set), AudioVideo())
+    assert MixedDataset(cached_set, cached_set).audio_latents([0, len(cached_set)]).shape == (2, 8, 28, 16)
+    # the graph's datasets say the same before anything is launched (Train's prior_dataset input)
+    assert prior_problems(dataset, silent, "prior_dataset") == [
+        "prior_dataset: its items' sound was not cached, unlike the training clips' (Cache Latents' audio_vae); "
+        "cache both sets with the same audio_vae, or both without"]
+    assert prior_problems(dataset, dataset) == []
