@@ -387,8 +387,7 @@ def write_manifest(path: str | Path, dataset, cache_root: str | Path) -> Path:
         "version": MANIFEST_VERSION,
         "cache_root": str(cache_root),
         "folder": dataset.folder, "repeats": dataset.repeats,
-        "fps": float(getattr(dataset, "fps", 0.0)),  # the clips' frame rate (0: images), a video model's frame_rate
-        "audio": bool(getattr(dataset, "audio", False)),  # every item's latent shard holds its clip's audio latent
+        "fps": float(getattr(dataset, "fps", 0.0)), "audio": bool(getattr(dataset, "audio", False)),  # of the clips
         "fields": ["source", "caption", "latent", "latent_sha256", "text", "text_sha256", "width", "height", "flip",
                    "text_variants", "masked", "frames", "references"],
         # frames: a clip item's frame count (0: a still image); references: reference slots in its latent shard

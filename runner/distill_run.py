@@ -5,7 +5,7 @@ trainer/tasks/distill.py). Resume, the model's hand-off, launch, watch and the o
 from __future__ import annotations
 
 from ..trainer.spec import DistillSpec, RunSpec, named_inputs
-from .train_run import check_family_settings
+from .train_run import check_dataset_for_model, check_family_settings
 
 TITLE = "Distill"
 TASK = "distill"
@@ -32,8 +32,12 @@ def parse_student_timesteps(text: str, student_steps: int) -> list[float]:
 
 def check_new_distillation(draft: RunSpec, model, datasets, node):
     """A new Distill run's refusals beyond the spec's own rules (runner.node_run asks those of every task): the
-    teacher's guidance against the dataset's cache, and what the MODEL's family cannot honour."""
-    problem = draft.distill.guidance_caption_problem(bool(getattr(datasets.train, "empty_text", None)),
-                                                     "the dataset's cache")
-    node.refuse([problem] if problem else [])
+    teacher's guidance against the dataset's cache, the clips' sound (not distilled yet), and what the MODEL's
+    family cannot honour (its settings, the dataset's reference images)."""
+    from ..trainer.data.dataset_checks import distillation_audio_problem
+    problems = [draft.distill.guidance_caption_problem(bool(getattr(datasets.train, "empty_text", None)),
+                                                       "the dataset's cache"),
+                distillation_audio_problem(datasets.train, "dataset")]
+    node.refuse([p for p in problems if p])
     check_family_settings(model, draft.train, draft.adapter, draft.output.format, draft.distributed, title=node.title)
+    check_dataset_for_model(model, datasets.train, node.title)

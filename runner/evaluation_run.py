@@ -6,6 +6,7 @@ import copy
 import dataclasses
 
 from ..trainer.spec import RunSpec
+from .train_run import check_dataset_for_model
 
 
 def parse_quantiles(text: str, name: str = "quantiles", allow_empty: bool = False) -> list[float]:
@@ -27,8 +28,8 @@ def parse_quantiles(text: str, name: str = "quantiles", allow_empty: bool = Fals
 
 def check_new_evaluation(draft: RunSpec, model, datasets, node) -> None:
     """An evaluation's refusals before its MODEL is handed off (runner.node_run.TASK_RUNS): a dataset whose
-    reference images the MODEL's family cannot take."""
-    check_evaluation_references(model, datasets.train, node.title)
+    reference images or sound the MODEL's family cannot take."""
+    check_dataset_for_model(model, datasets.train, node.title)
 
 
 REMEMBERED_RESULTS = 64
@@ -58,22 +59,6 @@ def _result_key(draft: RunSpec, datasets) -> str:
     import json
     parts = [dataclasses.asdict(x) for x in (draft.model, datasets.train, draft.train, draft.distributed)]
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def check_evaluation_references(model, dataset, title: str = "Evaluate"):
-    """Refuses, before anything is handed off or launched, a dataset whose reference images the MODEL's family
-    cannot take: training's rule (trainer.data.dataset_checks.check_dataset_for_family, which leaves the items' sizes to
-    the trainer: the graph's dataset holds its bucket settings, not the sizes), naming the Evaluate node's input."""
-    from ..trainer.data.dataset_checks import check_dataset_for_family
-    from ..trainer.models import UnsupportedSetting
-    try:
-        family = model.family()
-    except ValueError as exc:  # a model no family takes (an objective the trainer has not: EDM, ...)
-        raise ValueError(f"{title}: {exc}") from None
-    try:
-        check_dataset_for_family(dataset, family, "dataset")
-    except UnsupportedSetting as exc:
-        raise ValueError(f"{title} ({family.display_name} model): {exc}") from None
 
 
 def quantile_table(results: dict[str, dict]) -> str:

@@ -40,6 +40,23 @@ def check_family_settings(model, train, adapter, file_format: str, distributed=N
     log.info("InGraph Trainer: %s on a %s model (%s)", title, family.display_name, model.prediction)
 
 
+def check_dataset_for_model(model, dataset, title: str):
+    """Refuses, before anything is handed off or launched, a dataset whose reference images or sound the MODEL's
+    family cannot take: the trainer's rule (trainer.data.dataset_checks.check_dataset_for_family, which leaves the
+    items' sizes to the trainer: the graph's dataset holds its bucket settings, not the sizes), naming the node's
+    dataset input."""
+    from ..trainer.data.dataset_checks import check_dataset_for_family
+    from ..trainer.models import UnsupportedSetting
+    try:
+        family = model.family()
+    except ValueError as exc:  # a model no family takes (an objective the trainer has not: EDM, ...)
+        raise ValueError(f"{title}: {exc}") from None
+    try:
+        check_dataset_for_family(dataset, family, "dataset")
+    except UnsupportedSetting as exc:
+        raise ValueError(f"{title} ({family.display_name} model): {exc}") from None
+
+
 def check_prior_dataset(dataset, prior_dataset):
     """Refuses, before anything is written, prior images the trainer could not mix into the training batches."""
     from ..cache.dataset import prior_problems
@@ -73,8 +90,10 @@ def timed(function, *args):
 
 
 def check_new_training(draft, model, datasets, node):
-    """A new Train LoRA run's refusals before anything is written: what the MODEL's family cannot honour, and prior
-    images the trainer could not mix into the training batches."""
+    """A new Train LoRA run's refusals before anything is written: what the MODEL's family cannot honour (its
+    settings, the dataset's reference images and sound), and prior images the trainer could not mix into the
+    training batches."""
     check_family_settings(model, draft.train, draft.adapter, draft.output.format, draft.distributed, title=node.title)
+    check_dataset_for_model(model, datasets.train, node.title)
     if datasets.prior is not None:
         check_prior_dataset(datasets.train, datasets.prior)

@@ -164,9 +164,11 @@ WHY_NOT = {
     "Stable_Zero123": "novel-view model: needs the input view and camera angles, which the trainer does not give",
     "SVD_img2vid": "image-to-video without text: needs the start image and its CLIP-vision embedding, which the "
                    "trainer does not give",
-    "LTXAV": "trained on video alone, as ComfyUI samples it from a video latent: the audio stream is left out (the "
-             "cache makes no audio latents), and the presets adapt the video stream's layers",
-    "MiniMaxH3": "joint audio-video model: the trainer's batches carry no audio latents",
+    "LTXAV": "trained here on video alone, as ComfyUI samples it from a video latent (the presets then adapt the "
+             "video stream's layers); a run on clips cached with its audio VAE trains the audio stream too "
+             "(test_clip_audio.py, test_video_families.py)",
+    "MiniMaxH3": "joint audio-video model whose audio stream is noised on a schedule of its own (ComfyUI's FLOW_AV: "
+                 "audio shift 3 beside the video's 12, scaled onto the video's), which the trainer does not have yet",
     "Stable_Cascade_B": "Stable Cascade stage B: ComfyUI knows only the released sizes; needs stage C's output",
     "Stable_Cascade_C": "Stable Cascade stage C: ComfyUI knows only the released sizes (1536 or 2048 wide)",
     "ErnieImage": "ComfyUI reads no size from the weights: only the released model loads",

@@ -591,8 +591,7 @@ def test_anima_trains_on_each_captions_t5_token_ids_as_comfyuis_sampler_reads_th
         assert not torch.allclose(family.loss(Batch(**{**batch.__dict__, "text_extras": other}), reduce=False), got)
     # captions of other T5 token counts: ComfyUI conditions them one at a time, so a batch of several is refused at
     # queue time (the node's check, and the trainer's), and a batch that reached a step anyway fails naming it
-    from ingraph_trainer.runner.evaluation_run import check_evaluation_references
-    from ingraph_trainer.runner.train_run import check_family_settings
+    from ingraph_trainer.runner.train_run import check_dataset_for_model, check_family_settings
     from ingraph_trainer.trainer.graph_model import GraphModel
     from ingraph_trainer.trainer.spec import AdapterSpec, TrainSpec
     with pytest.raises(ValueError, match=r"^Train LoRA \(generic \(Anima\) model\): train.batch_size: Anima's "
@@ -600,7 +599,7 @@ def test_anima_trains_on_each_captions_t5_token_ids_as_comfyuis_sampler_reads_th
         check_family_settings(GraphModel(patcher), TrainSpec(batch_size=2), AdapterSpec(), "comfyui")
     check_family_settings(GraphModel(patcher), TrainSpec(batch_size=1), AdapterSpec(), "comfyui")
     # the graph's dataset: its captions are the trainer's to check
-    check_evaluation_references(GraphModel(patcher), dataset)
+    check_dataset_for_model(GraphModel(patcher), dataset, "Evaluate")
     with pytest.raises(ValueError, match=r"train.batch_size: the text encoder's t5xxl_ids has a different shape"):
         training_batch(cached, [by_name["cat"], by_name["dog"]])
     # entries cached before the extras were kept are not reused: the encoder's identity says it returns them

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from clip_caching import SyntheticClip, VideoVAE, scan
 from media_files import SIDE, StandInAudioVAE, time_ramp, write_image, write_video
-from test_video_data import SyntheticClip, VideoVAE, scan
 from ingraph_trainer.cache.dataset import prior_problems
 from ingraph_trainer.cache.encoding import encode_latents, encode_text
 from ingraph_trainer.cache.pixels import DatasetError

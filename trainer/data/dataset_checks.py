@@ -78,6 +78,14 @@ def has_audio(dataset) -> bool:
     return any(getattr(part, "audio", False) for part, _ in _parts(dataset, ""))
 
 
+def distillation_audio_problem(dataset, where: str) -> str | None:
+    """Why distillation cannot run on the dataset's sound, or None: its networks run on video latents alone."""
+    if not has_audio(dataset):
+        return None
+    return (f"{where}: its clips' sound was cached (Cache Latents' audio_vae); distilling LTX-2 with its audio "
+            "stream is not yet supported: cache the clips without the audio VAE")
+
+
 def _check_audio(dataset, family, where: str):
     """A dataset whose clips carry audio latents trains a model that takes an audio stream (LTX-2), and every part
     of it carries them: a batch cannot mix items with and without audio."""

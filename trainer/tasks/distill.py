@@ -57,7 +57,7 @@ from ..adapters import inject_adapter
 from ..data.batch_mix import StepBatches, build_training_data, micro_batch_slots
 from ..run.checkpoint import Checkpointer
 from ..comfy_env import import_comfy
-from ..data.dataset_checks import has_audio, text_inputs_beside_the_embedding
+from ..data.dataset_checks import distillation_audio_problem, text_inputs_beside_the_embedding
 from ..device import training_device
 from .distill_networks import (Denoiser, GanHead, Network, Networks, fake_score_spec, frozen, held_weight_bytes,
                                peak_rss_per_rank)
@@ -114,9 +114,9 @@ class Distiller(DMD2Objective, TrainingTask):
         if beside_text:  # the networks are called with the embedding and pooled vector only
             raise ValueError(f"data.manifest: its captions carry the text encoder's {beside_text}, which "
                              f"{generator.display_name} reads; distilling it with them is not yet supported")
-        if has_audio(self.dataset):  # the networks are called on video latents alone
-            raise ValueError("data.manifest: its clips carry audio latents; distilling LTX-2 with its audio stream is "
-                             "not yet supported: cache the clips without the audio VAE")
+        audio_problem = distillation_audio_problem(self.dataset, "data.manifest")
+        if audio_problem:
+            raise ValueError(audio_problem)
         if getattr(generator, "variant", None) == "ti2v_5b" and getattr(self.dataset, "reference_slots", 0):
             raise ValueError("data.manifest: distilling Wan 2.2 TI2V with start images is not yet supported; "
                              "distil it on items without a start image")

@@ -10,6 +10,7 @@ import contextlib
 
 import torch
 
+from ..data.dataset_checks import has_audio
 from ..data.loading import CachedDataset, seeded_generator
 from ..parallel.distributed import rank, set_cpu_threads, world_size
 from ..models import Batch
@@ -102,7 +103,7 @@ def _evaluate(module, dataset, indices, quantiles, seed, batch_size, device, sid
             text_mask = dataset.text_masks(chunk)
             text_extras = dataset.text_extras(chunk)
             noise = eval_noise(latents.shape[1:], chunk, seed)
-            audio = dataset.audio_latents(chunk)
+            audio = dataset.audio_latents(chunk) if has_audio(dataset) else None
             audio_noise = eval_noise(audio.shape[1:], chunk, seed, EVAL_AUDIO_NOISE_STREAM) if audio is not None \
                 else None
             for group in quantile_groups:
