@@ -97,12 +97,11 @@ def returns_text_mask(clip) -> bool:
 
 
 # Text encoders whose extra outputs (beside the embedding, the pooled vector and the attention mask) the cache keeps,
-# as CLIPTextEncode puts them into the conditioning for the model's extra_conds: those the models read on every
-# caption, HunyuanDiT's mT5 embedding and mask, Anima's T5 token ids and weights (its LLM adapter's input), HiDream's
-# Llama layers. Their entries hold them (TEXT_EXTRA), and their identity says so: entries cached before are not
-# reused. (HunyuanImage 2.1's ByT5 glyph embedding, only for a caption with quoted text, is not kept: it trains
-# without it, as before.)
-TEXT_EXTRAS_ENCODERS = ("HyditModel", "AnimaTEModel", "HiDreamTEModel")
+# as CLIPTextEncode puts them into the conditioning for the model's extra_conds: HunyuanDiT's mT5 embedding and mask,
+# Anima's T5 token ids and weights (its LLM adapter's input), HiDream's Llama layers, and the ByT5 glyph embedding
+# HunyuanImage 2.1's and HunyuanVideo 1.5's encoder gives a caption with quoted text (and only such a caption). Their
+# entries hold them (TEXT_EXTRA), and their identity says so: entries cached before are not reused.
+TEXT_EXTRAS_ENCODERS = ("HyditModel", "AnimaTEModel", "HiDreamTEModel", "HunyuanImageTEModel")
 TEXT_EXTRA = "extra."  # a text entry's tensor of that name: one of the encoder's extra outputs, as it returned it
 
 

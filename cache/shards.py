@@ -80,13 +80,32 @@ def read_manifest(path: str | Path) -> dict:
     return manifest
 
 
-def load_checked(root: str | Path, kind: str, key: str, checksum: str) -> dict:
-    """Reads one shard, refusing it unless its bytes match the checksum recorded when it was written."""
-    from safetensors.torch import load
+def _shard_path(root: str | Path, kind: str, key: str) -> Path:
     path = entry_path(root, kind, key)
     if not resolves_inside(path.parent, Path(root) / SHARDS_DIR):
         raise ValueError(f"invalid cache entry (kind {kind!r}, key {key!r}): its shard folder {path.parent} "
                          "resolves outside the cache's shards folder")
+    return path
+
+
+def shard_shapes(root: str | Path, kind: str, key: str) -> dict[str, tuple[int, ...]]:
+    """The shapes of a shard's tensors, by name, from its header alone (what a start-up check reads of every entry;
+    the tensors themselves are read verified, by load_checked, when used)."""
+    from safetensors import safe_open
+    path = _shard_path(root, kind, key)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except FileNotFoundError:
+        raise ValueError(f"cache shard {path} is missing; run the cache nodes again") from None
+    except Exception as exc:  # a damaged header: safetensors' own error types
+        raise ValueError(f"cache shard {path} is damaged ({exc}); run the cache nodes again") from None
+
+
+def load_checked(root: str | Path, kind: str, key: str, checksum: str) -> dict:
+    """Reads one shard, refusing it unless its bytes match the checksum recorded when it was written."""
+    from safetensors.torch import load
+    path = _shard_path(root, kind, key)
     try:
         data = path.read_bytes()
     except FileNotFoundError:

@@ -123,8 +123,8 @@ WHY_NOT = {
     "Kandinsky5": NO_EXTRA.format("start image and its mask"),
     "LongCatImage": "generic family (its Flux blocks' residuals made out of place, its text-length rope shift as its "
                     "_apply_model adds it)",
-    "HunyuanImage21": "generic family (its Flux blocks' residuals made out of place); trained without its ByT5 "
-                      "glyph embedding (its encoder gives it only for quoted text)",
+    "HunyuanImage21": "generic family (its Flux blocks' residuals made out of place); a caption with quoted text "
+                      "trains with the ByT5 glyph embedding its encoder gives it (test_image_families.py)",
     "HunyuanDiT": "generic family, on its Chinese CLIP's embedding and mask and its mT5 embedding and mask (the text "
                   "cache keeps the encoder's extra outputs, as CLIPTextEncode puts them into the conditioning)",
     "HunyuanDiT1": "generic family, on its Chinese CLIP's embedding and mask and its mT5 embedding and mask (the text "

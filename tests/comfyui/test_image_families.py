@@ -548,6 +548,91 @@ def _tiny_anima_text_encoder():
     return clip
 
 
+class GlyphTextEncoder:
+    """Stands in for HunyuanImage 2.1's text encoder (ComfyUI's HunyuanImageTEModel: Qwen2.5-VL 7B and ByT5, far too
+    large here), as ComfyUI's CLIP wraps it: its cond_stage_model's class has the encoder's name, which is what the
+    cache asks; a pseudo-random 3584-wide embedding per caption, and, as the encoder's tokenizer gives it (its rule:
+    text in double quotes), a 1472-wide ByT5 glyph embedding of the quoted text's length for a quoted caption alone."""
+
+    def __init__(self):
+        self.cond_stage_model = type("HunyuanImageTEModel", (), {})()
+        self.layer_idx = None
+
+    def get_sd(self):
+        return {"glyph_stand_in": torch.ones(1)}
+
+    def tokenize(self, text):
+        import re
+        return {"text": text, "quoted": "".join(f'Text "{q}". ' for q in re.findall(r'"(.*?)"', text))}
+
+    def encode_from_tokens(self, tokens, return_pooled=False, return_dict=False):
+        import hashlib
+
+        def seeded(salt):
+            digest = hashlib.sha256(f"{salt}|{tokens['text']}".encode()).digest()
+            return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") % (2 ** 63))
+        out = {"cond": torch.randn(1, 8, 3584, generator=seeded("cond")), "pooled_output": None}
+        if tokens["quoted"]:
+            out["conditioning_byt5small"] = torch.randn(1, len(tokens["quoted"]), 1472, generator=seeded("byt5"))
+        return out
+
+
+def test_hunyuan_image_trains_on_the_glyph_embedding_of_quoted_captions_as_comfyuis_sampler_reads_it(tmp_path):
+    """HunyuanImage 2.1 (its glyph branch built, as ComfyUI detects it from byt5_in): its text encoder gives a caption
+    with quoted text a ByT5 glyph embedding beside the embedding. Cache Text Embeddings keeps it for those captions
+    alone; the family's loss on such a caption is ComfyUI's sampler's on CLIPTextEncode's conditioning of it (the
+    model's txt_byt5), and another glyph embedding gives another loss. Captions with and without one do not batch,
+    as ComfyUI would not batch them: refused at start for a batch size over 1, naming both, and at a step."""
+    from ingraph_trainer.cache.encoding import TEXT_EXTRA
+    from ingraph_trainer.trainer.data.batch_mix import training_batch
+    from ingraph_trainer.trainer.data.dataset_checks import check_text_extras_batching, text_inputs_beside_the_embedding
+    from ingraph_trainer.trainer.models import Batch, family_for
+    from media_files import cached_captions
+    from tools.family_coverage import CLASS_BUILT, class_state_dict
+    bootstrap_comfy()
+    import comfy.sd
+    import comfy.supported_models
+    if "HunyuanImage21" not in {c.__name__ for c in comfy.supported_models.models}:
+        pytest.skip("skipped: this ComfyUI has no HunyuanImage21")
+    torch.manual_seed(0)
+    config, metadata = CLASS_BUILT["HunyuanImage21"]
+    patcher = comfy.sd.load_diffusion_model_state_dict(class_state_dict("HunyuanImage21", {**config, "byt5": True},
+                                                                        metadata),
+                                                       model_options={"dtype": torch.float32})
+    assert patcher.model.diffusion_model.byt5_in is not None
+    family = family_for(patcher.model, patcher=patcher)
+    assert family.name == "generic" and type(patcher.model).__name__ == "HunyuanImage21"
+    captions = {"sign": 'a shop sign that says "OPEN"', "cat": "a cat on a mat"}
+    _, cached, by_name = cached_captions(tmp_path, GlyphTextEncoder(), captions, latent_channels=64)
+    sign, cat = cached.text(by_name["sign"]), cached.text(by_name["cat"])
+    assert TEXT_EXTRA + "conditioning_byt5small" in sign and not any(k.startswith(TEXT_EXTRA) for k in cat)
+
+    b = training_batch(cached, [by_name["sign"]])
+    glyph = b.text_extras["conditioning_byt5small"]
+    assert glyph.shape == (1, len('Text "OPEN". '), 1472)
+    g = torch.Generator().manual_seed(1)
+    batch = Batch(torch.randn(1, 64, 8, 8, generator=g), b.cond, None, torch.randn(1, 64, 8, 8, generator=g),
+                  torch.tensor([0.6]), text_mask=b.text_mask, text_extras=b.text_extras)
+    expected = comfyui_losses(family, batch, {"conditioning_byt5small": glyph})
+    with torch.no_grad():
+        got = family.loss(batch, reduce=False)
+        other = family.loss(Batch(**{**batch.__dict__, "text_extras": {"conditioning_byt5small": torch.randn(
+            glyph.shape, generator=g)}}), reduce=False)  # (not its tokens reordered: text attention has no order)
+    assert torch.allclose(got, expected, rtol=1e-6, atol=0), (got, expected)
+    assert not torch.allclose(other, got), "the glyph embedding does not reach the model"
+
+    # pipeline stages and distillation, which pass on no extras, see it though the first caption has none
+    assert cached.sources[0].endswith("cat.png")
+    assert text_inputs_beside_the_embedding(family, cached) == "conditioning_byt5small"
+    check_text_extras_batching(cached, 1)
+    with pytest.raises(ValueError, match=r"train.batch_size: the text encoder gave the captions other outputs beside "
+                                         r"the embedding \(.*(sign|cat).png: .*; .*(sign|cat).png: .*\).*batch_size 1"):
+        check_text_extras_batching(cached, 2)
+    with pytest.raises(ValueError, match="train.batch_size: the text encoder gave conditioning_byt5small for some "
+                                         "captions of this batch and not others"):
+        training_batch(cached, [by_name["sign"], by_name["cat"]])
+
+
 def test_anima_trains_on_each_captions_t5_token_ids_as_comfyuis_sampler_reads_them(tmp_path):
     """Anima (ComfyUI 0.33) reads its text through an LLM adapter fed each caption's T5 token ids and weights beside
     the Qwen3 embedding. Its text encoder returns them beside the embedding; Cache Text Embeddings keeps them (the

@@ -73,6 +73,50 @@ def check_dataset_for_family(dataset, family, where: str = "data.manifest"):
     _check_audio(dataset, family, where)
 
 
+def _texts(part, caption_dropout: float = 0.0) -> dict[str, str]:
+    """Every text a step can draw from a cached dataset's part (its captions, their shuffled variants, the empty
+    caption of caption dropout), by cache key, with what it is the caption of."""
+    from ...cache.pixels import shown
+    texts = {key: shown(part.sources[i]) for i, key in enumerate(part.text_keys)}
+    for i, variants in enumerate(part.text_variants):
+        texts.update({key: shown(part.sources[i]) for key, _ in variants if key not in texts})
+    if caption_dropout > 0 and part.empty_text:
+        texts.setdefault(part.empty_text[0], "the empty caption of caption dropout")
+    return texts
+
+
+def _extras_signatures(part, caption_dropout: float = 0.0):
+    """(signature, what it is the caption of) of every text of _texts, from the shards' headers alone
+    (loading.text_extras_signature)."""
+    from ...cache.shards import shard_shapes
+    from .loading import text_extras_signature
+    for key, source in _texts(part, caption_dropout).items():
+        yield text_extras_signature(shard_shapes(part.root, "text", key)), source
+
+
+def check_text_extras_batching(dataset, batch_size: int, caption_dropout: float = 0.0, where: str = "data.manifest"):
+    """Refuses, before any step, micro-batches of several captions that the text encoder gave different extras
+    beside the embedding (HunyuanImage 2.1's and HunyuanVideo 1.5's encoder: a glyph embedding for quoted text alone,
+    of the quoted text's length; Anima's T5 token ids, of each caption's length), which ComfyUI conditions one
+    caption at a time."""
+    from .loading import ONE_CAPTION_AT_A_TIME
+    if batch_size <= 1:
+        return
+    found = {}  # signature -> what has it
+    for part, _ in _parts(dataset, where):
+        for signature, source in _extras_signatures(part, caption_dropout):
+            found.setdefault(signature, source)
+            if len(found) > 1:
+                (first, a), (second, b) = found.items()
+
+                def described(signature):
+                    return ", ".join(f"{name} {list(shape)}" for name, shape in signature) or "nothing more"
+                raise ValueError(
+                    f"train.batch_size: the text encoder gave the captions other outputs beside the embedding ({a}: "
+                    f"{described(first)}; {b}: {described(second)}), which ComfyUI conditions one caption at a time "
+                    f"(HunyuanImage's glyph embedding is given for quoted text alone): {ONE_CAPTION_AT_A_TIME}")
+
+
 def has_audio(dataset) -> bool:
     """Whether the dataset's items carry audio latents beside their video latents (Batch.audio)."""
     return any(getattr(part, "audio", False) for part, _ in _parts(dataset, ""))
@@ -137,5 +181,7 @@ def text_inputs_beside_the_embedding(family, dataset) -> str:
         return ""
     text = _parts(dataset, "")[0][0].text(0)
     what = ["attention mask"] if getattr(family, "reads_text_mask", False) and "attention_mask" in text else []
-    what += sorted(k[len(TEXT_EXTRA):] for k in text if k.startswith(TEXT_EXTRA))
+    # every caption's, not the first one's alone: HunyuanImage's glyph embedding comes with quoted text only
+    what += sorted({name for part, _ in _parts(dataset, "") for signature, _ in _extras_signatures(part)
+                    for name, _ in signature})
     return ", ".join(what)

@@ -168,6 +168,16 @@ class TextExtras(dict):
         return TextExtras({name: t.to(*args, **kwargs) for name, t in self.items()})
 
 
+ONE_CAPTION_AT_A_TIME = "train with batch_size 1 and use gradient_accumulation for a larger batch"
+
+
+def text_extras_signature(shapes: dict[str, tuple]) -> tuple:
+    """The text encoder's extras a text entry holds (its tensors' shapes by name), by name and shape past the batch
+    axis: texts of one signature batch together (stack_text_extras)."""
+    return tuple(sorted((key[len(TEXT_EXTRA):], tuple(shape[1:]) if len(shape) > 1 and shape[0] == 1 else tuple(shape))
+                        for key, shape in shapes.items() if key.startswith(TEXT_EXTRA)))
+
+
 def stack_text_extras(texts: list[dict]) -> TextExtras | None:
     """The text encoder's extras of one batch's text entries, each [B, ...], or None where its encoder returns none.
     Each text's is as the encoder returned it, with its batch axis of 1 (a 1-D one, such as Anima's token ids, gets
@@ -179,14 +189,14 @@ def stack_text_extras(texts: list[dict]) -> TextExtras | None:
     for key in names:
         values = [text.get(key) for text in texts]
         name = key[len(TEXT_EXTRA):]
-        if any(v is None for v in values):
-            raise ValueError(f"the text cache holds the text encoder's {name} for some captions and not "
-                             "others; queue Cache Text Embeddings again")
+        if any(v is None for v in values):  # HunyuanImage's glyph embedding, of quoted text alone
+            raise ValueError(f"train.batch_size: the text encoder gave {name} for some captions of this batch and not "
+                             f"others, so ComfyUI would not batch them: {ONE_CAPTION_AT_A_TIME}")
         values = [v if v.dim() > 1 and v.shape[0] == 1 else v.unsqueeze(0) for v in values]
         if any(v.shape != values[0].shape for v in values):
             raise ValueError(f"train.batch_size: the text encoder's {name} has a different shape for each caption "
-                             f"({[tuple(v.shape[1:]) for v in values]}), so ComfyUI would not batch them: train with "
-                             "batch_size 1 and use gradient_accumulation for a larger batch")
+                             f"({[tuple(v.shape[1:]) for v in values]}), so ComfyUI would not batch them: "
+                             f"{ONE_CAPTION_AT_A_TIME}")
         out[name] = torch.cat(values)
     return out
 

@@ -168,7 +168,7 @@ def run_evaluation(spec, events) -> dict:
     """The `evaluate` task: the loss of the model as given (adapters merged upstream) on a cached dataset."""
     import time
 
-    from ..data.dataset_checks import check_dataset_for_family
+    from ..data.dataset_checks import check_dataset_for_family, check_text_extras_batching
     from ..comfy_env import import_comfy
     from ..data.loading import load_cached_dataset
     from ..parallel.distributed import init_distributed
@@ -184,8 +184,9 @@ def run_evaluation(spec, events) -> dict:
     family.set_objective(flow_shift=spec.train.flow_shift, guidance=spec.train.guidance)
     dataset = load_cached_dataset(spec.data.eval_manifest or spec.data.manifest)
     # the training check, before anything runs (the Evaluate node checked the graph's dataset already)
-    check_dataset_for_family(dataset, family, "data.eval_manifest" if spec.data.eval_manifest
-                          else "data.manifest (the Evaluate node's dataset input)")
+    where = "data.eval_manifest" if spec.data.eval_manifest else "data.manifest (the Evaluate node's dataset input)"
+    check_dataset_for_family(dataset, family, where)
+    check_text_extras_batching(dataset, spec.train.batch_size, where=where)
     family.read_dataset(dataset)
     if world_size() > 1:
         init_distributed()

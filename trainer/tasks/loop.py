@@ -13,6 +13,7 @@ from ..run.checkpoint import Checkpointer
 from ..comfy_env import import_comfy
 from ..spec import RunSpec
 from ..data.batch_mix import StepBatches, build_training_data, prior_report
+from ..data.dataset_checks import check_text_extras_batching
 from ..data.loading import load_cached_dataset
 from ..device import device_memory, training_device
 from ..os_support import map_large_allocations
@@ -82,6 +83,9 @@ class Trainer(TrainingTask):
         self.dataset, self.sampler = build_training_data(spec.data, self.global_batch, t.seed, family,
                                                          d.pipeline_stages)
         self.eval_dataset = load_cached_dataset(spec.data.eval_manifest) if spec.data.eval_manifest else self.dataset
+        check_text_extras_batching(self.dataset, t.batch_size, spec.data.caption_dropout)
+        if spec.data.eval_manifest and t.evaluates:  # evaluated on the captions as written
+            check_text_extras_batching(self.eval_dataset, t.batch_size, where="data.eval_manifest")
         self.eval_items = eval_subset(self.eval_dataset.unique, spec.train.eval_items, spec.train.seed) \
             if spec.train.evaluates else []
         self.build_s["data"] = time.perf_counter() - began - sum(self.build_s.values())
