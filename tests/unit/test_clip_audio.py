@@ -166,3 +166,46 @@ def test_cached_sound_reaches_the_trainers_batches_with_noise_of_its_own(tmp_pat
         "prior_dataset: its items' sound was not cached, unlike the training clips' (Cache Latents' audio_vae); "
         "cache both sets with the same audio_vae, or both without"]
     assert prior_problems(dataset, dataset) == []
+
+
+def test_distillation_and_models_without_audio_refuse_a_dataset_with_sound_at_queue_time(tmp_path):
+    """The Distill node refuses a dataset whose clips' sound is cached (distillation runs on video alone), naming
+    its input, before the model is handed off; so does the trainer's Distiller at start, for a spec written by hand.
+    A Train node whose model takes no audio stream refuses it at queue time too (the trainer's rule, on the graph's
+    dataset)."""
+    from ingraph_trainer.runner.distill_run import check_new_distillation
+    from ingraph_trainer.runner.train_run import check_dataset_for_model
+    from ingraph_trainer.trainer.data.dataset_checks import distillation_audio_problem
+    from ingraph_trainer.trainer.spec import DistillSpec, RunSpec
+
+    store = CacheStore(tmp_path / "cache")
+    folder = clips_with_sound(tmp_path / "data")
+    dataset, _, _ = cache(folder, store, StandInAudioVAE())
+    silent, _, _ = cache(folder, store)
+    store.close()
+
+    class Node:
+        title = "Distill"
+
+        def refuse(self, problems):
+            if problems:
+                raise ValueError(f"{self.title}: " + "; ".join(problems))
+
+    class Model:  # the graph's MODEL, as the runner's trainer-side view (GraphModel) answers for it
+        def __init__(self, takes_audio):
+            self.family_ = SimpleNamespace(display_name="LTX-2" if takes_audio else "Wan", reference_input=None,
+                                           takes_audio=takes_audio)
+
+        def family(self):
+            return self.family_
+    datasets = SimpleNamespace(train=dataset, prior=None)
+    with pytest.raises(ValueError, match=r"^Distill: dataset: its clips' sound was cached \(Cache Latents' "
+                                         r"audio_vae\); distilling LTX-2 with its audio stream is not yet supported"):
+        check_new_distillation(RunSpec(distill=DistillSpec(guidance_scale=1.0)), Model(True), datasets, Node())
+    assert distillation_audio_problem(silent, "dataset") is None
+    assert distillation_audio_problem(dataset, "data.manifest").startswith("data.manifest: its clips' sound")
+    check_dataset_for_model(Model(True), dataset, "Train LoRA")
+    check_dataset_for_model(Model(False), silent, "Train LoRA")
+    with pytest.raises(ValueError, match=r"^Train LoRA \(Wan model\): dataset: its clips carry audio latents, and "
+                                         r"Wan takes no audio stream"):
+        check_dataset_for_model(Model(False), dataset, "Train LoRA")
