@@ -94,6 +94,7 @@ def test_settings_the_spec_refuses_are_refused_naming_the_node_input(monkeypatch
     monkeypatch.setattr(model_source, "release_comfy_models", lambda model: None)
     monkeypatch.setattr(GraphModel, "prediction", "epsilon")
     monkeypatch.setattr(distill_run, "check_family_settings", lambda *a, **k: None)
+    monkeypatch.setattr(distill_run, "check_dataset_for_model", lambda *a, **k: None)
     monkeypatch.setattr(Distill, "hidden", types.SimpleNamespace(unique_id="6", prompt=None), raising=False)
     cached = types.SimpleNamespace(empty_text=("key", "sha"), require_cached=lambda name: None)
 
@@ -141,6 +142,7 @@ def test_the_runner_writes_a_distill_spec_through_the_train_nodes_run(monkeypatc
     monkeypatch.setattr(model_source, "release_comfy_models", lambda model: None)
     monkeypatch.setattr(GraphModel, "prediction", "epsilon")
     monkeypatch.setattr(distill_run, "check_family_settings", lambda *a, **k: None)
+    monkeypatch.setattr(distill_run, "check_dataset_for_model", lambda *a, **k: None)
     monkeypatch.setattr(session, "prepare_run", prepare_run)
     monkeypatch.setattr(node_run, "refuse_foreign_file", lambda *a, **k: None)
     distill = config.DistillSpec(student_steps=2, student_timesteps=[1.0, 0.5], fake_updates=3, gan_weight=0.01)

@@ -255,7 +255,8 @@ def test_the_train_node_appends_the_prior_inputs_last_with_tooltips():
 def test_the_train_node_refuses_a_prior_set_it_cannot_mix_by_input_name():
     from types import SimpleNamespace
     from ingraph_trainer.runner.train_run import check_prior_dataset
-    images = SimpleNamespace(latent_encoder="vae-a", text_encoder="clip-a", caption_dropout=0.3, empty_text=("k", "s"))
+    images = SimpleNamespace(latent_encoder="vae-a", text_encoder="clip-a", caption_dropout=0.3, empty_text=("k", "s"),
+                             audio_encoder="")
     check_prior_dataset(images, SimpleNamespace(**vars(images)))
     other_vae = SimpleNamespace(**{**vars(images), "latent_encoder": "vae-b"})
     with pytest.raises(ValueError, match="prior_dataset: its latents were cached with another VAE"):
@@ -304,6 +305,7 @@ def test_the_train_node_offers_base_precision_and_hands_it_to_the_spec(monkeypat
     monkeypatch.setattr(model_source, "release_comfy_models", lambda model: None)
     monkeypatch.setattr(GraphModel, "prediction", "epsilon")
     monkeypatch.setattr(train_run, "check_family_settings", lambda *a, **k: None)
+    monkeypatch.setattr(train_run, "check_dataset_for_model", lambda *a, **k: None)
     monkeypatch.setattr(session, "prepare_run", prepare_run)
     draft = config.RunSpec(model=config.ModelSpec(base_precision="fp8"))
     node = node_run.NodeCall("Train LoRA", "6", None, on_run=None, check_interrupt=lambda: None)
