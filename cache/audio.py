@@ -5,10 +5,15 @@ LTXV Empty Latent Audio gives a video of the item's frames at its frame rate (wh
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from .pixels import shown
 from .video import ClipError, clip_info
+
+# how far before an item's start decoding begins after a seek: a compressed track's first frame after a seek point
+# decodes wrong without the one before it (AAC's overlapping windows)
+SEEK_MARGIN_S = 0.5
 
 
 def is_audio_vae(vae) -> bool:
@@ -22,17 +27,31 @@ def audio_rate(vae) -> int:
     return int(getattr(vae, "audio_sample_rate", 44100))
 
 
-def load_clip_audio(path: str | Path, start_s: float, duration_s: float, rate: int):
-    """The clip's sound from `start_s` seconds after its first video frame, for `duration_s` seconds, at `rate`:
-    a float [channels, samples] tensor (mono stays mono, more channels are mixed to stereo) of exactly
-    round(duration_s * rate) samples, silent where the track has no sound (it starts late or ends early).
-    ClipError naming the file where it has no audio track or it cannot be decoded."""
+def audio_latent_count(vae, frames: int, fps: float) -> int:
+    """The audio latents ComfyUI's LTXV Empty Latent Audio makes beside `frames` video frames at `fps`."""
+    return int(vae.first_stage_model.num_of_latents_from_frames(frames, fps))
+
+
+def encoded_block(vae) -> int:
+    """The samples ComfyUI's VAE.encode takes a waveform in multiples of: it crops the rest away, from both ends
+    (vae_encode_crop_pixels, with the VAE's downscale ratio: 4096 for LTX-2's), so a waveform of whole blocks
+    reaches the encoder as it is."""
+    if not getattr(vae, "crop_input", False):
+        return 1
+    return max(1, int(vae.spacial_compression_encode()))
+
+
+def load_clip_audio(path: str | Path, start_s: float, duration_s: float, rate: int, samples: int | None = None):
+    """The clip's sound from `start_s` seconds after its first video frame, for `duration_s` seconds (or `samples`
+    samples), at `rate`: a float [channels, samples] tensor (mono stays mono, more channels are mixed to stereo),
+    silent where the track has no sound (it starts late or ends early). ClipError naming the file where it has no
+    audio track or it cannot be decoded."""
     import av
     import numpy as np
     import torch
     info = clip_info(path)
     origin = info.first_pts * info.time_base + start_s  # where the item's first frame is on the file's clock
-    wanted = round(duration_s * rate)
+    wanted = round(duration_s * rate) if samples is None else samples
     try:
         with av.open(str(path)) as container:
             if not container.streams.audio:
@@ -40,9 +59,10 @@ def load_clip_audio(path: str | Path, start_s: float, duration_s: float, rate: i
             stream = container.streams.audio[0]
             layout = "mono" if stream.codec_context.channels == 1 else "stereo"
             resampler = av.AudioResampler(format="fltp", layout=layout, rate=rate)
-            if origin > 1.0:  # to the packet before the item's start, not through the whole track
+            if origin > SEEK_MARGIN_S:  # to a packet before the item's start, not through the whole track
                 try:
-                    container.seek(int(origin / float(stream.time_base)), stream=stream, backward=True)
+                    container.seek(int((origin - SEEK_MARGIN_S) / float(stream.time_base)), stream=stream,
+                                   backward=True)
                 except av.error.FFmpegError:
                     pass  # a format that cannot seek is decoded from its start
             chunks, begins = [], None
@@ -52,31 +72,41 @@ def load_clip_audio(path: str | Path, start_s: float, duration_s: float, rate: i
                 if begins is None:
                     begins = float(frame.pts * frame.time_base)
                 chunks += [out.to_ndarray() for out in resampler.resample(frame)]
-                if begins + sum(c.shape[1] for c in chunks) / rate >= origin + duration_s:
+                if begins + sum(c.shape[1] for c in chunks) / rate >= origin + wanted / rate:
                     break
             chunks += [out.to_ndarray() for out in resampler.resample(None)]
     except ClipError:
         raise
     except Exception as exc:  # PyAV raises its own error types for bad files
         raise ClipError(f"cannot decode the audio of {shown(path)}: {exc.__class__.__name__}: {exc}") from None
+    if begins is None:  # nothing to place on the clip's clock: an empty track, or one without timestamps
+        raise ClipError(f"clip {shown(path)}: its audio track holds no timed sound")
     channels = 1 if layout == "mono" else 2
     decoded = np.concatenate(chunks, axis=1) if chunks else np.zeros((channels, 0), dtype=np.float32)
     waveform = torch.zeros(channels, wanted)
-    if begins is not None:
-        offset = round((origin - begins) * rate)  # where the item starts in what was decoded (< 0: before it)
-        lo, hi = max(offset, 0), min(offset + wanted, decoded.shape[1])
-        if hi > lo:
-            waveform[:, lo - offset:hi - offset] = torch.from_numpy(np.ascontiguousarray(decoded[:, lo:hi]))
+    offset = round((origin - begins) * rate)  # where the item starts in what was decoded (< 0: before it)
+    lo, hi = max(offset, 0), min(offset + wanted, decoded.shape[1])
+    if hi > lo:
+        waveform[:, lo - offset:hi - offset] = torch.from_numpy(np.ascontiguousarray(decoded[:, lo:hi]))
     return waveform
 
 
-def encode_clip_audio(vae, waveform, frames: int, fps: float):
-    """The audio latent [C, T, F] of one item's sound ([channels, samples] at audio_rate(vae)), encoded as ComfyUI's
-    VAE Encode Audio encodes it, with T fitted to the audio latents ComfyUI's LTXV Empty Latent Audio makes for
-    `frames` frames at `fps` (trimmed, or padded with zeros as LTXV Concat AV Latent pads a short one)."""
+def clip_audio_latent(vae, path: str | Path, start: int, frames: int, fps: float):
+    """The audio latent [C, T, F] of a clip item (`frames` frames from frame `start` at `fps`): its sound, read on
+    in whole blocks of what the VAE encodes (encoded_block: the sound after the item's end, not a crop of its own)
+    and encoded as ComfyUI's VAE Encode Audio encodes it, then the latents of its own span kept: as many as LTXV
+    Empty Latent Audio gives its frames (padded with zeros, as LTXV Concat AV Latent pads a short one, only where
+    the encoder gives fewer). Errors name the file."""
     import torch
-    latent = vae.encode(waveform.unsqueeze(0).movedim(1, -1))[0].float()  # VAE.encode takes [B, samples, channels]
-    count = int(vae.first_stage_model.num_of_latents_from_frames(frames, fps))
+    rate, count = audio_rate(vae), audio_latent_count(vae, frames, fps)
+    block = encoded_block(vae)
+    samples = math.ceil(round(frames / fps * rate) / block) * block
+    sound = load_clip_audio(path, start / fps, frames / fps, rate, samples=samples)
+    try:
+        latent = vae.encode(sound.unsqueeze(0).movedim(1, -1))[0].float()  # VAE.encode takes [B, samples, channels]
+    except Exception as exc:  # noqa: BLE001 - the VAE's own error, named by the clip
+        raise ClipError(f"clip {shown(path)}: the audio VAE could not encode its sound from frame {start}: "
+                        f"{exc.__class__.__name__}: {exc}") from exc
     if latent.shape[1] >= count:
         return latent[:, :count].contiguous()
     pad = torch.zeros(latent.shape[0], count - latent.shape[1], *latent.shape[2:], dtype=latent.dtype)

@@ -49,6 +49,9 @@ class TrainingDataset:
     latent_encoder: str = ""  # identity of the VAE its latents were cached with (encoding.vae_identity)
     # identity of the audio VAE its clips' sound was cached with beside their frames (LTX-2's), or "" (no audio)
     audio_encoder: str = ""
+    # whether its captions' entries hold the text encoder's extra outputs (encoding.returns_text_extras): where not,
+    # the trainer reads no caption to see whether they batch (dataset_checks.check_text_extras_batching)
+    keeps_text_extras: bool = False
     text_encoder: str = ""  # identity of the text encoder its captions were cached with
     caption_variants: int = 0  # tag-shuffled variants of each caption cached beside it (0: no shuffling)
     keep_tags: int = 0  # leading comma-separated tags that stay in place when the others are shuffled

@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path
 from typing import Callable
 
-from .audio import audio_rate, encode_clip_audio, is_audio_vae, load_clip_audio
+from .audio import audio_latent_count, clip_audio_latent, is_audio_vae
 from .captions import caption_variants_of
 from .dataset import TrainingDataset
 from .pixels import ALPHA_MASK, IMAGE_EXTENSIONS, DatasetError, clip_fps, load_clip_item_tensor, load_image_tensor, \
@@ -252,9 +252,10 @@ def source_digest(item, store: CacheStore) -> str:
         else store.source_digest(item.path)
 
 
-def check_audio_source(item, audio_vae) -> None:
+def check_audio_source(item, audio_vae, fps: float) -> None:
     """An item cached with an audio VAE is a clip from a video file (a folder of frames or a still image has no
-    sound), and the VAE is an audio VAE; the error names the file, or the input."""
+    sound) read at the dataset's frame rate (the one its sound is timed by, and the model told), long enough for one
+    audio latent, and the VAE is an audio VAE; the error names the file, or the input."""
     if not is_audio_vae(audio_vae):
         raise DatasetError("audio_vae: this VAE does not encode audio for a video model (connect LTX-2's audio VAE "
                            "from Load LTXV Audio VAE, or leave audio_vae unconnected to train on video alone)")
@@ -262,6 +263,13 @@ def check_audio_source(item, audio_vae) -> None:
         what = "folder of frames" if item.is_clip else "image"
         raise DatasetError(f"{what} {shown(item.path)}: the audio VAE encodes each clip's sound, and a {what} has "
                            "none; train on video files with sound, or leave audio_vae unconnected")
+    if fps <= 0:
+        raise DatasetError("fps: the clips' sound is timed by their frames at the dataset's frame rate, which 0 (each "
+                           "clip at its own) leaves unknown to the model; set fps on Load Training Images (LTX-2: "
+                           "24 or 25), or leave audio_vae unconnected")
+    if audio_latent_count(audio_vae, item.frames, fps) < 1:
+        raise DatasetError(f"clip {shown(item.path)}: its {item.frames}-frame items last {item.frames / fps:.3f} s at "
+                           f"{fps:g} fps, shorter than one audio latent; use longer frame buckets")
 
 
 def encode_latents(dataset: TrainingDataset, vae, store: CacheStore, progress: Progress | None = None,
@@ -279,7 +287,7 @@ def encode_latents(dataset: TrainingDataset, vae, store: CacheStore, progress: P
                                "HunyuanVideo, LTX-Video ...); this VAE encodes single images. Connect the video "
                                "model's VAE, or set frame_buckets to 1 to train on single frames")
         if audio_vae is not None:
-            check_audio_source(item, audio_vae)
+            check_audio_source(item, audio_vae, clip_fps(item, dataset.fps))
         digest = source_digest(item, store)
         own_first_frame = starts_from_own_frame(item)
         reference_digests = [OWN_FIRST_FRAME if own_first_frame and slot == 0 else store.source_digest(r)
@@ -299,9 +307,8 @@ def encode_latents(dataset: TrainingDataset, vae, store: CacheStore, progress: P
                     load_reference_tensor(path, item, dataset.buckets.crop, digest, dataset.background)
                 tensors[f"reference{slot}"] = vae.encode(as_start_image(ref, item.frames))[0].float()
             if audio_vae is not None:  # the sound over the item's frames, at the rate they are read
-                fps = clip_fps(item, dataset.fps)
-                sound = load_clip_audio(item.path, item.start / fps, item.frames / fps, audio_rate(audio_vae))
-                tensors["audio"] = encode_clip_audio(audio_vae, sound, item.frames, fps)
+                tensors["audio"] = clip_audio_latent(audio_vae, item.path, item.start, item.frames,
+                                                     clip_fps(item, dataset.fps))
             if item.mask_source:  # same crop, flip and random-crop seed as the pixels above
                 mask = load_mask_tensor(item.path, item.mask_source, item.bucket, dataset.buckets.crop, item.flip,
                                         digest)
@@ -371,14 +378,17 @@ def encode_text(dataset: TrainingDataset, clip, store: CacheStore, progress: Pro
     # the empty caption, always: what caption dropout draws and what a teacher's classifier-free guidance needs
     # (Distill); one encoding per text encoder, counted only where the dataset's dropout asks for it
     empty = cached("", counted=dataset.needs_empty_text)
-    return dataclasses.replace(dataset, items=tuple(items), text_encoder=encoder, empty_text=empty), *counts
+    return dataclasses.replace(dataset, items=tuple(items), text_encoder=encoder, empty_text=empty,
+                               keeps_text_extras=keeps_extras), *counts
 
 
 def record_usage(dataset: TrainingDataset, store: CacheStore):
     """Marks the entries this dataset uses, so that pruning keeps them: its latents under its VAE's identity,
     its captions under its text encoder's, so caching the same folder for another model evicts nothing."""
     latents = {i.latent for i in dataset.items if i.latent}
-    for role, encoder, keys in (("latent", dataset.latent_encoder, sorted(latents)),
+    # the audio VAE too: the same folder cached with and without the clips' sound is two sets of entries
+    latent_encoder = dataset.latent_encoder + (f"+audio:{dataset.audio_encoder}" if dataset.audio_encoder else "")
+    for role, encoder, keys in (("latent", latent_encoder, sorted(latents)),
                                 ("text", dataset.text_encoder, [k for k in dataset.cache_keys() if k not in latents])):
         if encoder and keys:
             # replaces the record of versions that named a dataset without its encoders

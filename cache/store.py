@@ -373,10 +373,9 @@ class CacheStore:
 
 
 def write_manifest(path: str | Path, dataset, cache_root: str | Path) -> Path:
-    """The trainer's view of a cached dataset: per item its shards (key + checksum) and bucket.
-
-    Its entries are pinned in the cache (under the manifest's path) before it is written, so prune keeps
-    them while this file exists: for the run that reads it, and for any later resume of that run."""
+    """The trainer's view of a cached dataset: per item its shards (key + checksum) and bucket. Its entries are
+    pinned in the cache (under the manifest's path) before it is written, so prune keeps them while this file
+    exists: for the run that reads it, and for any later resume of that run."""
     path = Path(path)
     store = CacheStore(cache_root)
     try:
@@ -388,6 +387,7 @@ def write_manifest(path: str | Path, dataset, cache_root: str | Path) -> Path:
         "cache_root": str(cache_root),
         "folder": dataset.folder, "repeats": dataset.repeats,
         "fps": float(getattr(dataset, "fps", 0.0)), "audio": bool(getattr(dataset, "audio", False)),  # of the clips
+        "text_extras_kept": bool(getattr(dataset, "keeps_text_extras", False)),  # beside the captions' embeddings
         "fields": ["source", "caption", "latent", "latent_sha256", "text", "text_sha256", "width", "height", "flip",
                    "text_variants", "masked", "frames", "references"],
         # frames: a clip item's frame count (0: a still image); references: reference slots in its latent shard

@@ -46,8 +46,9 @@ class CacheLatents(io.ComfyNode):
                 io.Vae.Input("audio_vae", optional=True,
                              tooltip="LTX-2 only: its audio VAE (Load LTXV Audio VAE), to train the model's audio "
                                      "stream on the clips' sound. Each clip item's sound over its frames is encoded "
-                                     "beside them; every item must then be a video file with an audio track. Leave "
-                                     "unconnected to train on video alone."),
+                                     "beside them; every item must then be a video file with an audio track, read "
+                                     "at a set fps (Load Training Images). Leave unconnected to train on video "
+                                     "alone."),
             ],
             outputs=[Dataset.Output(display_name="dataset", tooltip="The dataset with its latents cached."),
                      io.Int.Output(display_name="encoded", tooltip="Images encoded in this run."),

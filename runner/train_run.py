@@ -40,11 +40,11 @@ def check_family_settings(model, train, adapter, file_format: str, distributed=N
     log.info("InGraph Trainer: %s on a %s model (%s)", title, family.display_name, model.prediction)
 
 
-def check_dataset_for_model(model, dataset, title: str):
+def check_dataset_for_model(model, dataset, title: str, where: str = "dataset"):
     """Refuses, before anything is handed off or launched, a dataset whose reference images or sound the MODEL's
     family cannot take: the trainer's rule (trainer.data.dataset_checks.check_dataset_for_family, which leaves the
     items' sizes to the trainer: the graph's dataset holds its bucket settings, not the sizes), naming the node's
-    dataset input."""
+    input (`where`)."""
     from ..trainer.data.dataset_checks import check_dataset_for_family
     from ..trainer.models import UnsupportedSetting
     try:
@@ -52,7 +52,7 @@ def check_dataset_for_model(model, dataset, title: str):
     except ValueError as exc:  # a model no family takes (an objective the trainer has not: EDM, ...)
         raise ValueError(f"{title}: {exc}") from None
     try:
-        check_dataset_for_family(dataset, family, "dataset")
+        check_dataset_for_family(dataset, family, where)
     except UnsupportedSetting as exc:
         raise ValueError(f"{title} ({family.display_name} model): {exc}") from None
 
@@ -95,5 +95,7 @@ def check_new_training(draft, model, datasets, node):
     training batches."""
     check_family_settings(model, draft.train, draft.adapter, draft.output.format, draft.distributed, title=node.title)
     check_dataset_for_model(model, datasets.train, node.title)
+    if datasets.eval is not None:
+        check_dataset_for_model(model, datasets.eval, node.title, "eval_dataset")
     if datasets.prior is not None:
         check_prior_dataset(datasets.train, datasets.prior)

@@ -625,6 +625,10 @@ def test_hunyuan_image_trains_on_the_glyph_embedding_of_quoted_captions_as_comfy
     assert cached.sources[0].endswith("cat.png")
     assert text_inputs_beside_the_embedding(family, cached) == "conditioning_byt5small"
     check_text_extras_batching(cached, 1)
+    # the manifest says the encoder keeps extras; one that says it keeps none has no caption read
+    import dataclasses
+    assert cached.keeps_text_extras is True
+    check_text_extras_batching(dataclasses.replace(cached, keeps_text_extras=False), 2)
     with pytest.raises(ValueError, match=r"train.batch_size: the text encoder gave the captions other outputs beside "
                                          r"the embedding \(.*(sign|cat).png: .*; .*(sign|cat).png: .*\).*batch_size 1"):
         check_text_extras_batching(cached, 2)

@@ -15,15 +15,17 @@ def time_ramp(t):
 
 
 def write_video(path: Path, frames: int, fps: int = 8, codec: str = "libx264", keyframe_every: int = 250,
-                sound=None, sound_s: float | None = None, audio_codec: str = "pcm_s16le", audio_rate: int = 16000):
+                sound=None, sound_s: float | None = None, audio_codec: str = "pcm_s16le", audio_rate: int = 48000,
+                sound_starts_s: float = 0.0):
     """A clip whose frame k is a flat grey of level 5 * k (so a decoded frame says which frame it is); with `sound`
-    (seconds → [channels, samples] in -1..1, time_ramp say) an audio track of sound_s seconds (the clip's length
-    unless given) beside it, lossless by default (PCM; .mkv or .mov) so decoded samples say where they were."""
+    (seconds → [channels, samples] in -1..1, time_ramp say; 1, 2 or 6 channels) an audio track of sound_s seconds
+    (the clip's length unless given) from sound_starts_s on, beside it, lossless by default (PCM; .mkv or .mov) so
+    decoded samples say when they were."""
     import av
     with av.open(str(path), "w") as container:
         audio = None
         if sound is not None:
-            layout = "mono" if len(sound(np.zeros(1))) == 1 else "stereo"
+            layout = {1: "mono", 2: "stereo", 6: "5.1"}[len(sound(np.zeros(1)))]
             audio = container.add_stream(audio_codec, rate=audio_rate, layout=layout)
         stream = container.add_stream(codec, rate=fps)
         stream.width = stream.height = SIDE
@@ -38,11 +40,12 @@ def write_video(path: Path, frames: int, fps: int = 8, codec: str = "libx264", k
         if audio is not None:
             total = round((frames / fps if sound_s is None else sound_s) * audio_rate)
             chunk = 1024 if audio_codec == "aac" else 4000  # AAC encodes frames of 1024 samples
+            delay = round(sound_starts_s * audio_rate)
             for at in range(0, total, chunk):
-                samples = sound(np.arange(at, min(at + chunk, total)) / audio_rate).astype(np.float32)
+                samples = sound((delay + np.arange(at, min(at + chunk, total))) / audio_rate).astype(np.float32)
                 frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples), format="fltp",
                                                    layout=audio.layout.name)
-                frame.sample_rate, frame.pts = audio_rate, at
+                frame.sample_rate, frame.pts = audio_rate, delay + at
                 container.mux(audio.encode(frame))
             container.mux(audio.encode())
     return path
@@ -97,20 +100,26 @@ def cached_captions(folder: Path, clip, captions: dict[str, str], latent_channel
 
 class StandInAudioVAE:
     """Stands in for LTX-2's audio VAE as ComfyUI's Load LTXV Audio VAE gives it, whose encode needs torchaudio (no
-    wheel matches this machine's torch): the same interface (encode takes [B, samples, channels] at
-    audio_sample_rate, first_stage_model says how many latents a video's frames have), 25 latents a second of 8
-    channels by 16 bins, each the mean of its window's first channel, so a latent says which sound it was made of."""
-    audio_sample_rate = 16000
+    wheel matches this machine's torch): the same interface and the same input handling (encode takes [B, samples,
+    channels] at 44.1 kHz and, as ComfyUI's VAE.encode does, crops the samples to whole blocks of 4096 from both
+    ends; first_stage_model says how many latents a video's frames have), 25 latents a second of 8 channels by 16
+    bins, each the mean of its window's first channel, so a latent says which sound it was made of."""
+    audio_sample_rate = 44100
     latent_channels = 8
     latents_per_second = 25
+    crop_input = True
+    downscale_ratio = 4096
 
     def __init__(self):
         import types
-        self.encoded = []  # the shape of each encode call's waveform
+        self.encoded = []  # the shape of each encode call's waveform, as given
         per_second = self.latents_per_second
         self.first_stage_model = types.SimpleNamespace(
             latent_frequency_bins=16,
             num_of_latents_from_frames=lambda frames, fps: round(float(frames) / fps * per_second))
+
+    def spacial_compression_encode(self):
+        return self.downscale_ratio
 
     def get_sd(self):
         import torch
@@ -118,7 +127,9 @@ class StandInAudioVAE:
 
     def encode(self, audio):
         self.encoded.append(tuple(audio.shape))
-        hop = self.audio_sample_rate // self.latents_per_second
+        kept = audio.shape[1] // self.downscale_ratio * self.downscale_ratio  # vae_encode_crop_pixels
+        audio = audio.narrow(1, (audio.shape[1] % self.downscale_ratio) // 2, kept)
+        hop = round(self.audio_sample_rate / self.latents_per_second)
         usable = audio.shape[1] // hop * hop
         windows = audio[:, :usable, 0].reshape(audio.shape[0], -1, hop).mean(-1)
         return windows[:, None, :, None].expand(-1, self.latent_channels, -1, 16).clone()

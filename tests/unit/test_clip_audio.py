@@ -9,12 +9,14 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from clip_caching import SyntheticClip, VideoVAE, scan
 from media_files import SIDE, StandInAudioVAE, time_ramp, write_image, write_video
+from ingraph_trainer.cache.audio import SEEK_MARGIN_S
 from ingraph_trainer.cache.dataset import prior_problems
 from ingraph_trainer.cache.encoding import encode_latents, encode_text
 from ingraph_trainer.cache.pixels import DatasetError
@@ -25,7 +27,8 @@ CLIPS = dict(frame_buckets="9", fps=8, clip_mode="multiple_overlapping")
 
 
 def clips_with_sound(folder: Path) -> Path:
-    """A 16-frame clip (2 s at 8 fps) with a lossless sound that says when it is, and one with AAC sound."""
+    """A 16-frame clip (2 s at 8 fps) with a lossless sound that says when it is, and one with AAC sound (48 kHz
+    both: the audio VAE's 44.1 kHz is a resampling away)."""
     folder.mkdir(parents=True, exist_ok=True)
     write_video(folder / "a.mkv", 16, fps=8, sound=time_ramp)
     write_video(folder / "b.mp4", 16, fps=8, sound=time_ramp, audio_codec="aac")
@@ -47,7 +50,9 @@ def test_each_clip_items_sound_is_cached_beside_its_frames_over_its_own_span(tmp
     dataset, encoded, reused = cache(folder, store, vae)
     assert encoded == len(dataset.items) == len(vae.encoded) >= 4 and reused == 0 and dataset.audio
     assert {i.start for i in dataset.items} > {0} and {i.frames for i in dataset.items} == {9}
-    assert all(shape == (1, 18000, 2) for shape in vae.encoded)  # 1.125 s at 16 kHz, stereo, as VAE.encode takes it
+    # 1.125 s at the VAE's 44.1 kHz (the files' 48 kHz resampled), stereo, as VAE.encode takes it, read on to whole
+    # blocks of 4096 samples, which its crop then leaves whole (a shorter read would be cropped from its start)
+    assert all(shape == (1, 13 * 4096, 2) and 13 * 4096 >= 1.125 * 44100 > 12 * 4096 for shape in vae.encoded)
     count = vae.first_stage_model.num_of_latents_from_frames(9, 8)
     assert count == 28
     hop_s = 1 / 25
@@ -112,7 +117,7 @@ def test_cached_sound_reaches_the_trainers_batches_with_noise_of_its_own(tmp_pat
     noise and timesteps those of a run without audio). A family with no audio stream and a prior set cached without
     sound refuse such a dataset before any step, naming the setting."""
     from ingraph_trainer.trainer.data.batch_mix import MixedDataset, load_step, training_batch
-    from ingraph_trainer.trainer.data.dataset_checks import check_dataset_for_family
+    from ingraph_trainer.trainer.data.dataset_checks import check_dataset_for_family, check_eval_references
     from ingraph_trainer.trainer.data.loading import StepSampler, load_cached_dataset
     from ingraph_trainer.trainer.models.base import UnsupportedSetting
 
@@ -161,6 +166,11 @@ def test_cached_sound_reaches_the_trainers_batches_with_noise_of_its_own(tmp_pat
     with pytest.raises(ValueError, match="data.prior_manifest: the prior items carry no audio latents"):
         check_dataset_for_family(MixedDataset(cached_set, silent_set), AudioVideo())
     assert MixedDataset(cached_set, cached_set).audio_latents([0, len(cached_set)]).shape == (2, 8, 28, 16)
+    # a held-out evaluation set cached the other way would measure another task
+    check_eval_references(cached_set, cached_set)
+    with pytest.raises(ValueError, match=r"data.eval_manifest \(the eval_dataset input\): its clips' sound was not "
+                                         r"cached, the training clips' was"):
+        check_eval_references(cached_set, silent_set)
     # the graph's datasets say the same before anything is launched (Train's prior_dataset input)
     assert prior_problems(dataset, silent, "prior_dataset") == [
         "prior_dataset: its items' sound was not cached, unlike the training clips' (Cache Latents' audio_vae); "
@@ -209,3 +219,71 @@ def test_distillation_and_models_without_audio_refuse_a_dataset_with_sound_at_qu
     with pytest.raises(ValueError, match=r"^Train LoRA \(Wan model\): dataset: its clips carry audio latents, and "
                                          r"Wan takes no audio stream"):
         check_dataset_for_model(Model(False), dataset, "Train LoRA")
+
+
+@pytest.mark.parametrize("name, codec, channels, starts_s", [("late.mkv", "pcm_s16le", 2, 0.75),
+                                                               ("mono.mkv", "pcm_s16le", 1, 0.0),
+                                                               ("surround.mkv", "pcm_s16le", 6, 0.0),
+                                                               ("long.mp4", "aac", 2, 0.0)])
+def test_sound_is_read_from_each_items_own_time_whatever_the_track(tmp_path, name, codec, channels, starts_s):
+    """A 4 s clip's 9-frame windows, the last from 2.875 s (read after a seek, half a second early so that AAC's
+    first frame decodes whole): a track that starts 0.75 s late is silent before it; a mono track and a 5.1 one
+    (mixed to stereo) say the same time as a stereo one."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+
+    def sound(t):
+        return np.stack([time_ramp(t)[0]] * channels)
+    write_video(folder / name, 32, fps=8, sound=sound, audio_codec=codec, sound_starts_s=starts_s,
+                sound_s=4.0 - starts_s)
+    store = CacheStore(tmp_path / "cache")
+    vae = StandInAudioVAE()
+    dataset, _, _ = cache(folder, store, vae)
+    assert max(i.start for i in dataset.items) / 8 > 2 * SEEK_MARGIN_S  # decoded after a seek
+    # stereo (5.1 mixed down); mono as it is, as VAE Encode Audio hands it (ComfyUI's VAE repeats it to stereo)
+    assert all(shape[2] == min(channels, 2) for shape in vae.encoded), vae.encoded
+    for item in dataset.items:
+        audio = load_file(str(store.lookup(item.latent).path))["audio"][0, :, 0]
+        middles = torch.tensor([item.start / 8 + (k + 0.5) / 25 for k in range(len(audio))])  # each latent's window
+        before, after = middles < starts_s - 0.02, middles > starts_s + 0.02  # (the window across the start: left out)
+        assert torch.equal(audio[before], torch.zeros(int(before.sum())))
+        # a 5.1 track mixed to stereo: the left channel's share of the mix, whatever FFmpeg's weights (its 5.1
+        # downmix adds the centre and the left surround at 0.707 each: 2.41 here)
+        share = float(audio[after].dot(middles[after] / 10) / (middles[after] / 10).square().sum())
+        assert abs(share - 1) < 0.01 if channels < 6 else 1 < share < 3, (name, share)
+        torch.testing.assert_close(audio[after], share * middles[after] / 10, rtol=0,
+                                   atol=share * (5e-3 if codec == "aac" else 1e-3), msg=f"{name} from {item.start}")
+    store.close()
+
+
+def test_an_audio_vae_needs_the_dataset_frame_rate_and_items_long_enough_for_one_latent(tmp_path):
+    """fps 0 (each clip at its own rate) leaves the sound's timing unknown to the model: refused naming fps; a
+    1-frame item at 60 fps lasts under one audio latent (1/25 s): refused naming the clip."""
+    folder = clips_with_sound(tmp_path / "data")
+    store = CacheStore(tmp_path / "cache")
+    with pytest.raises(DatasetError, match="fps: the clips' sound is timed by their frames"):
+        cache(folder, store, StandInAudioVAE(), fps=0)
+    with pytest.raises(DatasetError, match=r"clip .*a.mkv: its 1-frame items last 0.017 s at 60 fps, shorter than "
+                                           r"one audio latent"):
+        cache(folder, store, StandInAudioVAE(), fps=60, frame_buckets="1", clip_mode="single_beginning")
+    store.close()
+
+
+def test_each_rank_gets_its_own_slice_of_the_global_audio_noise(tmp_path):
+    """Two data-parallel ranks draw the global batch's audio noise once and take their slots of it, as they do the
+    video noise: together they train on what one process does."""
+    from ingraph_trainer.trainer.data.batch_mix import load_step
+    from ingraph_trainer.trainer.data.loading import StepSampler, load_cached_dataset
+    folder = clips_with_sound(tmp_path / "data")
+    store = CacheStore(tmp_path / "cache")
+    dataset, _, _ = cache(folder, store, StandInAudioVAE())
+    dataset, _, _ = encode_text(dataset, SyntheticClip(), store)
+    store.close()
+    cached_set = load_cached_dataset(str(write_manifest(tmp_path / "dataset.json", dataset, tmp_path / "cache")))
+    data_spec = SimpleNamespace(caption_dropout=0.0, shuffle_tags=False, masked_loss=True, prior_weight=1.0)
+    sampler = StepSampler(cached_set.buckets, 2, seed=3)
+    (one,) = load_step(cached_set, sampler, 1, data_spec, 3, 2, 1, 1, 0)[1]
+    ranks = [load_step(cached_set, sampler, 1, data_spec, 3, 1, 1, 2, rank)[1][0] for rank in (0, 1)]
+    assert one.audio_noise.shape[0] == 2 and all(r.audio_noise.shape[0] == 1 for r in ranks)
+    assert torch.equal(torch.cat([r.audio_noise for r in ranks]), one.audio_noise)
+    assert torch.equal(torch.cat([r.audio for r in ranks]), one.audio)

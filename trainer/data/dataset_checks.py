@@ -87,9 +87,11 @@ def _texts(part, caption_dropout: float = 0.0) -> dict[str, str]:
 
 def _extras_signatures(part, caption_dropout: float = 0.0):
     """(signature, what it is the caption of) of every text of _texts, from the shards' headers alone
-    (loading.text_extras_signature)."""
+    (loading.text_extras_signature); none where the manifest says its text encoder keeps no extras."""
     from ...cache.shards import shard_shapes
     from .loading import text_extras_signature
+    if getattr(part, "keeps_text_extras", None) is False:
+        return
     for key, source in _texts(part, caption_dropout).items():
         yield text_extras_signature(shard_shapes(part.root, "text", key)), source
 
@@ -161,8 +163,8 @@ def _check_text_extras(dataset, family, where: str):
 def check_eval_references(dataset, eval_dataset, family=None,
                           where: str = "data.eval_manifest (the eval_dataset input)"):
     """Fails at start-up where the evaluation set's items carry another number of reference images than the
-    training set's: a model trained on edit pairs or start images, evaluated without them (or the other way round),
-    would be measured at a task it is not trained for, and a batch cannot mix them."""
+    training set's, or sound where the training clips have none (or the other way round): a model trained on edit
+    pairs, start images or sound, evaluated without them, would be measured at a task it is not trained for."""
     train_slots, eval_slots = reference_slots(dataset), reference_slots(eval_dataset)
     if family is not None:
         check_dataset_for_family(eval_dataset, family, where)
@@ -171,6 +173,10 @@ def check_eval_references(dataset, eval_dataset, family=None,
         raise ValueError(f"{where}: its items carry {have}, the training items {train_slots}; evaluate on images "
                          "with the same reference images as the training images (name.ref.png beside each, or a "
                          "reference folder), or leave the evaluation set out to evaluate the training images")
+    if has_audio(eval_dataset) != has_audio(dataset):  # the loss of another task: both streams, or video alone
+        raise ValueError(f"{where}: its clips' sound was {'' if has_audio(eval_dataset) else 'not '}cached, the "
+                         f"training clips' was {'not ' if has_audio(eval_dataset) else ''}(Cache Latents' audio_vae); "
+                         "cache both sets the same way, or leave the evaluation set out")
 
 
 def text_inputs_beside_the_embedding(family, dataset) -> str:

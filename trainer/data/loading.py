@@ -68,6 +68,8 @@ class CachedDataset:
     reference_slots: int = 0  # reference images in every item's latent shard (reference0 ...; Batch.references)
     fps: float = 0.0  # the clips' frame rate, as the cache resampled them (0: images, or each clip at its own)
     audio: bool = False  # whether every item's latent shard holds its clip's audio latent ("audio"; Batch.audio)
+    # whether its text entries may hold the text encoder's extras (None: unknown, a manifest written before it said)
+    keeps_text_extras: bool | None = None
 
     def __len__(self):
         return len(self.latent_keys)
@@ -171,11 +173,17 @@ class TextExtras(dict):
 ONE_CAPTION_AT_A_TIME = "train with batch_size 1 and use gradient_accumulation for a larger batch"
 
 
+def per_text_shape(shape) -> tuple:
+    """One text's extra output as the encoder returned it, past its batch axis of 1 (a 1-D one, such as Anima's token
+    ids, has none): what must match for texts to batch together."""
+    return tuple(shape[1:]) if len(shape) > 1 and shape[0] == 1 else tuple(shape)
+
+
 def text_extras_signature(shapes: dict[str, tuple]) -> tuple:
-    """The text encoder's extras a text entry holds (its tensors' shapes by name), by name and shape past the batch
-    axis: texts of one signature batch together (stack_text_extras)."""
-    return tuple(sorted((key[len(TEXT_EXTRA):], tuple(shape[1:]) if len(shape) > 1 and shape[0] == 1 else tuple(shape))
-                        for key, shape in shapes.items() if key.startswith(TEXT_EXTRA)))
+    """The text encoder's extras a text entry holds (its tensors' shapes by name), by name and per_text_shape: texts
+    of one signature batch together (stack_text_extras)."""
+    return tuple(sorted((key[len(TEXT_EXTRA):], per_text_shape(shape)) for key, shape in shapes.items()
+                        if key.startswith(TEXT_EXTRA)))
 
 
 def stack_text_extras(texts: list[dict]) -> TextExtras | None:
@@ -192,7 +200,7 @@ def stack_text_extras(texts: list[dict]) -> TextExtras | None:
         if any(v is None for v in values):  # HunyuanImage's glyph embedding, of quoted text alone
             raise ValueError(f"train.batch_size: the text encoder gave {name} for some captions of this batch and not "
                              f"others, so ComfyUI would not batch them: {ONE_CAPTION_AT_A_TIME}")
-        values = [v if v.dim() > 1 and v.shape[0] == 1 else v.unsqueeze(0) for v in values]
+        values = [v.reshape(1, *per_text_shape(v.shape)) for v in values]
         if any(v.shape != values[0].shape for v in values):
             raise ValueError(f"train.batch_size: the text encoder's {name} has a different shape for each caption "
                              f"({[tuple(v.shape[1:]) for v in values]}), so ComfyUI would not batch them: "
@@ -234,6 +242,7 @@ def load_cached_dataset(manifest_path: str) -> CachedDataset:
         dataset.empty_text = _entry_ref(manifest["empty_text"], manifest_path)
     dataset.fps = float(manifest.get("fps") or 0.0)  # manifests written before it: 0
     dataset.audio = bool(manifest.get("audio"))  # manifests written before it: no audio
+    dataset.keeps_text_extras = manifest.get("text_extras_kept")
     return dataset
 
 
@@ -324,7 +333,8 @@ class StepSampler:
     def audio_noise(self, step: int, audio_shape: tuple[int, ...]):
         """The noise of the global batch's audio latents (Batch.audio_noise): a stream of its own, so a run with
         audio draws the same video noise and timesteps as one without."""
-        return torch.randn((self.global_batch, *audio_shape), generator=seeded_generator(self.seed, AUDIO_NOISE_STREAM, step))
+        generator = seeded_generator(self.seed, AUDIO_NOISE_STREAM, step)
+        return torch.randn((self.global_batch, *audio_shape), generator=generator)
 
 
 def step_loader(load, device):

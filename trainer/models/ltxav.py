@@ -48,8 +48,9 @@ class LTXAVFamily(LTXVFamily):
         return is_comfy_model(base_model, "LTXAV")
 
     def read_dataset(self, dataset) -> None:
+        from ..data.dataset_checks import has_audio
         super().read_dataset(dataset)
-        self.trains_audio = bool(getattr(getattr(dataset, "main", dataset), "audio", False))
+        self.trains_audio = has_audio(dataset)
 
     def preset_patterns(self, preset: str) -> tuple[str, ...]:
         return super().preset_patterns(preset) + (self.audio_target_patterns[preset] if self.trains_audio else ())

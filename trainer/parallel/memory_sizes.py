@@ -277,7 +277,8 @@ def item_inputs(family, dataset, item: int, batch_size: int):
     b = training_batch(dataset, [item] * batch_size)
     zeros = torch.zeros_like(b.latents)
     batch = Batch(b.latents, b.cond, b.pooled, zeros, torch.full((batch_size,), 0.5), b.mask,
-                  b.references, b.text_mask, b.text_extras)
+                  b.references, b.text_mask, b.text_extras, b.audio,
+                  torch.zeros_like(b.audio) if b.audio is not None else None)  # the audio stream runs too
     with torch.no_grad():
         return family.model_inputs(batch)
 
