@@ -104,19 +104,21 @@ def check_text_extras_batching(dataset, batch_size: int, caption_dropout: float 
     from .loading import ONE_CAPTION_AT_A_TIME
     if batch_size <= 1:
         return
-    found = {}  # signature -> what has it
-    for part, _ in _parts(dataset, where):
-        for signature, source in _extras_signatures(part, caption_dropout):
-            found.setdefault(signature, source)
-            if len(found) > 1:
-                (first, a), (second, b) = found.items()
+    found = {}  # signature -> what has it; two are enough to refuse
+    for signature, source in (each for part, _ in _parts(dataset, where)
+                              for each in _extras_signatures(part, caption_dropout)):
+        found.setdefault(signature, source)
+        if len(found) > 1:
+            break
+    else:
+        return
+    (first, a), (second, b) = found.items()
 
-                def described(signature):
-                    return ", ".join(f"{name} {list(shape)}" for name, shape in signature) or "nothing more"
-                raise ValueError(
-                    f"train.batch_size: the text encoder gave the captions other outputs beside the embedding ({a}: "
-                    f"{described(first)}; {b}: {described(second)}), which ComfyUI conditions one caption at a time "
-                    f"(HunyuanImage's glyph embedding is given for quoted text alone): {ONE_CAPTION_AT_A_TIME}")
+    def described(signature):
+        return ", ".join(f"{name} {list(shape)}" for name, shape in signature) or "nothing more"
+    raise ValueError(f"train.batch_size: the text encoder gave the captions other outputs beside the embedding ({a}: "
+                     f"{described(first)}; {b}: {described(second)}), which ComfyUI conditions one caption at a time "
+                     f"(HunyuanImage's glyph embedding is given for quoted text alone): {ONE_CAPTION_AT_A_TIME}")
 
 
 def has_audio(dataset) -> bool:
@@ -135,13 +137,12 @@ def distillation_audio_problem(dataset, where: str) -> str | None:
 def _check_audio(dataset, family, where: str):
     """A dataset whose clips carry audio latents trains a model that takes an audio stream (LTX-2), and every part
     of it carries them: a batch cannot mix items with and without audio."""
-    parts = [(name, bool(getattr(part, "audio", False))) for part, name in _parts(dataset, where)]
-    if len({audio for _, audio in parts}) > 1:
-        with_audio = [name for name, audio in parts if audio]
-        raise ValueError(f"data.prior_manifest: {'the prior items' if with_audio == [where] else 'the training items'}"
-                         " carry no audio latents and the others do; a batch needs audio for every item or none "
-                         "(cache both sets with the audio VAE, or neither)")
-    if parts[0][1] and not getattr(family, "takes_audio", False):
+    training, *prior = [bool(getattr(part, "audio", False)) for part, _ in _parts(dataset, where)]
+    if prior and prior[0] != training:
+        raise ValueError(f"data.prior_manifest: {'the prior items' if training else 'the training items'} carry no "
+                         "audio latents and the others do; a batch needs audio for every item or none (cache both "
+                         "sets with the audio VAE, or neither)")
+    if training and not getattr(family, "takes_audio", False):
         from ..models.base import UnsupportedSetting
         raise UnsupportedSetting(f"{where}: its clips carry audio latents, and {family.display_name} takes no audio "
                                  "stream (LTX-2 does); cache the clips without the audio VAE")
