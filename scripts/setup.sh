@@ -52,9 +52,14 @@ if [ "${INGRAPH_BROWSER:-0}" = "1" ] && ! command -v chromium >/dev/null 2>&1 &&
 fi
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-# (pip byte-compiles every installed file, ~50 s of CPU here; it stays: where PYTHONDONTWRITEBYTECODE is set, as on
-# this project's machines, Python would otherwise compile each module again in every process that imports it)
-PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+# (pip installs without byte-compiling, and what it installed is compiled afterwards on every core (compile_venv):
+# ~50 s of CPU that pip spends on one core. It must be compiled: where PYTHONDONTWRITEBYTECODE is set, as on this
+# project's machines, Python would otherwise compile each module again in every process that imports it)
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q --no-compile)
+compile_venv() {
+  "$VENV/bin/python" -m compileall -q -j 0 "$VENV/lib" >/dev/null 2>&1 \
+    || echo "setup: could not byte-compile all of $VENV/lib (some files are not Python 3 source); those run as they are" >&2
+}
 
 comfy_reqs=""
 [ -f "$COMFYUI_PATH/requirements.txt" ] && comfy_reqs="$COMFYUI_PATH/requirements.txt"
@@ -104,5 +109,6 @@ if [ -n "$newer_reqs" ]; then
   echo "setup: overlay for $COMFYUI_033_PATH in $VENV/comfyui-0.33" >&2
   "$VENV/bin/python" "$REPO/scripts/comfyui_overlay.py" "$COMFYUI_033_PATH" "$VENV/comfyui-0.33"
 fi
+compile_venv
 echo "$want" > "$stamp"
 echo "setup: done" >&2
