@@ -1,7 +1,8 @@
-"""The sound of video clips, for a model that generates video with audio (LTX-2): a clip item's audio track over the
-item's own span, decoded and resampled with PyAV (as its frames are decoded), then encoded by the graph's audio VAE
-as ComfyUI's LTXV Audio VAE Encode node encodes a clip's sound, and fitted to the number of audio latents ComfyUI's
-LTXV Empty Latent Audio gives a video of the item's frames at its frame rate (what the model generates beside it).
+"""The sound of video clips, for a model that generates video with audio (LTX-2, MiniMax H3): a clip item's audio
+track over the item's own span, decoded and resampled with PyAV (as its frames are decoded), then encoded by the
+graph's audio VAE as ComfyUI's audio VAE encode nodes encode a clip's sound, and fitted to the number of audio latents
+ComfyUI's empty audio-video latents give a video of the item's frames at its frame rate (what the model generates
+beside it: LTXV Empty Latent Audio's count, Empty MiniMax H3 Latent AV's).
 """
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ SEEK_MARGIN_S = 0.5
 
 
 def is_audio_vae(vae) -> bool:
-    """Whether a VAE is one of ComfyUI's audio VAEs that pair audio latents with video frames (LTX-2's, from Load
-    LTXV Audio VAE), which say how many audio latents a video of some frames at some rate has."""
-    return hasattr(getattr(vae, "first_stage_model", None), "num_of_latents_from_frames")
+    """Whether a VAE is one of ComfyUI's audio VAEs that pair audio latents with video frames: LTX-2's (Load LTXV
+    Audio VAE), which says how many audio latents a video of some frames at some rate has, and MiniMax H3's, which
+    makes a fixed number of latents a second."""
+    model = getattr(vae, "first_stage_model", None)
+    return hasattr(model, "num_of_latents_from_frames") or hasattr(model, "latents_per_second")
 
 
 def audio_rate(vae) -> int:
@@ -28,8 +31,18 @@ def audio_rate(vae) -> int:
 
 
 def audio_latent_count(vae, frames: int, fps: float) -> int:
-    """The audio latents ComfyUI's LTXV Empty Latent Audio makes beside `frames` video frames at `fps`."""
-    return int(vae.first_stage_model.num_of_latents_from_frames(frames, fps))
+    """The audio latents beside `frames` video frames at `fps`: as many as LTXV Empty Latent Audio makes (LTX-2), or
+    as Empty MiniMax H3 Latent AV makes for that duration (40 a second, rounded)."""
+    model = vae.first_stage_model
+    if hasattr(model, "num_of_latents_from_frames"):
+        return int(model.num_of_latents_from_frames(frames, fps))
+    return round(frames / fps * model.latents_per_second)
+
+
+def audio_time_axis(vae) -> int:
+    """The time axis of one item's audio latent as the VAE gives it: LTX-2's [C, T, bins] (1), MiniMax H3's
+    [C, stereo, T] (the last)."""
+    return 1 if hasattr(vae.first_stage_model, "num_of_latents_from_frames") else -1
 
 
 def encoded_block(vae) -> int:
@@ -92,11 +105,11 @@ def load_clip_audio(path: str | Path, start_s: float, duration_s: float, rate: i
 
 
 def clip_audio_latent(vae, path: str | Path, start: int, frames: int, fps: float):
-    """The audio latent [C, T, F] of a clip item (`frames` frames from frame `start` at `fps`): its sound, read on
-    in whole blocks of what the VAE encodes (encoded_block: the sound after the item's end, not a crop of its own)
-    and encoded as ComfyUI's VAE Encode Audio encodes it, then the latents of its own span kept: as many as LTXV
-    Empty Latent Audio gives its frames (padded with zeros, as LTXV Concat AV Latent pads a short one, only where
-    the encoder gives fewer). Errors name the file."""
+    """The audio latent (LTX-2's [C, T, F], MiniMax H3's [C, 2, T]) of a clip item (`frames` frames from frame
+    `start` at `fps`): its sound, read on in whole blocks of what the VAE encodes (encoded_block: the sound after the item's end, not a crop of its own)
+    and encoded as ComfyUI's VAE Encode Audio encodes it, then the latents of its own span kept: as many as
+    audio_latent_count gives its frames (padded with zeros, as LTXV Concat AV Latent pads a short one, only where the
+    encoder gives fewer). Errors name the file."""
     import torch
     rate, count = audio_rate(vae), audio_latent_count(vae, frames, fps)
     block = encoded_block(vae)
@@ -107,7 +120,9 @@ def clip_audio_latent(vae, path: str | Path, start: int, frames: int, fps: float
     except Exception as exc:  # noqa: BLE001 - the VAE's own error, named by the clip
         raise ClipError(f"clip {shown(path)}: the audio VAE could not encode its sound from frame {start}: "
                         f"{exc.__class__.__name__}: {exc}") from exc
-    if latent.shape[1] >= count:
-        return latent[:, :count].contiguous()
-    pad = torch.zeros(latent.shape[0], count - latent.shape[1], *latent.shape[2:], dtype=latent.dtype)
-    return torch.cat([latent, pad], dim=1)
+    axis = audio_time_axis(vae) % latent.dim()
+    if latent.shape[axis] >= count:
+        return latent.narrow(axis, 0, count).contiguous()
+    pad = list(latent.shape)
+    pad[axis] = count - latent.shape[axis]
+    return torch.cat([latent, torch.zeros(pad, dtype=latent.dtype)], dim=axis)

@@ -258,7 +258,8 @@ def check_audio_source(item, audio_vae, fps: float) -> None:
     audio latent, and the VAE is an audio VAE; the error names the file, or the input."""
     if not is_audio_vae(audio_vae):
         raise DatasetError("audio_vae: this VAE does not encode audio for a video model (connect LTX-2's audio VAE "
-                           "from Load LTXV Audio VAE, or leave audio_vae unconnected to train on video alone)")
+                           "from Load LTXV Audio VAE, or MiniMax H3's from Load VAE; or leave audio_vae unconnected "
+                           "to train on video alone)")
     if not item.is_clip or Path(item.path).is_dir():
         what = "folder of frames" if item.is_clip else "image"
         raise DatasetError(f"{what} {shown(item.path)}: the audio VAE encodes each clip's sound, and a {what} has "
@@ -266,7 +267,7 @@ def check_audio_source(item, audio_vae, fps: float) -> None:
     if fps <= 0:
         raise DatasetError("fps: the clips' sound is timed by their frames at the dataset's frame rate, which 0 (each "
                            "clip at its own) leaves unknown to the model; set fps on Load Training Images (LTX-2: "
-                           "24 or 25), or leave audio_vae unconnected")
+                           "24 or 25, MiniMax H3: 24), or leave audio_vae unconnected")
     if audio_latent_count(audio_vae, item.frames, fps) < 1:
         raise DatasetError(f"clip {shown(item.path)}: its {item.frames}-frame items last {item.frames / fps:.3f} s at "
                            f"{fps:g} fps, shorter than one audio latent; use longer frame buckets")

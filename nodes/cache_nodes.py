@@ -37,18 +37,19 @@ class CacheLatents(io.ComfyNode):
             description="Encodes each image once with the graph's VAE into the on-disk cache the trainer reads "
                         "(with its loss mask, if it has one, on the latent grid, and its reference images beside "
                         "it). Clips are encoded with a video VAE (Wan, HunyuanVideo, LTX-Video) into one video "
-                        "latent per item, and with LTX-2's audio VAE their sound into an audio latent beside it. "
-                        "Unchanged images and clips are reused from the cache.",
+                        "latent per item, and with LTX-2's or MiniMax H3's audio VAE their sound into an audio latent "
+                        "beside it. Unchanged images and clips are reused from the cache.",
             inputs=[
                 Dataset.Input("dataset", tooltip="Images from Load Training Images."),
                 io.Vae.Input("vae", tooltip="The VAE of the model you train (e.g. from Load Checkpoint); a video "
                                             "model's VAE for clips of more than one frame."),
                 io.Vae.Input("audio_vae", optional=True,
-                             tooltip="LTX-2 only: its audio VAE (Load LTXV Audio VAE), to train the model's audio "
-                                     "stream on the clips' sound. Each clip item's sound over its frames is encoded "
-                                     "beside them; every item must then be a video file with an audio track, read "
-                                     "at a set fps (Load Training Images). Leave unconnected to train on video "
-                                     "alone."),
+                             tooltip="LTX-2 and MiniMax H3 only: the model's audio VAE (LTX-2's from Load LTXV "
+                                     "Audio VAE, MiniMax H3's from Load VAE), to train the model's audio stream on "
+                                     "the clips' sound. Each clip item's sound over its frames is encoded beside "
+                                     "them; every item must then be a video file with an audio track, read at a set "
+                                     "fps (Load Training Images). Leave unconnected to train LTX-2 on video alone; "
+                                     "MiniMax H3 always generates sound and needs it."),
             ],
             outputs=[Dataset.Output(display_name="dataset", tooltip="The dataset with its latents cached."),
                      io.Int.Output(display_name="encoded", tooltip="Images encoded in this run."),

@@ -85,7 +85,13 @@ TEXT = {"sd_unet": (8, 768, None), "sdxl": (8, 2048, 1280), "sd3": (8, 64, 32), 
         "flux2": (8, 64, None),  # the tiny Flux.2 reads 64-wide text (its txt_in; real ones: 7680 or 15360)
         "krea2": (8, 320, None),  # 2 encoder layers of 160 side by side (the real one: 12 of Qwen3-VL-4B)
         "hunyuan_video15": (8, 64, None),
-        "ltxav": (8, 32, None)}  # the tiny LTX-2's text: its connectors' width (real ones: 3840, Gemma 3 projected)
+        "ltxav": (8, 32, None),  # the tiny LTX-2's text: its connectors' width (real ones: 3840, Gemma 3 projected)
+        "minimax_h3": (8, 32, None)}  # the tiny MiniMax H3's condition_proj input (the real one: Qwen3-VL-32B's 5120)
+# the audio latent (channels, stereo, time) a joint audio-video model's tiny one trains on beside its video (MiniMax
+# H3's audio VAE: 32 channels, stereo, 40 latents a second; 5: an eighth of a second); and the video latent's
+# channels where the latent format names another width (MiniMax H3's names the larger of its two streams', 32)
+AUDIO_OF_CLASS = {"MiniMaxH3": (32, 2, 5)}
+VIDEO_CHANNELS_OF_CLASS = {"MiniMaxH3": 24}
 
 
 # ComfyUI class -> why no tiny model here trains it (for a class that trains: what the training leaves out)
@@ -113,8 +119,9 @@ WHY_NOT = {
     "WAN21_SCAIL": NO_EXTRA.format("pose and reference latents"),
     "WAN21_SCAIL2": NO_EXTRA.format("pose, reference and identity-mask latents"),
     "WAN22_WanDancer": NO_EXTRA.format("audio and reference-image inputs"),
-    "WAN21_FlowRVS": "refused: its objective, ComfyUI's IMG_TO_IMG_FLOW (a flow from the clean latent, image to "
-                     "image), is not one the trainer has (it trained as plain flow before, which ComfyUI never runs)",
+    "WAN21_FlowRVS": "referring video segmentation, not text-to-video: ComfyUI's IMG_TO_IMG_FLOW flows from a "
+                     "clip's latent to its object mask's, so training needs a mask for each clip, which the trainer "
+                     "does not take (the trainer refuses its objective)",
     "WAN21_CausalAR_T2V": "generic family, trained as a whole clip (not causally, frame block by block)",
     "HunyuanVideoI2V": NO_EXTRA.format("start image's latent and mask"),
     "HunyuanVideoSkyreelsI2V": NO_EXTRA.format("start image's latent"),
@@ -167,8 +174,9 @@ WHY_NOT = {
     "LTXAV": "trained here on video alone, as ComfyUI samples it from a video latent (the presets then adapt the "
              "video stream's layers); a run on clips cached with its audio VAE trains the audio stream too "
              "(test_clip_audio.py, test_video_families.py)",
-    "MiniMaxH3": "joint audio-video model whose audio stream is noised on a schedule of its own (ComfyUI's FLOW_AV: "
-                 "audio shift 3 beside the video's 12, scaled onto the video's), which the trainer does not have yet",
+    "MiniMaxH3": "trains video and audio together on clips cached with its audio VAE, its audio carried on the video's "
+                 "noise schedule as ComfyUI's FLOW_AV sampler carries it (trainer/models/minimax_h3.py); one sample "
+                 "a model call, as ComfyUI runs it",
     "Stable_Cascade_B": "Stable Cascade stage B: ComfyUI knows only the released sizes; needs stage C's output",
     "Stable_Cascade_C": "Stable Cascade stage C: ComfyUI knows only the released sizes (1536 or 2048 wide)",
     "ErnieImage": "ComfyUI reads no size from the weights: only the released model loads",
@@ -178,7 +186,7 @@ OUT_OF_SCOPE = {"audio": "audio model: this pack trains image and video models",
                 "3D": "3-D generator: this pack trains image and video models",
                 "other": "not a diffusion model (no latents to denoise: detection, segmentation, depth)"}
 
-VIDEO_FAMILIES = ("wan", "hunyuan_video", "hunyuan_video15", "ltxv", "ltxav")
+VIDEO_FAMILIES = ("wan", "hunyuan_video", "hunyuan_video15", "ltxv", "ltxav", "minimax_h3")
 # classes the latent format misnames: an image model on a video VAE's latents, 3-D generators with image-like ones
 KINDS = {"Krea2": "image", "Trellis2": "3D", "TripoSplat": "3D"}
 
@@ -251,6 +259,11 @@ COSMOS2_TINY = dict(max_img_h=240, max_img_w=240, max_frames=128, in_channels=16
 # positions (a file with no learned position table)
 COGVIDEOX_TINY = dict(num_attention_heads=2, attention_head_dim=64, time_embed_dim=128, num_layers=1,
                       use_rotary_positional_embeddings=True)
+# MiniMax H3 at 48 wide (2 heads of 24: its rotary tables are 6 x rope_inv_freq_len wide), 1 block and 1 text
+# refiner block, 32-wide text; ComfyUI reads every size from the weights
+MINIMAX_H3_TINY = dict(hidden_size=48, num_layers=1, token_refiner_num_layers=1, num_attention_heads=2,
+                       attention_head_dim=24, ffn_hidden_size=64, text_dim=32, timestep_input_dim=32,
+                       time_embed_hidden_size=48, time_embed_dim=32, rope_inv_freq_len=4)
 LTXAV_TINY = dict(num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16, audio_num_attention_heads=2,
                   audio_attention_head_dim=4, audio_cross_attention_dim=8, caption_channels=32,
                   connector_num_attention_heads=2, connector_attention_head_dim=16, connector_num_layers=1,
@@ -351,6 +364,7 @@ CLASS_BUILT = {
     # LTX-2: ComfyUI reads its sizes from the file's "config" metadata (Lightricks' files carry one), else fixes 32
     # heads and 2048-wide audio; 2 heads of 8 for video, 2 of 4 for audio, 32-wide text connectors, 1 block
     "LTXAV": (LTXAV_TINY, {"config": json.dumps({"transformer": LTXAV_TINY})}),
+    "MiniMaxH3": (MINIMAX_H3_TINY, None),
 }
 
 
@@ -377,6 +391,10 @@ def class_state_dict(class_name: str, unet_config: dict, metadata: dict | None):
                 raise
             del unet_config[unknown.group(1)]
     state = random_state_dict(model, 0)
+    for key in [k for k in state if k.endswith("inv_freq")]:  # a rotary frequency buffer ComfyUI leaves empty
+        # (MiniMax H3's), filled as the released files hold it: 1 / 10000^(2i / d) for each of its d / 2 pairs
+        n = state[key].numel()
+        state[key] = 1.0 / 10000.0 ** (torch.arange(n, dtype=torch.float32) / n)
     return (state, metadata) if metadata else state
 
 
@@ -420,13 +438,15 @@ def latent_shape(family, kind: str, side: int = 8) -> tuple:
     """The latent batch a family's tiny model trains on: video models (a video family's, or the generic family on
     a video class) on 3 latent frames; everything else on image latents (the family lays them out as its model
     takes them: Qwen-Image's one-frame videos, say)."""
-    channels = family.base_model.latent_format.latent_channels
+    channels = VIDEO_CHANNELS_OF_CLASS.get(type(family.base_model.model_config).__name__,
+                                           family.base_model.latent_format.latent_channels)
     video = family.name in VIDEO_FAMILIES or (family.name == "generic" and kind == "video")
     return (2, channels, 3, 4, 8) if video else (2, channels, side, side)
 
 
 def random_batch(family, builder: str, shape: tuple, generator):
-    """Random latents, text of the family's shapes (its conditioning's), noise and timesteps."""
+    """Random latents, text of the family's shapes (its conditioning's), noise and timesteps (and audio latents
+    where the class takes them: AUDIO_OF_CLASS)."""
     import torch
     from ingraph_trainer.trainer.models import Batch
     from ingraph_trainer.trainer.data.loading import TextExtras
@@ -434,10 +454,15 @@ def random_batch(family, builder: str, shape: tuple, generator):
     extras = TEXT_EXTRAS_OF_BUILDER.get(builder)
     text_mask = (torch.arange(tokens) < tokens // 2).long().repeat(2, 1) if builder in ("tiny HunyuanDiT",
                                                                                          "tiny HunyuanDiT1") else None
-    return Batch(torch.randn(shape, generator=generator), torch.randn(2, tokens, width, generator=generator),
-                 torch.randn(2, pooled, generator=generator) if pooled else None,
-                 torch.randn(shape, generator=generator), torch.rand(2, generator=generator),
-                 text_mask=text_mask, text_extras=TextExtras(extras(generator)) if extras else None)
+    batch = Batch(torch.randn(shape, generator=generator), torch.randn(2, tokens, width, generator=generator),
+                  torch.randn(2, pooled, generator=generator) if pooled else None,
+                  torch.randn(shape, generator=generator), torch.rand(2, generator=generator),
+                  text_mask=text_mask, text_extras=TextExtras(extras(generator)) if extras else None)
+    audio = AUDIO_OF_CLASS.get(type(family.base_model.model_config).__name__)
+    if audio:
+        batch.audio = torch.randn(2, *audio, generator=generator)
+        batch.audio_noise = torch.randn(2, *audio, generator=generator)
+    return batch
 
 
 def train_two_steps(family, builder: str, shape: tuple) -> str:

@@ -32,7 +32,13 @@ def base_weight(layer: torch.nn.Module) -> torch.Tensor:
 
 
 def _peft_config(kind: str, targets: list[str], rank: int, alpha: float, dropout: float):
+    import re
+
     from peft import LoHaConfig, LoKrConfig, LoraConfig
+    # the layers by their whole names: peft matches a list of names by suffix too, so a target such as
+    # "blocks.0.attn.qkv_proj" would adapt "token_refiner.blocks.0.attn.qkv_proj" as well (MiniMax H3's); a string is
+    # matched whole (re.fullmatch)
+    targets = "|".join(re.escape(name) for name in targets)
     if kind in ("lora", "dora"):
         return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                           init_lora_weights=True, bias="none", use_dora=kind == "dora")

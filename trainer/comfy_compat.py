@@ -268,8 +268,10 @@ def sample(patcher, latent, seed: int, steps: int, cfg: float, sampler: str, sch
     import comfy.sample
     latent = comfy.sample.fix_empty_latent_channels(patcher, latent)
     noise = comfy.sample.prepare_noise(latent, seed)
-    return comfy.sample.sample(patcher, noise, steps, cfg, sampler, scheduler, positive, negative, latent, seed=seed,
-                               disable_pbar=True)
+    out = comfy.sample.sample(patcher, noise, steps, cfg, sampler, scheduler, positive, negative, latent, seed=seed,
+                              disable_pbar=True)
+    # a joint audio-video model's (MiniMax H3's empty latent becomes a nested video and audio pair): its video stream
+    return out.unbind()[0] if getattr(out, "is_nested", False) else out
 
 
 def torch_device():

@@ -676,3 +676,179 @@ def test_a_model_on_an_objective_of_its_own_trains_on_the_target_comfyui_turns_i
     text = torch.randn(2, 8, text_width, generator=g)
     family.loss(Batch(latents[:2], text, None, noise[:2], torch.tensor([0.3, 0.8]))).backward()
     assert all(modules[t].weight.grad.abs().sum() > 0 for t in targets), targets
+
+
+@pytest.fixture(scope="module")
+def minimax_h3_file(tmp_path_factory):
+    """The tiny MiniMax H3 (tools/family_coverage.py's MINIMAX_H3_TINY, built by ComfyUI's own get_model), as a file."""
+    bootstrap_comfy()
+    from safetensors.torch import save_file
+
+    from tools.family_coverage import CLASS_BUILT, class_state_dict
+    path = tmp_path_factory.mktemp("minimax_h3") / "tiny_minimax_h3.safetensors"
+    save_file(class_state_dict("MiniMaxH3", *CLASS_BUILT["MiniMaxH3"]), str(path))
+    return path
+
+
+def minimax_h3_batch(captions: int = 2):
+    """Two samples of MiniMax H3's shapes: 24-channel video latents of 2 latent frames, each caption its own, and
+    audio latents [32, stereo, 7] (its audio VAE's)."""
+    from ingraph_trainer.trainer.models import Batch
+    g = torch.Generator().manual_seed(1)
+    latents = torch.randn(2, 24, 2, 4, 6, generator=g)
+    cond = torch.randn(2, 5, 32, generator=g)
+    if captions == 1:
+        cond[1] = cond[0]
+    batch = Batch(latents, cond, None, torch.randn(latents.shape, generator=g), torch.tensor([0.3, 0.8]))
+    batch.audio = torch.randn(2, 32, 2, 7, generator=g)
+    batch.audio_noise = torch.randn(batch.audio.shape, generator=g)
+    return batch
+
+
+@pytest.mark.skipif(not ON_COMFYUI_033, reason="skipped: this ComfyUI has no MiniMax H3 (0.33 and later have)")
+def test_minimax_h3_trains_both_streams_sample_by_sample_and_its_loss_is_comfyuis(minimax_h3_file):
+    """MiniMax H3 (ComfyUI's FLOW_AV objective: its audio carried on the video's noise schedule, 4x at shifts 12 and
+    3): each sample's loss is the video stream's plus the audio stream's, of ComfyUI's own sampler output on that
+    sample's packed latent (the latent shapes set on the model as its sampler sets them), with that sample's own
+    caption, to 1e-6; the clean audio goes in carried as the sampler carries it. The DiT blocks' layers take
+    gradients, the same checkpointed as not (its blocks add into their input in place). A preview shows the video
+    stream of what KSampler makes. A dataset without audio latents and pipeline stages are refused, naming the input
+    and the setting."""
+    import comfy.sampler_helpers
+    import comfy.samplers
+    import comfy.utils
+    from types import SimpleNamespace
+
+    from ingraph_trainer.trainer.adapters import inject_adapter
+    from ingraph_trainer.trainer.data.dataset_checks import check_dataset_for_family
+    from ingraph_trainer.trainer.models import UnsupportedSetting, family_for
+    from ingraph_trainer.trainer.models.minimax_h3 import samples
+    from ingraph_trainer.trainer.parallel.memory import memory_savers
+    patcher = load_with_unet_loader(minimax_h3_file)
+    family = family_for(patcher.model, patcher=patcher)
+    model = patcher.model
+    assert family.name == "minimax_h3" and family.prediction == "flow" and model.model_sampling.audio_scale == 4.0
+    targets = family.adapter_targets("attention_ff")
+    assert targets and all(t.startswith("blocks.") for t in targets) and len(targets) > len(
+        family.adapter_targets("attention"))
+    batch = minimax_h3_batch()
+    one = samples(batch)[0]
+    x0, _, _ = family.audio_video_noising(one)
+    video, audio = comfy.utils.unpack_latents(x0, family.latent_shapes(one))
+    torch.testing.assert_close(audio, 4.0 * one.audio)  # carried onto the video's schedule
+    torch.testing.assert_close(video, one.latents)  # (its latent format's scale is 1)
+    with torch.no_grad():
+        ours = family.loss(batch, reduce=False)
+        theirs = []
+        for sample in samples(batch):
+            x0, shapes = comfy.utils.pack_latents([sample.latents, sample.audio])
+            noise, _ = comfy.utils.pack_latents([sample.noise, sample.audio_noise])
+            model.latent_shapes = shapes  # what the sampler's inner_sample sets
+            try:
+                x0 = model.process_latent_in(x0)
+                sigma = family.sigmas(sample.timesteps)
+                x = model.model_sampling.noise_scaling(sigma.view(-1, 1, 1), noise, x0)
+                out = comfy_sampler_output(patcher, x, sigma, [[sample.cond, {}]], noise, latent_shapes=shapes)
+            finally:
+                model.latent_shapes = None
+            streams = zip(comfy.utils.unpack_latents(out, shapes), comfy.utils.unpack_latents(noise - x0, shapes),
+                          strict=True)
+            theirs.append(sum((o - t).pow(2).mean() for o, t in streams))
+    assert len(theirs) == len(ours) == 2
+    torch.testing.assert_close(ours, torch.stack(theirs), **SAME)
+    with torch.no_grad():  # each sample is conditioned on its own caption: another second caption moves the second
+        other = family.loss(minimax_h3_batch(captions=1), reduce=False)
+    assert torch.equal(other[0], ours[0]) and not torch.allclose(other[1], ours[1]), (other, ours)
+    grads = []
+    for checkpointing in (False, True):
+        family = family_for(load_with_unet_loader(minimax_h3_file).model)
+        family.prepare_for_training()
+        params = inject_adapter(family.diffusion_model, targets, "lora", 2, 2.0, 0.0)
+        torch.manual_seed(3)
+        for param in params:  # both halves of each LoRA non-zero: every one takes a gradient
+            param.data.normal_(0, 0.1)
+        memory_savers(family, checkpointing, 0)
+        family.loss(batch).backward()
+        grads.append([param.grad for param in params])
+    assert len(grads[0]) == len(grads[1]) and all(g.abs().sum() > 0 for g in grads[0])
+    for plain, checkpointed in zip(*grads):
+        torch.testing.assert_close(checkpointed, plain, rtol=0, atol=0)
+    # the memory plan's meta pass runs it as a step does (its forward reads the timestep's value): the LoRA's
+    # activations counted, per sample; a batch of 2 runs 2 calls before one backward, and saves twice as much
+    from ingraph_trainer.trainer.parallel.memory_sizes import activation_profile
+    with torch.no_grad():
+        inputs = family.model_inputs(samples(batch)[0])
+    profile = activation_profile(family, inputs, family.checkpoint_blocks(), None, torch.device("cpu"))
+    assert profile.measured and sum(profile.saved) > 0 and family.samples_per_call == 1
+    assert profile.times(2).saved == [2 * s for s in profile.saved] and profile.times(2).loss == 2 * profile.loss
+    # a preview samples it as KSampler does from an empty latent (its latent format makes it a video and audio pair)
+    # and shows the video stream: 24 channels, one latent frame's worth of an image at 16x
+    from ingraph_trainer.trainer.sampling import sample_latent
+    with torch.no_grad():
+        preview = sample_latent(patcher, [[batch.cond[:1], {}]], [[batch.cond[1:], {}]], 0, steps=1, cfg=1.0,
+                                sampler="euler", scheduler="simple", width=64, height=64)
+    assert preview.shape[:2] == (1, 24) and preview.shape[-2:] == (4, 4) and torch.isfinite(preview).all()
+    silent = SimpleNamespace(audio=False, reference_slots=0, sizes=None, text_keys=[], sources=[])
+    with pytest.raises(UnsupportedSetting, match=r"^data.manifest: MiniMax H3 generates video with sound, and these "
+                                                 r"items carry no audio latents: .*Cache Latents' audio_vae"):
+        check_dataset_for_family(silent, family)
+    with pytest.raises(UnsupportedSetting, match="distributed.pipeline_stages: MiniMax H3"):
+        family.pipeline_layers()
+
+
+@pytest.mark.skipif(not ON_COMFYUI_033, reason="skipped: this ComfyUI has no MiniMax H3 (0.33 and later have)")
+def test_minimax_h3_trains_on_clips_with_sound_through_the_graph(video_models_in_server, minimax_h3_file, client):
+    """Two clips with sound (PCM in .mkv, AAC in .mp4), cached through Cache Latents with MiniMax H3's audio VAE (a
+    stand-in: the real one is too large here), train the tiny MiniMax H3 2 steps at batch size 2, its memory plan
+    measured on both streams. The LoRA (on the DiT blocks alone: no layer of its text refiner) loads
+    through the stock LoraLoaderModelOnly with no "lora key not loaded", and changes the audio of ComfyUI's own
+    MiniMax H3 graph (Empty MiniMax H3 AV Latent → KSampler → LTXVSeparateAVLatent)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from media_files import time_ramp, write_video
+    from ingraph_trainer.trainer.data.loading import load_cached_dataset
+    comfy = video_models_in_server
+    shutil.copy(minimax_h3_file, comfy.dir("models", "diffusion_models") / minimax_h3_file.name)
+    folder = comfy.dir("input", "ingraph_minimax_sound")
+    write_video(folder / "talk.mkv", 16, fps=8, sound=time_ramp)
+    write_video(folder / "wave.mp4", 16, fps=8, sound=lambda t: np.sin(2 * np.pi * 440 * t)[None] * 0.5,
+                audio_codec="aac")
+    for clip in ("talk", "wave"):
+        (folder / f"{clip}.txt").write_text(f"a {clip}, ingraph style")
+    model = {"class_type": "UNETLoader", "inputs": {"unet_name": minimax_h3_file.name, "weight_dtype": "default"}}
+    graph = training_graph("wan", "minimax_sound", model=model, text_family="minimax_h3")
+    graph["2"]["inputs"]["vae_name"] = VAE_CHANNELS[24]
+    graph["4"]["inputs"].update(folder="ingraph_minimax_sound", frame_buckets="1", fps=8.0)
+    graph["20"] = {"class_type": "InGraphTestStandInMiniMaxAudioVAE", "inputs": {}}
+    graph["5"]["inputs"]["audio_vae"] = ["20", 0]
+    outcome = client.run(graph, timeout=600)
+    assert outcome.ok, outcome.error
+    events = run_events(outcome)
+    started = next(e for e in events if e["type"] == "started")
+    steps = [e for e in events if e["type"] == "step"]
+    assert started["family"] == "minimax_h3" and len(steps) == 2 and all(np.isfinite(e["loss"]) for e in steps)
+    # the memory plan ran the model as a step does (both streams, sample by sample)
+    assert started["memory_plan"]["parts"]["activations"] > 0, started["memory_plan"]["summary"]
+    dataset = load_cached_dataset(str(Path(started["run_dir"]) / "dataset.json"))
+    assert dataset.audio and dataset.audio_latents([0, 1]).shape == (2, 32, 2, 5)  # 1 frame at 8 fps: 40 a second
+    adapter = load_file(str(comfy.base_dir / "models" / "loras" / "minimax_sound.safetensors"))
+    assert adapter and all(k.startswith("diffusion_model.blocks.") for k in adapter), sorted(adapter)[:3]
+
+    def av_sampling(lora: str | None, prefix: str) -> dict:
+        graph = sampling_graph("wan", lora, prefix, unet_name=minimax_h3_file.name, text_family="minimax_h3")
+        graph.update({
+            "12": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": 64, "height": 64, "length": 5}},
+            "17": {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["13", 0]}}})
+        graph["14"]["inputs"]["samples"] = ["17", 1]  # the audio stream's latent
+        return graph
+    log_before = len(comfy.log_text())
+    outcome = client.run(merged({"base": av_sampling(None, "minimax_sound_base"),
+                                 "lora": av_sampling("minimax_sound.safetensors", "minimax_sound_lora")}), timeout=600)
+    assert outcome.ok, outcome.error
+    log = comfy.log_text()[log_before:]
+    assert "lora key not loaded" not in log and "ERROR" not in log, log[-3000:]
+    base, trained = saved_latent(comfy, "minimax_sound_base"), saved_latent(comfy, "minimax_sound_lora")
+    assert base.shape == trained.shape == (1, 32, 2, 8)  # 5 frames at 24 fps, 40 latents a second
+    assert (base - trained).abs().max() > 1e-6, "the LoRA did not change the audio"

@@ -133,3 +133,32 @@ class StandInAudioVAE:
         usable = audio.shape[1] // hop * hop
         windows = audio[:, :usable, 0].reshape(audio.shape[0], -1, hop).mean(-1)
         return windows[:, None, :, None].expand(-1, self.latent_channels, -1, 16).clone()
+
+
+class StandInMiniMaxAudioVAE(StandInAudioVAE):
+    """Stands in for MiniMax H3's audio VAE as ComfyUI's Load VAE gives it (the real one is hundreds of millions of
+    parameters): the same interface and input handling (encode takes [B, samples, channels] at 32 kHz, mono
+    repeated to stereo, cropped to whole blocks of 800 samples from both ends; first_stage_model makes 40 latents a
+    second), latents [B, 32, stereo, T], each the mean of its window in its own channel."""
+    audio_sample_rate = 32000
+    latent_channels = 32
+    latents_per_second = 40
+    downscale_ratio = 800
+
+    def __init__(self):
+        import types
+        self.encoded = []
+        self.first_stage_model = types.SimpleNamespace(latents_per_second=self.latents_per_second)
+
+    def get_sd(self):
+        import torch
+        return {"stand_in_minimax_audio_vae": torch.tensor([float(self.audio_sample_rate)])}
+
+    def encode(self, audio):
+        self.encoded.append(tuple(audio.shape))
+        if audio.shape[-1] == 1:  # ComfyUI's "replicate" padding of the channels
+            audio = audio.repeat(1, 1, 2)
+        kept = audio.shape[1] // self.downscale_ratio * self.downscale_ratio  # vae_encode_crop_pixels
+        audio = audio.narrow(1, (audio.shape[1] % self.downscale_ratio) // 2, kept)
+        windows = audio.reshape(audio.shape[0], -1, self.downscale_ratio, 2).mean(2)  # [B, T, stereo]
+        return windows.movedim(1, -1)[:, None].expand(-1, self.latent_channels, -1, -1).clone()

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from clip_caching import SyntheticClip, VideoVAE, scan
-from media_files import SIDE, StandInAudioVAE, time_ramp, write_image, write_video
+from media_files import SIDE, StandInAudioVAE, StandInMiniMaxAudioVAE, time_ramp, write_image, write_video
 from ingraph_trainer.cache.audio import SEEK_MARGIN_S
 from ingraph_trainer.cache.dataset import prior_problems
 from ingraph_trainer.cache.encoding import encode_latents, encode_text
@@ -73,6 +73,31 @@ def test_each_clip_items_sound_is_cached_beside_its_frames_over_its_own_span(tmp
     assert (encoded, reused) == (len(dataset.items), 0) and not silent.audio
     assert not {i.latent for i in silent.items} & {i.latent for i in dataset.items}
     assert "audio" not in load_file(str(store.lookup(silent.items[0].latent).path))
+    store.close()
+
+
+def test_minimax_h3s_audio_vae_caches_40_latents_a_second_on_the_last_axis_over_each_items_own_span(tmp_path):
+    """With MiniMax H3's audio VAE (32 kHz, 800 samples a latent, latents [32, stereo, T]): each 9-frame window at
+    8 fps gets round(9 / 8 * 40) = 45 latents, as Empty MiniMax H3 Latent AV gives that duration, each the sound of
+    its own 25 ms of the window's span, on the latent's last axis, each stereo channel its own."""
+    folder = clips_with_sound(tmp_path / "data")
+    store = CacheStore(tmp_path / "cache")
+    vae = StandInMiniMaxAudioVAE()
+    dataset, encoded, reused = cache(folder, store, vae)
+    assert encoded == len(dataset.items) == len(vae.encoded) >= 4 and dataset.audio
+    # 1.125 s at 32 kHz, in whole blocks of 800 samples: 36000 samples, read whole (no crop of the item's own)
+    assert all(shape == (1, 36000, 2) for shape in vae.encoded), vae.encoded
+    for item in dataset.items:
+        audio = load_file(str(store.lookup(item.latent).path))["audio"]
+        assert audio.shape == (32, 2, 45)
+        # (up to the clip's last 50 ms, where the 48 to 32 kHz resampler's tail leaves a few samples short)
+        inside = [k for k in range(45) if item.start / 8 + (k + 1) / 40 <= 1.95]
+        expected = torch.tensor([(item.start / 8 + (k + 0.5) / 40) / 10 for k in inside])
+        tolerance = 1e-3 if item.path.endswith(".mkv") else 5e-3  # AAC is lossy
+        for channel, sign in ((0, 1.0), (1, -1.0)):  # the left channel and the right, its negative
+            torch.testing.assert_close(audio[0, channel, inside], sign * expected, rtol=0, atol=tolerance,
+                                       msg=lambda m: f"{item.path}: {m}")
+        assert torch.equal(audio[5], audio[0])
     store.close()
 
 
@@ -210,7 +235,8 @@ def test_distillation_and_models_without_audio_refuse_a_dataset_with_sound_at_qu
             return self.family_
     datasets = SimpleNamespace(train=dataset, prior=None)
     with pytest.raises(ValueError, match=r"^Distill: dataset: its clips' sound was cached \(Cache Latents' "
-                                         r"audio_vae\); distilling LTX-2 with its audio stream is not yet supported"):
+                                         r"audio_vae\); distilling a model's audio stream \(LTX-2's, MiniMax H3's\) is "
+                                         r"not yet supported"):
         check_new_distillation(RunSpec(distill=DistillSpec(guidance_scale=1.0)), Model(True), datasets, Node())
     assert distillation_audio_problem(silent, "dataset") is None
     assert distillation_audio_problem(dataset, "data.manifest").startswith("data.manifest: its clips' sound")

@@ -351,6 +351,21 @@ def test_objectives_min_snr_and_huber():
 
 
 @pytest.mark.parametrize("kind", ["lora", "loha", "lokr", "dora"])
+def test_an_adapter_goes_on_the_layers_named_and_no_layer_whose_name_ends_like_one(kind):
+    """A target is a whole layer name: "blocks.0.attn" adapts that layer, not "refiner.blocks.0.attn" (peft matches
+    a list of names by suffix too: MiniMax H3's text refiner took a LoRA its preset never named)."""
+    import torch
+    adapters = importlib.import_module("ingraph_trainer.trainer.adapters")
+    blocks = torch.nn.ModuleList([torch.nn.ModuleDict({"attn": torch.nn.Linear(4, 4)})])
+    model = torch.nn.ModuleDict({"blocks": blocks, "refiner": torch.nn.ModuleDict(
+        {"blocks": torch.nn.ModuleList([torch.nn.ModuleDict({"attn": torch.nn.Linear(4, 4)})])})})
+    adapters.inject_adapter(model, ["blocks.0.attn"], kind, 2, 2.0, 0.0)
+    adapted = sorted(n for n, m in model.named_modules() if hasattr(m, "base_layer"))
+    assert adapted == ["blocks.0.attn"], adapted
+    assert not any(p.requires_grad for p in model["refiner"].parameters())
+
+
+@pytest.mark.parametrize("kind", ["lora", "loha", "lokr", "dora"])
 def test_adapter_file_round_trip_restores_what_the_model_computes(kind, tmp_path):
     """export (comfy_adapter_state_dict) then load_adapter_weights into a fresh adapter: same outputs,
     also when the new run uses another alpha (the scale is carried over)."""

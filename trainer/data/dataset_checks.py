@@ -130,22 +130,27 @@ def distillation_audio_problem(dataset, where: str) -> str | None:
     """Why distillation cannot run on the dataset's sound, or None: its networks run on video latents alone."""
     if not has_audio(dataset):
         return None
-    return (f"{where}: its clips' sound was cached (Cache Latents' audio_vae); distilling LTX-2 with its audio "
-            "stream is not yet supported: cache the clips without the audio VAE")
+    return (f"{where}: its clips' sound was cached (Cache Latents' audio_vae); distilling a model's audio "
+            "stream (LTX-2's, MiniMax H3's) is not yet supported: cache the clips without the audio VAE")
 
 
 def _check_audio(dataset, family, where: str):
-    """A dataset whose clips carry audio latents trains a model that takes an audio stream (LTX-2), and every part
-    of it carries them: a batch cannot mix items with and without audio."""
+    """A dataset whose clips carry audio latents trains a model that takes an audio stream (LTX-2, MiniMax H3), a
+    model that always generates sound (MiniMax H3) trains on such a dataset only, and every part of it carries them:
+    a batch cannot mix items with and without audio."""
     training, *prior = [bool(getattr(part, "audio", False)) for part, _ in _parts(dataset, where)]
     if prior and prior[0] != training:
         raise ValueError(f"data.prior_manifest: {'the prior items' if training else 'the training items'} carry no "
                          "audio latents and the others do; a batch needs audio for every item or none (cache both "
                          "sets with the audio VAE, or neither)")
+    from ..models.base import UnsupportedSetting
     if training and not getattr(family, "takes_audio", False):
-        from ..models.base import UnsupportedSetting
         raise UnsupportedSetting(f"{where}: its clips carry audio latents, and {family.display_name} takes no audio "
-                                 "stream (LTX-2 does); cache the clips without the audio VAE")
+                                 "stream (LTX-2 and MiniMax H3 do); cache the clips without the audio VAE")
+    if not training and getattr(family, "needs_audio", False):  # its model always generates both streams
+        raise UnsupportedSetting(f"{where}: {family.display_name} generates video with sound, and these items carry "
+                                 "no audio latents: cache clips with sound, with the model's audio VAE connected to "
+                                 "Cache Latents' audio_vae")
 
 
 def _check_text_extras(dataset, family, where: str):

@@ -11,6 +11,7 @@ from .generic import GenericFamily
 from .hunyuan_video import HunyuanVideo15Family, HunyuanVideoFamily
 from .krea2 import Krea2Family
 from .lumina2 import Lumina2Family
+from .minimax_h3 import MiniMaxH3Family
 from .ltxv import LTXVFamily
 from .ltxav import LTXAVFamily
 from .qwen_image import QwenImageFamily
@@ -22,7 +23,8 @@ from .wan import WanFamily
 # first match wins; the generic family takes any model no dedicated family claims
 FAMILIES: list[type[ModelFamily]] = [SDUNetFamily, SDXLFamily, SD3Family, FluxFamily, Flux2Family, WanFamily,
                                      HunyuanVideoFamily, HunyuanVideo15Family, LTXVFamily, LTXAVFamily,
-                                     QwenImageFamily, ChromaFamily, Lumina2Family, Krea2Family, GenericFamily]
+                                     QwenImageFamily, ChromaFamily, Lumina2Family, Krea2Family, MiniMaxH3Family,
+                                     GenericFamily]
 SCRATCH_FAMILIES: dict[str, type[ModelFamily]] = {cls.name: cls for cls in FAMILIES if cls.scratch_sizes}
 
 

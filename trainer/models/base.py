@@ -84,6 +84,9 @@ class ModelFamily:
     # whether the model takes an audio stream beside the video (Batch.audio): a dataset with audio latents is
     # refused for a family without one, before the first step
     takes_audio = False
+    needs_audio = False  # whether its model always generates sound (MiniMax H3): a dataset without any is refused
+    # samples its ComfyUI model takes a call (MiniMax H3's: 1, a batch runs sample by sample); None: a whole batch
+    samples_per_call: int | None = None
 
     def __init__(self, base_model, prediction: str, patcher=None):
         self.loss_kind, self.huber_delta, self.min_snr_gamma = "mse", 0.1, 0.0  # see set_objective

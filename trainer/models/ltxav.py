@@ -8,17 +8,15 @@ attention, audio feed-forward and the cross-attention between the two, and the a
 stream's layers only (`attn1`, `attn2`, `ff`), which is all a video-only batch gives gradients to.
 
 On clips cached with LTX-2's audio VAE (their audio latents in Batch.audio) it trains both streams, as ComfyUI
-samples an audio-video latent (LTXVConcatAVLatent's): the video and audio latents packed into one flat latent
-(comfy.utils.pack_latents), noised at one sigma, the model handed the latent shapes to unpack them; the loss is
-the video stream's plus the audio stream's, each its own mean (the audio latent is a few hundred values beside
-the video's tens of thousands, so one mean over both would all but ignore it). The presets then add the audio
-stream's layers and the cross-attention between the streams.
+samples an audio-video latent (LTXVConcatAVLatent's: audio_video.py). The presets then add the audio stream's layers
+and the cross-attention between the streams.
 
 ComfyUI 0.3.64 has no LTX-2: there this family matches nothing."""
 from __future__ import annotations
 
 import torch
 
+from .audio_video import AudioVideoStreams
 from .base import Batch, ModelFamily, UnsupportedSetting, is_comfy_model
 from .ltxv import LTXVFamily
 from .residuals import residuals_out_of_place
@@ -29,7 +27,7 @@ AUDIO_ATTENTION = (r"transformer_blocks\.\d+\.(audio_attn[12]|audio_to_video_att
 AUDIO_FEED_FORWARD = (r"transformer_blocks\.\d+\.audio_ff\.net\.(0\.proj|2)$",)
 
 
-class LTXAVFamily(LTXVFamily):
+class LTXAVFamily(AudioVideoStreams, LTXVFamily):
     name = "ltxav"
     display_name = "LTX-2"
     base_model_version = "ltxav"
@@ -40,7 +38,6 @@ class LTXAVFamily(LTXVFamily):
     scratch_state_dict = vars(ModelFamily)["scratch_state_dict"]
     # the audio stream's layers each preset adds where the run's clips carry audio
     audio_target_patterns = {"attention": AUDIO_ATTENTION, "attention_ff": AUDIO_ATTENTION + AUDIO_FEED_FORWARD}
-    takes_audio = True
     trains_audio = False  # whether the run's clips carry audio latents (read_dataset)
 
     @classmethod
@@ -77,51 +74,16 @@ class LTXAVFamily(LTXVFamily):
         return {**super().extra_cond_inputs(batch, x_noisy), "unprocessed_ltxav_embeds": not processed,
                 "latent_shapes": self.latent_shapes(batch) if batch.audio is not None else [tuple(x_noisy.shape)]}
 
-    def latent_shapes(self, batch: Batch) -> list[tuple]:
-        """(video, audio) latent shapes of an audio-video batch, in the model's layout."""
-        return [tuple(self.to_model_layout(batch.latents).shape), tuple(batch.audio.shape)]
-
-    def audio_video_noising(self, batch: Batch):
-        """noising's (x0, noise, sigma) for an audio-video batch: the streams packed into one flat latent
-        [B, 1, N] as ComfyUI's sampler packs a nested latent, then put through the latent format."""
-        import comfy.utils
-        video = self.to_model_layout(batch.latents.float())
-        x0, _ = comfy.utils.pack_latents([video, batch.audio.float().to(video.device)])
-        noise, _ = comfy.utils.pack_latents([self.to_model_layout(batch.noise.float()),
-                                             batch.audio_noise.float().to(video.device)])
-        return self.base_model.process_latent_in(x0), noise, self.sigmas(batch.timesteps).to(x0.device)
-
     def model_inputs(self, batch: Batch):
-        if batch.audio is None:
-            return super().model_inputs(batch)
-        sampling, dtype = self.base_model.model_sampling, self.weight_dtype()
-        x0, noise, sigma = self.audio_video_noising(batch)
-        x_noisy = sampling.noise_scaling(sigma.view(-1, 1, 1), noise, x0)
-        x_in = sampling.calculate_input(sigma.view(-1, 1, 1), x_noisy)
-        return x_in.to(dtype), sampling.timestep(sigma).float(), self.model_kwargs(batch, x_noisy, dtype)
+        return super().model_inputs(batch) if batch.audio is None else self.audio_video_inputs(batch)
 
     def loss(self, batch: Batch, reduce: bool = True, weighted: bool = True) -> torch.Tensor:
         if batch.audio is None:
             return super().loss(batch, reduce, weighted)
-        import comfy.utils
-        out = self.model_output(batch)
-        x0, noise, sigma = self.audio_video_noising(batch)
-        shapes = self.latent_shapes(batch)
-        video_out, audio_out = comfy.utils.unpack_latents(out, shapes)
-        video_target, audio_target = comfy.utils.unpack_latents(self.target(x0, noise, sigma.view(-1, 1, 1)), shapes)
-        mask = self.to_model_layout(batch.mask) if batch.mask is not None else None  # the video's pixels
-        snr = self.snr(sigma)
-        per_sample = self.training_loss(video_out, video_target, snr, weighted, mask) \
-            + self.training_loss(audio_out, audio_target, snr, weighted)
+        per_sample = self.audio_video_loss_of_output(self.model_output(batch), batch, weighted)
         return per_sample.mean() if reduce else per_sample
 
     def run_model(self, x_in: torch.Tensor, timestep: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """As ComfyUI's apply_model runs LTX-2: the latent unpacked into its list of streams (video, and audio where
         the batch has it), the timestep made the (video, audio) pair by the model class's process_timestep."""
-        import comfy.utils
-        kwargs = dict(kwargs)
-        timestep = self.base_model.process_timestep(timestep, x=x_in, **kwargs)
-        x_in = comfy.utils.unpack_latents(x_in, kwargs.pop("latent_shapes"))
-        out = self.diffusion_model(x_in, timestep, transformer_options=self.transformer_options(kwargs), **kwargs)
-        # both streams' outputs come back as a list, packed as ComfyUI's apply_model packs them
-        return out if torch.is_tensor(out) else comfy.utils.pack_latents(out)[0]
+        return self.run_streams(x_in, timestep, kwargs)

@@ -53,6 +53,12 @@ class ActivationProfile:
     def working_set(self) -> int:
         return int(BACKWARD_WORKING_SET * max(self.saved, default=0))
 
+    def times(self, calls: int) -> "ActivationProfile":
+        """What `calls` model calls before one backward save (a model that takes one sample a call, its batch run
+        sample by sample: MiniMax H3's)."""
+        return ActivationProfile(self.outside * calls, [s * calls for s in self.saved],
+                                 [i * calls for i in self.inputs], self.loss * calls, self.measured)
+
 
 def _storage_key(t: torch.Tensor):
     return t.untyped_storage()._cdata  # one StorageImpl per storage, on meta too (where data_ptr is 0)
@@ -114,8 +120,9 @@ def _attention_as_on(device):
 
 def activation_profile(family, model_inputs, blocks, compute_dtype, device) -> ActivationProfile:
     """Runs the diffusion model once on the meta device with these inputs (x, timestep, kwargs, as
-    family.model_inputs makes them) and the trained/frozen pattern of the real weights, in `compute_dtype`
-    (the engine's precision; fp8 and integer weights stay as they are), counting what autograd saves."""
+    family.model_inputs makes them), called as the family calls it (family.run_model: a packed audio-video latent
+    unpacked into its streams), with the trained/frozen pattern of the real weights, in `compute_dtype` (the
+    engine's precision; fp8 and integer weights stay as they are), counting what autograd saves."""
     model = family.diffusion_model
     weights = {}
     for name, p in [*model.named_parameters(), *model.named_buffers()]:
@@ -149,16 +156,20 @@ def activation_profile(family, model_inputs, blocks, compute_dtype, device) -> A
             current[0] = None
         hooks.append(block.register_forward_pre_hook(enter, with_kwargs=True))
         hooks.append(block.register_forward_hook(leave))
+    from torch.nn.utils.stateless import _reparametrize_module  # torch.func.functional_call's own, around any call
+
     from .memory import WeightArguments
     x, timestep, kwargs = _meta(model_inputs)
+    if getattr(family, "reads_timestep_value", False):  # its forward reads the timestep's value (MiniMax H3 builds
+        timestep = model_inputs[1]  # its per-token timestep table from it), which a meta tensor has none of
     if compute_dtype is not None and x.is_floating_point():
         x = x.to(compute_dtype)
     operands: set = set()
     try:
         with _attention_as_on(device), WeightArguments(operands, key=operand_key, frozen_only=False), \
                 _FusedAttentionOnMeta(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = torch.func.functional_call(model, weights, (x, timestep), {"transformer_options": {}, **kwargs},
-                                             strict=False)
+            with _reparametrize_module(model, weights):
+                out = family.run_model(x, timestep, kwargs)
     finally:
         for hook in hooks:
             hook.remove()
@@ -287,8 +298,10 @@ def largest_activation_profile(family, dataset, batch_size: int, blocks, compute
     """What the step that saves the most saves: largest_items, each measured, and of every part (each block's saved
     activations and inputs, what lies outside the blocks) the larger, so that whichever checkpointing or swap the
     plan weighs, neither candidate needs more than it counts."""
-    profiles = [activation_profile(family, item_inputs(family, dataset, item, batch_size), blocks, compute_dtype,
-                                   device) for item in largest_items(dataset)]
+    per_call = min(batch_size, family.samples_per_call or batch_size)
+    calls = -(-batch_size // per_call)
+    profiles = [activation_profile(family, item_inputs(family, dataset, item, per_call), blocks, compute_dtype,
+                                   device).times(calls) for item in largest_items(dataset)]
     return ActivationProfile(max(p.outside for p in profiles), [max(s) for s in zip(*(p.saved for p in profiles))],
                              [max(i) for i in zip(*(p.inputs for p in profiles))], max(p.loss for p in profiles),
                              measured=all(p.measured for p in profiles))

@@ -23,6 +23,7 @@ FAMILY_TEXT = {
     "flux2": (16, 64, None),  # the tiny Flux.2 reads 64-wide text (the real ones 7680, 12288 or 15360)
     "z_image": (16, 2560, None),  # Qwen3-4B's width, fixed by ComfyUI's Z-Image
     "ltxav": (16, 32, None),  # the tiny LTX-2's connectors' width (tools/family_coverage.py LTXAV_TINY)
+    "minimax_h3": (16, 32, None),  # the tiny MiniMax H3's text width (tools/family_coverage.py MINIMAX_H3_TINY)
 }
 # conditioning values a family's model requires beside the embedding (LTXVModel takes T5's attention mask)
 FAMILY_EXTRAS = {"ltxv": lambda tokens: {"attention_mask": torch.ones((1, tokens), dtype=torch.long)},
@@ -102,6 +103,8 @@ class ModelForwards:
 
 class StandInAudioVAELoader:
     """LTX-2's audio VAE stand-in (tests/helpers/media_files.StandInAudioVAE): ComfyUI's own needs torchaudio."""
+    STAND_IN = "StandInAudioVAE"
+
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {}}
@@ -116,10 +119,17 @@ class StandInAudioVAELoader:
         helpers = str(Path(__file__).resolve().parents[2] / "helpers")
         if helpers not in sys.path:
             sys.path.append(helpers)
-        from media_files import StandInAudioVAE
-        return (StandInAudioVAE(),)
+        import media_files
+        return (getattr(media_files, self.STAND_IN)(),)
+
+
+class StandInMiniMaxAudioVAELoader(StandInAudioVAELoader):
+    """MiniMax H3's audio VAE stand-in (tests/helpers/media_files.StandInMiniMaxAudioVAE): ComfyUI's own is too
+    large to build here."""
+    STAND_IN = "StandInMiniMaxAudioVAE"
 
 
 NODE_CLASS_MAPPINGS = {"InGraphTestSyntheticTextEncoder": SyntheticTextEncoder,
                        "InGraphTestModelForwards": ModelForwards,
-                       "InGraphTestStandInAudioVAE": StandInAudioVAELoader}
+                       "InGraphTestStandInAudioVAE": StandInAudioVAELoader,
+                       "InGraphTestStandInMiniMaxAudioVAE": StandInMiniMaxAudioVAELoader}
