@@ -45,6 +45,16 @@ def audio_time_axis(vae) -> int:
     return 1 if hasattr(vae.first_stage_model, "num_of_latents_from_frames") else -1
 
 
+def audio_timing_problem(vae, frames: int, fps: float) -> str | None:
+    """Why items of `frames` frames at `fps` cannot carry this audio VAE's latents as its model generates them, or
+    None. MiniMax H3 generates 24 fps video of 17k + 5 frames (Empty MiniMax H3 AV Latent snaps to them) and places
+    its video and audio latents in time by that rate."""
+    if hasattr(vae.first_stage_model, "latents_per_second") and (fps != 24 or frames % 17 != 5):
+        return (f"its {frames}-frame items at {fps:g} fps: MiniMax H3 generates 24 fps video of 5, 22, 39, ... (17k "
+                "+ 5) frames, its sound timed by them; set fps to 24 and frame_buckets to such counts")
+    return None
+
+
 def encoded_block(vae) -> int:
     """The samples ComfyUI's VAE.encode takes a waveform in multiples of: it crops the rest away, from both ends
     (vae_encode_crop_pixels, with the VAE's downscale ratio: 4096 for LTX-2's), so a waveform of whole blocks

@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path
 from typing import Callable
 
-from .audio import audio_latent_count, clip_audio_latent, is_audio_vae
+from .audio import audio_latent_count, audio_timing_problem, clip_audio_latent, is_audio_vae
 from .captions import caption_variants_of
 from .dataset import TrainingDataset
 from .pixels import ALPHA_MASK, IMAGE_EXTENSIONS, DatasetError, clip_fps, load_clip_item_tensor, load_image_tensor, \
@@ -268,6 +268,9 @@ def check_audio_source(item, audio_vae, fps: float) -> None:
         raise DatasetError("fps: the clips' sound is timed by their frames at the dataset's frame rate, which 0 (each "
                            "clip at its own) leaves unknown to the model; set fps on Load Training Images (LTX-2: "
                            "24 or 25, MiniMax H3: 24), or leave audio_vae unconnected")
+    timing = audio_timing_problem(audio_vae, item.frames, fps)
+    if timing:
+        raise DatasetError(f"clip {shown(item.path)}: {timing}")
     if audio_latent_count(audio_vae, item.frames, fps) < 1:
         raise DatasetError(f"clip {shown(item.path)}: its {item.frames}-frame items last {item.frames / fps:.3f} s at "
                            f"{fps:g} fps, shorter than one audio latent; use longer frame buckets")

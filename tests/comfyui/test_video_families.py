@@ -436,6 +436,39 @@ def test_every_video_family_trains_in_one_graph_and_loads_in_lora_loader(video_m
         assert base.shape == trained.shape and (base - trained).abs().max() > 1e-6, f"{stem}: the LoRA changed nothing"
 
 
+def talking_and_waving(folder: Path, frames: int, fps: int) -> None:
+    """Two captioned clips with sound: a stereo ramp that says when it is in lossless PCM (.mkv), a sine in AAC (.mp4)."""
+    from media_files import time_ramp, write_video
+    write_video(folder / "talk.mkv", frames, fps=fps, sound=time_ramp)
+    write_video(folder / "wave.mp4", frames, fps=fps, sound=lambda t: np.sin(2 * np.pi * 440 * t)[None] * 0.5,
+                audio_codec="aac")
+    for clip in ("talk", "wave"):
+        (folder / f"{clip}.txt").write_text(f"a {clip}, ingraph style")
+
+
+def trains_two_steps(client, graph: dict, family: str) -> dict:
+    """The graph's run started as `family` and made 2 finite steps; its started event."""
+    outcome = client.run(graph, timeout=600)
+    assert outcome.ok, outcome.error
+    events = run_events(outcome)
+    started = next(e for e in events if e["type"] == "started")
+    steps = [e for e in events if e["type"] == "step"]
+    assert started["family"] == family and len(steps) == 2 and all(np.isfinite(e["loss"]) for e in steps)
+    return started
+
+
+def audio_without_and_with_the_lora(comfy, client, av_sampling, name: str) -> tuple:
+    """The audio latents ComfyUI's own audio-video graph `av_sampling(lora, prefix)` makes without the LoRA `name`
+    and with it, in one prompt; ComfyUI logged no unmatched key and no error."""
+    log_before = len(comfy.log_text())
+    outcome = client.run(merged({"base": av_sampling(None, f"{name}_base"),
+                                 "lora": av_sampling(f"{name}.safetensors", f"{name}_lora")}), timeout=600)
+    assert outcome.ok, outcome.error
+    log = comfy.log_text()[log_before:]
+    assert "lora key not loaded" not in log and "ERROR" not in log, log[-3000:]
+    return saved_latent(comfy, f"{name}_base"), saved_latent(comfy, f"{name}_lora")
+
+
 @pytest.mark.skipif(not ON_COMFYUI_033, reason="skipped: this ComfyUI has no LTX-2 (0.33 and later have)")
 def test_ltx2_trains_its_audio_stream_on_clips_with_sound_through_the_graph(video_models_in_server, client):
     """Two clips with sound (lossless PCM in .mkv, AAC in .mp4), cached through Cache Latents with an audio VAE
@@ -446,15 +479,10 @@ def test_ltx2_trains_its_audio_stream_on_clips_with_sound_through_the_graph(vide
     LTXVSeparateAVLatent) makes."""
     from safetensors.torch import load_file
 
-    from media_files import time_ramp, write_video
     from ingraph_trainer.trainer.data.loading import load_cached_dataset
     comfy, stem = video_models_in_server, "tiny_ltxav"
     folder = comfy.dir("input", "ingraph_ltx2_sound")
-    write_video(folder / "talk.mkv", 16, fps=8, sound=time_ramp)
-    write_video(folder / "wave.mp4", 16, fps=8, sound=lambda t: np.sin(2 * np.pi * 440 * t)[None] * 0.5,
-                audio_codec="aac")
-    for clip in ("talk", "wave"):
-        (folder / f"{clip}.txt").write_text(f"a {clip}, ingraph style")
+    talking_and_waving(folder, frames=16, fps=8)
     model = {"class_type": "UNETLoader", "inputs": {"unet_name": f"{stem}.safetensors", "weight_dtype": "default"}}
     graph = training_graph("wan", "ltx2_sound", model=model, text_family="ltxav")
     graph["2"]["inputs"]["vae_name"] = VAE_CHANNELS[128]
@@ -462,12 +490,7 @@ def test_ltx2_trains_its_audio_stream_on_clips_with_sound_through_the_graph(vide
     graph["20"] = {"class_type": "InGraphTestStandInAudioVAE", "inputs": {}}
     graph["5"]["inputs"]["audio_vae"] = ["20", 0]
     graph["7"]["inputs"]["targets"] = "attention + feed-forward"
-    outcome = client.run(graph, timeout=600)
-    assert outcome.ok, outcome.error
-    events = run_events(outcome)
-    started = next(e for e in events if e["type"] == "started")
-    steps = [e for e in events if e["type"] == "step"]
-    assert started["family"] == "ltxav" and len(steps) == 2 and all(np.isfinite(e["loss"]) for e in steps)
+    started = trains_two_steps(client, graph, "ltxav")
     dataset = load_cached_dataset(str(Path(started["run_dir"]) / "dataset.json"))
     assert dataset.audio and dataset.audio_latents([0, 1]).shape == (2, 8, 3, 16)  # 1 frame at 8 fps: 0.125 s
     adapter = load_file(str(comfy.base_dir / "models" / "loras" / "ltx2_sound.safetensors"))
@@ -492,13 +515,7 @@ def test_ltx2_trains_its_audio_stream_on_clips_with_sound_through_the_graph(vide
         graph["13"]["inputs"]["latent_image"] = ["16", 0]
         graph["14"]["inputs"]["samples"] = ["17", 1]  # the audio stream's latent
         return graph
-    log_before = len(comfy.log_text())
-    outcome = client.run(merged({"base": av_sampling(None, "ltx2_sound_base"),
-                                 "lora": av_sampling("ltx2_sound.safetensors", "ltx2_sound_lora")}), timeout=600)
-    assert outcome.ok, outcome.error
-    log = comfy.log_text()[log_before:]
-    assert "lora key not loaded" not in log and "ERROR" not in log, log[-3000:]
-    base, trained = saved_latent(comfy, "ltx2_sound_base"), saved_latent(comfy, "ltx2_sound_lora")
+    base, trained = audio_without_and_with_the_lora(comfy, client, av_sampling, "ltx2_sound")
     assert base.shape == trained.shape == (1, 8, 28, 16)  # 9 frames at 8 fps: 1.125 s, 25 latents a second
     assert (base - trained).abs().max() > 1e-6, "the LoRA did not change the audio"
 
@@ -712,8 +729,8 @@ def test_minimax_h3_trains_both_streams_sample_by_sample_and_its_loss_is_comfyui
     sample's packed latent (the latent shapes set on the model as its sampler sets them), with that sample's own
     caption, to 1e-6; the clean audio goes in carried as the sampler carries it. The DiT blocks' layers take
     gradients, the same checkpointed as not (its blocks add into their input in place). A preview shows the video
-    stream of what KSampler makes. A dataset without audio latents and pipeline stages are refused, naming the input
-    and the setting."""
+    stream of what KSampler makes. A dataset without audio latents, pipeline stages and a batch size over 1 (captions
+    of other lengths would be stacked repeated to one) are refused, naming the input and the setting."""
     import comfy.sampler_helpers
     import comfy.samplers
     import comfy.utils
@@ -794,45 +811,41 @@ def test_minimax_h3_trains_both_streams_sample_by_sample_and_its_loss_is_comfyui
         check_dataset_for_family(silent, family)
     with pytest.raises(UnsupportedSetting, match="distributed.pipeline_stages: MiniMax H3"):
         family.pipeline_layers()
+    from ingraph_trainer.trainer.spec import RunSpec, TrainSpec
+    family.check_settings(RunSpec(train=TrainSpec(batch_size=1)))
+    with pytest.raises(UnsupportedSetting, match="train.batch_size: ComfyUI's MiniMax H3 takes one caption a call"):
+        family.check_settings(RunSpec(train=TrainSpec(batch_size=2)))
 
 
 @pytest.mark.skipif(not ON_COMFYUI_033, reason="skipped: this ComfyUI has no MiniMax H3 (0.33 and later have)")
 def test_minimax_h3_trains_on_clips_with_sound_through_the_graph(video_models_in_server, minimax_h3_file, client):
-    """Two clips with sound (PCM in .mkv, AAC in .mp4), cached through Cache Latents with MiniMax H3's audio VAE (a
-    stand-in: the real one is too large here), train the tiny MiniMax H3 2 steps at batch size 2, its memory plan
-    measured on both streams. The LoRA (on the DiT blocks alone: no layer of its text refiner) loads
+    """Two 24 fps clips with sound (PCM in .mkv, AAC in .mp4), in items of 5 frames (the shortest MiniMax H3
+    generates), cached through Cache Latents with MiniMax H3's video and audio VAEs (stand-ins: the real ones are too
+    large here) as the latents Empty MiniMax H3 AV Latent gives 5 frames (2 video latent frames, 8 audio latents),
+    train the tiny MiniMax H3 2 steps, its memory plan measured on both streams. The LoRA (on the DiT blocks alone: no layer of its text refiner) loads
     through the stock LoraLoaderModelOnly with no "lora key not loaded", and changes the audio of ComfyUI's own
     MiniMax H3 graph (Empty MiniMax H3 AV Latent → KSampler → LTXVSeparateAVLatent)."""
     import shutil
 
     from safetensors.torch import load_file
 
-    from media_files import time_ramp, write_video
     from ingraph_trainer.trainer.data.loading import load_cached_dataset
     comfy = video_models_in_server
     shutil.copy(minimax_h3_file, comfy.dir("models", "diffusion_models") / minimax_h3_file.name)
     folder = comfy.dir("input", "ingraph_minimax_sound")
-    write_video(folder / "talk.mkv", 16, fps=8, sound=time_ramp)
-    write_video(folder / "wave.mp4", 16, fps=8, sound=lambda t: np.sin(2 * np.pi * 440 * t)[None] * 0.5,
-                audio_codec="aac")
-    for clip in ("talk", "wave"):
-        (folder / f"{clip}.txt").write_text(f"a {clip}, ingraph style")
+    talking_and_waving(folder, frames=12, fps=24)
     model = {"class_type": "UNETLoader", "inputs": {"unet_name": minimax_h3_file.name, "weight_dtype": "default"}}
-    graph = training_graph("wan", "minimax_sound", model=model, text_family="minimax_h3")
-    graph["2"]["inputs"]["vae_name"] = VAE_CHANNELS[24]
-    graph["4"]["inputs"].update(folder="ingraph_minimax_sound", frame_buckets="1", fps=8.0)
+    graph = training_graph("wan", "minimax_sound", model=model, text_family="minimax_h3", batch_size=1)
+    graph["2"] = {"class_type": "InGraphTestStandInMiniMaxVideoVAE", "inputs": {}}
+    graph["4"]["inputs"].update(folder="ingraph_minimax_sound", frame_buckets="5", fps=24.0)
     graph["20"] = {"class_type": "InGraphTestStandInMiniMaxAudioVAE", "inputs": {}}
     graph["5"]["inputs"]["audio_vae"] = ["20", 0]
-    outcome = client.run(graph, timeout=600)
-    assert outcome.ok, outcome.error
-    events = run_events(outcome)
-    started = next(e for e in events if e["type"] == "started")
-    steps = [e for e in events if e["type"] == "step"]
-    assert started["family"] == "minimax_h3" and len(steps) == 2 and all(np.isfinite(e["loss"]) for e in steps)
+    started = trains_two_steps(client, graph, "minimax_h3")
     # the memory plan ran the model as a step does (both streams, sample by sample)
     assert started["memory_plan"]["parts"]["activations"] > 0, started["memory_plan"]["summary"]
     dataset = load_cached_dataset(str(Path(started["run_dir"]) / "dataset.json"))
-    assert dataset.audio and dataset.audio_latents([0, 1]).shape == (2, 32, 2, 5)  # 1 frame at 8 fps: 40 a second
+    assert dataset.audio and dataset.audio_latents([0, 1]).shape == (2, 32, 2, 8)  # 5 frames at 24 fps, 40 a second
+    assert dataset.batch([0, 1])[0].shape == (2, 24, 2, 4, 4)
     adapter = load_file(str(comfy.base_dir / "models" / "loras" / "minimax_sound.safetensors"))
     assert adapter and all(k.startswith("diffusion_model.blocks.") for k in adapter), sorted(adapter)[:3]
 
@@ -843,12 +856,6 @@ def test_minimax_h3_trains_on_clips_with_sound_through_the_graph(video_models_in
             "17": {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["13", 0]}}})
         graph["14"]["inputs"]["samples"] = ["17", 1]  # the audio stream's latent
         return graph
-    log_before = len(comfy.log_text())
-    outcome = client.run(merged({"base": av_sampling(None, "minimax_sound_base"),
-                                 "lora": av_sampling("minimax_sound.safetensors", "minimax_sound_lora")}), timeout=600)
-    assert outcome.ok, outcome.error
-    log = comfy.log_text()[log_before:]
-    assert "lora key not loaded" not in log and "ERROR" not in log, log[-3000:]
-    base, trained = saved_latent(comfy, "minimax_sound_base"), saved_latent(comfy, "minimax_sound_lora")
+    base, trained = audio_without_and_with_the_lora(comfy, client, av_sampling, "minimax_sound")
     assert base.shape == trained.shape == (1, 32, 2, 8)  # 5 frames at 24 fps, 40 latents a second
     assert (base - trained).abs().max() > 1e-6, "the LoRA did not change the audio"

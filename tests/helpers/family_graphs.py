@@ -172,8 +172,7 @@ def video_model_files(tmp_path_factory):
 
 
 REFERENCE_FOLDER = "ingraph_family_start"  # the family images, each with a start image (name.ref.png) beside it
-VAE_CHANNELS = {16: "tiny_taesd16.safetensors", 24: "tiny_taesd24.safetensors", 48: "tiny_taesd48.safetensors",
-                128: "tiny_taesd128.safetensors"}  # 24: MiniMax H3's video latents
+VAE_CHANNELS = {16: "tiny_taesd16.safetensors", 48: "tiny_taesd48.safetensors", 128: "tiny_taesd128.safetensors"}
 if ON_COMFYUI_033:  # its 128-channel TAESD is Flux.2's (32 channels, 2x2 packed), which VAELoader knows by name only
     VAE_CHANNELS[128] = "taef2"
 

@@ -162,3 +162,22 @@ class StandInMiniMaxAudioVAE(StandInAudioVAE):
         audio = audio.narrow(1, (audio.shape[1] % self.downscale_ratio) // 2, kept)
         windows = audio.reshape(audio.shape[0], -1, self.downscale_ratio, 2).mean(2)  # [B, T, stereo]
         return windows.movedim(1, -1)[:, None].expand(-1, self.latent_channels, -1, -1).clone()
+
+
+class StandInMiniMaxVideoVAE:
+    """Stands in for MiniMax H3's video VAE (its real one is hundreds of millions of parameters): 24 latent
+    channels, 16x in space, and in time as ComfyUI's MiniMax H3 nodes count it (5 frames make 2 latent frames, each
+    17 more 5 more); each latent the mean of its frames' pixels, so a latent says which frames it was made of."""
+    latent_dim = 3
+
+    def get_sd(self):
+        import torch
+        return {"stand_in_minimax_video_vae": torch.ones(1)}
+
+    def encode(self, pixels):  # [T, H, W, 3] -> [1, 24, latent frames, H / 16, W / 16]
+        import torch
+        frames = pixels.shape[0]
+        latent_frames = 2 if frames <= 5 else (frames - 5) // 17 * 5 + 2
+        pooled = torch.nn.functional.avg_pool2d(pixels.movedim(-1, 1), 16).mean(1)  # [T, h, w]
+        chunks = torch.tensor_split(pooled, latent_frames)
+        return torch.stack([c.mean(0) for c in chunks])[None, None].expand(1, 24, -1, -1, -1).clone()

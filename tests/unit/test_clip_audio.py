@@ -77,27 +77,35 @@ def test_each_clip_items_sound_is_cached_beside_its_frames_over_its_own_span(tmp
 
 
 def test_minimax_h3s_audio_vae_caches_40_latents_a_second_on_the_last_axis_over_each_items_own_span(tmp_path):
-    """With MiniMax H3's audio VAE (32 kHz, 800 samples a latent, latents [32, stereo, T]): each 9-frame window at
-    8 fps gets round(9 / 8 * 40) = 45 latents, as Empty MiniMax H3 Latent AV gives that duration, each the sound of
-    its own 25 ms of the window's span, on the latent's last axis, each stereo channel its own."""
-    folder = clips_with_sound(tmp_path / "data")
+    """With MiniMax H3's audio VAE (32 kHz, 800 samples a latent, latents [32, stereo, T]): each 22-frame window of
+    2 s clips at 24 fps (17k + 5 frames, as MiniMax H3 generates) gets round(22 / 24 * 40) = 37 latents, as Empty
+    MiniMax H3 AV Latent gives 22 frames, each the sound of its own 25 ms of the window's span, on the latent's last
+    axis, each stereo channel its own. Other frame rates or frame counts are refused, naming the clip."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_video(folder / "a.mkv", 48, fps=24, sound=time_ramp)
+    write_video(folder / "b.mp4", 48, fps=24, sound=time_ramp, audio_codec="aac")
     store = CacheStore(tmp_path / "cache")
     vae = StandInMiniMaxAudioVAE()
-    dataset, encoded, reused = cache(folder, store, vae)
+    dataset, encoded, reused = cache(folder, store, vae, frame_buckets="22", fps=24)
     assert encoded == len(dataset.items) == len(vae.encoded) >= 4 and dataset.audio
-    # 1.125 s at 32 kHz, in whole blocks of 800 samples: 36000 samples, read whole (no crop of the item's own)
-    assert all(shape == (1, 36000, 2) for shape in vae.encoded), vae.encoded
+    assert {i.start for i in dataset.items} > {0} and {i.frames for i in dataset.items} == {22}
+    # 22 / 24 s at 32 kHz, read on to whole blocks of 800 samples: 37 of them (no crop of the item's own sound)
+    assert all(shape == (1, 37 * 800, 2) for shape in vae.encoded), vae.encoded
     for item in dataset.items:
         audio = load_file(str(store.lookup(item.latent).path))["audio"]
-        assert audio.shape == (32, 2, 45)
+        assert audio.shape == (32, 2, 37)
         # (up to the clip's last 50 ms, where the 48 to 32 kHz resampler's tail leaves a few samples short)
-        inside = [k for k in range(45) if item.start / 8 + (k + 1) / 40 <= 1.95]
-        expected = torch.tensor([(item.start / 8 + (k + 0.5) / 40) / 10 for k in inside])
+        inside = [k for k in range(37) if item.start / 24 + (k + 1) / 40 <= 1.95]
+        expected = torch.tensor([(item.start / 24 + (k + 0.5) / 40) / 10 for k in inside])
         tolerance = 1e-3 if item.path.endswith(".mkv") else 5e-3  # AAC is lossy
         for channel, sign in ((0, 1.0), (1, -1.0)):  # the left channel and the right, its negative
             torch.testing.assert_close(audio[0, channel, inside], sign * expected, rtol=0, atol=tolerance,
                                        msg=lambda m: f"{item.path}: {m}")
-        assert torch.equal(audio[5], audio[0])
+    for buckets, fps in (("22", 25), ("21", 24)):
+        with pytest.raises(DatasetError, match=r"^clip .*a\.mkv: its 2[12]-frame items at 2[45] fps: MiniMax H3 "
+                                               r"generates 24 fps video of 5, 22, 39"):
+            cache(folder, store, StandInMiniMaxAudioVAE(), frame_buckets=buckets, fps=fps)
     store.close()
 
 

@@ -131,7 +131,8 @@ def distillation_audio_problem(dataset, where: str) -> str | None:
     if not has_audio(dataset):
         return None
     return (f"{where}: its clips' sound was cached (Cache Latents' audio_vae); distilling a model's audio "
-            "stream (LTX-2's, MiniMax H3's) is not yet supported: cache the clips without the audio VAE")
+            "stream (LTX-2's, MiniMax H3's) is not yet supported: distil LTX-2 on clips cached without the audio VAE "
+            "(MiniMax H3, which always generates sound, cannot be distilled yet)")
 
 
 def _check_audio(dataset, family, where: str):

@@ -9,10 +9,16 @@ ignore it."""
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
 from .base import Batch
+
+
+# the latent shapes live on ComfyUI's model while a packed latent is prepared: one preparation at a time, as the
+# evaluation's passes run side by side in threads
+_SHAPES_SET = threading.RLock()
 
 
 class AudioVideoStreams:
@@ -29,12 +35,13 @@ class AudioVideoStreams:
         """The latent shapes set on ComfyUI's model as its sampler sets them for a packed latent (inner_sample), which
         its process_latent_in and extra_conds read, and put back after."""
         model = self.base_model
-        before = getattr(model, "latent_shapes", None)
-        model.latent_shapes = shapes
-        try:
-            yield
-        finally:
-            model.latent_shapes = before
+        with _SHAPES_SET:
+            before = getattr(model, "latent_shapes", None)
+            model.latent_shapes = shapes
+            try:
+                yield
+            finally:
+                model.latent_shapes = before
 
     def audio_video_noising(self, batch: Batch):
         """noising's (x0, noise, sigma) for an audio-video batch: the streams packed into one flat latent and put

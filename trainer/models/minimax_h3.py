@@ -10,7 +10,8 @@ its output back into the carried one's velocity: so the training target is the p
 carried latent, at the video's sigma, which is what the sampler integrates.
 
 ComfyUI's model takes one sample at a time (its forward refuses a batch, its extra_conds refines the first caption
-only): a batch runs sample by sample, each with its own caption's conditioning.
+only): training takes batch size 1 (captions of other lengths would be stacked repeated to one length), and a batch
+of one caption at several noise levels (an evaluation's) runs sample by sample.
 
 ComfyUI 0.3.64 has no MiniMax H3: there this family matches nothing."""
 from __future__ import annotations
@@ -51,6 +52,13 @@ class MiniMaxH3Family(AudioVideoStreams, ModelFamily):
         # saved it: each block takes a copy, so what a checkpointed block recomputes from is still its input
         residuals_out_of_place(self.checkpoint_blocks(), copy_inputs=True)
 
+    def check_settings(self, spec) -> None:
+        super().check_settings(spec)
+        if spec.train.batch_size > 1:  # captions of other lengths would be repeated to one length to stack them
+            from ..data.loading import ONE_CAPTION_AT_A_TIME
+            raise UnsupportedSetting("train.batch_size: ComfyUI's MiniMax H3 takes one caption a call, its own "
+                                     f"length: {ONE_CAPTION_AT_A_TIME}")
+
     def pipeline_layers(self):
         raise UnsupportedSetting("distributed.pipeline_stages: MiniMax H3's blocks run one packed sequence of text, "
                                  "video and audio and do not split into pipeline stages yet; use 1 stage (ZeRO "
@@ -74,13 +82,12 @@ class MiniMaxH3Family(AudioVideoStreams, ModelFamily):
                                 for one in samples(batch)])
         return per_sample.mean() if reduce else per_sample
 
-    @staticmethod
-    def _one_sample(batch: Batch) -> None:
+    def _one_sample(self, batch: Batch) -> None:
         if batch.audio is None:
             raise UnsupportedSetting("dataset: MiniMax H3 generates video with sound, and these clips were cached "
                                      "without it: connect MiniMax H3's audio VAE to Cache Latents' audio_vae")
-        if len(batch.latents) != 1:  # model_output and loss split a batch; a caller of model_inputs must too
-            # (samples_per_call)
+        if len(batch.latents) > self.samples_per_call:  # model_output and loss split a batch (an evaluation's,
+            # one caption at several noise levels); a caller of model_inputs must too
             raise ValueError(f"MiniMax H3 runs one sample at a time, not {len(batch.latents)}")
 
 

@@ -168,7 +168,7 @@ def activation_profile(family, model_inputs, blocks, compute_dtype, device) -> A
     try:
         with _attention_as_on(device), WeightArguments(operands, key=operand_key, frozen_only=False), \
                 _FusedAttentionOnMeta(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            with _reparametrize_module(model, weights):
+            with _reparametrize_module(model, weights, tie_weights=True):  # as functional_call's default
                 out = family.run_model(x, timestep, kwargs)
     finally:
         for hook in hooks:

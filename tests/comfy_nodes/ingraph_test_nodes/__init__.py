@@ -129,7 +129,13 @@ class StandInMiniMaxAudioVAELoader(StandInAudioVAELoader):
     STAND_IN = "StandInMiniMaxAudioVAE"
 
 
+class StandInMiniMaxVideoVAELoader(StandInAudioVAELoader):
+    """MiniMax H3's video VAE stand-in (tests/helpers/media_files.StandInMiniMaxVideoVAE), for the same reason."""
+    STAND_IN = "StandInMiniMaxVideoVAE"
+
+
 NODE_CLASS_MAPPINGS = {"InGraphTestSyntheticTextEncoder": SyntheticTextEncoder,
                        "InGraphTestModelForwards": ModelForwards,
                        "InGraphTestStandInAudioVAE": StandInAudioVAELoader,
-                       "InGraphTestStandInMiniMaxAudioVAE": StandInMiniMaxAudioVAELoader}
+                       "InGraphTestStandInMiniMaxAudioVAE": StandInMiniMaxAudioVAELoader,
+                       "InGraphTestStandInMiniMaxVideoVAE": StandInMiniMaxVideoVAELoader}
