@@ -17,12 +17,16 @@ from .video import ClipError, clip_info
 SEEK_MARGIN_S = 0.5
 
 
+def counts_by_frames(vae) -> bool:
+    """Whether the audio VAE is LTX-2's (Load LTXV Audio VAE), which says how many audio latents a video of some
+    frames at some rate has; MiniMax H3's makes a fixed number of latents a second."""
+    return hasattr(getattr(vae, "first_stage_model", None), "num_of_latents_from_frames")
+
+
 def is_audio_vae(vae) -> bool:
-    """Whether a VAE is one of ComfyUI's audio VAEs that pair audio latents with video frames: LTX-2's (Load LTXV
-    Audio VAE), which says how many audio latents a video of some frames at some rate has, and MiniMax H3's, which
-    makes a fixed number of latents a second."""
-    model = getattr(vae, "first_stage_model", None)
-    return hasattr(model, "num_of_latents_from_frames") or hasattr(model, "latents_per_second")
+    """Whether a VAE is one of ComfyUI's audio VAEs that pair audio latents with video frames: LTX-2's or MiniMax
+    H3's (counts_by_frames)."""
+    return counts_by_frames(vae) or hasattr(getattr(vae, "first_stage_model", None), "latents_per_second")
 
 
 def audio_rate(vae) -> int:
@@ -34,7 +38,7 @@ def audio_latent_count(vae, frames: int, fps: float) -> int:
     """The audio latents beside `frames` video frames at `fps`: as many as LTXV Empty Latent Audio makes (LTX-2), or
     as Empty MiniMax H3 Latent AV makes for that duration (40 a second, rounded)."""
     model = vae.first_stage_model
-    if hasattr(model, "num_of_latents_from_frames"):
+    if counts_by_frames(vae):
         return int(model.num_of_latents_from_frames(frames, fps))
     return round(frames / fps * model.latents_per_second)
 
@@ -42,14 +46,14 @@ def audio_latent_count(vae, frames: int, fps: float) -> int:
 def audio_time_axis(vae) -> int:
     """The time axis of one item's audio latent as the VAE gives it: LTX-2's [C, T, bins] (1), MiniMax H3's
     [C, stereo, T] (the last)."""
-    return 1 if hasattr(vae.first_stage_model, "num_of_latents_from_frames") else -1
+    return 1 if counts_by_frames(vae) else -1
 
 
 def audio_timing_problem(vae, frames: int, fps: float) -> str | None:
     """Why items of `frames` frames at `fps` cannot carry this audio VAE's latents as its model generates them, or
     None. MiniMax H3 generates 24 fps video of 17k + 5 frames (Empty MiniMax H3 AV Latent snaps to them) and places
     its video and audio latents in time by that rate."""
-    if hasattr(vae.first_stage_model, "latents_per_second") and (fps != 24 or frames % 17 != 5):
+    if not counts_by_frames(vae) and (fps != 24 or frames % 17 != 5):
         return (f"its {frames}-frame items at {fps:g} fps: MiniMax H3 generates 24 fps video of 5, 22, 39, ... (17k "
                 "+ 5) frames, its sound timed by them; set fps to 24 and frame_buckets to such counts")
     return None
@@ -116,10 +120,10 @@ def load_clip_audio(path: str | Path, start_s: float, duration_s: float, rate: i
 
 def clip_audio_latent(vae, path: str | Path, start: int, frames: int, fps: float):
     """The audio latent (LTX-2's [C, T, F], MiniMax H3's [C, 2, T]) of a clip item (`frames` frames from frame
-    `start` at `fps`): its sound, read on in whole blocks of what the VAE encodes (encoded_block: the sound after the item's end, not a crop of its own)
-    and encoded as ComfyUI's VAE Encode Audio encodes it, then the latents of its own span kept: as many as
-    audio_latent_count gives its frames (padded with zeros, as LTXV Concat AV Latent pads a short one, only where the
-    encoder gives fewer). Errors name the file."""
+    `start` at `fps`): its sound, read on in whole blocks of what the VAE encodes (encoded_block: the sound after
+    the item's end, not a crop of its own) and encoded as ComfyUI's VAE Encode Audio encodes it, then the latents of
+    its own span kept: as many as audio_latent_count gives its frames (padded with zeros, as LTXV Concat AV Latent
+    pads a short one, only where the encoder gives fewer). Errors name the file."""
     import torch
     rate, count = audio_rate(vae), audio_latent_count(vae, frames, fps)
     block = encoded_block(vae)

@@ -161,6 +161,16 @@ def stack_text_masks(texts: list[dict]) -> torch.Tensor | None:
     return torch.stack([m.repeat(total // len(m)) for m in masks])
 
 
+def each_tensor(value, fn):
+    """A batch field with `fn` applied to each of its tensors: a list of them (the reference slots) or a dict (the
+    text encoder's extras) keeps its type; None stays None."""
+    if isinstance(value, list):
+        return type(value)(each_tensor(v, fn) for v in value)
+    if isinstance(value, dict):
+        return type(value)({name: each_tensor(v, fn) for name, v in value.items()})
+    return fn(value) if torch.is_tensor(value) else value
+
+
 class TextExtras(dict):
     """Batch.text_extras: what the text encoder returned beside the embedding, pooled vector and mask (HunyuanDiT's
     mT5 embedding, Anima's T5 token ids ...), by the name ComfyUI's encoder gave it, which is the name its

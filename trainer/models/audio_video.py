@@ -30,6 +30,12 @@ class AudioVideoStreams:
         """(video, audio) latent shapes of an audio-video batch, in the model's layout."""
         return [tuple(self.to_model_layout(batch.latents).shape), tuple(batch.audio.shape)]
 
+    def extra_cond_inputs(self, batch: Batch, x_noisy: torch.Tensor) -> dict:
+        # the latent shapes ComfyUI's sampler hands the model: [video, audio] for an audio-video sample, whose latent
+        # comes packed, [video] for a one-latent (video-only) one
+        shapes = self.latent_shapes(batch) if batch.audio is not None else [tuple(x_noisy.shape)]
+        return {**super().extra_cond_inputs(batch, x_noisy), "latent_shapes": shapes}
+
     @contextlib.contextmanager
     def sampling_shapes(self, shapes: list[tuple]):
         """The latent shapes set on ComfyUI's model as its sampler sets them for a packed latent (inner_sample), which

@@ -85,8 +85,7 @@ class ModelFamily:
     # refused for a family without one, before the first step
     takes_audio = False
     needs_audio = False  # whether its model always generates sound (MiniMax H3): a dataset without any is refused
-    # samples its ComfyUI model takes a call (MiniMax H3's: 1, a batch runs sample by sample); None: a whole batch
-    samples_per_call: int | None = None
+    reads_timestep_value = False  # whether its forward reads it (MiniMax H3's): the memory plan's meta pass gives it
 
     def __init__(self, base_model, prediction: str, patcher=None):
         self.loss_kind, self.huber_delta, self.min_snr_gamma = "mse", 0.1, 0.0  # see set_objective

@@ -69,10 +69,7 @@ class LTXAVFamily(AudioVideoStreams, LTXVFamily):
         # connectors' already: two contexts side by side, 2 x caption_channels wide. The cache keeps the
         # embedding, not the mark, which the width tells apart
         processed = batch.cond.shape[-1] == 2 * model.caption_channels
-        # the latent shapes ComfyUI's sampler hands the model: [video] for a one-latent (video-only) sample, [video,
-        # audio] for an audio-video one, whose latent comes packed
-        return {**super().extra_cond_inputs(batch, x_noisy), "unprocessed_ltxav_embeds": not processed,
-                "latent_shapes": self.latent_shapes(batch) if batch.audio is not None else [tuple(x_noisy.shape)]}
+        return {**super().extra_cond_inputs(batch, x_noisy), "unprocessed_ltxav_embeds": not processed}
 
     def model_inputs(self, batch: Batch):
         return super().model_inputs(batch) if batch.audio is None else self.audio_video_inputs(batch)

@@ -36,8 +36,7 @@ class MiniMaxH3Family(AudioVideoStreams, ModelFamily):
     latent_ndim = 5
     target_patterns = {"attention": ATTENTION, "attention_ff": ATTENTION + FEED_FORWARD}
     needs_audio = True  # ComfyUI samples it with sound, always
-    samples_per_call = 1
-    reads_timestep_value = True  # its forward builds its timestep table from the value (the memory plan's meta pass)
+    reads_timestep_value = True
 
     @classmethod
     def matches(cls, base_model) -> bool:
@@ -64,9 +63,6 @@ class MiniMaxH3Family(AudioVideoStreams, ModelFamily):
                                  "video and audio and do not split into pipeline stages yet; use 1 stage (ZeRO "
                                  "spreads the model instead)")
 
-    def extra_cond_inputs(self, batch: Batch, x_noisy: torch.Tensor) -> dict:
-        return {**super().extra_cond_inputs(batch, x_noisy), "latent_shapes": self.latent_shapes(batch)}
-
     def model_inputs(self, batch: Batch):
         self._one_sample(batch)
         return self.audio_video_inputs(batch)
@@ -86,20 +82,13 @@ class MiniMaxH3Family(AudioVideoStreams, ModelFamily):
         if batch.audio is None:
             raise UnsupportedSetting("dataset: MiniMax H3 generates video with sound, and these clips were cached "
                                      "without it: connect MiniMax H3's audio VAE to Cache Latents' audio_vae")
-        if len(batch.latents) > self.samples_per_call:  # model_output and loss split a batch (an evaluation's,
-            # one caption at several noise levels); a caller of model_inputs must too
+        if len(batch.latents) > 1:  # model_output and loss split a batch (an evaluation's, one caption at several
+            # noise levels); a caller of model_inputs must too
             raise ValueError(f"MiniMax H3 runs one sample at a time, not {len(batch.latents)}")
 
 
 def samples(batch: Batch) -> list[Batch]:
     """The batch as batches of one sample each (every per-sample tensor sliced; the text extras' too)."""
-    def one(value, i):
-        if torch.is_tensor(value):
-            return value[i:i + 1]
-        if isinstance(value, list):
-            return [one(v, i) for v in value]
-        if isinstance(value, dict):
-            return type(value)({k: one(v, i) for k, v in value.items()})
-        return value
-    return [Batch(**{f.name: one(getattr(batch, f.name), i) for f in dataclasses.fields(batch)})
-            for i in range(len(batch.latents))]
+    from ..data.loading import each_tensor
+    return [Batch(**{f.name: each_tensor(getattr(batch, f.name), lambda t, i=i: t[i:i + 1])
+                     for f in dataclasses.fields(batch)}) for i in range(len(batch.latents))]

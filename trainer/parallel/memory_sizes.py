@@ -53,12 +53,6 @@ class ActivationProfile:
     def working_set(self) -> int:
         return int(BACKWARD_WORKING_SET * max(self.saved, default=0))
 
-    def times(self, calls: int) -> "ActivationProfile":
-        """What `calls` model calls before one backward save (a model that takes one sample a call, its batch run
-        sample by sample: MiniMax H3's)."""
-        return ActivationProfile(self.outside * calls, [s * calls for s in self.saved],
-                                 [i * calls for i in self.inputs], self.loss * calls, self.measured)
-
 
 def _storage_key(t: torch.Tensor):
     return t.untyped_storage()._cdata  # one StorageImpl per storage, on meta too (where data_ptr is 0)
@@ -160,8 +154,8 @@ def activation_profile(family, model_inputs, blocks, compute_dtype, device) -> A
 
     from .memory import WeightArguments
     x, timestep, kwargs = _meta(model_inputs)
-    if getattr(family, "reads_timestep_value", False):  # its forward reads the timestep's value (MiniMax H3 builds
-        timestep = model_inputs[1]  # its per-token timestep table from it), which a meta tensor has none of
+    if family.reads_timestep_value:  # a meta tensor has no value to read
+        timestep = model_inputs[1]
     if compute_dtype is not None and x.is_floating_point():
         x = x.to(compute_dtype)
     operands: set = set()
@@ -298,10 +292,8 @@ def largest_activation_profile(family, dataset, batch_size: int, blocks, compute
     """What the step that saves the most saves: largest_items, each measured, and of every part (each block's saved
     activations and inputs, what lies outside the blocks) the larger, so that whichever checkpointing or swap the
     plan weighs, neither candidate needs more than it counts."""
-    per_call = min(batch_size, family.samples_per_call or batch_size)
-    calls = -(-batch_size // per_call)
-    profiles = [activation_profile(family, item_inputs(family, dataset, item, per_call), blocks, compute_dtype,
-                                   device).times(calls) for item in largest_items(dataset)]
+    profiles = [activation_profile(family, item_inputs(family, dataset, item, batch_size), blocks, compute_dtype,
+                                   device) for item in largest_items(dataset)]
     return ActivationProfile(max(p.outside for p in profiles), [max(s) for s in zip(*(p.saved for p in profiles))],
                              [max(i) for i in zip(*(p.inputs for p in profiles))], max(p.loss for p in profiles),
                              measured=all(p.measured for p in profiles))

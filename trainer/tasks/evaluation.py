@@ -11,7 +11,7 @@ import contextlib
 import torch
 
 from ..data.dataset_checks import has_audio
-from ..data.loading import CachedDataset, seeded_generator
+from ..data.loading import CachedDataset, each_tensor, seeded_generator
 from ..parallel.distributed import rank, set_cpu_threads, world_size
 from ..models import Batch
 
@@ -51,13 +51,7 @@ def eval_noise(shape, items: list[int], seed: int, stream: int = EVAL_NOISE_STRE
 def repeated_rows(x, times: int, device):
     """A batch field's rows `times` over (a chunk once per quantile), on the device; a list of tensors (the reference
     slots) or a dict of them (the text encoder's extras) keeps its type; None stays None."""
-    if x is None:
-        return None
-    if isinstance(x, list):
-        return type(x)(repeated_rows(t, times, device) for t in x)
-    if isinstance(x, dict):
-        return type(x)({name: repeated_rows(t, times, device) for name, t in x.items()})
-    return (torch.cat([x] * times) if times > 1 else x).to(device)
+    return each_tensor(x, lambda t: (torch.cat([t] * times) if times > 1 else t).to(device))
 
 
 def eval_subset(items: list[int], count: int, seed: int) -> list[int]:
