@@ -23,10 +23,12 @@ from safetensors.torch import load_file
 
 from conftest import ON_COMFYUI_033, SUITE_EVAL_QUANTILES, tiny_models
 from ingraph_trainer.runner.evaluation_run import parse_quantiles
+from ingraph_trainer.trainer.models import UnsupportedSetting
 from ingraph_trainer.trainer.spec import DEFAULT_EVAL_QUANTILES_TEXT
 from family_graphs import EDIT_FOLDER, EDIT_REFERENCE, IMAGE_FAMILIES, IMAGE_TINY_MODELS as TINY_MODELS, SINGLE_FOLDER
 from family_graphs import image_family_models  # noqa: F401  (a fixture)
 from family_graphs import bootstrap_comfy, sampling_graph, saved_latent, training_graph
+from stage_boundaries import assert_stages_compute_the_models_loss
 
 # Z-Image (ComfyUI 0.33's ZImage, the lumina2 family's variant): ComfyUI fixes its width, so the tiny one is 0.9B
 # parameters, built once a session (the starting graphs' test runs it too)
@@ -106,10 +108,15 @@ def comfyui_losses(family, batch, extras, model_references=None, inference: bool
     return torch.stack(losses)
 
 
+SPLIT_INTO_STAGES = {"lumina2"}  # the image families whose pipeline layers there are; the others refuse stages
+
+
 @pytest.mark.parametrize("name", list(IMAGE_FAMILIES))
 def test_family_detected_and_its_loss_is_comfyuis(image_family_models, name, caplog):
     """ComfyUI's loader detects the tiny file as the family, the family picks it, every adapter preset finds
-    layers, and the family's loss is the loss of ComfyUI's own sampler output for the same conditioning (Chroma: its
+    layers, and the family's loss is the loss of ComfyUI's own sampler output for the same conditioning; split into
+    pipeline stages (stage_boundaries: a boundary after every layer), the same loss bit for bit, or pipeline stages
+    refused naming the setting (Chroma: its
     out-of-place blocks, installed for training, compute ComfyUI's blocks' values and pass gradients, and the LoRA
     file the trainer writes of it is read whole by ComfyUI's LoRA loading, each key patching the layer it trained:
     what the graph test proves for the other families through LoraLoaderModelOnly)."""
@@ -126,6 +133,11 @@ def test_family_detected_and_its_loss_is_comfyuis(image_family_models, name, cap
     with torch.no_grad():
         got = family.loss(batch, reduce=False)
     assert torch.allclose(got, expected, rtol=1e-6, atol=0), (name, got, expected)
+    if name in SPLIT_INTO_STAGES:
+        assert_stages_compute_the_models_loss(family, batch)
+    else:
+        with pytest.raises(UnsupportedSetting, match=f"distributed.pipeline_stages: {family.display_name}"):
+            family.pipeline_layers()
     if name == "chroma":  # ComfyUI's own Chroma blocks add residuals in place: autograd refuses them
         first_adapted_layer_takes_gradients(family, batch)
         lora_loads_whole_in_comfyui(family, caplog)
@@ -149,6 +161,7 @@ def _assert_z_image_loss_is_comfyuis(family, latent: tuple):
     with torch.no_grad():
         got = family.loss(batch, reduce=False)
     assert torch.allclose(got, expected, rtol=1e-6, atol=0), (got, expected)
+    return batch
 
 
 def test_z_image_is_detected_and_its_loss_is_comfyuis(image_family_models, tools):  # noqa: F811
@@ -161,7 +174,8 @@ def test_z_image_is_detected_and_its_loss_is_comfyuis(image_family_models, tools
     tiny_models(tools, image_family_models, **Z_IMAGE_TINY_MODEL)
     family = _load(image_family_models, "z_image")
     assert family.name == "lumina2" and type(family.base_model.model_config).__name__ == "ZImage"
-    _assert_z_image_loss_is_comfyuis(family, (16, 8, 8))
+    batch = _assert_z_image_loss_is_comfyuis(family, (16, 8, 8))
+    assert_stages_compute_the_models_loss(family, batch)  # its padding tokens are the first stage's
 
 
 def test_z_images_pixel_space_variant_trains_as_lumina_2_on_images_and_its_loss_is_comfyuis():
@@ -174,6 +188,8 @@ def test_z_images_pixel_space_variant_trains_as_lumina_2_on_images_and_its_loss_
     family = family_for(patcher.model, patcher=patcher)
     assert family.name == "lumina2" and type(patcher.model).__name__ == "ZImagePixelSpace"
     _assert_z_image_loss_is_comfyuis(family, (3, 32, 32))
+    with pytest.raises(UnsupportedSetting, match="distributed.pipeline_stages: Lumina 2's pixel-space variant"):
+        family.pipeline_layers()
 
 
 @pytest.mark.parametrize("name", list(DAY0_FAMILIES))
@@ -182,8 +198,9 @@ def test_day0_family_is_detected_its_loss_is_comfyuis_and_its_lora_loads_whole(n
     class and picked by the family; its loss is ComfyUI's sampler's to 1e-6 (Flux.2: no pooled vector, the text
     padded to 512 tokens by its extra_conds, guidance 1; Krea 2: one-frame video latents, several encoder layers'
     text side by side; HunyuanVideo 1.5: 3 latent frames, its image-condition and mask inputs zeros as ComfyUI's
-    concat_cond gives them for text-to-video); an adapter on the image blocks trains; its LoRA file loads whole in
-    ComfyUI."""
+    concat_cond gives them for text-to-video), and split into pipeline stages the same bit for bit (stage_boundaries;
+    Flux.2's shared modulation computed once and carried); an adapter on the image blocks trains; its LoRA file loads
+    whole in ComfyUI."""
     bootstrap_comfy()
     import comfy.model_base
     import comfy.model_detection
@@ -207,6 +224,7 @@ def test_day0_family_is_detected_its_loss_is_comfyuis_and_its_lora_loads_whole(n
     with torch.no_grad():
         got = family.loss(batch, reduce=False)
     assert torch.allclose(got, expected, rtol=1e-6, atol=0), (got, expected)
+    assert_stages_compute_the_models_loss(family, batch)
     if family.reference_input == "reference_latents":  # Flux.2's edits: a source image as ReferenceLatent gives it
         edit = _batch(latent, text, references=(latent,))
         expected = comfyui_losses(family, edit, extras)  # raw latents, as ReferenceLatent hands them

@@ -20,6 +20,7 @@ from ingraph_trainer.trainer.spec import DEFAULT_EVAL_QUANTILES_TEXT
 
 from family_graphs import FAMILY_TINY_MODELS as TINY_MODELS, family_models  # noqa: F401  (a fixture)
 from family_graphs import run_events, sampling_graph, saved_latent, training_graph
+from stage_boundaries import assert_stages_compute_the_models_loss
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.tiny_models(**TINY_MODELS)]
 
@@ -130,7 +131,8 @@ def test_wan_on_two_pipeline_stages_matches_one_stage(family_models, client):
 
 
 def test_pipeline_layers_compute_exactly_what_the_model_computes(family_models):
-    """Each family's pipeline layers, run in sequence, give the model's own output bit for bit (SD1.5 UNet with
+    """Each family's pipeline layers, run in sequence with a stage boundary after every layer (stage_boundaries),
+    give the model's own output bit for bit (SD1.5 UNet with
     its skip connections, SDXL's size embedding, SD3's, Wan's and Flux's patches on a non-square latent; Flux's
     single blocks: the next test)."""
     sys.path.insert(0, str(REPO))
@@ -161,13 +163,10 @@ def test_pipeline_layers_compute_exactly_what_the_model_computes(family_models):
         batch = Batch(torch.randn(2, *latent, generator=g), torch.randn(2, *text, generator=g),
                       torch.randn(2, pooled, generator=g) if pooled else None, torch.randn(2, *latent, generator=g),
                       torch.rand(2, generator=g))
+        family.prepare_for_training()  # as the trainer does before it builds the stages (Flux's residuals)
+        assert_stages_compute_the_models_loss(family, batch)
         with torch.no_grad():
             expected = family.loss(batch, reduce=False)
-            x = (batch.latents, batch.cond, batch.noise, batch.timesteps) + ((batch.pooled,) if pooled else ())
-            for layer in family.pipeline_layers():
-                x = layer(x)
-            got = family.loss_of_output(x, batch.latents, batch.noise, batch.timesteps, reduce=False)
-        assert torch.equal(expected, got), (name, expected, got)
         if name == "sd_unet":  # the generic fallback trains an SD UNet exactly as the SD family does
             generic = family_for(patcher.model, family="generic", patcher=patcher)
             assert generic.adapter_targets("attention") == family.adapter_targets("attention") != []

@@ -19,6 +19,7 @@ from conftest import ON_COMFYUI_033
 from family_graphs import REFERENCE_FOLDER, VAE_CHANNELS, VIDEO_MODELS, merged, run_events
 from family_graphs import bootstrap_comfy, sampling_graph, saved_latent, training_graph
 from family_graphs import video_model_files, video_models_in_server  # noqa: F401  (fixtures)
+from stage_boundaries import assert_stages_compute_the_models_loss
 
 pytestmark = pytest.mark.comfyui
 WAN_VAE = "tiny_wan_vae.safetensors"  # conftest.tiny_models
@@ -261,8 +262,8 @@ def test_wan22_ti2v_takes_the_start_image_as_the_latents_first_frame(video_model
 
 def test_pipeline_layers_compute_what_the_model_computes_and_i2v_refuses_them(video_model_files):
     """HunyuanVideo's and LTX-Video's pipeline layers (and Wan text-to-video's), run in sequence on a 3-frame
-    non-square latent, give the family's own loss bit for bit (HunyuanVideo also with no single blocks, the streams
-    joined by the last layer). Wan image-to-video variants refuse pipeline stages naming the setting: stage inputs
+    non-square latent with a stage boundary after every layer (stage_boundaries), give the family's own loss bit for
+    bit (HunyuanVideo also with no single blocks, the streams joined by the last layer). Wan image-to-video variants refuse pipeline stages naming the setting: stage inputs
     carry no start image."""
     from ingraph_trainer.trainer.models import UnsupportedSetting, family_for
     from ingraph_trainer.trainer.models.hunyuan_video import HunyuanVideoFamily
@@ -274,15 +275,7 @@ def test_pipeline_layers_compute_what_the_model_computes_and_i2v_refuses_them(vi
     for patcher, (*_, channels, text) in cases + [(no_single, VIDEO_MODELS["tiny_hunyuan_video"])]:
         family = family_for(patcher.model, patcher=patcher)
         family.prepare_for_training()
-        batch = random_batch(channels, text, frames=3, h=6, w=10)
-        with torch.no_grad():
-            expected = family.loss(batch, reduce=False)
-            x = (batch.latents, batch.cond, batch.noise, batch.timesteps) + \
-                ((batch.pooled,) if batch.pooled is not None else ())
-            for layer in family.pipeline_layers():
-                x = layer(x)
-            got = family.loss_of_output(x, batch.latents, batch.noise, batch.timesteps, reduce=False)
-        assert torch.equal(expected, got), (family.name, expected, got)
+        assert_stages_compute_the_models_loss(family, random_batch(channels, text, frames=3, h=6, w=10))
     for stem in ("tiny_wan21_i2v", "tiny_wan22_i2v", "tiny_wan22_ti2v"):
         patcher = load_with_unet_loader(video_model_files[stem])
         with pytest.raises(UnsupportedSetting, match="distributed.pipeline_stages: Wan 2.* start image"):

@@ -76,13 +76,17 @@ class FluxFamily(ReferenceLatentsInput, ModelFamily):
 
 class FluxBegin(StageInput):
     """Stage input: noise, patchify and embed (Flux._forward / forward_orig up to the blocks).
-    Tuple out: (img, txt, vec, pe, shape) with shape = (height, width) of the latent."""
+    Tuple out: (img, txt, vec, pe, shape, *modulations) with shape = (height, width) of the latent; modulations is
+    empty for Flux, and for Flux.2 (one modulation network shared by every block) the shift, scale and gate tensors
+    of each block kind, computed once here as forward_orig computes them and carried to the blocks."""
 
     def __init__(self, family):
         super().__init__(family)
         model = family.diffusion_model
         self.img_in, self.time_in, self.vector_in, self.txt_in = model.img_in, model.time_in, model.vector_in, model.txt_in
         self.guidance_in = model.guidance_in if model.params.guidance_embed else None
+        self.txt_norm = getattr(model, "txt_norm", None)  # Flux.2 Klein's (ComfyUI 0.33)
+        self.modulations = torch.nn.ModuleList(getattr(model, name) for name in MODULATIONS if global_modulation(model))
 
     def forward(self, inputs):
         from comfy.ldm.flux.layers import timestep_embedding
@@ -90,23 +94,51 @@ class FluxBegin(StageInput):
         x_in, timestep, kwargs = self.model_inputs(inputs)
         context, y, guidance = kwargs["context"], kwargs.get("y"), kwargs.get("guidance")
         img, img_ids = model.process_img(x_in)
-        txt_ids = torch.zeros((x_in.shape[0], context.shape[1], 3), device=x_in.device, dtype=x_in.dtype)
+        txt_ids = torch.zeros((x_in.shape[0], context.shape[1], len(model.params.axes_dim)), device=x_in.device,
+                              dtype=torch.float32)
+        for axis in getattr(model.params, "txt_ids_dims", ()):  # Flux.2 numbers the text tokens on these axes
+            txt_ids[:, :, axis] = torch.linspace(0, context.shape[1] - 1, steps=context.shape[1], device=x_in.device,
+                                                 dtype=torch.float32)
         img = self.img_in(img)
         vec = self.time_in(timestep_embedding(timestep, 256).to(img.dtype))
         if self.guidance_in is not None and guidance is not None:
             vec = vec + self.guidance_in(timestep_embedding(guidance, 256).to(img.dtype))
-        if y is None:
-            y = torch.zeros((img.shape[0], model.params.vec_in_dim), device=img.device, dtype=img.dtype)
-        vec = vec + self.vector_in(y[:, :model.params.vec_in_dim])
-        txt = self.txt_in(context)
+        if self.vector_in is not None:
+            if y is None:
+                y = torch.zeros((img.shape[0], model.params.vec_in_dim), device=img.device, dtype=img.dtype)
+            vec = vec + self.vector_in(y[:, :model.params.vec_in_dim])
+        txt = self.txt_in(context if self.txt_norm is None else self.txt_norm(context))
         pe = model.pe_embedder(torch.cat((txt_ids, img_ids), dim=1))
-        return (*self.sendable(img, txt, vec, pe), torch.tensor(x_in.shape[-2:], device=x_in.device))
+        modulations = [t for network in self.modulations for out in network(vec) if out is not None
+                       for t in (out.shift, out.scale, out.gate)]
+        return (*self.sendable(img, txt, vec, pe), torch.tensor(x_in.shape[-2:], device=x_in.device),
+                *self.sendable(*modulations))
+
+
+# Flux.2's shared modulation networks, in the order FluxBegin carries their outputs: the double blocks' image and
+# text (two shift-scale-gate triples each), the single blocks' (one)
+MODULATIONS = ("double_stream_modulation_img", "double_stream_modulation_txt", "single_stream_modulation")
+DOUBLE_MODULATIONS = 12
+
+
+def global_modulation(model) -> bool:
+    return getattr(model.params, "global_modulation", False)
+
+
+def _modulation_outs(tensors):
+    """Carried shift-scale-gate triples back into the ModulationOut pairs ComfyUI's blocks take as `vec`."""
+    from comfy.ldm.flux.layers import ModulationOut
+    outs = [ModulationOut(*tensors[n:n + 3]) for n in range(0, len(tensors), 3)]
+    return tuple(zip(outs[0::2], outs[1::2])) if len(outs) > 1 else (outs[0], None)
 
 
 def _joined(inputs):
-    """Double-block tuples (img, txt, vec, pe, shape) become single-block ones (txt+img, vec, pe, shape, txt_len)."""
-    img, txt, vec, pe, shape = inputs
-    return (torch.cat((txt, img), 1), vec, pe, shape, torch.tensor([txt.shape[1]], device=shape.device))
+    """Double-block tuples (img, txt, vec, pe, shape, *modulations) become single-block ones (txt+img, vec, pe,
+    shape, txt_len, *modulations)."""
+    img, txt, vec, pe, shape, *modulations = inputs
+    if img.dtype == torch.float16:  # as forward_orig, between the double and the single blocks
+        img = torch.nan_to_num(img, nan=0.0, posinf=65504, neginf=-65504)
+    return (torch.cat((txt, img), 1), vec, pe, shape, torch.tensor([txt.shape[1]], device=shape.device), *modulations)
 
 
 class FluxDoubleBlock(torch.nn.Module):
@@ -115,9 +147,10 @@ class FluxDoubleBlock(torch.nn.Module):
         self.block = block
 
     def forward(self, inputs):
-        img, txt, vec, pe, shape = inputs
-        img, txt = self.block(img=img, txt=txt, vec=vec, pe=pe, attn_mask=None, transformer_options={})
-        return (img, txt, vec, pe, shape)
+        img, txt, vec, pe, shape, *modulations = inputs
+        block_vec = _modulation_outs(modulations[:DOUBLE_MODULATIONS]) if modulations else vec
+        img, txt = self.block(img=img, txt=txt, vec=block_vec, pe=pe, attn_mask=None, transformer_options={})
+        return (img, txt, vec, pe, shape, *modulations)
 
 
 class FluxSingleBlock(torch.nn.Module):
@@ -126,8 +159,10 @@ class FluxSingleBlock(torch.nn.Module):
         self.block, self.first = block, first
 
     def forward(self, inputs):
-        img, vec, pe, shape, txt_len = _joined(inputs) if self.first else inputs
-        return (self.block(img, vec=vec, pe=pe, attn_mask=None, transformer_options={}), vec, pe, shape, txt_len)
+        img, vec, pe, shape, txt_len, *modulations = _joined(inputs) if self.first else inputs
+        block_vec = _modulation_outs(modulations[DOUBLE_MODULATIONS:])[0] if modulations else vec
+        return (self.block(img, vec=block_vec, pe=pe, attn_mask=None, transformer_options={}), vec, pe, shape,
+                txt_len, *modulations)
 
 
 class FluxEnd(torch.nn.Module):
@@ -139,10 +174,10 @@ class FluxEnd(torch.nn.Module):
 
     def forward(self, inputs):
         from einops import rearrange
-        img, vec, pe, shape, txt_len = _joined(inputs) if self.join else inputs
+        img, vec, pe, shape, txt_len, *modulations = _joined(inputs) if self.join else inputs
         h, w = shape.tolist()
         p = self.patch_size
         h_len, w_len = (h + p // 2) // p, (w + p // 2) // p
         img = self.final_layer(img[:, int(txt_len):, ...], vec)[:, :h_len * w_len]
-        out = rearrange(img, "b (h w) (c ph pw) -> b c (h ph) (w pw)", h=h_len, w=w_len, ph=2, pw=2)[:, :, :h, :w]
-        return ends_here(out, pe)
+        out = rearrange(img, "b (h w) (c ph pw) -> b c (h ph) (w pw)", h=h_len, w=w_len, ph=p, pw=p)[:, :, :h, :w]
+        return ends_here(out, pe, *modulations)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Batch, ModelFamily, random_state_dict, is_comfy_model
+from .base import Batch, random_state_dict, is_comfy_model
 from .flux import FluxFamily
 
 
@@ -30,9 +30,6 @@ class Flux2Family(FluxFamily):
         # cached by another encoder is left out (None, not the batch's, which the base hands over)
         return {**super(FluxFamily, self).extra_cond_inputs(batch, x_noisy), "pooled_output": None,
                 "guidance": self.guidance if self.guidance_distilled else None}
-
-    def pipeline_layers(self):
-        return ModelFamily.pipeline_layers(self)  # Flux's stage split has no shared modulation network
 
     @classmethod
     def scratch_state_dict(cls, seed: int = 0, hidden_size: int = 128, depth: int = 1, depth_single_blocks: int = 1,

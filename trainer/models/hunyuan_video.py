@@ -88,6 +88,9 @@ class HunyuanVideoBegin(StageInput):
         self.img_in, self.time_in, self.txt_in = model.img_in, model.time_in, model.txt_in
         self.vector_in = model.vector_in
         self.guidance_in = model.guidance_in if model.params.guidance_embed else None
+        # HunyuanVideo 1.5 (ComfyUI 0.33) marks text tokens with a type embedding (0: text, which is all a cached
+        # caption gives; glyph text and image tokens come with inputs stage inputs do not carry)
+        self.cond_type_embedding = getattr(model, "cond_type_embedding", None)
 
     def forward(self, inputs):
         from comfy.ldm.flux.layers import timestep_embedding
@@ -103,6 +106,9 @@ class HunyuanVideoBegin(StageInput):
         if self.guidance_in is not None and guidance is not None:
             vec = vec + self.guidance_in(timestep_embedding(guidance, 256).to(img.dtype))
         txt = self.txt_in(context, timestep, None, transformer_options={})
+        if self.cond_type_embedding is not None:
+            kinds = torch.zeros_like(txt[:, :, 0], device=txt.device, dtype=torch.long)
+            txt = txt + self.cond_type_embedding(kinds).to(txt.dtype)
         ids = (txt_ids, img_ids) if joint_sequence_text_first(model) else (img_ids, txt_ids)
         pe = model.pe_embedder(torch.cat(ids, dim=1))
         return (*self.sendable(img, txt, vec, pe), torch.tensor(x_in.shape[1:], device=x_in.device))
@@ -170,9 +176,6 @@ class HunyuanVideo15Family(HunyuanVideoFamily):
     @classmethod
     def matches(cls, base_model) -> bool:
         return is_comfy_model(base_model, "HunyuanVideo15")
-
-    def pipeline_layers(self):
-        return ModelFamily.pipeline_layers(self)  # HunyuanVideo's stage split knows none of 1.5's inputs
 
     @classmethod
     def scratch_state_dict(cls, seed: int = 0, hidden_size: int = 128, depth: int = 1, depth_single_blocks: int = 1,

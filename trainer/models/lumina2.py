@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Batch, ModelFamily, random_state_dict
+from .base import Batch, ModelFamily, UnsupportedSetting, random_state_dict
+from .stages import StageInput, ends_here
 
 _BLOCKS = r"(layers|noise_refiner|context_refiner)\.\d+\."
 ATTENTION = (_BLOCKS + r"attention\.(qkv|out)$",)
@@ -26,6 +27,13 @@ class Lumina2Family(ModelFamily):
     def checkpoint_blocks(self):
         model = self.diffusion_model
         return [*model.noise_refiner, *model.context_refiner, *model.layers]
+
+    def pipeline_layers(self):
+        if hasattr(self.diffusion_model, "dec_net"):
+            raise UnsupportedSetting(f"distributed.pipeline_stages: {self.display_name}'s pixel-space variant "
+                                     "decodes its patches from the image itself after the blocks, which pipeline "
+                                     "stages do not carry yet; use 1 stage")
+        return [Lumina2Begin(self), *(Lumina2Block(b) for b in self.diffusion_model.layers), Lumina2End(self)]
 
     def extra_cond_inputs(self, batch: Batch, x_noisy: torch.Tensor) -> dict:
         # ComfyUI's Gemma encoder hands its attention mask to extra_conds, which makes the model's num_tokens from it
@@ -54,3 +62,70 @@ class Lumina2Family(ModelFamily):
         model = NextDiT(patch_size=2, in_channels=16, n_layers=n_layers, qk_norm=True,
                         operations=comfy.ops.disable_weight_init, **shape)
         return random_state_dict(model, seed)
+
+
+class Lumina2Begin(StageInput):
+    """Stage input: noise, embed time and caption, patchify, and run the caption and noise refiners (NextDiT._forward
+    up to its layers, through ComfyUI's own patchify_and_embed). Holds every part of the model but its layers and
+    final layer. Tuple out: (tokens, the modulation input, rotary frequencies, geometry[, attention mask]) with
+    geometry one row (patch-padded height, width, caption tokens, height, width) per sample."""
+
+    def __init__(self, family):
+        super().__init__(family)
+        model = family.diffusion_model
+        for name, child in model.named_children():
+            if name not in ("layers", "final_layer"):
+                self.add_module(name, child)
+        for name, param in model.named_parameters(recurse=False):  # Z-Image's padding tokens
+            self.register_parameter(name, param)
+
+    def forward(self, inputs):
+        import comfy.ldm.common_dit
+        model = self.family.diffusion_model
+        x, timesteps, kwargs = self.model_inputs(inputs)
+        context, mask = kwargs["context"], kwargs.get("attention_mask")
+        height, width = x.shape[-2:]
+        x = comfy.ldm.common_dit.pad_to_patch_size(x, (model.patch_size, model.patch_size))
+        adaln = model.t_embedder((1.0 - timesteps) * getattr(model, "time_scale", 1.0), dtype=x.dtype)
+        if getattr(model, "clip_text_pooled_proj", None) is not None:  # ComfyUI 0.33's Lumina with a pooled input
+            pooled = kwargs.get("clip_text_pooled")
+            pooled = model.clip_text_pooled_proj(pooled) if pooled is not None else \
+                torch.zeros((x.shape[0], model.clip_text_dim), device=x.device, dtype=x.dtype)
+            adaln = model.time_text_embed(torch.cat((adaln, pooled), dim=-1))
+        if hasattr(model, "embed_cap"):  # ComfyUI 0.33 embeds the caption inside patchify_and_embed
+            img, mask, sizes, captions, freqs, zero_index = model.patchify_and_embed(
+                x, context, mask, adaln, kwargs["num_tokens"], transformer_options={})
+            assert zero_index is None  # set by reference images only, which pipeline stages refuse
+        else:
+            img, mask, sizes, captions, freqs = model.patchify_and_embed(
+                x, model.cap_embedder(context), mask, adaln, kwargs["num_tokens"], transformer_options={})
+        geometry = torch.tensor([[*size, caption, height, width] for size, caption in zip(sizes, captions)],
+                                device=x.device)
+        return (*self.sendable(img, adaln, freqs.to(img.device)), geometry,
+                *(self.sendable(mask) if mask is not None else ()))
+
+
+class Lumina2Block(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, inputs):
+        img, adaln, freqs, geometry, *mask = inputs
+        return (self.block(img, mask[0] if mask else None, freqs, adaln, transformer_options={}), adaln, freqs,
+                geometry, *mask)
+
+
+class Lumina2End(torch.nn.Module):
+    def __init__(self, family):
+        super().__init__()
+        self.final_layer = family.diffusion_model.final_layer
+        self.unpatchify = family.diffusion_model.unpatchify  # a method (the model's patch size): no weights
+
+    def forward(self, inputs):
+        img, adaln, freqs, geometry, *mask = inputs
+        rows = geometry.tolist()
+        out = self.unpatchify(self.final_layer(img, adaln), [(h, w) for h, w, *_ in rows],
+                              [caption for _, _, caption, _, _ in rows], return_tensor=True)
+        height, width = rows[0][3:]
+        return ends_here(-out[:, :, :height, :width], freqs, *mask)

@@ -1,0 +1,63 @@
+"""Pipeline layers run in one process as DeepSpeed's pipeline engine runs them with a stage boundary after every
+layer: the engine sends tensors only; the next stage receives each floating-point one as a leaf that requires grad;
+backward runs stage by stage, each stage's floating-point outputs given the gradients the next stage sends back
+(torch.autograd.backward, which fails on an output that requires no grad), and the engine asserts that every
+floating-point tensor it received has a gradient to send on. A stage holds (places on its device, and optimises)
+the parameters its layers register, so every weight a layer computes with must be one of its own."""
+from __future__ import annotations
+
+import torch
+
+
+def losses_through_stages(family, batch, layers):
+    """The per-sample losses of `batch` through `layers`, a stage boundary after every layer; with
+    [(what a layer sent, what the next received)] per boundary."""
+    x = (batch.latents, batch.cond, batch.noise, batch.timesteps) + \
+        ((batch.pooled,) if batch.pooled is not None else ())
+    boundaries = []
+    for n, layer in enumerate(layers):
+        if n:
+            assert isinstance(x, tuple) and all(isinstance(t, torch.Tensor) for t in x), \
+                (type(layer).__name__, [type(t).__name__ for t in x] if isinstance(x, tuple) else type(x))
+            received = tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in x)
+            boundaries.append((x, received))
+            x = received
+        x = layer(x)
+    assert isinstance(x, torch.Tensor), type(x)  # the last stage's output goes to the loss
+    return family.loss_of_output(x, batch.latents, batch.noise, batch.timesteps, reduce=False), boundaries
+
+
+def assert_stages_compute_the_models_loss(family, batch) -> None:
+    """Through stage boundaries the pipeline layers give the model's own per-sample loss bit for bit, backward
+    crosses every boundary as the engine's does, and each layer computes with its own weights only."""
+    with torch.no_grad():
+        expected = family.loss(batch, reduce=False)
+    layers = family.pipeline_layers()
+    weights = dict(family.diffusion_model.named_parameters())
+    flags = {name: w.requires_grad for name, w in weights.items()}
+    for w in weights.values():
+        w.requires_grad_(True).grad = None
+    try:
+        got, boundaries = losses_through_stages(family, batch, layers)
+        assert boundaries and torch.equal(expected, got.detach()), (expected, got)
+        stage_backward = [lambda: got.mean().backward()] + [
+            (lambda sent=sent, received=received: _send_back(sent, received, n)) for n, (sent, received)
+            in enumerate(boundaries, 1)][::-1]
+        for layer, backward in zip(reversed(layers), stage_backward, strict=True):
+            before = {name for name, w in weights.items() if w.grad is not None}
+            backward()
+            own = {id(w) for w in layer.parameters()}
+            foreign = [name for name, w in weights.items()
+                       if w.grad is not None and name not in before and id(w) not in own]
+            assert not foreign, f"{type(layer).__name__} computes with weights it does not hold: {foreign[:5]}"
+    finally:
+        for name, w in weights.items():
+            w.requires_grad_(flags[name]).grad = None
+
+
+def _send_back(sent, received, n: int) -> None:
+    """Backward of the stage before boundary n, given what the stage after it sends back."""
+    floats = [(s, r) for s, r in zip(sent, received, strict=True) if r.is_floating_point()]
+    missing = [(m, tuple(r.shape)) for m, (_, r) in enumerate(floats) if r.grad is None]
+    assert not missing, f"boundary {n}: no gradient to send back for (position, shape) {missing}"
+    torch.autograd.backward([s for s, _ in floats], [r.grad for _, r in floats])
