@@ -15,14 +15,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, evaluate_on_one_image, requires_deepspeed
+from conftest import ON_COMFYUI_033, REPO, evaluate_on_one_image, requires_deepspeed, tiny_models
 from ingraph_trainer.trainer.spec import DEFAULT_EVAL_QUANTILES_TEXT
 
 from family_graphs import FAMILY_TINY_MODELS as TINY_MODELS, family_models  # noqa: F401  (a fixture)
-from family_graphs import run_events, sampling_graph, saved_latent, training_graph
+from family_graphs import VAE_CHANNELS, run_events, sampling_graph, saved_latent, training_graph, write_tiny_vaes
 from stage_boundaries import assert_stages_compute_the_models_loss
 
-pytestmark = [pytest.mark.comfyui, pytest.mark.tiny_models(**TINY_MODELS)]
+FLUX2_TINY_MODEL = dict(families={"flux2": "bf16"})  # ComfyUI 0.33's Flux.2: its pipeline stages' run
+pytestmark = [pytest.mark.comfyui, pytest.mark.tiny_models(**TINY_MODELS),
+              *([pytest.mark.tiny_models(**FLUX2_TINY_MODEL)] if ON_COMFYUI_033 else [])]
 
 
 # SD3 also trains with the flow-matching options: logit-normal timesteps, SD3's shift, min-SNR and Huber, in the
@@ -128,6 +130,38 @@ def test_wan_on_two_pipeline_stages_matches_one_stage(family_models, client):
     log_before = len(family_models.log_text())
     assert client.run(sampling_graph("wan", "wan_stages2.safetensors", "wan_stages2"), timeout=300).ok
     assert "lora key not loaded" not in family_models.log_text()[log_before:]
+
+
+@requires_deepspeed
+@pytest.mark.skipif(not ON_COMFYUI_033, reason="skipped: this ComfyUI has no Flux.2 (0.33 and later have)")
+def test_flux2_on_two_pipeline_stages_matches_one_stage(family_models, tools, client):
+    """Flux.2, whose blocks share one modulation network (computed in the first stage, its outputs carried across
+    the cut), trains from the graph on 2 processes split into 2 stages (DeepSpeed Settings node) with the losses and
+    the evaluation of the whole model in one process, and writes a LoRA of the same layers."""
+    tiny_models(tools, family_models, **FLUX2_TINY_MODEL)
+    write_tiny_vaes(family_models, {128: VAE_CHANNELS[128]})
+    runs = {}
+    for stages in (1, 2):
+        model = {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny_flux2.safetensors",
+                                                        "weight_dtype": "default"}}
+        graph = training_graph("flux", f"flux2_stages{stages}", model=model, text_family="flux2",
+                               **({"distributed": ["30", 0]} if stages > 1 else {}))
+        graph["2"]["inputs"]["vae_name"] = VAE_CHANNELS[128]
+        if stages > 1:
+            graph["30"] = _distributed(2, stages)
+        evaluate_on_one_image(graph, train="8", dataset="4")
+        outcome = client.run(graph, timeout=600)
+        assert outcome.ok, outcome.error
+        runs[stages] = run_events(outcome)
+    started = {stages: next(e for e in events if e["type"] == "started") for stages, events in runs.items()}
+    assert started[1]["family"] == started[2]["family"] == "flux2" and started[2]["pipeline_stages"] == 2
+    losses = [[e["loss"] for e in runs[stages] if e["type"] == "step"] for stages in (1, 2)]
+    assert len(losses[0]) == len(losses[1]) == 2 and losses[0] == pytest.approx(losses[1], abs=1e-5), losses
+    evals = [[e["loss"] for e in runs[stages] if e["type"] == "eval"] for stages in (1, 2)]
+    assert len(evals[0]) == len(evals[1]) >= 1 and evals[0] == pytest.approx(evals[1], abs=1e-5), evals
+    loras = [load_file(str(family_models.base_dir / "models" / "loras" / f"flux2_stages{stages}.safetensors"))
+             for stages in (1, 2)]
+    assert loras[0] and {k: v.shape for k, v in loras[0].items()} == {k: v.shape for k, v in loras[1].items()}
 
 
 def test_pipeline_layers_compute_exactly_what_the_model_computes(family_models):

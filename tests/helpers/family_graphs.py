@@ -177,22 +177,15 @@ if ON_COMFYUI_033:  # its 128-channel TAESD is Flux.2's (32 channels, 2x2 packed
     VAE_CHANNELS[128] = "taef2"
 
 
-@pytest.fixture(scope="module")
-def video_models_in_server(comfy, video_model_files):
-    """The tiny video models in the server's diffusion-models folder, a TAESD for each latent width in models/vae,
-    the two family images plain and with start images beside them."""
-    import shutil
-
-    from PIL import Image
-
+def write_tiny_vaes(comfy, names: dict[int, str]) -> None:
+    """A random-weight TAESD of each latent width in `names` (width -> VAELoader's name, VAE_CHANNELS') in the
+    server's models folders."""
+    bootstrap_comfy()
     from comfy.taesd.taesd import TAESD
 
     from ingraph_trainer.trainer.models.base import init_weights
     from tools.tiny_models import _save
-    unets, vaes = comfy.dir("models", "diffusion_models"), comfy.dir("models", "vae")
-    for path in video_model_files.values():
-        shutil.copy(path, unets / path.name)
-    for channels, name in VAE_CHANNELS.items():
+    for channels, name in names.items():
         taesd = init_weights(TAESD(latent_channels=channels), 2)
         if name == "taef2":  # VAELoader's image TAE: an encoder and a decoder file in vae_approx
             for part in ("encoder", "decoder"):
@@ -201,7 +194,20 @@ def video_models_in_server(comfy, video_model_files):
                       comfy.dir("models", "vae_approx") / f"taef2_{part}.safetensors")
             continue
         _save({k: v for k, v in taesd.state_dict().items() if k.startswith(("taesd_encoder.", "taesd_decoder."))},
-              vaes / name)
+              comfy.dir("models", "vae") / name)
+
+
+@pytest.fixture(scope="module")
+def video_models_in_server(comfy, video_model_files):
+    """The tiny video models in the server's diffusion-models folder, a TAESD for each latent width in models/vae,
+    the two family images plain and with start images beside them."""
+    import shutil
+
+    from PIL import Image
+    unets = comfy.dir("models", "diffusion_models")
+    for path in video_model_files.values():
+        shutil.copy(path, unets / path.name)
+    write_tiny_vaes(comfy, VAE_CHANNELS)
     plain, with_start = comfy.dir("input", FAMILY_FOLDER), comfy.dir("input", REFERENCE_FOLDER)
     for source in sorted(comfy.dir("input", IMAGE_FOLDER).iterdir())[:4]:  # two images and their captions
         (plain / source.name).write_bytes(source.read_bytes())
