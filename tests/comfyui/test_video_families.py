@@ -287,10 +287,16 @@ def test_ltx2_trains_its_video_stream_and_checkpointed_blocks_give_the_same_grad
     """LTX-2 on a video latent alone: the presets adapt the video stream's layers only (no audio layer, which a
     batch with no audio latents gives no gradient), and its blocks, which add into the (video, audio) pair they
     receive in place, give the same LoRA gradients checkpointed as not (a block that changed its own input would
-    recompute from the changed one). Pipeline stages are refused, naming the setting."""
+    recompute from the changed one). Split into pipeline stages (stage_boundaries), the same loss bit for bit: the
+    first stage runs the model's own preparation steps, and what its blocks take (compressed timesteps, the empty
+    audio stream, nested lists) crosses the stages packed."""
     from ingraph_trainer.trainer.adapters import inject_adapter
     from ingraph_trainer.trainer.parallel.memory import memory_savers
-    from ingraph_trainer.trainer.models import UnsupportedSetting, family_for
+    from ingraph_trainer.trainer.models import family_for
+    patcher = load_with_unet_loader(video_model_files["tiny_ltxav"])
+    family = family_for(patcher.model, patcher=patcher)
+    family.prepare_for_training()
+    assert_stages_compute_the_models_loss(family, random_batch(128, "ltxav"))
     grads = []
     for checkpointing in (False, True):
         patcher = load_with_unet_loader(video_model_files["tiny_ltxav"])
@@ -308,8 +314,6 @@ def test_ltx2_trains_its_video_stream_and_checkpointed_blocks_give_the_same_grad
     assert len(grads[0]) == len(grads[1]) and all(g.abs().sum() > 0 for g in grads[0])
     for plain, checkpointed in zip(*grads):
         torch.testing.assert_close(checkpointed, plain, rtol=0, atol=0)
-    with pytest.raises(UnsupportedSetting, match="distributed.pipeline_stages: LTX-2"):
-        family.pipeline_layers()
     # distillation's networks call the model as training does (a one-stream list, the timestep pair)
     from ingraph_trainer.trainer.tasks.distill_networks import Denoiser
     batch = random_batch(128, "ltxav")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+DEEPSPEED_TENSOR_META_SIZE = 256  # deepspeed/runtime/pipe/engine.py: TENSOR_META_SIZE
+
 
 def losses_through_stages(family, batch, layers):
     """The per-sample losses of `batch` through `layers`, a stage boundary after every layer; with
@@ -19,6 +21,8 @@ def losses_through_stages(family, batch, layers):
         if n:
             assert isinstance(x, tuple) and all(isinstance(t, torch.Tensor) for t in x), \
                 (type(layer).__name__, [type(t).__name__ for t in x] if isinstance(x, tuple) else type(x))
+            meta = 2 + sum(2 + t.ndim for t in x)  # the engine describes a tuple in one 256-int message
+            assert meta <= DEEPSPEED_TENSOR_META_SIZE, f"{type(layer).__name__} receives {meta} ints of shapes"
             received = tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in x)
             boundaries.append((x, received))
             x = received

@@ -118,7 +118,7 @@ def test_a_step_passes_the_features_to_the_model_and_reports_main_and_prior_loss
 
 # --- pipeline stages --------------------------------------------------------------------------------------------
 
-def test_pipeline_stages_refuse_prior_images_and_masks_by_field():
+def test_pipeline_stages_refuse_prior_images_masks_and_sound_by_field():
     from ingraph_trainer.trainer.parallel.pipeline import check_data
     spec = config.RunSpec(run_dir="run", model=config.ModelSpec(path="model.safetensors"),
                           data=config.DataSpec(manifest="d.json", prior_manifest="p.json"),
@@ -132,7 +132,22 @@ def test_pipeline_stages_refuse_prior_images_and_masks_by_field():
     with pytest.raises(ValueError, match=r"data\.masked_loss: d\.json has loss masks, which pipeline stages"):
         check_data(config.DataSpec(manifest="d.json"), masked)
     check_data(config.DataSpec(manifest="d.json", masked_loss=False), masked)  # masks off: trains
+    with pytest.raises(ValueError, match=r"data\.manifest: d\.json has clips with sound \(audio latents\), which "
+                                         r"pipeline stages"):  # LTX-2's audio stream: the stages carry video alone
+        check_data(config.DataSpec(manifest="d.json"), type("Cached", (), {"masked": [], "audio": True})())
     check_data(config.DataSpec(manifest="d.json", caption_dropout=0.3), type("Cached", (), {"masked": []})())
+
+
+def test_a_pipeline_stage_that_would_train_nothing_is_found_from_the_partition():
+    """DeepSpeed partitions the layers by trained parameters; a stage left with none (fewer trained layers than
+    stages) would fail on one process with "optimizer got an empty parameter list": pipeline.build refuses on every
+    process, naming the setting, from the partition they all know."""
+    from ingraph_trainer.trainer.parallel.pipeline import stages_training_nothing
+    trained, frozen = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).requires_grad_(False)
+    layers = [frozen, trained, frozen]
+    assert stages_training_nothing(layers, [0, 2, 3]) == [1]
+    assert stages_training_nothing(layers, [0, 1, 3]) == [0]
+    assert stages_training_nothing([frozen, trained, trained], [0, 2, 3]) == []
 
 
 # --- one run with every feature --------------------------------------------------------------------------------

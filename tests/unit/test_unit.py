@@ -1004,3 +1004,29 @@ def test_ranks_whose_swapped_weights_differ_are_refused(monkeypatch):
                 memory.check_swapped_weights_agree([block])
         else:
             memory.check_swapped_weights_agree([block])
+
+
+def test_what_crosses_a_pipeline_stage_is_tensors_and_comes_back_as_it_was():
+    """stages.packed: nested block inputs (as LTX-2's preparation steps give them) become tensors only, each tensor
+    once however often it appears, the rest in a uint8 tensor; unpacked gives back the same structure, the same
+    tensors (identical objects), an empty tensor as one of its shape, enums, dtypes and __slots__ objects (ComfyUI's
+    CompressedTimestep is one; here Fraction); anything else is refused by name."""
+    import http
+    from fractions import Fraction
+
+    import torch
+    from ingraph_trainer.trainer.models.stages import packed, unpacked
+    shared, other = torch.randn(2, 3), torch.arange(4)
+    tree = ([shared, torch.zeros(2, 0, 5)], {"a_timestep": shared, "orig_shape": [2, 128, 3, 4, 8], "mask": None,
+                                             "status": http.HTTPStatus.OK, "scale": 0.5},
+            (Fraction(3, 4), other, torch.bfloat16, "x", True))
+    carried = packed(tree)
+    assert all(isinstance(t, torch.Tensor) for t in carried) and len(carried) == 3 and carried[-1].dtype == torch.uint8
+    (streams, merged, (fraction, ints, dtype, text, flag)) = unpacked(carried)
+    assert streams[0] is carried[0] and merged["a_timestep"] is carried[0] and ints is carried[1]
+    assert streams[1].shape == (2, 0, 5) and streams[1].dtype == torch.float32
+    assert merged["orig_shape"] == [2, 128, 3, 4, 8] and merged["mask"] is None and merged["scale"] == 0.5
+    assert merged["status"] is http.HTTPStatus.OK and fraction == Fraction(3, 4) and type(fraction) is Fraction
+    assert dtype is torch.bfloat16 and text == "x" and flag is True and isinstance(streams, list)
+    with pytest.raises(TypeError, match="a object cannot cross a pipeline stage"):
+        packed([object()])

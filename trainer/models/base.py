@@ -354,7 +354,7 @@ class ModelFamily:
         the first takes (latents, cond, noise, timesteps[, pooled]), the last returns the raw model output."""
         raise UnsupportedSetting(f"distributed.pipeline_stages: {self.display_name} models do not split into "
                                  "pipeline stages yet (SD UNets, SDXL, SD3, Flux, Flux.2, Lumina 2 and Z-Image, Krea 2, "
-                                 "Wan, HunyuanVideo 1 and 1.5 and LTX-Video do); use 1 stage")
+                                 "Wan, HunyuanVideo 1 and 1.5, LTX-Video and LTX-2 do); use 1 stage")
 
     # --- building a model of this family from scratch ----------------------------------------------------
     scratch_sizes: dict[str, dict] = {}  # named sizes for the New Model node: {"tiny": {...}, ...}

@@ -17,9 +17,10 @@ from __future__ import annotations
 import torch
 
 from .audio_video import AudioVideoStreams
-from .base import Batch, ModelFamily, UnsupportedSetting, is_comfy_model
+from .base import Batch, ModelFamily, is_comfy_model
 from .ltxv import LTXVFamily
 from .residuals import residuals_out_of_place
+from .stages import StageInput, ends_here, floats, holding_all_but, packed, unpacked
 
 # the audio stream's layers, and the cross-attention between the two streams, which an audio-video batch trains
 AUDIO_ATTENTION = (r"transformer_blocks\.\d+\.(audio_attn[12]|audio_to_video_attn|video_to_audio_attn)\."
@@ -59,8 +60,8 @@ class LTXAVFamily(AudioVideoStreams, LTXVFamily):
         residuals_out_of_place(self.checkpoint_blocks(), copy_inputs=True)
 
     def pipeline_layers(self):
-        raise UnsupportedSetting("distributed.pipeline_stages: LTX-2's blocks carry video and audio together and do "
-                                 "not split into pipeline stages yet; use 1 stage (ZeRO spreads the model instead)")
+        model = self.diffusion_model
+        return [LTXAVBegin(self), *(LTXAVBlock(block, model) for block in model.transformer_blocks), LTXAVEnd(self)]
 
     def extra_cond_inputs(self, batch: Batch, x_noisy: torch.Tensor) -> dict:
         model = self.diffusion_model
@@ -84,3 +85,76 @@ class LTXAVFamily(AudioVideoStreams, LTXVFamily):
         """As ComfyUI's apply_model runs LTX-2: the latent unpacked into its list of streams (video, and audio where
         the batch has it), the timestep made the (video, audio) pair by the model class's process_timestep."""
         return self.run_streams(x_in, timestep, kwargs)
+
+
+# what LTX-2's _process_output runs on: the last stage's
+OUTPUT_PARTS = ("norm_out", "proj_out", "scale_shift_table", "audio_norm_out", "audio_proj_out",
+                "audio_scale_shift_table")
+
+
+class LTXAVBegin(StageInput):
+    """Stage input: the batch as run_streams hands it to the model (the streams unpacked, the timestep pair), then
+    the model's own preparation steps (LTXBaseModel._forward up to its blocks: _process_input, _prepare_timestep,
+    _prepare_context, ...; no keyframes). Holds every part of the model but its blocks and output. Out: the blocks'
+    inputs and what _process_output takes, packed (stages.packed: ComfyUI's timesteps come compressed)."""
+
+    def __init__(self, family):
+        super().__init__(family)
+        holding_all_but(self, family.diffusion_model, ("transformer_blocks", *OUTPUT_PARTS))
+
+    def forward(self, inputs):
+        import comfy.utils
+        family, model = self.family, self.family.diffusion_model
+        x_in, timestep, kwargs = self.model_inputs(inputs)
+        kwargs = dict(kwargs)
+        timestep = family.base_model.process_timestep(timestep, x=x_in, **kwargs)
+        x = comfy.utils.unpack_latents(x_in, kwargs.pop("latent_shapes"))
+        if isinstance(timestep, (tuple, list)) and len(timestep) == 2:  # as LTXAVModel.forward splits the pair
+            timestep, kwargs["a_timestep"] = timestep
+        else:
+            kwargs["a_timestep"] = timestep
+        context, mask, frame_rate = kwargs.pop("context"), kwargs.pop("attention_mask", None), kwargs.pop("frame_rate")
+        merged = {**family.transformer_options(kwargs), **kwargs}
+        batch, dtype = x[0].shape[0], x[0].dtype
+        x, coords, extra = model._process_input(x, None, None, **merged)
+        merged.update(extra)
+        timestep, embedded, merged["prompt_timestep"] = model._prepare_timestep(timestep, batch, dtype, **merged)
+        context, mask = model._prepare_context(context, batch, x, mask)
+        mask = model._prepare_attention_mask(mask, dtype)
+        pe = model._prepare_positional_embeddings(coords, frame_rate, dtype)
+        self_mask = model._build_guide_self_attention_mask(x, {}, merged)
+        carried = packed((x, context, mask, timestep, pe, self_mask, embedded, merged))
+        self.sendable(*floats(carried))
+        return carried
+
+
+class LTXAVBlock(torch.nn.Module):
+    """One block, run by ComfyUI's own loop over the blocks (_process_transformer_blocks) given this block alone."""
+
+    def __init__(self, block, model):
+        super().__init__()
+        self.block = block
+        self._blocks_loop = type(model)._process_transformer_blocks
+
+    def forward(self, inputs):
+        from types import SimpleNamespace
+        x, context, mask, timestep, pe, self_mask, embedded, merged = unpacked(inputs)
+        x = self._blocks_loop(SimpleNamespace(transformer_blocks=[self.block]), x, context, mask, timestep, pe,
+                              transformer_options={}, self_attention_mask=self_mask, **merged)
+        return packed((x, context, mask, timestep, pe, self_mask, embedded, merged))
+
+
+class LTXAVEnd(torch.nn.Module):
+    def __init__(self, family):
+        super().__init__()
+        model = family.diffusion_model
+        for name in OUTPUT_PARTS:
+            setattr(self, name, getattr(model, name))
+        self._process_output = model._process_output  # a method of the model: its output parts are held here
+
+    def forward(self, inputs):
+        import comfy.utils
+        x, context, mask, timestep, pe, self_mask, embedded, merged = unpacked(inputs)
+        out = self._process_output(x, embedded, None, **merged)
+        out = out if torch.is_tensor(out) else comfy.utils.pack_latents(out)[0]  # as run_streams packs it
+        return ends_here(out, *floats(inputs))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .base import Batch, ModelFamily, UnsupportedSetting, random_state_dict
-from .stages import StageInput, ends_here
+from .stages import StageInput, ends_here, holding_all_but
 
 _BLOCKS = r"(layers|noise_refiner|context_refiner)\.\d+\."
 ATTENTION = (_BLOCKS + r"attention\.(qkv|out)$",)
@@ -72,12 +72,7 @@ class Lumina2Begin(StageInput):
 
     def __init__(self, family):
         super().__init__(family)
-        model = family.diffusion_model
-        for name, child in model.named_children():
-            if name not in ("layers", "final_layer"):
-                self.add_module(name, child)
-        for name, param in model.named_parameters(recurse=False):  # Z-Image's padding tokens
-            self.register_parameter(name, param)
+        holding_all_but(self, family.diffusion_model, ("layers", "final_layer"))  # Z-Image's padding tokens too
 
     def forward(self, inputs):
         import comfy.ldm.common_dit

@@ -45,9 +45,14 @@ def check_layout(stages: int):
 
 def check_data(data_spec, dataset):
     """The stages pass (latents, cond, noise, timesteps[, pooled]) and take the plain mean of the per-sample
-    losses: loss masks and prior images (per-sample weights, their own loss in the events) do not pass through
-    them. Caption dropout and tag shuffling only change the text, and do."""
+    losses: sound (audio latents), loss masks and prior images (per-sample weights, their own loss in the events) do
+    not pass through them. Caption dropout and tag shuffling only change the text, and do."""
     from ..data.batch_mix import MixedDataset
+    from ..data.dataset_checks import has_audio
+    if has_audio(dataset):
+        raise ValueError(f"data.manifest: {data_spec.manifest} has clips with sound (audio latents), which pipeline "
+                         "stages (distributed.pipeline_stages > 1) do not pass on; train with 1 stage, or cache the "
+                         "clips without an audio VAE to train the video alone")
     if data_spec.prior_manifest or isinstance(dataset, MixedDataset):
         raise ValueError("data.prior_manifest: prior images are not available with pipeline stages "
                          "(distributed.pipeline_stages > 1); train with 1 stage, or without prior images")
@@ -65,7 +70,21 @@ def build(family, stages: int):
     loss = PipelineLoss(family)
     module = PipelineModule(layers=layers, num_stages=stages, loss_fn=loss, partition_method="parameters",
                             dynamic_shape=True)  # aspect-ratio buckets change activation shapes between steps
+    idle = stages_training_nothing(layers, module.parts)
+    if idle:  # every process knows the partition: all refuse alike, before an optimizer of nothing fails on one
+        raise ValueError(f"distributed.pipeline_stages: with {stages} stages, stage {idle[0]} would train nothing "
+                         f"(what this run trains lies in {sum(map(_trains, layers))} of {family.display_name}'s "
+                         f"{len(layers)} pipeline layers); use fewer stages")
     return module, loss, layers
+
+
+def _trains(layer) -> bool:
+    return any(p.requires_grad for p in layer.parameters())
+
+
+def stages_training_nothing(layers, bounds) -> list[int]:
+    """The stages whose layers (layers[bounds[s]:bounds[s + 1]]) hold no trained parameter."""
+    return [s for s in range(len(bounds) - 1) if not any(map(_trains, layers[bounds[s]:bounds[s + 1]]))]
 
 
 def micro_batch(latents, cond, noise, timesteps, pooled=None):
