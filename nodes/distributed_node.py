@@ -29,7 +29,8 @@ class DeepSpeedSettings(io.ComfyNode):
                              tooltip="Split the model's layers across this many processes (pipeline parallel, "
                                      "partitioned by trainable parameters), for models too big for one GPU. "
                                      "Must divide the number of processes; the rest is data parallel. Takes ZeRO "
-                                     "0 or 1; no previews. SD1.x/SD2.x, SDXL, SD3, Flux and Wan models."),
+                                     "0 or 1; no previews. A model family that does not split is refused when "
+                                     "queued, naming this input (the README lists those that do)."),
                 io.Boolean.Input("offload_params", default=False, optional=True,
                                  tooltip="ZeRO stage 3: keep each GPU's share of the model's weights in CPU memory "
                                          "and fetch each layer's weights to the GPUs as it runs (the least GPU "
