@@ -815,6 +815,48 @@ def test_minimax_h3_trains_both_streams_sample_by_sample_and_its_loss_is_comfyui
 
 
 @pytest.mark.skipif(not ON_COMFYUI_033, reason="skipped: this ComfyUI has no MiniMax H3 (0.33 and later have)")
+def test_minimax_h3s_own_audio_vae_takes_from_the_cache_what_its_stand_in_takes(tmp_path):
+    """ComfyUI's own MiniMax H3 audio VAE (its class at its released size, 151M parameters of random weights, built
+    as Load VAE builds it from a file's weights) and the stand-in the graph tests use, each caching a 24 fps clip with
+    sound in a 22-frame item: both are handed the same sound ([1, 37 x 800 samples, stereo] at 32 kHz), and the
+    cache keeps the real one's latents at the shape it keeps the stand-in's, [32, stereo, 37]: the audio latents
+    Empty MiniMax H3 AV Latent gives 22 frames. (Its video VAE, 2.6B parameters, is too large to build here; its
+    stand-in's 16x and 17k + 5 frame counts are ComfyUI's VAE's.)"""
+    bootstrap_comfy()
+    import comfy.sd
+    from comfy.ldm.minimax.audio_vae import MiniMaxH3AudioVAE
+    from comfy_extras.nodes_minimax_h3 import _empty_av_latent
+    from safetensors.torch import load_file
+
+    from clip_caching import VideoVAE, scan
+    from media_files import StandInMiniMaxAudioVAE, time_ramp, write_video
+    from ingraph_trainer.cache.encoding import encode_latents
+    from ingraph_trainer.cache.store import CacheStore
+    from ingraph_trainer.trainer.models.base import init_weights
+    released = init_weights(MiniMaxH3AudioVAE(), 0)
+    released.latents_std.fill_(1.0)
+    real = comfy.sd.VAE(sd=released.state_dict())
+    assert type(real.first_stage_model) is MiniMaxH3AudioVAE and real.audio_sample_rate == 32000
+    real.encoded, encode = [], real.encode
+    real.encode = lambda audio: (real.encoded.append(tuple(audio.shape)), encode(audio))[1]
+    (tmp_path / "clips").mkdir()
+    write_video(tmp_path / "clips" / "a.mkv", 24, fps=24, sound=time_ramp)
+    expected = _empty_av_latent(64, 64, 22)[0]["samples"].unbind()[1].shape[1:]
+    cached = {}
+    for name, vae in (("real", real), ("stand-in", StandInMiniMaxAudioVAE())):
+        store = CacheStore(tmp_path / f"cache_{name}")
+        dataset, encoded, _ = encode_latents(scan(tmp_path / "clips", frame_buckets="22", fps=24), VideoVAE(), store,
+                                             audio_vae=vae)
+        assert encoded == len(dataset.items) == len(vae.encoded) == 1 and dataset.audio
+        cached[name] = (vae.encoded, [tuple(load_file(str(store.lookup(item.latent).path))["audio"].shape)
+                                      for item in dataset.items])
+        store.close()
+    assert cached["real"] == cached["stand-in"], cached
+    assert set(cached["real"][0]) == {(1, 37 * 800, 2)} and set(cached["real"][1]) == {tuple(expected)} == \
+        {(32, 2, 37)}, (cached, expected)
+
+
+@pytest.mark.skipif(not ON_COMFYUI_033, reason="skipped: this ComfyUI has no MiniMax H3 (0.33 and later have)")
 def test_minimax_h3_trains_on_clips_with_sound_through_the_graph(video_models_in_server, minimax_h3_file, client):
     """Two 24 fps clips with sound (PCM in .mkv, AAC in .mp4), in items of 5 frames (the shortest MiniMax H3
     generates), cached through Cache Latents with MiniMax H3's video and audio VAEs (stand-ins: the real ones are too
