@@ -108,7 +108,7 @@ def comfyui_losses(family, batch, extras, model_references=None, inference: bool
     return torch.stack(losses)
 
 
-SPLIT_INTO_STAGES = {"lumina2"}  # the image families whose pipeline layers there are; the others refuse stages
+SPLIT_INTO_STAGES = {"lumina2", "qwen_image"}  # the image families with pipeline layers (Chroma refuses stages)
 
 
 @pytest.mark.parametrize("name", list(IMAGE_FAMILIES))

@@ -85,7 +85,7 @@ class FluxBegin(StageInput):
         model = family.diffusion_model
         self.img_in, self.time_in, self.vector_in, self.txt_in = model.img_in, model.time_in, model.vector_in, model.txt_in
         self.guidance_in = model.guidance_in if model.params.guidance_embed else None
-        self.txt_norm = getattr(model, "txt_norm", None)  # Flux.2 Klein's (ComfyUI 0.33)
+        self.txt_norm = getattr(model, "txt_norm", None)  # ComfyUI 0.33: Flux-shaped models with a text norm (Ovis)
         self.modulations = torch.nn.ModuleList(getattr(model, name) for name in MODULATIONS if global_modulation(model))
 
     def forward(self, inputs):

@@ -6,8 +6,13 @@ ReferenceLatent conditioning (what TextEncodeQwenImageEdit adds), so items with 
 model and items without train text-to-image."""
 from __future__ import annotations
 
+import inspect
+
+import torch
+
 from .base import ModelFamily, UnsupportedSetting, random_state_dict
 from .references import ReferenceLatentsInput
+from .stages import StageInput, ends_here
 
 ATTENTION = (r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)$",)
 FEED_FORWARD = (r"transformer_blocks\.\d+\.(img|txt)_mlp\.net\.(0\.proj|2)$",)
@@ -29,6 +34,10 @@ class QwenImageFamily(ReferenceLatentsInput, ModelFamily):
     def checkpoint_blocks(self):
         return list(self.diffusion_model.transformer_blocks)
 
+    def pipeline_layers(self):
+        blocks = self.diffusion_model.transformer_blocks
+        return [QwenImageBegin(self), *(QwenImageBlock(block) for block in blocks), QwenImageEnd(self)]
+
     @classmethod
     def scratch_size_for_text(cls, size: dict, text_width: int, pooled_width: int | None) -> dict:
         if text_width != TEXT_WIDTH:
@@ -45,3 +54,71 @@ class QwenImageFamily(ReferenceLatentsInput, ModelFamily):
         model = QwenImageTransformer2DModel(in_channels=64, out_channels=16, num_layers=num_layers,
                                             joint_attention_dim=TEXT_WIDTH, operations=comfy.ops.disable_weight_init)
         return random_state_dict(model, seed)
+
+
+class QwenImageBegin(StageInput):
+    """Stage input: noise, patchify, place and embed time and text (QwenImageTransformer2DModel._forward up to its
+    blocks; no reference images, which pipeline stages refuse). Tuple out: (image tokens, text tokens, the time
+    embedding, rotary embedding, geometry) with geometry = the patch-padded latent's shape, its image tokens, and
+    the latent's height and width."""
+
+    def __init__(self, family):
+        super().__init__(family)
+        model = family.diffusion_model
+        self.img_in, self.txt_norm, self.txt_in = model.img_in, model.txt_norm, model.txt_in
+        self.time_text_embed = model.time_text_embed
+        # ComfyUI 0.33's forward (its time embedding takes an additional condition) lays the rotary embedding out
+        # as its blocks take it; 0.3.64's had it squeezed and unsqueezed
+        self.rotary_as_given = "additional_t_cond" in inspect.signature(type(model)._forward).parameters
+
+    def forward(self, inputs):
+        model = self.family.diffusion_model
+        x, timestep, kwargs = self.model_inputs(inputs)
+        context, mask = kwargs["context"], kwargs.get("attention_mask")
+        if mask is not None and not torch.is_floating_point(mask):
+            mask = (mask - 1).to(x.dtype) * torch.finfo(x.dtype).max
+        image, image_ids, padded_shape = model.process_img(x)
+        p = model.patch_size
+        text_start = round(max(((x.shape[-1] + (p // 2)) // p) // 2, ((x.shape[-2] + (p // 2)) // p) // 2))
+        text_ids = torch.arange(text_start, text_start + context.shape[1], device=x.device).reshape(1, -1, 1) \
+            .repeat(x.shape[0], 1, 3)
+        rotary = model.pe_embedder(torch.cat((text_ids, image_ids), dim=1))
+        rotary = rotary.to(x.dtype).contiguous() if self.rotary_as_given else rotary.squeeze(1).unsqueeze(2).to(x.dtype)
+        image = self.img_in(image)
+        text = self.txt_in(self.txt_norm(context))
+        if self.rotary_as_given:
+            temb = self.time_text_embed(timestep, image, kwargs.get("additional_t_cond"))
+        elif kwargs.get("guidance") is not None:
+            temb = self.time_text_embed(timestep, kwargs["guidance"] * 1000, image)
+        else:
+            temb = self.time_text_embed(timestep, image)
+        geometry = torch.tensor([*padded_shape, image.shape[1], *x.shape[-2:]], device=x.device)
+        return (*self.sendable(image, text, temb, rotary), geometry,
+                *(self.sendable(mask) if mask is not None else ()))
+
+
+class QwenImageBlock(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, inputs):
+        image, text, temb, rotary, geometry, *mask = inputs
+        text, image = self.block(hidden_states=image, encoder_hidden_states=text,
+                                 encoder_hidden_states_mask=mask[0] if mask else None, temb=temb,
+                                 image_rotary_emb=rotary, transformer_options={})
+        return (image, text, temb, rotary, geometry, *mask)
+
+
+class QwenImageEnd(torch.nn.Module):
+    def __init__(self, family):
+        super().__init__()
+        model = family.diffusion_model
+        self.norm_out, self.proj_out = model.norm_out, model.proj_out
+
+    def forward(self, inputs):
+        image, text, temb, rotary, geometry, *mask = inputs
+        b, c, t, h, w, tokens, height, width = geometry.tolist()
+        out = self.proj_out(self.norm_out(image, temb))[:, :tokens].view(b, t, h // 2, w // 2, c, 2, 2)
+        out = out.permute(0, 4, 1, 2, 5, 3, 6).reshape(b, c, t, h, w)[:, :, :, :height, :width]
+        return ends_here(out, text, rotary, *mask)
