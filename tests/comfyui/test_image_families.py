@@ -115,7 +115,7 @@ SPLIT_INTO_STAGES = {"lumina2", "qwen_image"}  # the image families with pipelin
 def test_family_detected_and_its_loss_is_comfyuis(image_family_models, name, caplog):
     """ComfyUI's loader detects the tiny file as the family, the family picks it, every adapter preset finds
     layers, and the family's loss is the loss of ComfyUI's own sampler output for the same conditioning; split into
-    pipeline stages (stage_boundaries: a boundary after every layer), the same loss bit for bit, or pipeline stages
+    pipeline stages (stage_boundaries: a boundary after every layer), the same loss (to 1e-6), or pipeline stages
     refused naming the setting (Chroma: its
     out-of-place blocks, installed for training, compute ComfyUI's blocks' values and pass gradients, and the LoRA
     file the trainer writes of it is read whole by ComfyUI's LoRA loading, each key patching the layer it trained:
@@ -188,7 +188,7 @@ def test_z_images_pixel_space_variant_trains_as_lumina_2_on_images_and_its_loss_
     family = family_for(patcher.model, patcher=patcher)
     assert family.name == "lumina2" and type(patcher.model).__name__ == "ZImagePixelSpace"
     _assert_z_image_loss_is_comfyuis(family, (3, 32, 32))
-    with pytest.raises(UnsupportedSetting, match="distributed.pipeline_stages: Lumina 2's pixel-space variant"):
+    with pytest.raises(UnsupportedSetting, match="distributed.pipeline_stages: Z-Image's pixel-space variant"):
         family.pipeline_layers()
 
 
@@ -198,7 +198,7 @@ def test_day0_family_is_detected_its_loss_is_comfyuis_and_its_lora_loads_whole(n
     class and picked by the family; its loss is ComfyUI's sampler's to 1e-6 (Flux.2: no pooled vector, the text
     padded to 512 tokens by its extra_conds, guidance 1; Krea 2: one-frame video latents, several encoder layers'
     text side by side; HunyuanVideo 1.5: 3 latent frames, its image-condition and mask inputs zeros as ComfyUI's
-    concat_cond gives them for text-to-video), and split into pipeline stages the same bit for bit (stage_boundaries;
+    concat_cond gives them for text-to-video), and split into pipeline stages the same (to 1e-6, stage_boundaries;
     Flux.2's shared modulation computed once and carried); an adapter on the image blocks trains; its LoRA file loads
     whole in ComfyUI."""
     bootstrap_comfy()

@@ -265,8 +265,8 @@ def test_wan22_ti2v_takes_the_start_image_as_the_latents_first_frame(video_model
 
 def test_pipeline_layers_compute_what_the_model_computes_and_i2v_refuses_them(video_model_files):
     """HunyuanVideo's and LTX-Video's pipeline layers (and Wan text-to-video's), run in sequence on a 3-frame
-    non-square latent with a stage boundary after every layer (stage_boundaries), give the family's own loss bit for
-    bit (HunyuanVideo also with no single blocks, the streams joined by the last layer). Wan image-to-video variants refuse pipeline stages naming the setting: stage inputs
+    non-square latent with a stage boundary after every layer (stage_boundaries), give the family's own loss (to
+    1e-6) (HunyuanVideo also with no single blocks, the streams joined by the last layer). Wan image-to-video variants refuse pipeline stages naming the setting: stage inputs
     carry no start image."""
     from ingraph_trainer.trainer.models import UnsupportedSetting, family_for
     from ingraph_trainer.trainer.models.hunyuan_video import HunyuanVideoFamily
@@ -290,7 +290,7 @@ def test_ltx2_trains_its_video_stream_and_checkpointed_blocks_give_the_same_grad
     """LTX-2 on a video latent alone: the presets adapt the video stream's layers only (no audio layer, which a
     batch with no audio latents gives no gradient), and its blocks, which add into the (video, audio) pair they
     receive in place, give the same LoRA gradients checkpointed as not (a block that changed its own input would
-    recompute from the changed one). Split into pipeline stages (stage_boundaries), the same loss bit for bit: the
+    recompute from the changed one). Split into pipeline stages (stage_boundaries), the same loss (to 1e-6): the
     first stage runs the model's own preparation steps, and what its blocks take (compressed timesteps, the empty
     audio stream, nested lists) crosses the stages packed."""
     from ingraph_trainer.trainer.adapters import inject_adapter

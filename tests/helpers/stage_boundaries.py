@@ -14,16 +14,18 @@ DEEPSPEED_TENSOR_META_SIZE = 256  # deepspeed/runtime/pipe/engine.py: TENSOR_MET
 def losses_through_stages(family, batch, layers):
     """The per-sample losses of `batch` through `layers`, a stage boundary after every layer; with
     [(what a layer sent, what the next received)] per boundary."""
+    from ingraph_trainer.trainer.parallel.pipeline import ContiguousOutputs
     x = (batch.latents, batch.cond, batch.noise, batch.timesteps) + \
         ((batch.pooled,) if batch.pooled is not None else ())
     boundaries = []
-    for n, layer in enumerate(layers):
+    for n, layer in enumerate(map(ContiguousOutputs, layers)):  # as pipeline.build wraps them
         if n:
             assert isinstance(x, tuple) and all(isinstance(t, torch.Tensor) for t in x), \
                 (type(layer).__name__, [type(t).__name__ for t in x] if isinstance(x, tuple) else type(x))
             meta = 2 + sum(2 + t.ndim for t in x)  # the engine describes a tuple in one 256-int message
             assert meta <= DEEPSPEED_TENSOR_META_SIZE, f"{type(layer).__name__} receives {meta} ints of shapes"
-            received = tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in x)
+            received = tuple(t.detach().clone(memory_format=torch.contiguous_format)
+                             .requires_grad_(t.is_floating_point()) for t in x)
             boundaries.append((x, received))
             x = received
         x = layer(x)
@@ -32,27 +34,33 @@ def losses_through_stages(family, batch, layers):
 
 
 def assert_stages_compute_the_models_loss(family, batch) -> None:
-    """Through stage boundaries the pipeline layers give the model's own per-sample loss bit for bit, backward
-    crosses every boundary as the engine's does, and each layer computes with its own weights only."""
+    """Through stage boundaries the pipeline layers give the model's own per-sample loss (to 1e-6), backward
+    crosses every boundary as the engine's does, and each layer computes with its own weights only (and no weight
+    is held by two layers)."""
     with torch.no_grad():
         expected = family.loss(batch, reduce=False)
     layers = family.pipeline_layers()
     weights = dict(family.diffusion_model.named_parameters())
+    held = [id(w) for layer in layers for w in layer.parameters()]
+    assert len(held) == len(set(held)), "a weight is held by two layers (two stages would place it)"
     flags = {name: w.requires_grad for name, w in weights.items()}
     for w in weights.values():
         w.requires_grad_(True).grad = None
     try:
         got, boundaries = losses_through_stages(family, batch, layers)
-        assert boundaries and torch.equal(expected, got.detach()), (expected, got)
+        assert boundaries
+        # the same computation, but a tensor made contiguous to cross a stage (as the engine's buffers are) can round
+        # a few elements otherwise in the next layer's kernels: seen at most 1.5e-7 relative on the losses
+        torch.testing.assert_close(got.detach(), expected, rtol=1e-6, atol=0)
         stage_backward = [lambda: got.mean().backward()] + [
             (lambda sent=sent, received=received: _send_back(sent, received, n)) for n, (sent, received)
             in enumerate(boundaries, 1)][::-1]
         for layer, backward in zip(reversed(layers), stage_backward, strict=True):
-            before = {name for name, w in weights.items() if w.grad is not None}
+            for w in weights.values():  # what this stage's backward reaches, whatever a later stage's reached
+                w.grad = None
             backward()
             own = {id(w) for w in layer.parameters()}
-            foreign = [name for name, w in weights.items()
-                       if w.grad is not None and name not in before and id(w) not in own]
+            foreign = [name for name, w in weights.items() if w.grad is not None and id(w) not in own]
             assert not foreign, f"{type(layer).__name__} computes with weights it does not hold: {foreign[:5]}"
     finally:
         for name, w in weights.items():

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import read_events, run_trainer
+from conftest import read_events, requires_deepspeed, run_trainer
 
 config = importlib.import_module("ingraph_trainer.trainer.spec")
 mix = importlib.import_module("ingraph_trainer.trainer.data.batch_mix")
@@ -148,6 +148,42 @@ def test_a_pipeline_stage_that_would_train_nothing_is_found_from_the_partition()
     assert stages_training_nothing(layers, [0, 2, 3]) == [1]
     assert stages_training_nothing(layers, [0, 1, 3]) == [0]
     assert stages_training_nothing([frozen, trained, trained], [0, 2, 3]) == []
+
+
+@requires_deepspeed
+def test_a_middle_stage_receives_each_tensor_in_its_own_dtype_where_deepspeed_would_reuse_another():
+    """DeepSpeed's pipeline engine receives activations and gradients into one pool of buffers by tuple position and
+    reuses a large enough one whatever its dtype. A middle stage (3 stages or more) receiving Flux.2's double-block
+    tuple (an integer shape at position 4) after a float gradient came back at position 4 would get a float view:
+    its own method, on an engine's state, does that; with pipeline.receive_buffers_by_dtype each position gets the
+    dtype asked for, and a same-dtype position is still reused."""
+    import types
+
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from ingraph_trainer.trainer.parallel.pipeline import receive_buffers_by_dtype
+
+    def engine():
+        state = types.SimpleNamespace(_grad_layer_buf=[], num_pipe_buffers=1, device="cpu")
+        for name in ("_allocate_or_extend_buffers", "_allocate_buffer", "_allocate_zeros"):
+            setattr(state, name, types.MethodType(getattr(PipelineEngine, name), state))
+        return state
+
+    gradients = [([2, 24, 128], torch.float32)] * 5  # the floats of what the stage sent: a modulation's at 4
+    received = [([2, 24, 128], torch.float32)] * 4 + [([2], torch.int64)]  # the next micro-batch: the shape at 4
+
+    def receive(state, tensors):  # as _exec_recv_grads and _recv_tensor_meta ask, position by position
+        return [state._allocate_or_extend_buffers(i, shape, dtype) for i, (shape, dtype) in enumerate(tensors)]
+
+    plain = engine()
+    receive(plain, gradients)
+    assert receive(plain, received)[4].dtype == torch.float32  # DeepSpeed's own reuse: a float view for the shape
+    fixed = engine()
+    receive_buffers_by_dtype(fixed)
+    first = receive(fixed, gradients)
+    buffers = receive(fixed, received)
+    assert [b.dtype for b in buffers] == [dtype for _, dtype in received] and buffers[4].shape == (2,)
+    assert buffers[0].data_ptr() == first[0].data_ptr()  # a position whose dtype stays is reused as before
+    assert receive(fixed, received)[4].data_ptr() == buffers[4].data_ptr()
 
 
 # --- one run with every feature --------------------------------------------------------------------------------

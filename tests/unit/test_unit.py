@@ -1030,3 +1030,5 @@ def test_what_crosses_a_pipeline_stage_is_tensors_and_comes_back_as_it_was():
     assert dtype is torch.bfloat16 and text == "x" and flag is True and isinstance(streams, list)
     with pytest.raises(TypeError, match="a object cannot cross a pipeline stage"):
         packed([object()])
+    with pytest.raises(TypeError, match="a Size cannot cross a pipeline stage"):  # a tuple of another class
+        packed([torch.Size([2, 3])])

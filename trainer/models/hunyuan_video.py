@@ -50,6 +50,9 @@ class HunyuanVideoFamily(ModelFamily):
 
     def pipeline_layers(self):
         model = self.diffusion_model
+        if getattr(model, "time_r_in", None) is not None:
+            raise UnsupportedSetting(f"distributed.pipeline_stages: this {self.display_name} model's mean-flow time "
+                                     "input (time_r_in) does not cross pipeline stages; use 1 stage")
         return [HunyuanVideoBegin(self), *(HunyuanVideoDoubleBlock(b) for b in model.double_blocks),
                 *(HunyuanVideoSingleBlock(b, first=n == 0, text_first=joint_sequence_text_first(model))
                   for n, b in enumerate(model.single_blocks)),

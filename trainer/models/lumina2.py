@@ -30,7 +30,7 @@ class Lumina2Family(ModelFamily):
 
     def pipeline_layers(self):
         if hasattr(self.diffusion_model, "dec_net"):
-            raise UnsupportedSetting(f"distributed.pipeline_stages: {self.display_name}'s pixel-space variant "
+            raise UnsupportedSetting("distributed.pipeline_stages: Z-Image's pixel-space variant "
                                      "decodes its patches from the image itself after the blocks, which pipeline "
                                      "stages do not carry yet; use 1 stage")
         return [Lumina2Begin(self), *(Lumina2Block(b) for b in self.diffusion_model.layers), Lumina2End(self)]

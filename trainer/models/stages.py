@@ -42,7 +42,6 @@ def ends_here(output: torch.Tensor, *carried: torch.Tensor) -> torch.Tensor:
     return output + sum((t * 0).sum() for t in carried)  # each element zeroed first: a mask's -3.4e38s sum to -inf
 
 
-
 def holding_all_but(layer: torch.nn.Module, model: torch.nn.Module, others: tuple[str, ...]) -> None:
     """`layer` holds (registers, so its stage places and optimises them) every direct part of `model` but the ones
     named: a first stage that runs the model's own preparation steps, which reach any of them."""
@@ -74,14 +73,15 @@ def packed(tree) -> tuple[torch.Tensor, ...]:
             return {"enum": [*kind, value.value]}
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
-        if isinstance(value, (list, tuple)):
+        if type(value) in (list, tuple):
             return {type(value).__name__: [encode(v) for v in value]}
-        if isinstance(value, dict):
+        if type(value) is dict:
             return {"dict": [[key, encode(v)] for key, v in value.items()]}
         if isinstance(value, torch.dtype):
             return {"dtype": str(value).removeprefix("torch.")}
-        if getattr(type(value), "__slots__", None):
-            return {"slots": [*kind, [[slot, encode(getattr(value, slot))] for slot in type(value).__slots__]]}
+        slots = _slots(type(value))
+        if slots and not isinstance(value, (list, tuple, dict)):  # a NamedTuple has empty slots: refused below
+            return {"slots": [*kind, [[slot, encode(getattr(value, slot))] for slot in slots]]}
         raise TypeError(f"a {type(value).__name__} cannot cross a pipeline stage")
 
     structure = json.dumps(encode(tree)).encode()
@@ -123,5 +123,15 @@ def unpacked(inputs: tuple[torch.Tensor, ...]):
     return decode(json.loads(bytes(structure.tolist()).decode()))
 
 
+def _slots(cls) -> list[str]:
+    """Every slot of `cls` and its bases (a class may give one name as a string)."""
+    names = []
+    for base in cls.__mro__:
+        own = base.__dict__.get("__slots__", ())
+        names += [own] if isinstance(own, str) else [n for n in own if n not in ("__weakref__", "__dict__")]
+    return names
+
+
 def floats(inputs) -> list[torch.Tensor]:
+    """The floating-point tensors among a stage's inputs: those DeepSpeed receives as requiring grad."""
     return [t for t in inputs if t.is_floating_point()]

@@ -159,6 +159,12 @@ class PipelineStages(ParallelLayout):
     def data_rank(self) -> int:
         return self.engine.grid.get_data_parallel_rank()
 
+    def initialize(self, deepspeed, optimizer, scheduler, config: dict):
+        from .pipeline import receive_buffers_by_dtype
+        engine = super().initialize(deepspeed, optimizer, scheduler, config)
+        receive_buffers_by_dtype(engine)
+        return engine
+
     def check_data(self, dataset):
         from .pipeline import check_data
         check_data(self.spec.data, dataset)

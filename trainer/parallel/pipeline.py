@@ -72,10 +72,30 @@ def build(family, stages: int):
                             dynamic_shape=True)  # aspect-ratio buckets change activation shapes between steps
     idle = stages_training_nothing(layers, module.parts)
     if idle:  # every process knows the partition: all refuse alike, before an optimizer of nothing fails on one
-        raise ValueError(f"distributed.pipeline_stages: with {stages} stages, stage {idle[0]} would train nothing "
+        raise ValueError(f"distributed.pipeline_stages: stage {idle[0] + 1} of {stages} would train nothing "
                          f"(what this run trains lies in {sum(map(_trains, layers))} of {family.display_name}'s "
                          f"{len(layers)} pipeline layers); use fewer stages")
     return module, loss, layers
+
+
+def receive_buffers_by_dtype(engine) -> None:
+    """DeepSpeed's pipeline engine keeps one receive buffer per tuple position for activations and gradients alike
+    (_grad_layer_buf), and reuses one large enough whatever its dtype. A stage between two others (3 stages or
+    more) receives tuples whose tensor at a position is of another dtype than the gradient it gets back there
+    (Flux.2's integer shape where a modulation's gradient returns; a bf16 vector where an fp32 rotary gradient
+    does), and would receive into a view of the wrong dtype: here a position whose dtype changes gets a new buffer
+    of the dtype asked for. Left as it is where a DeepSpeed version keeps its buffers otherwise."""
+    if not (hasattr(engine, "_grad_layer_buf") and hasattr(engine, "_allocate_buffer")):
+        return
+    reuse = engine._allocate_or_extend_buffers
+
+    def allocate(idx, shape, dtype):
+        buffers = engine._grad_layer_buf
+        if idx < len(buffers) and buffers[idx].dtype != dtype:
+            buffers[idx] = engine._allocate_buffer(shape, dtype=dtype, num_buffers=1)[0]
+            return buffers[idx]
+        return reuse(idx, shape, dtype)
+    engine._allocate_or_extend_buffers = allocate
 
 
 def _trains(layer) -> bool:
