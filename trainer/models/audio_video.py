@@ -84,11 +84,22 @@ class AudioVideoStreams:
             + self.training_loss(audio_out, audio_target, snr, weighted)
 
     def run_streams(self, x_in: torch.Tensor, timestep: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        """As ComfyUI's apply_model runs the model on a packed latent: unpacked into its list of streams by the latent
-        shapes, the timestep put through the model class's process_timestep, the list of outputs packed back."""
+        """As ComfyUI's apply_model runs the model on a packed latent (streams_in), the list of outputs packed back."""
+        streams, timestep, kwargs = self.streams_in(x_in, timestep, kwargs)
+        out = self.diffusion_model(streams, timestep, transformer_options=self.transformer_options(kwargs), **kwargs)
+        return streams_out(out)
+
+    def streams_in(self, x_in: torch.Tensor, timestep: torch.Tensor, kwargs: dict):
+        """What ComfyUI's apply_model hands the model for a packed latent: the latent unpacked into its list of
+        streams by the latent shapes, the timestep put through the model class's process_timestep, and the other
+        inputs (a copy, the shapes taken out)."""
         import comfy.utils
         kwargs = dict(kwargs)
         timestep = self.base_model.process_timestep(timestep, x=x_in, **kwargs)
-        x_in = comfy.utils.unpack_latents(x_in, kwargs.pop("latent_shapes"))
-        out = self.diffusion_model(x_in, timestep, transformer_options=self.transformer_options(kwargs), **kwargs)
-        return out if torch.is_tensor(out) else comfy.utils.pack_latents(out)[0]
+        return comfy.utils.unpack_latents(x_in, kwargs.pop("latent_shapes")), timestep, kwargs
+
+
+def streams_out(out) -> torch.Tensor:
+    """The model's output as apply_model returns it: a list of streams packed back into one latent."""
+    import comfy.utils
+    return out if torch.is_tensor(out) else comfy.utils.pack_latents(out)[0]

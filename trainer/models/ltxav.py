@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .audio_video import AudioVideoStreams
+from .audio_video import AudioVideoStreams, streams_out
 from .base import Batch, ModelFamily, is_comfy_model
 from .ltxv import LTXVFamily
 from .residuals import residuals_out_of_place
@@ -93,7 +93,7 @@ OUTPUT_PARTS = ("norm_out", "proj_out", "scale_shift_table", "audio_norm_out", "
 
 
 class LTXAVBegin(StageInput):
-    """Stage input: the batch as run_streams hands it to the model (the streams unpacked, the timestep pair), then
+    """Stage input: the batch as run_streams hands it to the model (streams_in: the streams, the timestep pair), then
     the model's own preparation steps (LTXBaseModel._forward up to its blocks: _process_input, _prepare_timestep,
     _prepare_context, ...; no keyframes). Holds every part of the model but its blocks and output. Out: the blocks'
     inputs and what _process_output takes, packed (stages.packed: ComfyUI's timesteps come compressed)."""
@@ -103,12 +103,8 @@ class LTXAVBegin(StageInput):
         holding_all_but(self, family.diffusion_model, ("transformer_blocks", *OUTPUT_PARTS))
 
     def forward(self, inputs):
-        import comfy.utils
         family, model = self.family, self.family.diffusion_model
-        x_in, timestep, kwargs = self.model_inputs(inputs)
-        kwargs = dict(kwargs)
-        timestep = family.base_model.process_timestep(timestep, x=x_in, **kwargs)
-        x = comfy.utils.unpack_latents(x_in, kwargs.pop("latent_shapes"))
+        x, timestep, kwargs = family.streams_in(*self.model_inputs(inputs))
         if isinstance(timestep, (tuple, list)) and len(timestep) == 2:  # as LTXAVModel.forward splits the pair
             timestep, kwargs["a_timestep"] = timestep
         else:
@@ -153,8 +149,5 @@ class LTXAVEnd(torch.nn.Module):
         self._process_output = model._process_output  # a method of the model: its output parts are held here
 
     def forward(self, inputs):
-        import comfy.utils
         x, context, mask, timestep, pe, self_mask, embedded, merged = unpacked(inputs)
-        out = self._process_output(x, embedded, None, **merged)
-        out = out if torch.is_tensor(out) else comfy.utils.pack_latents(out)[0]  # as run_streams packs it
-        return ends_here(out, *floats(inputs))
+        return ends_here(streams_out(self._process_output(x, embedded, None, **merged)), *floats(inputs))
