@@ -3,8 +3,9 @@
 Walks the installed ComfyUI's `comfy.supported_models.models`. For each family file's tiny random-weight model (and
 its variants: Wan's image-to-video ones, the embedded SD1.5), it asks ComfyUI's own detection which class that state
 dict is (`model_detection.model_config_from_unet`), loads it with ComfyUI's loader, and asks the trainer which family
-takes the loaded model; with --train, each such model also takes 2 LoRA training steps through the family's loss
-(random latents and text of the family's shapes, the loss must be finite and the adapter's gradient non-zero).
+takes the loaded model; with --train, each such model is also trained 2 LoRA steps by the trainer program, handed
+the model as a file and a cache of random latents and text of the family's shapes (tools/coverage_runs.py), and the
+adapter file it writes is loaded with ComfyUI's LoRA loader onto a fresh copy of the model (lora_in_comfyui).
 Every class no builder here reaches is listed with what kind of model it is (its latent format), so the table says
 what is covered and what is not yet.
 
@@ -368,29 +369,34 @@ CLASS_BUILT = {
 }
 
 
-def class_state_dict(class_name: str, unet_config: dict, metadata: dict | None):
-    """Random weights of ComfyUI's model for `class_name` at `unet_config`, built by the class's own get_model:
-    the state dict, or (state dict, file metadata) where the class is told apart by metadata. A setting this
-    ComfyUI's model does not take (a newer ComfyUI's) is left out."""
+def class_model(class_name: str, unet_config: dict):
+    """ComfyUI's model (comfy.model_base) for `class_name` at `unet_config`, built by the class's own get_model in
+    float32, its weights not initialised. A setting this ComfyUI's model does not take (a newer ComfyUI's) is left
+    out."""
     import re
 
     import comfy.supported_models
     import torch
-    from ingraph_trainer.trainer.models.base import random_state_dict
     cls = getattr(comfy.supported_models, class_name)
     unet_config = dict(unet_config)
     while True:
         config = cls({**cls.unet_config, **unet_config})
         config.set_inference_dtype(torch.float32, None)
         try:
-            model = config.get_model({}).diffusion_model
-            break
+            return config.get_model({})
         except TypeError as exc:
             unknown = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
             if unknown is None or unknown.group(1) not in unet_config:
                 raise
             del unet_config[unknown.group(1)]
-    state = random_state_dict(model, 0)
+
+
+def class_state_dict(class_name: str, unet_config: dict, metadata: dict | None):
+    """Random weights of ComfyUI's model for `class_name` at `unet_config` (class_model): the state dict, or
+    (state dict, file metadata) where the class is told apart by metadata."""
+    import torch
+    from ingraph_trainer.trainer.models.base import random_state_dict
+    state = random_state_dict(class_model(class_name, unet_config).diffusion_model, 0)
     for key in [k for k in state if k.endswith("inv_freq")]:  # a rotary frequency buffer ComfyUI leaves empty
         # (MiniMax H3's), filled as the released files hold it: 1 / 10000^(2i / d) for each of its d / 2 pairs
         n = state[key].numel()
@@ -465,31 +471,6 @@ def random_batch(family, builder: str, shape: tuple, generator):
     return batch
 
 
-def train_two_steps(family, builder: str, shape: tuple) -> str:
-    """2 LoRA steps on random inputs of the family's shapes: "yes", or why not."""
-    import torch
-    from ingraph_trainer.trainer.adapters import inject_adapter
-    family.prepare_for_training()  # as the trainer does (residuals out of place, ...)
-    params = inject_adapter(family.diffusion_model, family.adapter_targets("attention"), "lora", LORA_RANK,
-                            LORA_ALPHA, 0.0)
-    if not params:
-        return "no: the attention preset finds no layer to adapt"
-    family.compute_dtype = torch.float32
-    family.diffusion_model.float()
-    optimizer = torch.optim.AdamW(params, lr=1e-3)  # 2 steps at 1e-3: lora_up leaves zero, the LoRA does something
-    g = torch.Generator().manual_seed(1)
-    for _ in range(2):
-        loss = family.loss(random_batch(family, builder, shape, g))
-        loss.backward()
-        if not torch.isfinite(loss):
-            return f"no: loss {float(loss)}"
-        if not any(p.grad is not None and p.grad.abs().sum() > 0 for p in params):
-            return "no: the adapter took no gradient"
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return "yes"
-
-
 def load_model(state: dict, metadata: dict | None):
     """ComfyUI's MODEL of these weights, as Load Diffusion Model loads a file of them (float32), from copies: ComfyUI's
     loader may take the tensors over, and the LoRA check loads the same weights afresh."""
@@ -500,9 +481,10 @@ def load_model(state: dict, metadata: dict | None):
     return comfy.sd.load_diffusion_model_state_dict(state, model_options={"dtype": torch.float32}, **extra)
 
 
-def lora_in_comfyui(state: dict, metadata: dict | None, trained, builder: str, shape: tuple) -> tuple[str, str]:
-    """The trained adapter written as the trainer exports it (ComfyUI format, through the pack's file writer), read
-    back as Load LoRA reads a file and applied by what LoraLoaderModelOnly runs (comfy.sd.load_lora_for_models) to
+def lora_in_comfyui(state: dict, metadata: dict | None, adapter: Path, family_name: str, builder: str,
+                    shape: tuple) -> tuple[str, str]:
+    """The adapter file the trainer program wrote, read as Load LoRA reads a file and applied by what
+    LoraLoaderModelOnly runs (comfy.sd.load_lora_for_models) to
     a freshly loaded MODEL of the same weights: (loads, output changes), each "yes" or why not. Loads: no "lora key
     not loaded" in ComfyUI's log and a weight patch on every layer in the file. Output changes: the patched model's
     output on one input differs from the unpatched one's by more than a rerun of the unpatched one does."""
@@ -512,13 +494,8 @@ def lora_in_comfyui(state: dict, metadata: dict | None, trained, builder: str, s
     import comfy.utils
     import torch
     from ingraph_trainer.trainer import export
-    from ingraph_trainer.trainer.adapters import comfy_adapter_state_dict, save_adapter_atomic
     from ingraph_trainer.trainer.models import family_for
-    tensors = comfy_adapter_state_dict(trained.diffusion_model, "lora", LORA_ALPHA, "comfyui")
-    tensors = export.convert(tensors, "comfyui", export.diffusers_module_names(trained.base_model))
-    with tempfile.TemporaryDirectory() as tmp:
-        path = save_adapter_atomic(Path(tmp) / "lora.safetensors", tensors, {})
-        lora = comfy.utils.load_torch_file(str(path), safe_load=True)
+    lora = comfy.utils.load_torch_file(str(adapter), safe_load=True)
     fresh = load_model(state, metadata)
     messages = []
     catcher = logging.Handler(logging.WARNING)
@@ -536,7 +513,7 @@ def lora_in_comfyui(state: dict, metadata: dict | None, trained, builder: str, s
         loads = f"no: {len(patched.patches)} of the file's {len(layers)} layers patched"
     else:
         loads = "yes"
-    family = family_for(fresh.model, family=trained.name, patcher=fresh)
+    family = family_for(fresh.model, family=family_name, patcher=fresh)
     family.compute_dtype = torch.float32
     batch = random_batch(family, builder, shape, torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -590,8 +567,8 @@ def main(argv=None):
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--readme", type=Path, help="rewrite this ComfyUI version's coverage section of this README "
                                                     "(with --markdown: the full table it links to)")
-    parser.add_argument("--only", help="only the builders whose label contains this (a quick look; the tables "
-                                            "of a partial run are partial)")
+    parser.add_argument("--only", help="only the builder of this label, or those whose label contains it (a quick "
+                                            "look; the tables of a partial run are partial)")
     opts = parser.parse_args(argv)
     _bootstrap()
     import comfy.model_detection
@@ -601,12 +578,14 @@ def main(argv=None):
     from ingraph_trainer.trainer.comfy_compat import comfyui_version
     from ingraph_trainer.trainer.models import family_for
     from tools.comfy_server import comfyui_path
+    from tools.coverage_runs import train_with_program
     version = ".".join(map(str, comfyui_version(comfyui_path()))) or "?"
     classes = list(comfy.supported_models.models)
     reached = {}  # class name -> list of (builder, family, trained)
-    for label, build in builders():
-        if opts.only and opts.only not in label:
-            continue
+    walk = builders()
+    if opts.only:  # a label exactly, else every label holding it
+        walk = [b for b in walk if b[0] == opts.only] or [b for b in walk if opts.only in b[0]]
+    for label, build in walk:
         began = time.perf_counter()
         try:
             torch.manual_seed(0)
@@ -634,20 +613,25 @@ def main(argv=None):
             print(f"{label}: detected as {name}, no family takes it ({exc})", flush=True)
             continue
         shape = latent_shape(family, kind_of(type(config)), LATENT_SIDE.get(name, 8))
-        try:
-            trained = train_two_steps(family, label, shape) if opts.train else "not tried"
-        except Exception as exc:  # noqa: BLE001 - the table says why, the walk goes on
-            trained = f"no: {type(exc).__name__}: {str(exc)[:120]}"
-            if opts.only:
-                import traceback
-                traceback.print_exc()
-        if trained == "yes":
-            try:
-                loads, changes = lora_in_comfyui(state, metadata, family, label, shape)
-            except Exception as exc:  # noqa: BLE001
-                loads = changes = f"no: {type(exc).__name__}: {str(exc)[:120]}"
+        trained, step_s = "not tried", None
+        if opts.train:
+            with tempfile.TemporaryDirectory(prefix="ingraph-coverage-") as tmp:
+                try:
+                    batch = random_batch(family, label, shape, torch.Generator().manual_seed(1))
+                    run = train_with_program(patcher, state, metadata, batch, Path(tmp), label, LORA_RANK, LORA_ALPHA)
+                    trained, step_s = run.trained, run.step_s
+                except Exception as exc:  # noqa: BLE001 - the table says why, the walk goes on
+                    trained = f"no: {type(exc).__name__}: {str(exc)[:120]}"
+                    if opts.only:
+                        import traceback
+                        traceback.print_exc()
+                if trained == "yes":
+                    try:
+                        loads, changes = lora_in_comfyui(state, metadata, run.adapter, family.name, label, shape)
+                    except Exception as exc:  # noqa: BLE001
+                        loads = changes = f"no: {type(exc).__name__}: {str(exc)[:120]}"
         reached.setdefault(name, []).append({"builder": label, "family": family.name, "trained": trained,
-                                             "loads": loads, "changes": changes})
+                                             "loads": loads, "changes": changes, "step_s": step_s})
         print(f"{label}: detected as {name}, family {family.name}, trained {trained}, LoRA loads {loads}, "
               f"output changes {changes} ({time.perf_counter() - began:.1f} s)", flush=True)
         del patcher, family, state
@@ -658,7 +642,9 @@ def main(argv=None):
                      "latent_format": getattr(getattr(cls, "latent_format", None), "__name__", "?"),
                      "builders": [h["builder"] for h in hits], "family": sorted({h["family"] for h in hits}),
                      "trained": [h["trained"] for h in hits], "loads": [h["loads"] for h in hits],
-                     "changes": [h["changes"] for h in hits], "why": WHY_NOT.get(cls.__name__, "")})
+                     "changes": [h["changes"] for h in hits],
+                     "step_s": [h["step_s"] for h in hits if h.get("step_s") is not None],
+                     "why": WHY_NOT.get(cls.__name__, "")})
     diffusion = [r for r in rows if r["kind"] in ("image", "video")]  # audio, 3D and other: out of this pack's scope
     covered = [r for r in diffusion if r["builders"]]
     trained = [r for r in covered if "yes" in r["trained"]]
@@ -668,12 +654,14 @@ def main(argv=None):
              f"{len(covered)} of them built here as a tiny model ComfyUI detects as that class"
              + (f", {len(trained)} trained 2 steps, whose LoRA loads in ComfyUI for {len(loading)} and changes "
                 f"the output for {len(changing)}" if opts.train else "") + ".", "",
-             "| ComfyUI class | kind | latent format | tiny model here | family | 2 LoRA steps | LoRA loads "
-             "| output changes | why not / note |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| ComfyUI class | kind | latent format | tiny model here | family | 2 LoRA steps (trainer program) "
+             "| s/step | LoRA loads | output changes | why not / note |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["kind"] not in ("image", "video"), not r["builders"], r["class"])):
         cells = [r["class"], r["kind"], r["latent_format"], ", ".join(r["builders"]) or "not built",
-                 ", ".join(r["family"]), *(", ".join(sorted(set(r[k]))) for k in ("trained", "loads", "changes")),
+                 ", ".join(r["family"]), ", ".join(sorted(set(r["trained"]))),
+                 ", ".join(f"{s:.2f}" for s in r["step_s"]),
+                 *(", ".join(sorted(set(r[k]))) for k in ("loads", "changes")),
                  r["why"] or ("" if "yes" in r["trained"] else OUT_OF_SCOPE.get(r["kind"], "no reason recorded yet"))]
         lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines)

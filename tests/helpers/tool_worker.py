@@ -1,5 +1,5 @@
-"""tools/prepare_run.py's, tools/cache_dataset.py's and tools/diffusers_roundtrip.py's main, and the test-asset
-builders' (tools/embedded_default.py, tools/tiny_models.py), served to the test session: one
+"""tools/prepare_run.py's, tools/cache_dataset.py's, tools/diffusers_roundtrip.py's and tools/family_coverage.py's main,
+and the test-asset builders' (tools/embedded_default.py, tools/tiny_models.py), served to the test session: one
 JSON request a line in ({"tool": "prepare_run", "argv": [...]}; with "copies": N, N children run it at once and the
 answer is the list of their answers), one JSON answer a line out.
 
@@ -29,7 +29,8 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 # diffusers_roundtrip imports diffusers in its child; the builders make the tiny checkpoint, models and VAEs
-TOOLS = ("prepare_run", "cache_dataset", "diffusers_roundtrip", "embedded_default", "tiny_models", "quantized_models")
+TOOLS = ("prepare_run", "cache_dataset", "diffusers_roundtrip", "embedded_default", "tiny_models", "quantized_models",
+         "family_coverage")
 
 
 def run_in_child(request: dict, answer_fd: int) -> None:

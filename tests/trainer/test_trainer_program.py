@@ -234,6 +234,22 @@ def test_by_hand_a_finished_run_is_not_trained_again_unasked_and_progress_is_pri
     assert kept.read_bytes() == first
 
 
+def test_the_coverage_run_trains_a_class_by_the_trainer_program_and_its_lora_loads_in_comfyui(tools, tmp_path):
+    """Issue 34: tools/family_coverage.py --train trains a class of ComfyUI's list by the trainer program, handed the
+    model as a file and a cache of random latents and text (tools/coverage_runs.py). HunyuanDiT: its text entries
+    carry the attention mask and the encoder's extra outputs (its mT5 embedding and mask), which the generic family
+    hands to ComfyUI's extra_conds; the adapter file the trainer wrote loads in ComfyUI and changes the output."""
+    out = tmp_path / "coverage.json"
+    printed = tools("family_coverage", ["--train", "--only", "tiny HunyuanDiT", "--json", out], timeout=240)
+    assert "trainer program: yes" in printed, printed[-2000:]
+    rows = {r["class"]: r for r in json.loads(out.read_text())["rows"]}
+    row = rows["HunyuanDiT"]
+    assert row["builders"] == ["tiny HunyuanDiT"] and row["family"] == ["generic"]
+    assert row["trained"] == ["yes"] and row["loads"] == ["yes"] and row["changes"][0].startswith("yes"), row
+    assert len(row["step_s"]) == 1 and row["step_s"][0] > 0
+    assert not any(r["builders"] for name, r in rows.items() if name != "HunyuanDiT")  # --only: this one alone
+
+
 def test_the_trainer_and_the_client_started_by_another_python_say_which_one_to_use(tmp_path):
     import shutil
     other = next((p for p in ("/usr/bin/python3", shutil.which("python3")) if p and subprocess.run(

@@ -416,7 +416,7 @@ def test_the_readmes_coverage_sections_are_the_coverage_runs():
         full = (conftest.REPO / "docs" / table).read_text(encoding="utf-8")
         table_rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in full.splitlines()
                       if line.startswith("| ") and "---" not in line]
-        steps = table_rows[0].index("2 LoRA steps")  # later columns: the LoRA check's, why not
+        steps = table_rows[0].index("2 LoRA steps (trainer program)")  # later columns: s/step, the LoRA check's
         trained = {cells[0] for cells in table_rows[1:] if cells[steps] == "yes"}
         assert {row[0].strip("| ") for row in rows} == trained and trained, version
         assert f"[docs/{table}](docs/{table})" in section
