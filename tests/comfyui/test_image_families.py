@@ -108,15 +108,11 @@ def comfyui_losses(family, batch, extras, model_references=None, inference: bool
     return torch.stack(losses)
 
 
-SPLIT_INTO_STAGES = {"lumina2", "qwen_image"}  # the image families with pipeline layers (Chroma refuses stages)
-
-
 @pytest.mark.parametrize("name", list(IMAGE_FAMILIES))
 def test_family_detected_and_its_loss_is_comfyuis(image_family_models, name, caplog):
     """ComfyUI's loader detects the tiny file as the family, the family picks it, every adapter preset finds
     layers, and the family's loss is the loss of ComfyUI's own sampler output for the same conditioning; split into
-    pipeline stages (stage_boundaries: a boundary after every layer), the same loss (to 1e-6), or pipeline stages
-    refused naming the setting (Chroma: its
+    pipeline stages (stage_boundaries: a boundary after every layer), the same loss (to 1e-6) (Chroma: its
     out-of-place blocks, installed for training, compute ComfyUI's blocks' values and pass gradients, and the LoRA
     file the trainer writes of it is read whole by ComfyUI's LoRA loading, each key patching the layer it trained:
     what the graph test proves for the other families through LoraLoaderModelOnly)."""
@@ -133,14 +129,35 @@ def test_family_detected_and_its_loss_is_comfyuis(image_family_models, name, cap
     with torch.no_grad():
         got = family.loss(batch, reduce=False)
     assert torch.allclose(got, expected, rtol=1e-6, atol=0), (name, got, expected)
-    if name in SPLIT_INTO_STAGES:
+    if name != "chroma":  # Chroma's, 3072 wide here, at a narrow width: test_chroma_splits_into_stages_...
         assert_stages_compute_the_models_loss(family, batch)
-    else:
-        with pytest.raises(UnsupportedSetting, match=f"distributed.pipeline_stages: {family.display_name}"):
-            family.pipeline_layers()
     if name == "chroma":  # ComfyUI's own Chroma blocks add residuals in place: autograd refuses them
         first_adapted_layer_takes_gradients(family, batch)
         lora_loads_whole_in_comfyui(family, caplog)
+
+
+# Chroma at a width ComfyUI's detection never builds (it fixes 3072 wide): 2 double and 2 single blocks, so every
+# layer kind, the join between them, and each block's own slices of the shared modulation cross stage boundaries
+NARROW_CHROMA = dict(in_channels=64, out_channels=64, in_dim=64, out_dim=128, hidden_dim=64, n_layers=1,
+                     context_in_dim=64, hidden_size=128, mlp_ratio=2.0, num_heads=1, depth=2, depth_single_blocks=2,
+                     axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True, txt_ids_dims=[], vec_in_dim=None)
+
+
+def test_chroma_splits_into_stages_each_block_taking_its_own_modulation():
+    """Chroma's one modulation network runs in the first stage; its output for every block crosses the stages and
+    each block takes its own slices there (ComfyUI's get_modulations): the loss through stage boundaries is the
+    model's (to 1e-6), each layer computes with its own weights (stage_boundaries). The tiny Chroma above has one
+    double block only."""
+    bootstrap_comfy()
+    from ingraph_trainer.trainer.models import family_for
+    from ingraph_trainer.trainer.models.base import random_state_dict
+    from tools.family_coverage import class_model
+    model = class_model("Chroma", NARROW_CHROMA)
+    model.diffusion_model.load_state_dict(random_state_dict(model.diffusion_model, 0))
+    family = family_for(model)
+    assert family.name == "chroma" and len(family.pipeline_layers()) == 6
+    family.prepare_for_training()
+    assert_stages_compute_the_models_loss(family, _batch((16, 6, 10), (8, 64)))
 
 
 # ComfyUI 0.33's day-0 families built here (HunyuanVideo 1.5 a video one): family class, ComfyUI class, latent
@@ -270,7 +287,8 @@ def lora_loads_whole_in_comfyui(family, caplog):
 def test_qwen_image_edit_trains_on_reference_latents_as_comfyui_runs_them(image_family_models):
     """Qwen-Image-Edit: the batch's reference images (raw cached latents, two slots of another size than the
     target) reach the model as TextEncodeQwenImageEdit / ReferenceLatent hand them (Wan-VAE latents, 5-D), so the
-    loss is ComfyUI's, and differs from the loss without them."""
+    loss is ComfyUI's, and differs from the loss without them; through pipeline stages, the same loss (to 1e-6),
+    on ComfyUI 0.33 with the references at the timestep zero too (Qwen-Image-Edit 2511's method)."""
     bootstrap_comfy()
     family = _load(image_family_models, "qwen_image")
     assert family.reference_input == "reference_latents"
@@ -279,10 +297,19 @@ def test_qwen_image_edit_trains_on_reference_latents_as_comfyui_runs_them(image_
     expected = comfyui_losses(family, batch, {}, model_references=lambda ref: ref.unsqueeze(2))
     with torch.no_grad():
         got = family.loss(batch, reduce=False)
-        batch.references = None
+        edit_references, batch.references = batch.references, None
         without = family.loss(batch, reduce=False)
     assert torch.allclose(got, expected, rtol=1e-6, atol=0), (got, expected)
     assert (got - without).abs().min() > 1e-4
+    batch.references = edit_references
+    family.prepare_for_training()  # as the trainer does (comfy-kitchen's rotary op given a backward on 0.33)
+    assert_stages_compute_the_models_loss(family, batch)  # the references' patches appended in the first stage
+    if ON_COMFYUI_033:  # Qwen-Image-Edit 2511's: the references take the timestep zero through every block
+        family.diffusion_model.default_ref_method = "index_timestep_zero"
+        with torch.no_grad():
+            zero = family.loss(batch, reduce=False)
+        assert (zero - got).abs().min() > 1e-6
+        assert_stages_compute_the_models_loss(family, batch)
 
 
 def narrow_flux_model(guidance_embed: bool = True):

@@ -12,11 +12,11 @@ DEEPSPEED_TENSOR_META_SIZE = 256  # deepspeed/runtime/pipe/engine.py: TENSOR_MET
 
 
 def losses_through_stages(family, batch, layers):
-    """The per-sample losses of `batch` through `layers`, a stage boundary after every layer; with
-    [(what a layer sent, what the next received)] per boundary."""
-    from ingraph_trainer.trainer.parallel.pipeline import ContiguousOutputs
-    x = (batch.latents, batch.cond, batch.noise, batch.timesteps) + \
-        ((batch.pooled,) if batch.pooled is not None else ())
+    """The per-sample losses of `batch` through `layers`, a stage boundary after every layer, its first inputs as the
+    engine is given them (pipeline.micro_batch: reference images included); with [(what a layer sent, what the next
+    received)] per boundary."""
+    from ingraph_trainer.trainer.parallel.pipeline import ContiguousOutputs, micro_batch
+    x, _ = micro_batch(batch.latents, batch.cond, batch.noise, batch.timesteps, batch.pooled, batch.references)
     boundaries = []
     for n, layer in enumerate(map(ContiguousOutputs, layers)):  # as pipeline.build wraps them
         if n:

@@ -118,8 +118,9 @@ def test_a_step_passes_the_features_to_the_model_and_reports_main_and_prior_loss
 
 # --- pipeline stages --------------------------------------------------------------------------------------------
 
-def test_pipeline_stages_refuse_prior_images_masks_and_sound_by_field():
-    from ingraph_trainer.trainer.parallel.pipeline import check_data
+def test_pipeline_stages_refuse_prior_images_masks_sound_and_references_they_do_not_pass_by_field():
+    from ingraph_trainer.trainer.models.stages import StageInput
+    from ingraph_trainer.trainer.parallel.pipeline import ContiguousOutputs, check_data
     spec = config.RunSpec(run_dir="run", model=config.ModelSpec(path="model.safetensors"),
                           data=config.DataSpec(manifest="d.json", prior_manifest="p.json"),
                           distributed=config.DistributedSpec(processes=2, pipeline_stages=2))
@@ -127,15 +128,55 @@ def test_pipeline_stages_refuse_prior_images_masks_and_sound_by_field():
                                                   r"pipeline stages"):
         spec.validate()
     masked = type("Cached", (), {"masked": [False, True]})()
+    family = type("Family", (), {"display_name": "Flux"})()
+    layers = [ContiguousOutputs(type("Begin", (StageInput,), {})(family))]  # takes no reference images
     with pytest.raises(ValueError, match=r"data\.prior_manifest: prior images are not available"):
-        check_data(config.DataSpec(manifest="d.json", prior_manifest="p.json"), masked)
+        check_data(config.DataSpec(manifest="d.json", prior_manifest="p.json"), masked, layers)
     with pytest.raises(ValueError, match=r"data\.masked_loss: d\.json has loss masks, which pipeline stages"):
-        check_data(config.DataSpec(manifest="d.json"), masked)
-    check_data(config.DataSpec(manifest="d.json", masked_loss=False), masked)  # masks off: trains
+        check_data(config.DataSpec(manifest="d.json"), masked, layers)
+    check_data(config.DataSpec(manifest="d.json", masked_loss=False), masked, layers)  # masks off: trains
     with pytest.raises(ValueError, match=r"data\.manifest: d\.json has clips with sound \(audio latents\), which "
                                          r"pipeline stages"):  # LTX-2's audio stream: the stages carry video alone
-        check_data(config.DataSpec(manifest="d.json"), type("Cached", (), {"masked": [], "audio": True})())
-    check_data(config.DataSpec(manifest="d.json", caption_dropout=0.3), type("Cached", (), {"masked": []})())
+        check_data(config.DataSpec(manifest="d.json"), type("Cached", (), {"masked": [], "audio": True})(), layers)
+    check_data(config.DataSpec(manifest="d.json", caption_dropout=0.3), type("Cached", (), {"masked": []})(), layers)
+    edit_pairs = type("Cached", (), {"masked": [], "reference_slots": 1})()
+    with pytest.raises(ValueError, match=r"data\.manifest: its items carry reference images, which Flux's pipeline "
+                                         r"stages \(distributed\.pipeline_stages > 1\) do not pass on yet"):
+        check_data(config.DataSpec(manifest="d.json"), edit_pairs, layers)
+    layers[0].layer.takes_references = True  # Qwen-Image-Edit's first layer
+    check_data(config.DataSpec(manifest="d.json"), edit_pairs, layers)
+
+
+def test_pipeline_stages_hand_each_micro_batchs_reference_images_to_the_first_layer():
+    """What the pipeline engine is given for a step (PipelineStages.train_step through pipeline.micro_batch) is read
+    back by the first layer (StageInput.model_inputs) as the micro-batch it came from: the pooled vector where there
+    is one, the reference images (edit pairs) after it, with and without a pooled vector."""
+    from ingraph_trainer.trainer.data.batch_mix import MicroBatch
+    from ingraph_trainer.trainer.models.stages import StageInput
+    from ingraph_trainer.trainer.parallel.layouts import PipelineStages
+    given = []
+    stages = PipelineStages.__new__(PipelineStages)
+    stages.engine = types.SimpleNamespace(train_batch=lambda batches: given.extend(batches) or torch.tensor(0.5),
+                                          get_global_grad_norm=lambda: 1.0)
+    read = []
+    first = type("Begin", (StageInput,), {})(types.SimpleNamespace(model_inputs=read.append))
+    g = torch.Generator().manual_seed(0)
+    latents, cond, noise, t = (torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 7, 16, generator=g),
+                               torch.randn(2, 4, 8, 8, generator=g), torch.rand(2, generator=g))
+    pooled, references = torch.randn(2, 32, generator=g), [torch.randn(2, 4, 6, 8), torch.randn(2, 4, 8, 6)]
+    micro = [MicroBatch(latents, cond, noise, t, None, references=references),
+             MicroBatch(latents, cond, noise, t, pooled, references=references),
+             MicroBatch(latents, cond, noise, t, pooled), MicroBatch(latents, cond, noise, t, None)]
+    assert stages.train_step(micro) == (0.5, 1.0)
+    assert len(given) == 4
+    for (inputs, labels), m in zip(given, micro, strict=True):
+        first.model_inputs(inputs)
+        batch = read[-1]
+        assert all(a is b for a, b in zip(labels, (latents, noise, t), strict=True))
+        assert batch.latents is latents and batch.cond is cond and batch.noise is noise and batch.timesteps is t
+        assert batch.pooled is m.pooled
+        assert len(batch.references or []) == len(m.references or []) and \
+            all(a is b for a, b in zip(batch.references or [], m.references or []))
 
 
 def test_a_pipeline_stage_that_would_train_nothing_is_found_from_the_partition():

@@ -295,9 +295,6 @@ def build_training_data(data_spec, global_batch: int, seed: int, family=None, pi
         check_dataset_for_family(dataset, family)
     if getattr(data_spec, "eval_manifest", ""):  # a held-out evaluation set: its references checked now, too
         check_eval_references(dataset, load_cached_dataset(data_spec.eval_manifest), family)
-    if pipeline_stages > 1 and reference_slots(dataset):
-        raise ValueError("data.manifest: its items carry reference images, which pipeline stages "
-                         "(distributed.pipeline_stages > 1) do not pass on; train with 1 stage")
     beside_text = text_inputs_beside_the_embedding(family, dataset) if pipeline_stages > 1 else ""
     if beside_text:
         raise ValueError(f"data.manifest: its captions carry the text encoder's {beside_text}, which "

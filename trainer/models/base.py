@@ -353,8 +353,9 @@ class ModelFamily:
         """The model as a sequence of layers for pipeline stages: each takes and returns a tuple of tensors;
         the first takes (latents, cond, noise, timesteps[, pooled]), the last returns the raw model output."""
         raise UnsupportedSetting(f"distributed.pipeline_stages: {self.display_name} models do not split into "
-                                 "pipeline stages yet (SD UNets, SDXL, SD3, Flux, Flux.2, Qwen-Image, Lumina 2 and "
-                                 "Z-Image, Krea 2, Wan, HunyuanVideo 1 and 1.5, LTX-Video and LTX-2 do); use 1 stage")
+                                 "pipeline stages yet (SD UNets, SDXL, SD3, Flux, Flux.2, Chroma, Qwen-Image, Lumina 2 "
+                                 "and Z-Image, Krea 2, Wan, HunyuanVideo 1 and 1.5, LTX-Video and LTX-2 do); use 1 "
+                                 "stage")
 
     # --- building a model of this family from scratch ----------------------------------------------------
     scratch_sizes: dict[str, dict] = {}  # named sizes for the New Model node: {"tiny": {...}, ...}

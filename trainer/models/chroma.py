@@ -7,6 +7,7 @@ import torch
 
 from .base import ModelFamily, UnsupportedSetting, random_state_dict
 from .flux import ATTENTION, FEED_FORWARD
+from .stages import StageInput, ends_here
 
 
 class ChromaFamily(ModelFamily):
@@ -28,6 +29,20 @@ class ChromaFamily(ModelFamily):
 
     def checkpoint_blocks(self):
         return [*self.diffusion_model.double_blocks, *self.diffusion_model.single_blocks]
+
+    def pipeline_layers(self):
+        import comfy.model_base
+        if type(self.base_model) is not comfy.model_base.Chroma:  # ComfyUI 0.3.64's Chroma Radiance: pixel space
+            raise UnsupportedSetting("distributed.pipeline_stages: Chroma Radiance does not split into pipeline "
+                                     "stages yet (its pixel decoder needs the image itself after the blocks); use 1 "
+                                     "stage")
+        model = self.diffusion_model
+        return [ChromaBegin(self),
+                *(ChromaDoubleBlock(b, n, model.params) for n, b in enumerate(model.double_blocks)
+                  if n not in model.skip_mmdit),
+                *(ChromaSingleBlock(b, n, model.params, first=n == 0) for n, b in enumerate(model.single_blocks)
+                  if n not in model.skip_dit),
+                ChromaEnd(self)]
 
     def prepare_for_training(self) -> None:
         """ComfyUI's Chroma blocks add their residuals with `addcmul_` into tensors their norms saved for the
@@ -59,6 +74,106 @@ class ChromaFamily(ModelFamily):
             depth_single_blocks=depth_single_blocks, axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True,
             operations=comfy.ops.disable_weight_init)
         return random_state_dict(model, seed)
+
+
+class ChromaBegin(StageInput):
+    """Stage input: Chroma._forward and forward_orig up to the blocks. The one modulation network ("distilled
+    guidance") runs here, once, as in forward_orig; its output for every block crosses the stages, and each block
+    takes its slices there (ComfyUI's get_modulations). Tuple out: (img, txt, pe, modulations, shape) with shape =
+    (height, width) of the latent."""
+
+    def __init__(self, family):
+        super().__init__(family)
+        model = family.diffusion_model
+        self.img_in, self.txt_in = model.img_in, model.txt_in
+        self.distilled_guidance_layer = model.distilled_guidance_layer
+
+    def forward(self, inputs):
+        from comfy.ldm.chroma.model import timestep_embedding
+        from comfy.ldm.common_dit import pad_to_patch_size
+        from einops import rearrange, repeat
+        model = self.family.diffusion_model
+        x, timesteps, kwargs = self.model_inputs(inputs)
+        context, guidance = kwargs["context"], kwargs["guidance"]
+        bs, _, h, w = x.shape
+        p = model.patch_size
+        img = rearrange(pad_to_patch_size(x, (p, p)), "b c (h ph) (w pw) -> b (h w) (c ph pw)", ph=p, pw=p)
+        h_len, w_len = (h + p // 2) // p, (w + p // 2) // p
+        img_ids = torch.zeros((h_len, w_len, 3), device=x.device, dtype=x.dtype)
+        img_ids[:, :, 1] += torch.linspace(0, h_len - 1, steps=h_len, device=x.device, dtype=x.dtype).unsqueeze(1)
+        img_ids[:, :, 2] += torch.linspace(0, w_len - 1, steps=w_len, device=x.device, dtype=x.dtype).unsqueeze(0)
+        img_ids = repeat(img_ids, "h w c -> b (h w) c", b=bs)
+        txt_ids = torch.zeros((bs, context.shape[1], 3), device=x.device, dtype=x.dtype)
+        img = self.img_in(img)
+        length = 344  # forward_orig's mod_index_length
+        distill_timestep = timestep_embedding(timesteps.detach().clone(), 16).to(img.device, img.dtype)
+        distil_guidance = timestep_embedding(guidance.detach().clone(), 16).to(img.device, img.dtype)
+        index = timestep_embedding(torch.arange(length, device=img.device), 32).to(img.device, img.dtype)
+        index = index.unsqueeze(0).repeat(img.shape[0], 1, 1).to(img.device, img.dtype)
+        timestep_guidance = torch.cat([distill_timestep, distil_guidance], dim=1).unsqueeze(1).repeat(
+            1, length, 1).to(img.dtype).to(img.device, img.dtype)
+        modulations = self.distilled_guidance_layer(torch.cat([timestep_guidance, index], dim=-1).to(img.device,
+                                                                                                   img.dtype))
+        txt = self.txt_in(context)
+        pe = model.pe_embedder(torch.cat((txt_ids, img_ids), dim=1))
+        return (*self.sendable(img, txt, pe, modulations), torch.tensor([h, w], device=x.device))
+
+
+def _modulation(params, modulations, kind: str, index: int = 0):
+    """ComfyUI's get_modulations, which reads the model's depths alone (its `params`): the layers do not hold
+    the model."""
+    import types
+    from comfy.ldm.chroma.model import Chroma
+    return Chroma.get_modulations(types.SimpleNamespace(params=params), modulations, kind, idx=index)
+
+
+class ChromaDoubleBlock(torch.nn.Module):
+    def __init__(self, block, index: int, params):
+        super().__init__()
+        self.block, self.index, self.params = block, index, params
+
+    def forward(self, inputs):
+        img, txt, pe, modulations, shape = inputs
+        vec = (_modulation(self.params, modulations, "double_img", self.index),
+               _modulation(self.params, modulations, "double_txt", self.index))
+        img, txt = self.block(img=img, txt=txt, vec=vec, pe=pe, attn_mask=None, transformer_options={})
+        return img, txt, pe, modulations, shape
+
+
+def _joined(inputs):
+    """Double-block tuples (img, txt, pe, modulations, shape) become single-block ones (txt+img, pe, modulations,
+    shape, txt_len)."""
+    img, txt, pe, modulations, shape = inputs
+    return torch.cat((txt, img), 1), pe, modulations, shape, torch.tensor([txt.shape[1]], device=shape.device)
+
+
+class ChromaSingleBlock(torch.nn.Module):
+    def __init__(self, block, index: int, params, first: bool):
+        super().__init__()
+        self.block, self.index, self.params, self.first = block, index, params, first
+
+    def forward(self, inputs):
+        img, pe, modulations, shape, txt_len = _joined(inputs) if self.first else inputs
+        vec = _modulation(self.params, modulations, "single", self.index)
+        return self.block(img, vec=vec, pe=pe, attn_mask=None, transformer_options={}), pe, modulations, shape, txt_len
+
+
+class ChromaEnd(torch.nn.Module):
+    def __init__(self, family):
+        super().__init__()
+        model = family.diffusion_model
+        self.final_layer, self.patch_size, self.params = model.final_layer, model.patch_size, model.params
+        self.join = len(model.single_blocks) == 0  # else the first single block joined
+
+    def forward(self, inputs):
+        from einops import rearrange
+        img, pe, modulations, shape, txt_len = _joined(inputs) if self.join else inputs
+        h, w = shape.tolist()
+        p = self.patch_size
+        h_len, w_len = (h + p // 2) // p, (w + p // 2) // p
+        img = self.final_layer(img[:, int(txt_len):, ...], vec=_modulation(self.params, modulations, "final"))
+        out = rearrange(img, "b (h w) (c ph pw) -> b c (h ph) (w pw)", h=h_len, w=w_len, ph=p, pw=p)[:, :, :h, :w]
+        return ends_here(out, pe)
 
 
 # comfy/ldm/chroma/layers.py (ComfyUI 0.3.64) DoubleStreamBlock.forward and SingleStreamBlock.forward, each

@@ -57,10 +57,13 @@ class QwenImageFamily(ReferenceLatentsInput, ModelFamily):
 
 
 class QwenImageBegin(StageInput):
-    """Stage input: noise, patchify, place and embed time and text (QwenImageTransformer2DModel._forward up to its
-    blocks; no reference images, which pipeline stages refuse). Tuple out: (image tokens, text tokens, the time
-    embedding, rotary embedding, geometry) with geometry = the patch-padded latent's shape, its image tokens, and
-    the latent's height and width."""
+    """Stage input: noise, patchify, append the reference images' patches (Qwen-Image-Edit's), place and embed time
+    and text (QwenImageTransformer2DModel._forward up to its blocks). Tuple out: (image tokens, text tokens, the time
+    embedding, rotary embedding, geometry) with geometry = the patch-padded latent's shape, its own image tokens
+    (the references' follow them), the latent's height and width, and where the references' tokens start when they
+    take the timestep zero (ComfyUI 0.33's index_timestep_zero; else -1)."""
+
+    takes_references = True
 
     def __init__(self, family):
         super().__init__(family)
@@ -78,6 +81,8 @@ class QwenImageBegin(StageInput):
         if mask is not None and not torch.is_floating_point(mask):
             mask = (mask - 1).to(x.dtype) * torch.finfo(x.dtype).max
         image, image_ids, padded_shape = model.process_img(x)
+        tokens = image.shape[1]
+        image, image_ids, timestep, zero_index = _with_references(model, image, image_ids, timestep, kwargs)
         p = model.patch_size
         text_start = round(max(((x.shape[-1] + (p // 2)) // p) // 2, ((x.shape[-2] + (p // 2)) // p) // 2))
         text_ids = torch.arange(text_start, text_start + context.shape[1], device=x.device).reshape(1, -1, 1) \
@@ -92,9 +97,42 @@ class QwenImageBegin(StageInput):
             temb = self.time_text_embed(timestep, kwargs["guidance"] * 1000, image)
         else:
             temb = self.time_text_embed(timestep, image)
-        geometry = torch.tensor([*padded_shape, image.shape[1], *x.shape[-2:]], device=x.device)
+        geometry = torch.tensor([*padded_shape, tokens, *x.shape[-2:], -1 if zero_index is None else zero_index],
+                                device=x.device)
         return (*self.sendable(image, text, temb, rotary), geometry,
                 *(self.sendable(mask) if mask is not None else ()))
+
+
+def _with_references(model, image, image_ids, timestep, kwargs):
+    """The reference latents' patches and positions appended to the image's, as _forward appends them (ComfyUI
+    0.3.64: each at the next index, or offset beside the others; 0.33 adds negative indices, and the timestep zero
+    for the references, the model's default_ref_method where the conditioning names none): (image, positions,
+    timestep, where the references' tokens start if they take the timestep zero, else None)."""
+    references = kwargs.get("ref_latents")
+    if not references:
+        return image, image_ids, timestep, None
+    newer = hasattr(model, "default_ref_method")  # ComfyUI 0.33's model
+    method = kwargs.get("ref_latents_method", model.default_ref_method if newer else "index")
+    indexed = ("index", "index_timestep_zero") if newer else ("index",)
+    tokens, h, w, index = image.shape[1], 0, 0, 0
+    for ref in references:
+        h_offset = w_offset = 0
+        if method in indexed:
+            index += 1
+        elif newer and method == "negative_index":
+            index -= 1
+        else:
+            index = 1
+            if ref.shape[-2] + h > ref.shape[-1] + w:
+                w_offset = w
+            else:
+                h_offset = h
+            h, w = max(h, ref.shape[-2] + h_offset), max(w, ref.shape[-1] + w_offset)
+        patches, ids, _ = model.process_img(ref, index=index, h_offset=h_offset, w_offset=w_offset)
+        image, image_ids = torch.cat([image, patches], dim=1), torch.cat([image_ids, ids], dim=1)
+    if newer and method == "index_timestep_zero" and index > 0:
+        return image, image_ids, torch.cat([timestep, timestep * 0], dim=0), tokens
+    return image, image_ids, timestep, None
 
 
 class QwenImageBlock(torch.nn.Module):
@@ -104,9 +142,11 @@ class QwenImageBlock(torch.nn.Module):
 
     def forward(self, inputs):
         image, text, temb, rotary, geometry, *mask = inputs
+        zero_index = int(geometry[-1])  # only ComfyUI 0.33's blocks take one
         text, image = self.block(hidden_states=image, encoder_hidden_states=text,
                                  encoder_hidden_states_mask=mask[0] if mask else None, temb=temb,
-                                 image_rotary_emb=rotary, transformer_options={})
+                                 image_rotary_emb=rotary, transformer_options={},
+                                 **({"timestep_zero_index": zero_index} if zero_index >= 0 else {}))
         return (image, text, temb, rotary, geometry, *mask)
 
 
@@ -118,7 +158,9 @@ class QwenImageEnd(torch.nn.Module):
 
     def forward(self, inputs):
         image, text, temb, rotary, geometry, *mask = inputs
-        b, c, t, h, w, tokens, height, width = geometry.tolist()
+        b, c, t, h, w, tokens, height, width, zero_index = geometry.tolist()
+        if zero_index >= 0:  # the references' timestep-zero embedding ends with them
+            temb = temb.chunk(2, dim=0)[0]
         out = self.proj_out(self.norm_out(image, temb))[:, :tokens].view(b, t, h // 2, w // 2, c, 2, 2)
         out = out.permute(0, 4, 1, 2, 5, 3, 6).reshape(b, c, t, h, w)[:, :, :, :height, :width]
         return ends_here(out, text, rotary, *mask)

@@ -13,8 +13,10 @@ from .base import Batch
 
 
 class StageInput(torch.nn.Module):
-    """A family's first pipeline layer: stage inputs (latents, cond, noise, timesteps[, pooled]) to what the
-    model's blocks take. The family is kept out of the submodules: its model is split across the layers."""
+    """A family's first pipeline layer: stage inputs (latents, cond, noise, timesteps[, pooled][, references]) to
+    what the model's blocks take. The family is kept out of the submodules: its model is split across the layers."""
+
+    takes_references = False  # whether it hands the model the batch's reference images (pipeline.check_data)
 
     def __init__(self, family):
         super().__init__()
@@ -25,8 +27,11 @@ class StageInput(torch.nn.Module):
         return self._family[0]
 
     def model_inputs(self, inputs):
-        latents, cond, noise, timesteps, *pooled = inputs
-        return self.family.model_inputs(Batch(latents, cond, pooled[0] if pooled else None, noise, timesteps))
+        """(x_in, timestep, kwargs) of the stage inputs (pipeline.micro_batch's): the pooled vector where present
+        (an empty tensor holds its place before reference images), then the reference images."""
+        latents, cond, noise, timesteps, *rest = inputs
+        pooled = rest[0] if rest and rest[0].numel() else None
+        return self.family.model_inputs(Batch(latents, cond, pooled, noise, timesteps, references=list(rest[1:]) or None))
 
     @staticmethod
     def sendable(*tensors):

@@ -167,12 +167,14 @@ class PipelineStages(ParallelLayout):
 
     def check_data(self, dataset):
         from .pipeline import check_data
-        check_data(self.spec.data, dataset)
+        check_data(self.spec.data, dataset, self.layers)
 
     def train_step(self, micro_batches):
         from .pipeline import micro_batch
-        # masks and prior images are refused for pipelines (check_data, RunSpec.validate): the tuple's head only
-        loss = self.engine.train_batch(iter([micro_batch(*inputs[:5]) for inputs in micro_batches]))  # global already
+        # masks and prior images are refused for pipelines (check_data, RunSpec.validate): the tuple's head and the
+        # reference images only
+        loss = self.engine.train_batch(iter([micro_batch(*inputs[:5], references=inputs.references)
+                                             for inputs in micro_batches]))  # global already
         return loss.item(), self.engine.get_global_grad_norm()
 
     def evaluate(self, dataset, indices, quantiles, seed, batch_size):

@@ -1,7 +1,7 @@
 """Pipeline stages (diffusion-pipe's design on DeepSpeed's PipelineModule): the family's layers split across
 processes by trainable parameters, data parallel across pipelines.
 
-Stage inputs are (latents, cond, noise, timesteps[, pooled]); the labels are (latents, noise, timesteps), from
+Stage inputs are (latents, cond, noise, timesteps[, pooled][, reference images]); the labels are (latents, noise, timesteps), from
 which the last stage computes the family's target, so the data order, noise and timesteps of a step are the
 ones a single process draws. Evaluation runs through the stages too (no stage ever holds the whole model on
 its device); the adapter is collected from the stages that trained each layer before it is written.
@@ -43,12 +43,18 @@ def check_layout(stages: int):
         raise ValueError(f"distributed.pipeline_stages: {stages} stages do not divide {world_size()} processes")
 
 
-def check_data(data_spec, dataset):
-    """The stages pass (latents, cond, noise, timesteps[, pooled]) and take the plain mean of the per-sample
-    losses: sound (audio latents), loss masks and prior images (per-sample weights, their own loss in the events) do
-    not pass through them. Caption dropout and tag shuffling only change the text, and do."""
+def check_data(data_spec, dataset, layers):
+    """The stages pass (latents, cond, noise, timesteps[, pooled][, reference images]) and take the plain mean of
+    the per-sample losses: sound (audio latents), loss masks and prior images (per-sample weights, their own loss in
+    the events) do not pass through them, nor reference images where the family's first layer does not take them
+    (StageInput.takes_references). Caption dropout and tag shuffling only change the text, and do."""
     from ..data.batch_mix import MixedDataset
     from ..data.dataset_checks import has_audio
+    first = getattr(layers[0], "layer", layers[0])  # ContiguousOutputs' own
+    if getattr(dataset, "reference_slots", 0) and not first.takes_references:
+        raise ValueError(f"data.manifest: its items carry reference images, which {first.family.display_name}'s "
+                         "pipeline stages (distributed.pipeline_stages > 1) do not pass on yet (Qwen-Image-Edit's "
+                         "do); train with 1 stage")
     if has_audio(dataset):
         raise ValueError(f"data.manifest: {data_spec.manifest} has clips with sound (audio latents), which pipeline "
                          "stages (distributed.pipeline_stages > 1) do not pass on; train with 1 stage, or cache the "
@@ -107,9 +113,12 @@ def stages_training_nothing(layers, bounds) -> list[int]:
     return [s for s in range(len(bounds) - 1) if not any(map(_trains, layers[bounds[s]:bounds[s + 1]]))]
 
 
-def micro_batch(latents, cond, noise, timesteps, pooled=None):
-    """One micro-batch as the pipeline engine takes it: (stage inputs, labels)."""
+def micro_batch(latents, cond, noise, timesteps, pooled=None, references=None):
+    """One micro-batch as the pipeline engine takes it: (stage inputs, labels). Reference images (edit models')
+    follow the pooled vector, an empty tensor in its place where there is none (stages.StageInput reads them)."""
     inputs = (latents, cond, noise, timesteps) + ((pooled,) if pooled is not None else ())
+    if references:
+        inputs = inputs[:4] + (pooled if pooled is not None else torch.empty(0), *references)
     return inputs, (latents, noise, timesteps)
 
 
@@ -142,11 +151,12 @@ def evaluate(engine, loss: PipelineLoss, dataset, indices, quantiles, seed: int,
         with layout_independent_threads(engine.device):
             for chunk in eval_chunks(dataset, indices, batch_size):
                 latents, cond, pooled = dataset.batch(chunk)
+                references = dataset.references(chunk) if getattr(dataset, "reference_slots", 0) else None
                 noise = eval_noise(latents.shape[1:], chunk, seed)
                 for qn, q in enumerate(quantiles):
                     timesteps = torch.full((len(chunk),), float(q))
                     engine.total_loss = None  # eval_batch adds into the last training step's scalar otherwise
-                    out = engine.eval_batch(iter([micro_batch(latents, cond, noise, timesteps, pooled)]),
+                    out = engine.eval_batch(iter([micro_batch(latents, cond, noise, timesteps, pooled, references)]),
                                             compute_loss=True, reduce_output=None, bcast_loss=False,
                                             num_micro_batches=1)
                     losses = out[0].detach().double().to(engine.device) if engine.is_last_stage() else \
