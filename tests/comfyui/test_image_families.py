@@ -249,6 +249,7 @@ def test_day0_family_is_detected_its_loss_is_comfyuis_and_its_lora_loads_whole(n
             got = family.loss(edit, reduce=False)
             plain = family.loss(_batch(latent, text), reduce=False)
         assert torch.allclose(got, expected, rtol=1e-6, atol=0) and not torch.allclose(got, plain), (got, expected)
+        assert_stages_compute_the_models_loss(family, edit)  # placed at the next index, ComfyUI's Flux.2 default
     first_adapted_layer_takes_gradients(family, batch)
     lora_loads_whole_in_comfyui(family, caplog)
 
@@ -332,8 +333,9 @@ def narrow_flux_model(guidance_embed: bool = True):
 
 def test_flux_kontext_trains_on_reference_latents_as_comfyui_runs_them():
     """Flux Kontext (a Flux dev model to ComfyUI): reference latents reach the model as ReferenceLatent hands them,
-    with FluxGuidance's guidance, so the loss is ComfyUI's; without references it is plain Flux. The model is a
-    narrow Flux built by ComfyUI's own Flux model config (narrow_flux_model)."""
+    with FluxGuidance's guidance, so the loss is ComfyUI's; without references it is plain Flux; through pipeline
+    stages, the same loss (to 1e-6). The model is a narrow Flux built by ComfyUI's own Flux model config
+    (narrow_flux_model)."""
     base = narrow_flux_model()
     import comfy.model_patcher
     from ingraph_trainer.trainer.models import family_for
@@ -341,15 +343,17 @@ def test_flux_kontext_trains_on_reference_latents_as_comfyui_runs_them():
                                                offload_device=torch.device("cpu"))
     family = family_for(base, patcher=patcher)
     assert family.name == "flux" and family.reference_input == "reference_latents"
-    batch = _batch((16, 6, 10), (8, 4096), pooled=64, references=[(16, 4, 6)])
+    batch = _batch((16, 6, 10), (8, 4096), pooled=64, references=[(16, 4, 6), (16, 6, 4)])
     expected = comfyui_losses(family, batch, {"guidance": family.guidance})
     family.prepare_for_training()
     with torch.no_grad():
         got = family.loss(batch, reduce=False)
-        batch.references = None
+        references, batch.references = batch.references, None
         without = family.loss(batch, reduce=False)
     assert torch.allclose(got, expected, rtol=1e-6, atol=0), (got, expected)
     assert (got - without).abs().min() > 1e-4
+    batch.references = references
+    assert_stages_compute_the_models_loss(family, batch)  # placed beside each other in the first stage
 
 
 def edit_sampling_graph(family: str, vae: str, lora_name: str, prefix: str) -> dict:

@@ -128,7 +128,7 @@ def test_pipeline_stages_refuse_prior_images_masks_sound_and_references_they_do_
                                                   r"pipeline stages"):
         spec.validate()
     masked = type("Cached", (), {"masked": [False, True]})()
-    family = type("Family", (), {"display_name": "Flux"})()
+    family = type("Family", (), {"display_name": "Chroma"})()
     layers = [ContiguousOutputs(type("Begin", (StageInput,), {})(family))]  # takes no reference images
     with pytest.raises(ValueError, match=r"data\.prior_manifest: prior images are not available"):
         check_data(config.DataSpec(manifest="d.json", prior_manifest="p.json"), masked, layers)
@@ -140,10 +140,10 @@ def test_pipeline_stages_refuse_prior_images_masks_sound_and_references_they_do_
         check_data(config.DataSpec(manifest="d.json"), type("Cached", (), {"masked": [], "audio": True})(), layers)
     check_data(config.DataSpec(manifest="d.json", caption_dropout=0.3), type("Cached", (), {"masked": []})(), layers)
     edit_pairs = type("Cached", (), {"masked": [], "reference_slots": 1})()
-    with pytest.raises(ValueError, match=r"data\.manifest: its items carry reference images, which Flux's pipeline "
+    with pytest.raises(ValueError, match=r"data\.manifest: its items carry reference images, which Chroma's pipeline "
                                          r"stages \(distributed\.pipeline_stages > 1\) do not pass on yet"):
         check_data(config.DataSpec(manifest="d.json"), edit_pairs, layers)
-    layers[0].layer.takes_references = True  # Qwen-Image-Edit's first layer
+    layers[0].layer.takes_references = True  # Qwen-Image-Edit's, Flux Kontext's and Flux.2's first layers
     check_data(config.DataSpec(manifest="d.json"), edit_pairs, layers)
 
 

@@ -12,7 +12,7 @@ import torch
 from .base import Batch, ModelFamily, UnsupportedSetting, random_state_dict
 from .stages import StageInput, ends_here
 from .residuals import residuals_out_of_place
-from .references import ReferenceLatentsInput
+from .references import ReferenceLatentsInput, reference_places
 
 ATTENTION = (r"double_blocks\.\d+\.(img|txt)_attn\.(qkv|proj)$", r"single_blocks\.\d+\.linear[12]$")
 FEED_FORWARD = (r"double_blocks\.\d+\.(img|txt)_mlp\.[02]$",)
@@ -74,11 +74,34 @@ class FluxFamily(ReferenceLatentsInput, ModelFamily):
         return random_state_dict(model, seed)
 
 
+def _with_references(model, img, img_ids, x_in, kwargs):
+    """The reference latents' patches and positions appended to the image's, as _forward appends them (Flux
+    Kontext's beside each other, Flux.2's each at the next index), the model's default method (no conditioning of
+    the trainer's names one); FluxEnd keeps the image's own tokens."""
+    references = kwargs.get("ref_latents")
+    if not references:
+        return img, img_ids
+    method = kwargs.get("ref_latents_method", getattr(model.params, "default_ref_method", "offset"))
+    if method == "index_timestep_zero":  # ComfyUI 0.33 modulates those tokens apart in every block
+        raise UnsupportedSetting("distributed.pipeline_stages: Flux's reference images at the timestep zero do not "
+                                 "split into pipeline stages yet; use 1 stage")
+    p = model.patch_size
+    origin = (((x_in.shape[-2] + p // 2) // p) * p, ((x_in.shape[-1] + p // 2) // p) * p)
+    for ref, (index, h_offset, w_offset) in zip(references, reference_places(
+            references, method, getattr(model.params, "ref_index_scale", 1), uxo_origin=origin)):
+        patches, ids = model.process_img(ref, index=index, h_offset=h_offset, w_offset=w_offset)
+        img, img_ids = torch.cat([img, patches], dim=1), torch.cat([img_ids, ids], dim=1)
+    return img, img_ids
+
+
 class FluxBegin(StageInput):
-    """Stage input: noise, patchify and embed (Flux._forward / forward_orig up to the blocks).
+    """Stage input: noise, patchify, append the reference images' patches and embed (Flux._forward / forward_orig up
+    to the blocks).
     Tuple out: (img, txt, vec, pe, shape, *modulations) with shape = (height, width) of the latent; modulations is
     empty for Flux, and for Flux.2 (one modulation network shared by every block) the shift, scale and gate tensors
     of each block kind, computed once here as forward_orig computes them and carried to the blocks."""
+
+    takes_references = True  # Flux Kontext's and Flux.2's edit sources
 
     def __init__(self, family):
         super().__init__(family)
@@ -93,7 +116,7 @@ class FluxBegin(StageInput):
         model = self.family.diffusion_model
         x_in, timestep, kwargs = self.model_inputs(inputs)
         context, y, guidance = kwargs["context"], kwargs.get("y"), kwargs.get("guidance")
-        img, img_ids = model.process_img(x_in)
+        img, img_ids = _with_references(model, *model.process_img(x_in), x_in, kwargs)
         txt_ids = torch.zeros((x_in.shape[0], context.shape[1], len(model.params.axes_dim)), device=x_in.device,
                               dtype=torch.float32)
         for axis in getattr(model.params, "txt_ids_dims", ()):  # Flux.2 numbers the text tokens on these axes

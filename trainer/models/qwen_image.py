@@ -11,7 +11,7 @@ import inspect
 import torch
 
 from .base import ModelFamily, UnsupportedSetting, random_state_dict
-from .references import ReferenceLatentsInput
+from .references import ReferenceLatentsInput, reference_places
 from .stages import StageInput, ends_here
 
 ATTENTION = (r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)$",)
@@ -105,32 +105,20 @@ class QwenImageBegin(StageInput):
 
 def _with_references(model, image, image_ids, timestep, kwargs):
     """The reference latents' patches and positions appended to the image's, as _forward appends them (ComfyUI
-    0.3.64: each at the next index, or offset beside the others; 0.33 adds negative indices, and the timestep zero
-    for the references, the model's default_ref_method where the conditioning names none): (image, positions,
-    timestep, where the references' tokens start if they take the timestep zero, else None)."""
+    0.33 adds negative indices and the timestep zero for the references; the model's default_ref_method, as no
+    conditioning of the trainer's names one): (image, positions, timestep, where the references' tokens start if
+    they take the timestep zero, else None)."""
     references = kwargs.get("ref_latents")
     if not references:
         return image, image_ids, timestep, None
     newer = hasattr(model, "default_ref_method")  # ComfyUI 0.33's model
     method = kwargs.get("ref_latents_method", model.default_ref_method if newer else "index")
-    indexed = ("index", "index_timestep_zero") if newer else ("index",)
-    tokens, h, w, index = image.shape[1], 0, 0, 0
-    for ref in references:
-        h_offset = w_offset = 0
-        if method in indexed:
-            index += 1
-        elif newer and method == "negative_index":
-            index -= 1
-        else:
-            index = 1
-            if ref.shape[-2] + h > ref.shape[-1] + w:
-                w_offset = w
-            else:
-                h_offset = h
-            h, w = max(h, ref.shape[-2] + h_offset), max(w, ref.shape[-1] + w_offset)
+    tokens = image.shape[1]
+    places = reference_places(references, method, negative=newer)
+    for ref, (index, h_offset, w_offset) in zip(references, places):
         patches, ids, _ = model.process_img(ref, index=index, h_offset=h_offset, w_offset=w_offset)
         image, image_ids = torch.cat([image, patches], dim=1), torch.cat([image_ids, ids], dim=1)
-    if newer and method == "index_timestep_zero" and index > 0:
+    if newer and method == "index_timestep_zero":
         return image, image_ids, torch.cat([timestep, timestep * 0], dim=0), tokens
     return image, image_ids, timestep, None
 

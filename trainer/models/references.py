@@ -34,3 +34,31 @@ class ReferenceLatentsInput:
                 out[name] = [v.to(x_noisy.device, dtype if v.is_floating_point() else v.dtype)
                              if isinstance(v, torch.Tensor) else v for v in value]
         return out
+
+
+def reference_places(references, method: str, index_step: float = 1, negative: bool = False,
+                     uxo_origin: tuple[int, int] | None = None) -> list[tuple[float, int, int]]:
+    """(index, h_offset, w_offset) of each reference latent, as ComfyUI's Flux and Qwen-Image forwards place their
+    patches beside the image's (the first pipeline stage appends them the same way): at the next index (each
+    `index_step` on, Flux.2's 10), the previous one down (`negative`: Qwen-Image's negative_index on 0.33), beyond
+    the image (Flux's "uxo", `uxo_origin` the image's padded height and width), or at index 1 beside the others."""
+    h = w = index = 0
+    places = []
+    for ref in references:
+        h_offset = w_offset = 0
+        if method in ("index", "index_timestep_zero"):
+            index += index_step
+        elif negative and method == "negative_index":
+            index -= 1
+        elif uxo_origin is not None and method == "uxo":
+            index, h_offset, w_offset = 0, uxo_origin[0] + h, uxo_origin[1] + w
+            h, w = h + ref.shape[-2], w + ref.shape[-1]
+        else:
+            index = 1
+            if ref.shape[-2] + h > ref.shape[-1] + w:
+                w_offset = w
+            else:
+                h_offset = h
+            h, w = max(h, ref.shape[-2] + h_offset), max(w, ref.shape[-1] + w_offset)
+        places.append((index, h_offset, w_offset))
+    return places

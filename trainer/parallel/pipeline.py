@@ -53,8 +53,8 @@ def check_data(data_spec, dataset, layers):
     first = getattr(layers[0], "layer", layers[0])  # ContiguousOutputs' own
     if getattr(dataset, "reference_slots", 0) and not first.takes_references:
         raise ValueError(f"data.manifest: its items carry reference images, which {first.family.display_name}'s "
-                         "pipeline stages (distributed.pipeline_stages > 1) do not pass on yet (Qwen-Image-Edit's "
-                         "do); train with 1 stage")
+                         "pipeline stages (distributed.pipeline_stages > 1) do not pass on yet (Qwen-Image-Edit's, "
+                         "Flux Kontext's and Flux.2's do); train with 1 stage")
     if has_audio(dataset):
         raise ValueError(f"data.manifest: {data_spec.manifest} has clips with sound (audio latents), which pipeline "
                          "stages (distributed.pipeline_stages > 1) do not pass on; train with 1 stage, or cache the "
