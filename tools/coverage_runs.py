@@ -120,22 +120,30 @@ def prepare_program_run(patcher, model_file: Path, dataset, run_dir: Path, rank:
 def run_program(spec_path: Path, timeout: float = 900) -> ProgramRun:
     """`python <pack>/trainer --config SPEC`, as the Train node starts it: "yes" with the adapter and the mean step
     time where it finished with one, else the run's error (its last error event, or the end of its output)."""
+    from ingraph_trainer.trainer.run.layout import EVENTS_FILE
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     try:
         proc = subprocess.run([sys.executable, str(REPO / "trainer"), "--config", str(spec_path)], cwd=spec_path.parent,
                               capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return ProgramRun(f"no: the trainer ran past {timeout:.0f} s")
-    events = [json.loads(line) for line in (spec_path.parent / "events.jsonl").read_text().splitlines()
-              if line.strip()] if (spec_path.parent / "events.jsonl").exists() else []
+    events_file = spec_path.parent / EVENTS_FILE
+    events = []
+    for line in events_file.read_text().splitlines() if events_file.exists() else ():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short by a killed trainer
+            continue
     steps = [e for e in events if e.get("type") == "step"]
     finished = next((e for e in events if e.get("type") == "finished"), None)
     if proc.returncode == 0 and finished and finished.get("adapter") and len(steps) == 2:
         step_s = sum(e["step_time_s"] for e in steps) / len(steps)
         return ProgramRun("yes", Path(finished["adapter"]), step_s)
     error = next((e for e in reversed(events) if e.get("type") == "error"), None)
-    why = error["message"] if error else (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-    return ProgramRun(f"no: exit {proc.returncode}: {why if isinstance(why, str) else why[0]}")
+    output = (proc.stderr + proc.stdout).strip()
+    print("  the trainer's output ends:\n    " + "\n    ".join(output.splitlines()[-15:]), flush=True)
+    why = error["message"] if error else f"no error event; its log: {(output.splitlines() or ['nothing'])[-1]}"
+    return ProgramRun(f"no: exit {proc.returncode}: {' '.join(why.split())}")
 
 
 def train_with_program(patcher, state: dict, metadata: dict | None, batch, work: Path, label: str, rank: int,

@@ -672,7 +672,7 @@ def main(argv=None):
                  ", ".join(f"{s:.2f}" for s in r["step_s"]),
                  *(", ".join(sorted(set(r[k]))) for k in ("loads", "changes")),
                  r["why"] or ("" if "yes" in r["trained"] else OUT_OF_SCOPE.get(r["kind"], "no reason recorded yet"))]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(" ".join(c.replace("|", "/").split()) for c in cells) + " |")  # one cell each
     table = "\n".join(lines)
     if opts.markdown:
         opts.markdown.write_text(table + "\n")

@@ -41,7 +41,8 @@ def test_every_image_and_video_class_trains_and_loads_or_says_why(tmp_path):
             assert "yes" in r["loads"] and any(c.startswith("yes") for c in r["changes"]), r
         else:
             assert r["why"], f"{r['class']}: not trained ({r['trained'] or 'no tiny model here'}) and no reason given"
-    table = (REPO / "docs" / f"coverage-comfyui-{run['comfyui']}.md").read_text(encoding="utf-8")
+    tables = [p.read_text(encoding="utf-8") for p in sorted((REPO / "docs").glob("coverage-comfyui-*.md"))]
+    table = next(t for t in tables if t.startswith(f"ComfyUI {run['comfyui']}:"))  # the version's full number
     cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table.splitlines()
              if line.startswith("| ") and "---" not in line]
     steps = cells[0].index("2 LoRA steps (trainer program)")

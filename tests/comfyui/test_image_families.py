@@ -152,12 +152,13 @@ def test_chroma_splits_into_stages_each_block_taking_its_own_modulation():
     from ingraph_trainer.trainer.models import family_for
     from ingraph_trainer.trainer.models.base import random_state_dict
     from tools.family_coverage import class_model
-    model = class_model("Chroma", NARROW_CHROMA)
-    model.diffusion_model.load_state_dict(random_state_dict(model.diffusion_model, 0))
-    family = family_for(model)
-    assert family.name == "chroma" and len(family.pipeline_layers()) == 6
-    family.prepare_for_training()
-    assert_stages_compute_the_models_loss(family, _batch((16, 6, 10), (8, 64)))
+    for singles, layers in ((2, 6), (0, 4)):  # without single blocks the last layer joins the streams
+        model = class_model("Chroma", dict(NARROW_CHROMA, depth_single_blocks=singles))
+        model.diffusion_model.load_state_dict(random_state_dict(model.diffusion_model, 0))
+        family = family_for(model)
+        assert family.name == "chroma" and len(family.pipeline_layers()) == layers
+        family.prepare_for_training()
+        assert_stages_compute_the_models_loss(family, _batch((16, 6, 10), (8, 64)))
 
 
 # ComfyUI 0.33's day-0 families built here (HunyuanVideo 1.5 a video one): family class, ComfyUI class, latent
@@ -289,7 +290,8 @@ def test_qwen_image_edit_trains_on_reference_latents_as_comfyui_runs_them(image_
     """Qwen-Image-Edit: the batch's reference images (raw cached latents, two slots of another size than the
     target) reach the model as TextEncodeQwenImageEdit / ReferenceLatent hand them (Wan-VAE latents, 5-D), so the
     loss is ComfyUI's, and differs from the loss without them; through pipeline stages, the same loss (to 1e-6),
-    on ComfyUI 0.33 with the references at the timestep zero too (Qwen-Image-Edit 2511's method)."""
+    on ComfyUI 0.33 with its other placements too (Qwen-Image-Edit 2511's timestep zero, Qwen-Image-Layered's
+    negative indices)."""
     bootstrap_comfy()
     family = _load(image_family_models, "qwen_image")
     assert family.reference_input == "reference_latents"
@@ -305,11 +307,13 @@ def test_qwen_image_edit_trains_on_reference_latents_as_comfyui_runs_them(image_
     batch.references = edit_references
     family.prepare_for_training()  # as the trainer does (comfy-kitchen's rotary op given a backward on 0.33)
     assert_stages_compute_the_models_loss(family, batch)  # the references' patches appended in the first stage
-    if ON_COMFYUI_033:  # Qwen-Image-Edit 2511's: the references take the timestep zero through every block
-        family.diffusion_model.default_ref_method = "index_timestep_zero"
+    # ComfyUI 0.33's other defaults: Qwen-Image-Edit 2511's (the references take the timestep zero through every
+    # block) and Qwen-Image-Layered's (each reference at the next negative index)
+    for method in ("index_timestep_zero", "negative_index") if ON_COMFYUI_033 else ():
+        family.diffusion_model.default_ref_method = method
         with torch.no_grad():
-            zero = family.loss(batch, reduce=False)
-        assert (zero - got).abs().min() > 1e-6
+            placed = family.loss(batch, reduce=False)
+        assert (placed - got).abs().min() > 1e-6, method
         assert_stages_compute_the_models_loss(family, batch)
 
 
@@ -354,6 +358,11 @@ def test_flux_kontext_trains_on_reference_latents_as_comfyui_runs_them():
     assert (got - without).abs().min() > 1e-4
     batch.references = references
     assert_stages_compute_the_models_loss(family, batch)  # placed beside each other in the first stage
+    if ON_COMFYUI_033:  # its "uxo" placement (beyond the image), where a model's default names it
+        family.diffusion_model.params.default_ref_method = "uxo"
+        with torch.no_grad():
+            assert (family.loss(batch, reduce=False) - got).abs().min() > 1e-6
+        assert_stages_compute_the_models_loss(family, batch)
 
 
 def edit_sampling_graph(family: str, vae: str, lora_name: str, prefix: str) -> dict:

@@ -277,8 +277,8 @@ def build_training_data(data_spec, global_batch: int, seed: int, family=None, pi
     """(dataset, sampler) for training from the spec's data section: the training manifest, mixed with the
     prior manifest when there is one (a MixedDataset and a PriorMixSampler), else the CachedDataset and
     StepSampler as before. Fails here, before any step, where the manifests cannot serve caption dropout, or
-    carry reference images that `family` (or pipeline stages) cannot take, or the evaluation set's reference
-    images differ in number from the training set's."""
+    carry reference images that `family` cannot take (pipeline stages: pipeline.check_data), or the evaluation
+    set's reference images differ in number from the training set's."""
     from .loading import load_cached_dataset
     dataset = load_cached_dataset(data_spec.manifest)
     if family is not None:  # the training clips' frame rate, where the model's conditioning takes one

@@ -351,7 +351,7 @@ class ModelFamily:
 
     def pipeline_layers(self) -> list[torch.nn.Module]:
         """The model as a sequence of layers for pipeline stages: each takes and returns a tuple of tensors;
-        the first takes (latents, cond, noise, timesteps[, pooled]), the last returns the raw model output."""
+        the first takes pipeline.micro_batch's inputs (stages.StageInput), the last returns the raw model output."""
         raise UnsupportedSetting(f"distributed.pipeline_stages: {self.display_name} models do not split into "
                                  "pipeline stages yet (SD UNets, SDXL, SD3, Flux, Flux.2, Chroma, Qwen-Image, Lumina 2 "
                                  "and Z-Image, Krea 2, Wan, HunyuanVideo 1 and 1.5, LTX-Video and LTX-2 do); use 1 "

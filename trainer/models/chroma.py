@@ -37,12 +37,12 @@ class ChromaFamily(ModelFamily):
                                      "stages yet (its pixel decoder needs the image itself after the blocks); use 1 "
                                      "stage")
         model = self.diffusion_model
+        singles = [n for n in range(len(model.single_blocks)) if n not in model.skip_dit]  # what forward_orig runs
         return [ChromaBegin(self),
                 *(ChromaDoubleBlock(b, n, model.params) for n, b in enumerate(model.double_blocks)
                   if n not in model.skip_mmdit),
-                *(ChromaSingleBlock(b, n, model.params, first=n == 0) for n, b in enumerate(model.single_blocks)
-                  if n not in model.skip_dit),
-                ChromaEnd(self)]
+                *(ChromaSingleBlock(model.single_blocks[n], n, model.params, first=n == singles[0]) for n in singles),
+                ChromaEnd(self, join=not singles)]
 
     def prepare_for_training(self) -> None:
         """ComfyUI's Chroma blocks add their residuals with `addcmul_` into tensors their norms saved for the
@@ -159,11 +159,11 @@ class ChromaSingleBlock(torch.nn.Module):
 
 
 class ChromaEnd(torch.nn.Module):
-    def __init__(self, family):
+    def __init__(self, family, join: bool):
         super().__init__()
         model = family.diffusion_model
         self.final_layer, self.patch_size, self.params = model.final_layer, model.patch_size, model.params
-        self.join = len(model.single_blocks) == 0  # else the first single block joined
+        self.join = join  # no single block runs (else the first one joined the streams)
 
     def forward(self, inputs):
         from einops import rearrange

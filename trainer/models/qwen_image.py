@@ -130,7 +130,9 @@ class QwenImageBlock(torch.nn.Module):
 
     def forward(self, inputs):
         image, text, temb, rotary, geometry, *mask = inputs
-        zero_index = int(geometry[-1])  # only ComfyUI 0.33's blocks take one
+        # references at the timestep zero double the time embedding's rows; only then is the device's geometry read
+        # (a host sync), and only ComfyUI 0.33's blocks take the index
+        zero_index = int(geometry[-1]) if temb.shape[0] != image.shape[0] else -1
         text, image = self.block(hidden_states=image, encoder_hidden_states=text,
                                  encoder_hidden_states_mask=mask[0] if mask else None, temb=temb,
                                  image_rotary_emb=rotary, transformer_options={},
