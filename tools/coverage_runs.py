@@ -46,6 +46,9 @@ def cache_batch(batch, cache_root: Path, name: str):
 
     def key(what: str) -> str:  # a cache key is a digest, as encoding.latent_key and text_key make them
         return hashlib.sha256(f"{name}/{what}".encode()).hexdigest()
+    height, width = batch.latents.shape[-2:]
+    video = batch.latents.dim() == 5
+    frames = 4 * (batch.latents.shape[2] - 1) + 1 if video else 0  # a 4x temporal VAE's frames for its latents
     store = CacheStore(cache_root)
     items = []
     try:
@@ -65,18 +68,16 @@ def cache_batch(batch, cache_root: Path, name: str):
                 if batch.audio is not None:
                     latent["audio"] = batch.audio[n]
                 entry = store.put("latent", key(f"latent {n}"), latent, {"source": f"random {n}"})
-                height, width = batch.latents.shape[-2:]
                 text, text_sha = text_entry(n, f"random {n}")
                 items.append(DatasetItem(path=f"random-{n}.png", caption=f"random {n}", bucket=(8 * width, 8 * height),
                                          latent=entry.key, latent_sha=entry.checksum, text=text, text_sha=text_sha,
-                                         frames=4 * (batch.latents.shape[2] - 1) + 1 if batch.latents.dim() == 5 else 0))
+                                         frames=frames))
             empty = text_entry(0, "", zero=True)
-            video = batch.latents.dim() == 5
             dataset = TrainingDataset(
                 folder=f"random:{name}", items=tuple(items), buckets=BucketSettings(resolution=8 * width),
                 latent_encoder=f"random:{name}", text_encoder=f"random:{name}", empty_text=empty,
                 audio_encoder=f"random:{name}" if batch.audio is not None else "", keeps_text_extras=bool(extras),
-                video=(24.0, "start", (items[0].frames,)) if video else ())
+                video=(24.0, "start", (frames,)) if video else ())
             record_usage(dataset, store)
     finally:
         store.close()

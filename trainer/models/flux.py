@@ -12,7 +12,7 @@ import torch
 from .base import Batch, ModelFamily, UnsupportedSetting, random_state_dict
 from .stages import StageInput, ends_here
 from .residuals import residuals_out_of_place
-from .references import ReferenceLatentsInput, reference_places
+from .references import ReferenceLatentsInput, with_references
 
 ATTENTION = (r"double_blocks\.\d+\.(img|txt)_attn\.(qkv|proj)$", r"single_blocks\.\d+\.linear[12]$")
 FEED_FORWARD = (r"double_blocks\.\d+\.(img|txt)_mlp\.[02]$",)
@@ -74,7 +74,7 @@ class FluxFamily(ReferenceLatentsInput, ModelFamily):
         return random_state_dict(model, seed)
 
 
-def _with_references(model, img, img_ids, x_in, kwargs):
+def _referenced(model, img, img_ids, x_in, kwargs):
     """The reference latents' patches and positions appended to the image's, as _forward appends them (Flux
     Kontext's beside each other, Flux.2's each at the next index), the model's default method (no conditioning of
     the trainer's names one); FluxEnd keeps the image's own tokens."""
@@ -87,11 +87,8 @@ def _with_references(model, img, img_ids, x_in, kwargs):
                                  "split into pipeline stages yet; use 1 stage")
     p = model.patch_size
     origin = (((x_in.shape[-2] + p // 2) // p) * p, ((x_in.shape[-1] + p // 2) // p) * p)
-    for ref, (index, h_offset, w_offset) in zip(references, reference_places(
-            references, method, getattr(model.params, "ref_index_scale", 1), uxo_origin=origin)):
-        patches, ids = model.process_img(ref, index=index, h_offset=h_offset, w_offset=w_offset)
-        img, img_ids = torch.cat([img, patches], dim=1), torch.cat([img_ids, ids], dim=1)
-    return img, img_ids
+    return with_references(model.process_img, img, img_ids, references, method,
+                           getattr(model.params, "ref_index_scale", 1), uxo_origin=origin)
 
 
 class FluxBegin(StageInput):
@@ -116,7 +113,7 @@ class FluxBegin(StageInput):
         model = self.family.diffusion_model
         x_in, timestep, kwargs = self.model_inputs(inputs)
         context, y, guidance = kwargs["context"], kwargs.get("y"), kwargs.get("guidance")
-        img, img_ids = _with_references(model, *model.process_img(x_in), x_in, kwargs)
+        img, img_ids = _referenced(model, *model.process_img(x_in), x_in, kwargs)
         txt_ids = torch.zeros((x_in.shape[0], context.shape[1], len(model.params.axes_dim)), device=x_in.device,
                               dtype=torch.float32)
         for axis in getattr(model.params, "txt_ids_dims", ()):  # Flux.2 numbers the text tokens on these axes

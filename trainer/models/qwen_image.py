@@ -11,7 +11,7 @@ import inspect
 import torch
 
 from .base import ModelFamily, UnsupportedSetting, random_state_dict
-from .references import ReferenceLatentsInput, reference_places
+from .references import ReferenceLatentsInput, with_references
 from .stages import StageInput, ends_here
 
 ATTENTION = (r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)$",)
@@ -82,7 +82,9 @@ class QwenImageBegin(StageInput):
             mask = (mask - 1).to(x.dtype) * torch.finfo(x.dtype).max
         image, image_ids, padded_shape = model.process_img(x)
         tokens = image.shape[1]
-        image, image_ids, timestep, zero_index = _with_references(model, image, image_ids, timestep, kwargs)
+        image, image_ids, timestep_zero = _referenced(model, image, image_ids, kwargs)
+        if timestep_zero:  # the references' tokens (from `tokens` on) take the timestep zero
+            timestep = torch.cat([timestep, timestep * 0], dim=0)
         p = model.patch_size
         text_start = round(max(((x.shape[-1] + (p // 2)) // p) // 2, ((x.shape[-2] + (p // 2)) // p) // 2))
         text_ids = torch.arange(text_start, text_start + context.shape[1], device=x.device).reshape(1, -1, 1) \
@@ -97,30 +99,23 @@ class QwenImageBegin(StageInput):
             temb = self.time_text_embed(timestep, kwargs["guidance"] * 1000, image)
         else:
             temb = self.time_text_embed(timestep, image)
-        geometry = torch.tensor([*padded_shape, tokens, *x.shape[-2:], -1 if zero_index is None else zero_index],
+        geometry = torch.tensor([*padded_shape, tokens, *x.shape[-2:], tokens if timestep_zero else -1],
                                 device=x.device)
         return (*self.sendable(image, text, temb, rotary), geometry,
                 *(self.sendable(mask) if mask is not None else ()))
 
 
-def _with_references(model, image, image_ids, timestep, kwargs):
-    """The reference latents' patches and positions appended to the image's, as _forward appends them (ComfyUI
-    0.33 adds negative indices and the timestep zero for the references; the model's default_ref_method, as no
-    conditioning of the trainer's names one): (image, positions, timestep, where the references' tokens start if
-    they take the timestep zero, else None)."""
+def _referenced(model, image, image_ids, kwargs):
+    """(image tokens, positions, whether the references take the timestep zero) with the reference latents' patches
+    appended, as _forward appends them (ComfyUI 0.33 adds negative indices and the timestep zero; the model's
+    default_ref_method, as no conditioning of the trainer's names one)."""
     references = kwargs.get("ref_latents")
     if not references:
-        return image, image_ids, timestep, None
+        return image, image_ids, False
     newer = hasattr(model, "default_ref_method")  # ComfyUI 0.33's model
     method = kwargs.get("ref_latents_method", model.default_ref_method if newer else "index")
-    tokens = image.shape[1]
-    places = reference_places(references, method, negative=newer)
-    for ref, (index, h_offset, w_offset) in zip(references, places):
-        patches, ids, _ = model.process_img(ref, index=index, h_offset=h_offset, w_offset=w_offset)
-        image, image_ids = torch.cat([image, patches], dim=1), torch.cat([image_ids, ids], dim=1)
-    if newer and method == "index_timestep_zero":
-        return image, image_ids, torch.cat([timestep, timestep * 0], dim=0), tokens
-    return image, image_ids, timestep, None
+    image, image_ids = with_references(model.process_img, image, image_ids, references, method, negative=newer)
+    return image, image_ids, newer and method == "index_timestep_zero"
 
 
 class QwenImageBlock(torch.nn.Module):

@@ -36,12 +36,24 @@ class ReferenceLatentsInput:
         return out
 
 
+def with_references(process_img, image, image_ids, references, method: str, index_step: float = 1,
+                    negative: bool = False, uxo_origin: tuple[int, int] | None = None):
+    """(image tokens, positions) with each reference latent's patches and positions appended, as ComfyUI's Flux and
+    Qwen-Image forwards append them (the first pipeline stage does the same), made by the model's own `process_img`
+    at the place reference_places gives."""
+    for ref, (index, h_offset, w_offset) in zip(references, reference_places(references, method, index_step, negative,
+                                                                             uxo_origin)):
+        patches, ids = process_img(ref, index=index, h_offset=h_offset, w_offset=w_offset)[:2]  # Qwen's: a 3rd
+        image, image_ids = torch.cat([image, patches], dim=1), torch.cat([image_ids, ids], dim=1)
+    return image, image_ids
+
+
 def reference_places(references, method: str, index_step: float = 1, negative: bool = False,
                      uxo_origin: tuple[int, int] | None = None) -> list[tuple[float, int, int]]:
     """(index, h_offset, w_offset) of each reference latent, as ComfyUI's Flux and Qwen-Image forwards place their
-    patches beside the image's (the first pipeline stage appends them the same way): at the next index (each
-    `index_step` on, Flux.2's 10), the previous one down (`negative`: Qwen-Image's negative_index on 0.33), beyond
-    the image (Flux's "uxo", `uxo_origin` the image's padded height and width), or at index 1 beside the others."""
+    patches beside the image's: at the next index (each `index_step` on, Flux.2's 10), the previous one down
+    (`negative`: Qwen-Image's negative_index on 0.33), beyond the image (Flux's "uxo", `uxo_origin` the image's
+    padded height and width), or at index 1 beside the others."""
     h = w = index = 0
     places = []
     for ref in references:

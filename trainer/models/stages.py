@@ -31,7 +31,8 @@ class StageInput(torch.nn.Module):
         (an empty tensor holds its place before reference images), then the reference images."""
         latents, cond, noise, timesteps, *rest = inputs
         pooled = rest[0] if rest and rest[0].numel() else None
-        return self.family.model_inputs(Batch(latents, cond, pooled, noise, timesteps, references=list(rest[1:]) or None))
+        references = list(rest[1:]) or None
+        return self.family.model_inputs(Batch(latents, cond, pooled, noise, timesteps, references=references))
 
     @staticmethod
     def sendable(*tensors):

@@ -1,8 +1,8 @@
 """Pipeline stages (diffusion-pipe's design on DeepSpeed's PipelineModule): the family's layers split across
 processes by trainable parameters, data parallel across pipelines.
 
-Stage inputs are (latents, cond, noise, timesteps[, pooled][, reference images]); the labels are (latents, noise, timesteps), from
-which the last stage computes the family's target, so the data order, noise and timesteps of a step are the
+Stage inputs are (latents, cond, noise, timesteps[, pooled][, reference images]); the labels are (latents, noise,
+timesteps), from which the last stage computes the family's target, so the data order, noise and timesteps of a step are the
 ones a single process draws. Evaluation runs through the stages too (no stage ever holds the whole model on
 its device); the adapter is collected from the stages that trained each layer before it is written.
 """
@@ -116,9 +116,9 @@ def stages_training_nothing(layers, bounds) -> list[int]:
 def micro_batch(latents, cond, noise, timesteps, pooled=None, references=None):
     """One micro-batch as the pipeline engine takes it: (stage inputs, labels). Reference images (edit models')
     follow the pooled vector, an empty tensor in its place where there is none (stages.StageInput reads them)."""
-    inputs = (latents, cond, noise, timesteps) + ((pooled,) if pooled is not None else ())
-    if references:
-        inputs = inputs[:4] + (pooled if pooled is not None else torch.empty(0), *references)
+    inputs = (latents, cond, noise, timesteps)
+    if pooled is not None or references:
+        inputs += (pooled if pooled is not None else torch.empty(0), *(references or ()))
     return inputs, (latents, noise, timesteps)
 
 
