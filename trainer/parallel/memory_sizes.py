@@ -160,7 +160,9 @@ def activation_profile(family, model_inputs, blocks, compute_dtype, device) -> A
         x = x.to(compute_dtype)
     operands: set = set()
     try:
-        with _attention_as_on(device), WeightArguments(operands, key=operand_key, frozen_only=False), \
+        # a frozen weight's cast copy is left out (an fp8 layer casts it again for the backward pass); a weight
+        # computed from trained ones (LoKr's and LoHa's whole change of a layer) is saved for real, and counted
+        with _attention_as_on(device), WeightArguments(operands, key=operand_key), \
                 _FusedAttentionOnMeta(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             with _reparametrize_module(model, weights, tie_weights=True):  # as functional_call's default
                 out = family.run_model(x, timestep, kwargs)
