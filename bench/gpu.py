@@ -1,8 +1,10 @@
 """The GPU bench: the Train node through a real ComfyUI server on the GPU, against ComfyUI's own TrainLoraNode and a
-bare PyTorch loop on the same batch shapes, on the full-architecture SD1.5 random-weight checkpoint
-(tools/realsize_models.py).
+bare PyTorch loop on the same batch shapes, on the full-architecture SD1.5 or SDXL random-weight checkpoint
+(tools/realsize_models.py; SDXL's has both its text encoders, so the graph encodes its captions itself).
 
-    python bench/gpu.py [--size 512] [--steps 20] [--batch 2] [--rank 16] [--cases lora,lora_conv,fp8,lokr,stop,native,bare]
+    python bench/gpu.py [--model sd15|sdxl] [--size 512] [--steps 20] [--batch 2] [--rank 16]
+                        [--cases lora,lora_conv,fp8,lokr,stop,native,bare]
+    python bench/gpu.py --model sdxl --size 1024 --batch 1 --cases lokr,bare  # beside SimpleTuner's figure below
     python bench/gpu.py --tiny --size 64 --steps 3      # the same code path on the tiny SD1.5 (a CPU check)
 
 Each case of ours is a Train node (previews on, rendered once mid-run) in one server started without --cpu:
@@ -20,8 +22,8 @@ FLOPs utilisation (the UNet's forward+backward FLOPs at this batch, counted once
 s/step and the card's dense bf16 peak; the bare loop's count stands for every case, so LoKr's and the fp8 base's
 MFU are approximate). The last lines are the ratios against the bare loop and TrainLoraNode. The driver's figure reads
 GPU 0 (nvidia-smi's numbering): run the bench with one visible GPU.
-The published figure to beat (SimpleTuner, SDXL LoKr at 1024², H100): 0.61 s/step in 13 GiB; SDXL is not built here
-yet (tools/realsize_models.py writes its UNet, not the text encoders a graph needs).
+The published figure to beat (SimpleTuner, SDXL LoKr at 1024², H100): 0.61 s/step in 13 GiB; with --model sdxl at
+1024 px the summary sets the LoKr case beside it.
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ from tools.comfy_server import ComfyServer, comfyui_available, comfyui_path  # n
 
 CKPT = "gpu_bench.safetensors"
 IMAGES = "gpu_bench_images"
+SIMPLETUNER_SDXL_LOKR = (0.61, 13.0)  # s/step and GiB, SDXL LoKr at 1024 px on an H100 (SimpleTuner's published run)
 # dense bf16 tensor-core peaks (FLOP/s), by a substring of torch.cuda.get_device_name()
 BF16_PEAK = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
              "RTX 4090": 165e12, "RTX 5090": 209e12, "RTX 3090": 71e12, "A10G": 70e12, "A10": 125e12}
@@ -206,11 +209,16 @@ def bare_loop(opts, checkpoint: Path) -> dict:
     graph's shapes, in this process; and its forward+backward FLOPs."""
     import torch
     sys.path.insert(0, str(comfyui_path()))
+    if not torch.cuda.is_available():  # ComfyUI's device choice, made when model_management is first imported
+        from comfy.cli_args import args
+        args.cpu = True
     import comfy.sd
     from peft import LoraConfig, inject_adapter_in_model
     from torch.utils.flop_counter import FlopCounterMode
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model, *_ = comfy.sd.load_checkpoint_guess_config(str(checkpoint), output_vae=False, output_clip=False)
+    unet_config = model.model.model_config.unet_config
+    context_dim, adm = unet_config["context_dim"], unet_config.get("adm_in_channels")  # SDXL: 2048 and 2816
     unet = model.model.diffusion_model.to(device=device, dtype=torch.bfloat16)
     unet.requires_grad_(False)
     names = [n for n, m in unet.named_modules() if isinstance(m, torch.nn.Linear)]  # full names: "0" is ambiguous
@@ -222,13 +230,14 @@ def bare_loop(opts, checkpoint: Path) -> dict:
     side = opts.size // 8
     generator = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(opts.batch, 4, side, side, device=device, generator=generator)
-    context = torch.randn(opts.batch, 77, 768, device=device, generator=generator)
+    context = torch.randn(opts.batch, 77, context_dim, device=device, generator=generator)
+    y = torch.randn(opts.batch, adm, device=device, generator=generator).to(torch.bfloat16) if adm else None
     noise = torch.randn_like(x)
     t = torch.randint(0, 1000, (opts.batch,), device=device, generator=generator)
 
     def step():
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            pred = unet((x + noise).to(torch.bfloat16), t, context=context.to(torch.bfloat16))
+            pred = unet((x + noise).to(torch.bfloat16), t, context=context.to(torch.bfloat16), y=y)
         loss = torch.nn.functional.mse_loss(pred.float(), noise)
         loss.backward()
         optimizer.step()
@@ -285,11 +294,16 @@ def main(argv=None):
     parser.add_argument("--cases", default="lora,lora_conv,fp8,lokr,stop,native,bare",
                         help="lora_conv: our LoRA where TrainLoraNode puts its own (linear and convolution layers), "
                              "the like-for-like comparison with native")
+    parser.add_argument("--model", default="sd15", choices=("sd15", "sdxl"),
+                        help="the full-architecture checkpoint built: SD1.5 (2.1 GB) or SDXL with both text encoders "
+                             "(6.9 GB)")
     parser.add_argument("--tiny", action="store_true", help="the tiny SD1.5 instead of the full architecture")
-    parser.add_argument("--checkpoint", type=Path, help="an SD1.5-layout checkpoint to use (default: built)")
+    parser.add_argument("--checkpoint", type=Path, help="a checkpoint of --model's layout to use (default: built)")
     parser.add_argument("--work", type=Path, help="the server's base directory (default: a temporary one)")
     parser.add_argument("--timeout", type=float, default=900)
     opts = parser.parse_args(argv)
+    if opts.tiny and opts.model != "sd15":
+        parser.error("--tiny builds the tiny SD1.5: it goes with --model sd15")
     if not comfyui_available():
         print("skipped: ComfyUI not found (set COMFYUI_PATH)")
         return
@@ -303,6 +317,9 @@ def main(argv=None):
         if opts.tiny:
             from tools.embedded_default import build_checkpoint
             build_checkpoint(checkpoint)
+        elif opts.model == "sdxl":
+            from tools.realsize_models import build_sdxl
+            build_sdxl(checkpoint, values="pool")
         else:
             from tools.realsize_models import build_sd15
             build_sd15(checkpoint)
@@ -312,7 +329,8 @@ def main(argv=None):
         link.symlink_to(checkpoint.resolve())
     from tools.embedded_default import build_images
     build_images(base / "input" / IMAGES, count=opts.images, size=opts.size)
-    print(f"setup: {name}; {'tiny' if opts.tiny else 'full-architecture'} SD1.5 ({checkpoint.stat().st_size / 2**30:.2f} "
+    model = "SDXL" if opts.model == "sdxl" else "SD1.5"
+    print(f"setup: {name}; {'tiny' if opts.tiny else 'full-architecture'} {model} ({checkpoint.stat().st_size / 2**30:.2f} "
           f"GiB, built in {time.monotonic() - t0:.0f} s), {opts.images} images {opts.size}², batch {opts.batch}, "
           f"rank {opts.rank}, {opts.steps} steps, ComfyUI at {comfyui_path()}", flush=True)
     results = {}
@@ -363,6 +381,12 @@ def main(argv=None):
                 ratios.append(f"{key}/{ref} s/step {results[key]['s_step'] / results[ref]['s_step']:.3f}")
     if "stop" in results:
         ratios.append(f"resume continues: {results['stop']['ok']}")
+    lokr = results.get("lokr")
+    if opts.model == "sdxl" and opts.size == 1024 and lokr and lokr["s_step"]:
+        seconds, gigabytes = SIMPLETUNER_SDXL_LOKR
+        ratios.append(f"lokr/SimpleTuner (SDXL LoKr at 1024 px on an H100, its published run; ours at batch "
+                      f"{opts.batch}) s/step {lokr['s_step'] / seconds:.3f}, memory {gib(lokr.get('peak_gib'))} "
+                      f"against {gigabytes:.0f} GiB")
     print("ratios: " + ("; ".join(ratios) or "n/a"))
     if not opts.work:
         shutil.rmtree(work, ignore_errors=True)

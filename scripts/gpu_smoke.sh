@@ -9,6 +9,9 @@
 #   fp8      a tiny SD1.5 UNet as UNETLoader fp8_e4m3fn and fp8_e4m3fn_fast: LoRA training, then the evaluate task
 #   bench    bench/gpu.py $BENCH_ARGS (the Train node vs TrainLoraNode vs a bare loop, through a ComfyUI server on the GPU)
 #   memory   bench/block_swap.py (copy ahead vs blocking copies) and bench/memory_plan.py (predicted vs peak) on the GPU
+#   fit      issue 30's figures: "auto" on the budget of a 12 GB card for SDXL at 1024 px, of a 24 GB card for the
+#            Flux.1-dev architecture on an fp8 base (bench/memory_plan.py; builds a 5 GB and a 12 GB random file)
+#   sdxl     issue 29's figure: bench/gpu.py --model sdxl at 1024 px, LoKr and the bare loop (beside SimpleTuner's)
 #   tests:F  pytest on the files F (the GPU tier: "tests:-m gpu tests/trainer/test_gpu.py"); F is split on spaces, so a -k
 #            expression of several words goes in PYTEST_K (INGRAPH_SKIP_DISTILL_QUALITY=1 INGRAPH_SKIP_CHROMA_GRAPH=1), junit XML to $OUT
 # Code runs from .gpu/repo (a fixed `git archive HEAD`), never from the live tree.
@@ -233,6 +236,20 @@ stage_memory() {  # issue 30 on a card: block swap's copy ahead against blocking
   stamp "memory exit: block_swap.py $swap, memory_plan.py $?"
 }
 
+stage_fit() {
+  stamp "bench/memory_plan.py: SDXL 1024 px in a 12 GB card's budget, Flux fp8 in a 24 GB one"
+  (cd "$REPO" && timeout -k 10 "${FIT_TIMEOUT:-480}" $PY bench/memory_plan.py --work "$W/fit" --only --sdxl \
+      --sdxl-resolution 1024 --sdxl-settings card_12GB --flux --flux-settings card_24GB --steps 4)
+  stamp "fit exit $?"
+}
+
+stage_sdxl() {
+  stamp "bench/gpu.py --model sdxl --size 1024"
+  (cd "$REPO" && timeout -k 10 "${SDXL_TIMEOUT:-420}" $PY bench/gpu.py --work "$W/sdxl" --model sdxl --size 1024 \
+      --batch 1 --images 4 --steps 8 --cases "${SDXL_CASES:-lokr,bare}")
+  stamp "sdxl exit $?"
+}
+
 stage_tests() {  # FILES...
   local n; n=$(ls "$OUTD"/junit*.xml 2>/dev/null | wc -l)
   stamp "pytest $*"
@@ -244,7 +261,7 @@ stage_tests() {  # FILES...
 for stage in "$@"; do
   case "$stage" in
     tests:*) read -ra files <<< "${stage#tests:}"; stage_tests "${files[@]}" 2>&1 | tee -a "$OUTD/tests.log" ;;
-    install|env|e2e|fp8|bench|memory) "stage_$stage" 2>&1 | tee -a "$OUTD/$stage.log"
+    install|env|e2e|fp8|bench|memory|fit|sdxl) "stage_$stage" 2>&1 | tee -a "$OUTD/$stage.log"
       [ "$stage" = install ] && [ ! -f /tmp/site/.ingraph-installed ] && { stamp "install failed"; exit 1; } ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
