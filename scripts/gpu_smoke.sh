@@ -232,7 +232,7 @@ stage_memory() {  # issue 30 on a card: block swap's copy ahead against blocking
   (cd "$REPO" && timeout -k 10 "${MEMORY_TIMEOUT:-240}" $PY bench/block_swap.py --swap 8 --steps 6 --resolution 1024)
   local swap=$?
   (cd "$REPO" && timeout -k 10 "${MEMORY_TIMEOUT:-240}" $PY bench/memory_plan.py --work "$W/memory_plan" \
-      --settings lora lora_ckpt lora_fp8 lora_swap6 --steps 2)
+      --settings lora lora_ckpt lora_fp8 lora_swap6 lokr_all --steps 2)
   stamp "memory exit: block_swap.py $swap, memory_plan.py $?"
 }
 

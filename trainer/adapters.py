@@ -50,8 +50,9 @@ def _peft_config(kind: str, targets: list[str], rank: int, alpha: float, dropout
 
 
 def inject_adapter(diffusion_model: torch.nn.Module, targets: list[str], kind: str, rank: int, alpha: float,
-                   dropout: float):
-    """Adds trainable adapter layers (peft) to `targets`; everything else is frozen."""
+                   dropout: float, zero_stage: int = 0):
+    """Adds trainable adapter layers (peft) to `targets`; everything else is frozen. LoHa and LoKr make each layer's
+    weight change again in the backward pass rather than keep it (recomputed_delta), except under ZeRO-3."""
     from peft import inject_adapter_in_model
     if not targets:
         raise ValueError("the adapter preset selects no layers of this model")
@@ -79,6 +80,9 @@ def inject_adapter(diffusion_model: torch.nn.Module, targets: list[str], kind: s
     if custom:
         config._register_custom_module(custom)  # peft's own LoRA layer around ComfyUI's Linear (its forward)
     inject_adapter_in_model(config, diffusion_model, adapter_name=ADAPTER_NAME)
+    if kind in ("loha", "lokr") and zero_stage != 3:
+        from .recomputed_delta import recompute_weight_changes
+        recompute_weight_changes(diffusion_model)
     return [p for p in diffusion_model.parameters() if p.requires_grad]
 
 

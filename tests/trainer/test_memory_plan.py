@@ -512,3 +512,80 @@ def test_a_resume_reads_the_settings_its_run_began_with_only_from_its_own_signed
     record_choice(other, MemoryPlan("cuda", False, 1, {}, {}, None))
     path.write_bytes((tmp_path / "run_b" / MEMORY_CHOICE_FILE).read_bytes())
     assert earlier_choice(spec, 10) is None  # another run's record
+
+
+@pytest.mark.parametrize("kind", ["lokr", "loha"])
+def test_loha_and_lokr_make_their_weight_change_again_in_backward_with_the_same_gradients(tiny_unet, kind):
+    """peft's LoHa and LoKr hand each layer's whole weight change to the matmul, which saves it for the backward
+    pass (a weight's bytes per adapted layer); the trainer makes it again there instead (trainer/recomputed_delta.py),
+    except under ZeRO-3. The same loss and gradients, and the saved bytes fall by at least the changes' size."""
+    sys.path.insert(0, str(REPO))
+    from tools.prepare_run import _bootstrap
+    _bootstrap()
+    from ingraph_trainer.trainer.adapters import inject_adapter
+    from ingraph_trainer.trainer.models import Batch, load_family
+    from ingraph_trainer.trainer.spec import ModelSpec
+    g = torch.Generator().manual_seed(1)
+    latents = torch.randn(2, 4, 16, 16, generator=g)
+    batch = Batch(latents, torch.randn(2, 77, 768, generator=g), None, torch.randn(latents.shape, generator=g),
+                  torch.tensor([0.3, 0.7]))
+
+    def step(zero_stage: int):
+        family = load_family(ModelSpec(path=str(tiny_unet)), precision="bf16")
+        targets = family.adapter_targets("attention_ff")
+        params = inject_adapter(family.diffusion_model, targets, kind, 4, 4.0, 0.0, zero_stage)
+        family.prepare_for_training()
+        torch.manual_seed(2)
+        with torch.no_grad():  # every factor non-zero (peft starts one at zero), so every gradient is exercised
+            for p in params:
+                p.copy_(torch.randn(p.shape) * 0.3)
+        recomputed = sum("_get_delta_activations" in vars(m) for m in family.diffusion_model.modules())
+        weights = {p.untyped_storage().data_ptr() for p in family.diffusion_model.parameters()}
+        saved, kept = {}, []
+
+        def count(t):
+            key = t.untyped_storage().data_ptr()
+            if key not in weights and key not in saved:
+                saved[key] = t.untyped_storage().nbytes()
+                kept.append(t)
+            return t
+        # a change is saved only where its layer's input needs a gradient (not the text's keys and values)
+        layers = [family.diffusion_model.get_submodule(name) for name in targets]
+        changes = [0]
+        hooks = [layer.register_forward_pre_hook(
+            lambda m, args: changes.__setitem__(0, changes[0] + m.weight.numel() * params[0].element_size()
+                                                if args[0].requires_grad else changes[0])) for layer in layers]
+        with torch.no_grad():
+            x, timestep, kwargs = family.model_inputs(batch)
+        with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+            out = family.diffusion_model(x.to(torch.bfloat16), timestep, transformer_options={}, **kwargs)
+        for hook in hooks:
+            hook.remove()
+        loss = out.float().square().mean()
+        loss.backward()
+        changes = changes[0]
+        return loss.item(), [p.grad.float().clone() for p in params], sum(saved.values()), recomputed, changes
+
+    kept_loss, kept_grads, kept_saved, none, changes = step(zero_stage=3)
+    loss, grads, saved, recomputed, _ = step(zero_stage=0)
+    # preconditions: the two paths ran, on layers whose change is saved
+    assert none == 0 and recomputed > 10 and len(grads) == len(kept_grads) > 0 and changes > 0
+    assert loss == pytest.approx(kept_loss, rel=1e-6)
+    for mine, theirs in zip(grads, kept_grads):
+        assert theirs.abs().max() > 0
+        assert torch.allclose(mine, theirs, rtol=1e-3, atol=1e-6 * theirs.abs().max().item()), \
+            (mine - theirs).abs().max()
+    assert kept_saved - saved >= 0.9 * changes, (kept_saved, saved, changes)
+
+
+def test_rank_dropout_and_zero3_keep_peft_s_own_lokr_path():
+    """A change made again must be the same change: rank dropout draws random rows, so such layers keep peft's
+    path; so do layers under ZeRO-3, whose parameters are gathered around their own hooks only."""
+    from ingraph_trainer.trainer.adapters import inject_adapter
+
+    def patched(dropout: float, zero_stage: int = 0) -> int:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
+        inject_adapter(model, ["0", "2"], "lokr", 2, 2.0, dropout, zero_stage)
+        return sum("_get_delta_activations" in vars(m) for m in model.modules())
+    assert patched(0.0) == 2
+    assert patched(0.1) == 0 and patched(0.0, zero_stage=3) == 0

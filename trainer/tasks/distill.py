@@ -92,7 +92,8 @@ class Distiller(DMD2Objective, TrainingTask):
             refuse_fp8_full_fine_tune(family.diffusion_model, self.spec.model.path)
             return list(family.diffusion_model.requires_grad_(True).parameters())
         torch.manual_seed(seed)
-        return inject_adapter(family.diffusion_model, self.targets, a.kind, a.rank, a.alpha, a.dropout)
+        return inject_adapter(family.diffusion_model, self.targets, a.kind, a.rank, a.alpha, a.dropout,
+                              self.spec.distributed.zero_stage)
 
     def build(self):
         spec, t, dd = self.spec, self.spec.train, self.spec.distill

@@ -97,7 +97,8 @@ class Trainer(TrainingTask):
             if a.kind == "dora":  # a ComfyUI whose DoRA convention cannot be told fails now, not after the run
                 dora_norm_for(spec.output.format)
             self.targets = family.adapter_targets(a.targets, a.kind)
-            self.params = inject_adapter(family.diffusion_model, self.targets, a.kind, a.rank, a.alpha, a.dropout)
+            self.params = inject_adapter(family.diffusion_model, self.targets, a.kind, a.rank, a.alpha, a.dropout,
+                                         d.zero_stage)
             if a.init_from:
                 load_adapter_weights(family.diffusion_model, a.kind, a.init_from,
                                      diffusers_module_names(family.base_model))
