@@ -330,7 +330,8 @@ def main(argv=None):
     from tools.embedded_default import build_images
     build_images(base / "input" / IMAGES, count=opts.images, size=opts.size)
     model = "SDXL" if opts.model == "sdxl" else "SD1.5"
-    print(f"setup: {name}; {'tiny' if opts.tiny else 'full-architecture'} {model} ({checkpoint.stat().st_size / 2**30:.2f} "
+    kind = "tiny" if opts.tiny else "full-architecture"
+    print(f"setup: {name}; {kind} {model} ({checkpoint.stat().st_size / 2**30:.2f} "
           f"GiB, built in {time.monotonic() - t0:.0f} s), {opts.images} images {opts.size}², batch {opts.batch}, "
           f"rank {opts.rank}, {opts.steps} steps, ComfyUI at {comfyui_path()}", flush=True)
     results = {}
