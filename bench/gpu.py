@@ -311,7 +311,7 @@ def main(argv=None):
     name, peak_flops = device_name()
     work = opts.work or Path(tempfile.mkdtemp(prefix="ingraph-gpu-bench-"))
     base = work / "comfy"
-    checkpoint = opts.checkpoint or work / CKPT
+    checkpoint = opts.checkpoint or work / f"{'tiny' if opts.tiny else opts.model}_{CKPT}"
     t0 = time.monotonic()
     if not checkpoint.is_file():
         if opts.tiny:

@@ -160,6 +160,7 @@ def run_setting(base_spec: Path, work: Path, name: str, steps: int, timeout: flo
 
 
 def main(argv=None):
+    from tools.realsize_models import block_counts
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=Path("/tmp/ingraph-memory-plan"))
     parser.add_argument("--checkpoint", type=Path, default=None, help="the SD1.5 realsize checkpoint (else built)")
@@ -175,13 +176,16 @@ def main(argv=None):
     parser.add_argument("--flux", action="store_true",
                         help="also the Flux.1-dev architecture in fp8 (an 11.9 GB file; --flux-blocks to shrink it)")
     parser.add_argument("--flux-file", type=Path, default=None, help="the Flux realsize file (else built)")
-    parser.add_argument("--flux-blocks", default="19,38", help="double,single blocks of a built Flux file")
+    parser.add_argument("--flux-blocks", type=block_counts, default=(19, 38),
+                        help="double,single blocks of a built Flux file (default 19,38: the model)")
     parser.add_argument("--flux-settings", nargs="*", default=["card_24GB"], choices=list(SETTINGS))
     parser.add_argument("--flux-resolution", type=int, default=1024)
     parser.add_argument("--only", action="store_true", help="leave SD1.5 out (the --sdxl and --flux runs alone)")
     opts = parser.parse_args(argv)
+    if opts.only and not (opts.sdxl or opts.flux):
+        parser.error("--only leaves SD1.5 out: give --sdxl and/or --flux")
     from tools.prepare_run import _bootstrap, prepare
-    from tools.realsize_models import block_counts, build_flux, build_sd15, build_sdxl_unet
+    from tools.realsize_models import build_flux, build_sd15, build_sdxl_unet
     _bootstrap()
     work = opts.work
     work.mkdir(parents=True, exist_ok=True)
@@ -203,7 +207,7 @@ def main(argv=None):
         sdxl = prepare_sdxl(unet, checkpoint, write_images(work / f"images{size}", 2, size), work, size)
         runs += [("SDXL", sdxl, name, size) for name in opts.sdxl_settings]
     if opts.flux:
-        blocks = block_counts(opts.flux_blocks)
+        blocks = opts.flux_blocks
         flux_file = opts.flux_file or work / f"realsize_flux_{blocks[0]}_{blocks[1]}_fp8.safetensors"
         if not flux_file.exists():
             print(f"building {flux_file}", flush=True)

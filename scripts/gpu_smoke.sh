@@ -12,6 +12,8 @@
 #   fit      issue 30's figures: "auto" on the budget of a 12 GB card for SDXL at 1024 px, of a 24 GB card for the
 #            Flux.1-dev architecture on an fp8 base (bench/memory_plan.py; builds a 5 GB and a 12 GB random file)
 #   sdxl     issue 29's figure: bench/gpu.py --model sdxl at 1024 px, LoKr and the bare loop (beside SimpleTuner's)
+#            fit and sdxl each take minutes (fit writes about 19 GB of random files): give each a call of its own,
+#            fit first with FIT_TIMEOUT under the time left, or shrink Flux (FLUX_BLOCKS=4,8) where time is short
 #   tests:F  pytest on the files F (the GPU tier: "tests:-m gpu tests/trainer/test_gpu.py"); F is split on spaces, so a -k
 #            expression of several words goes in PYTEST_K (INGRAPH_SKIP_DISTILL_QUALITY=1 INGRAPH_SKIP_CHROMA_GRAPH=1), junit XML to $OUT
 # Code runs from .gpu/repo (a fixed `git archive HEAD`), never from the live tree.
@@ -239,7 +241,8 @@ stage_memory() {  # issue 30 on a card: block swap's copy ahead against blocking
 stage_fit() {
   stamp "bench/memory_plan.py: SDXL 1024 px in a 12 GB card's budget, Flux fp8 in a 24 GB one"
   (cd "$REPO" && timeout -k 10 "${FIT_TIMEOUT:-480}" $PY bench/memory_plan.py --work "$W/fit" --only --sdxl \
-      --sdxl-resolution 1024 --sdxl-settings card_12GB --flux --flux-settings card_24GB --steps 4)
+      --sdxl-resolution 1024 --sdxl-settings card_12GB --flux --flux-blocks "${FLUX_BLOCKS:-19,38}" \
+      --flux-settings card_24GB --steps 4)
   stamp "fit exit $?"
 }
 

@@ -8,7 +8,9 @@ more (from the factors, as cheap as the forward's) for the input's gradient and 
 out as peft's own: the same operations, one product done twice. LyCORIS-based trainers hold no dW either.
 
 Linear layers only, and not with rank dropout (its random rows would be drawn again): those keep peft's path. Not
-under ZeRO-3 either, which gathers a layer's parameters around its own forward and backward hooks only.
+under ZeRO-3 either, which gathers a layer's parameters around its own forward and backward hooks only. A hook
+registered on a factor with Tensor.register_hook runs twice a backward pass (once inside this backward's own
+autograd.grad); post-accumulate hooks, which DeepSpeed's ZeRO-1/2 use, run once.
 """
 from __future__ import annotations
 
@@ -32,9 +34,12 @@ class _ChangeRecomputed(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x_cast, *params = ctx.saved_tensors
+        x_cast, *_ = ctx.saved_tensors  # the factors are saved for autograd's check that none changed in place
+        # the layer's own factors: under checkpointing the saved ones come back as detached copies
+        params = [p for p in ctx.layer.parameters() if p.requires_grad]
         with torch.enable_grad():
             change = ctx.layer.get_delta_weight(ctx.adapter)
+        grad_out = grad_out.to(change.dtype)  # under autocast the forward's product ran in its lower precision
         grad_x = grad_change = None
         if ctx.needs_input_grad[0]:
             grad_x = grad_out.matmul(change.detach()).to(ctx.x_dtype)
