@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from conftest import read_events, run_trainer, run_trainers_forked
+from conftest import REPO, load_workflow, read_events, run_trainer, run_trainers_forked
 
 # asked through NVML (conftest sets PYTORCH_NVML_BASED_CUDA_CHECK): this process starts no CUDA context, so the
 # children the suite's workers fork can still use the GPU
@@ -94,3 +94,76 @@ def test_an_fp8_base_trains_and_evaluates_with_its_lora_on_the_card(prepared, as
     print(f"{weight_dtype} on {torch.cuda.get_device_name(0)} (computes in fp8: {fp8_compute}): "
           f"trained loss {[e['loss'] for e in events if e['type'] == 'step']}, evaluated with the LoRA "
           f"{result['loss']:.5f}")
+
+
+def _gpu_used_mib() -> tuple[int, dict]:
+    """The card's memory in use (nvidia-smi, MiB) and, where the driver lists them, each process's."""
+    import subprocess
+    total = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                           capture_output=True, text=True, timeout=30).stdout.split()
+    apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                          capture_output=True, text=True, timeout=30).stdout
+    per_process = {}
+    for line in apps.splitlines():
+        pid, _, used = line.partition(",")
+        if pid.strip().isdigit() and used.strip().isdigit():
+            per_process[int(pid)] = int(used)
+    return int(total[0]), per_process
+
+
+def test_a_comfyui_server_on_the_card_leaves_it_to_the_trainer(assets, tmp_path):
+    """Issue 27 on a card, on either ComfyUI (0.33 keeps the models a workflow uses loaded, with dynamic VRAM): a
+    graph whose MODEL is a full-size SD1.5 (random weights: 1.6 GB of UNet in fp16, which ComfyUI would hold on
+    the card) trains while ComfyUI holds no loaded model and none of the model's bytes on the card. The ComfyUI
+    process's memory is read per process where the driver lists processes, else as the card's use above its idle
+    level less the trainer's own (its reserved peak and a CUDA context)."""
+    import json
+    import subprocess
+    import sys
+    import time
+    from client.api import ComfyClient
+    from tools.comfy_server import ComfyServer
+    checkpoint = tmp_path / "sd15.safetensors"
+    built = subprocess.run([sys.executable, str(REPO / "tools" / "realsize_models.py"), "--sd15", str(checkpoint)],
+                           capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-2000:]
+    server = ComfyServer(tmp_path / "comfy", cpu=False, extra_env={"INGRAPH_STANDBY": "0"})
+    (server.dir("models", "checkpoints") / "sd15.safetensors").symlink_to(checkpoint)
+    images = server.dir("input", "gpu_images")
+    for f in assets["images"].iterdir():
+        (images / f.name).write_bytes(f.read_bytes())
+    wf = {k: v for k, v in load_workflow().items() if k in {"1", "2", "3", "4", "5", "6", "7"}}  # no sampler after
+    wf["1"]["inputs"]["ckpt_name"] = "sd15.safetensors"
+    wf["2"]["inputs"]["folder"] = "gpu_images"
+    wf["6"]["inputs"].update(steps=100000, output_name="gpu_handoff", precision="bf16")
+    server.start()
+    try:
+        server.wait_ready(300)
+        client = ComfyClient(server.address)
+        idle, _ = _gpu_used_mib()
+        prompt_id = client.queue(wf)
+        data, first = client.wait_for_step(prompt_id, 5, 600)
+        time.sleep(2)  # a few steps more: the trainer's memory at its working level
+        training, per_process = _gpu_used_mib()
+        stats = client.get("/system_stats")
+        assert client.post(f"/ingraph/runs/{data['run_id']}/stop")["stop_requested"] is True
+        outcome = client.follow(prompt_id, timeout=300)
+        client.close()
+    finally:
+        server.stop()
+    log = server.log_text()
+    assert outcome.ok, json.dumps(outcome.error)[:3000]
+    assert "ComfyUI holds 0 loaded model(s) as the trainer starts (the trained model: not loaded)" in log, log[-3000:]
+    finished = [m["data"]["event"] for m in outcome.messages if m.get("type") == "ingraph.event"
+                and m["data"]["event"]["type"] == "finished"][-1]
+    assert finished["steps"] >= 5 and finished["device_memory"]["peak_reserved"] > 0
+    trainer_mib = finished["device_memory"]["peak_reserved"] / 2**20
+    comfy_torch_mib = stats["devices"][0]["torch_vram_total"] / 2**20  # ComfyUI's own allocator, reserved
+    if server.proc.pid in per_process:
+        comfy_mib, how = per_process[server.proc.pid], "the driver's figure for its process"
+    else:
+        comfy_mib, how = training - idle - trainer_mib - 600, "the card's use less the trainer's and a context"
+    print(f"on {torch.cuda.get_device_name(0)}: while training, ComfyUI held {comfy_mib:.0f} MiB ({how}; its torch "
+          f"allocator {comfy_torch_mib:.0f} MiB reserved), the trainer reserved {trainer_mib:.0f} MiB at its peak")
+    assert comfy_torch_mib < 256, stats
+    assert comfy_mib < 1024, (comfy_mib, how, idle, training, per_process)  # a context; the UNet alone is 1.6 GB
