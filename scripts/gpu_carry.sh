@@ -11,6 +11,12 @@
 #                             .gpu/whl/*.whl && cp -r .gpu/whl/stub/. /tmp/site/
 #   call 2 (carry .gpu/comfy .gpu/repo): export PYTHONPATH=/tmp/site; mkdir -p /tmp/ComfyUI && \
 #                             tar -xJf .gpu/comfy/ComfyUI.tar.xz -C /tmp/ComfyUI; export COMFYUI_PATH=/tmp/ComfyUI; ...
+# With --with-0.33 it also builds what ComfyUI 0.33 needs there (issue 27 on a card: dynamic VRAM, quantized layouts):
+#   $GPU_DIR/whl033/   0.33's extra requirements the 0.3.x set lacks (comfy-aimdo, blake3, simpleeval), at the versions
+#                      its requirements.txt pins
+#   $GPU_DIR/kitchen/  comfy-kitchen alone (its CUDA kernels make it ~58 MB: a call of its own)
+#   $GPU_DIR/comfy033/ ComfyUI-0.33.tar.xz, the source of $COMFYUI_033_PATH (default /opt/ComfyUI-0.33)
+# scripts/gpu_smoke.sh's install033 stage installs whichever of these a call carried; COMFY=0.33 runs its stages there.
 # Versions are those installed in $INGRAPH_VENV (default .venv) where it has them, else the defaults below.
 # Needs `.gpu/` ignored: echo /.gpu/ >> .git/info/exclude
 set -euo pipefail
@@ -43,7 +49,7 @@ rm -rf "$WHL" "$GPU_DIR/comfy"
 mkdir -p "$WHL" "$GPU_DIR/comfy"
 PLAT=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
-download() {
+download() {  # into $WHL (a caller may set WHL for one call)
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
     --abi abi3 --abi none "${PLAT[@]}" --platform any -d "$WHL" "$@"
 }
@@ -73,14 +79,29 @@ tar -C "$COMFYUI_PATH" --exclude=./.git --exclude=./tests --exclude=./tests-unit
     --exclude='*.pyc'\
     -cJf "$GPU_DIR/comfy/ComfyUI.tar.xz" .
 
-if [ "${1:-}" = "--snapshot" ]; then
+pinned_in_033() {  # NAME → NAME==VERSION as 0.33's requirements.txt pins it, else NAME
+  local line; line="$(grep -i -E "^$1[ =<>~!]" "$COMFYUI_033/requirements.txt" | head -1 | tr -d ' ' || true)"
+  case "$line" in *==*) echo "$line" ;; *) echo "$1" ;; esac
+}
+if [[ " $* " == *" --with-0.33 "* ]]; then
+  COMFYUI_033="${COMFYUI_033_PATH:-/opt/ComfyUI-0.33}"
+  [ -f "$COMFYUI_033/requirements.txt" ] || { echo "gpu_carry: no ComfyUI 0.33 at $COMFYUI_033" >&2; exit 1; }
+  rm -rf "$GPU_DIR/whl033" "$GPU_DIR/kitchen" "$GPU_DIR/comfy033"
+  mkdir -p "$GPU_DIR/whl033" "$GPU_DIR/kitchen" "$GPU_DIR/comfy033"
+  WHL="$GPU_DIR/whl033" download "$(pinned_in_033 comfy-aimdo)" "$(pinned_in_033 blake3)" "$(pinned_in_033 simpleeval)"
+  WHL="$GPU_DIR/kitchen" download "$(pinned_in_033 comfy-kitchen)"
+  tar -C "$COMFYUI_033" --exclude=./.git --exclude=./tests --exclude=./tests-unit --exclude='__pycache__' \
+      --exclude='*.pyc' -cJf "$GPU_DIR/comfy033/ComfyUI-0.33.tar.xz" .
+fi
+
+if [[ " $* " == *" --snapshot "* ]]; then
   rm -rf "$GPU_DIR/repo" && mkdir -p "$GPU_DIR/repo"
   git -C "$REPO" archive HEAD | tar -x -C "$GPU_DIR/repo"
   git -C "$REPO" rev-parse HEAD > "$GPU_DIR/repo.commit"
 fi
 
 ls -l "$WHL" >&2
-for d in "$WHL" "$GPU_DIR/comfy" "$GPU_DIR/repo"; do
+for d in "$WHL" "$GPU_DIR/comfy" "$GPU_DIR/repo" "$GPU_DIR/whl033" "$GPU_DIR/kitchen" "$GPU_DIR/comfy033"; do
   [ -d "$d" ] && echo "gpu_carry: $(du -sb "$d" | awk '{printf "%.1f MiB", $1/1048576}')  $d" >&2
 done
 mib() { du -sb "$1" | awk '{print int($1/1048576)+1}'; }

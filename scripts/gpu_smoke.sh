@@ -4,6 +4,10 @@
 # Stages, in the order given (each logs to $OUT/<stage>.log; OUT defaults to /tmp/gpu-out):
 #   install  the carried wheels into /tmp/site (+ the frontend stub), ComfyUI's source into /tmp/ComfyUI;
 #            skipped where an earlier call on this still-warm machine did it
+#   install033  ComfyUI 0.33's extras (scripts/gpu_carry.sh --with-0.33), whichever this call carried: .gpu/whl033 and
+#            .gpu/kitchen into /tmp/site033, .gpu/comfy033 into /tmp/ComfyUI-0.33. COMFY=0.33 then runs every other
+#            stage against 0.33 (its extras first on PYTHONPATH), e.g. COMFY=0.33 bash scripts/gpu_smoke.sh env
+#            "tests:-m gpu tests/trainer/test_gpu.py tests/trainer/test_quantized_bases.py"
 #   env      versions, the GPU, and whether ComfyUI, DeepSpeed and diffusers import
 #   e2e      the trainer program end to end on the embedded default (tiny SD1.5), 64 px and 512 px, on the GPU
 #   fp8      a tiny SD1.5 UNet as UNETLoader fp8_e4m3fn and fp8_e4m3fn_fast: LoRA training, then the evaluate task
@@ -24,6 +28,7 @@ REPO="$G/repo"
 OUTD="${OUT:-/tmp/gpu-out}"
 mkdir -p "$OUTD"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site COMFYUI_PATH=/tmp/ComfyUI
+if [ "${COMFY:-}" = "0.33" ]; then export PYTHONPATH=/tmp/site033:/tmp/site COMFYUI_PATH=/tmp/ComfyUI-0.33; fi
 export INGRAPH_SKIP_DISTILL_QUALITY=1 INGRAPH_SKIP_CHROMA_GRAPH=1
 export INGRAPH_TEST_ARTIFACTS=/tmp/test-artifacts
 PY="${PY:-python3}"
@@ -101,15 +106,32 @@ stage_install() {
   stamp "install: done; repo snapshot $(cat "$G/repo.commit" 2>/dev/null)"
 }
 
+stage_install033() {
+  local any=0 d
+  for d in whl033 kitchen; do
+    if ls "$G/$d"/*.whl >/dev/null 2>&1; then
+      $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site033 \
+        "$G/$d"/*.whl || return 1
+      any=1; stamp "install033: $d installed"
+    fi
+  done
+  if [ -f "$G/comfy033/ComfyUI-0.33.tar.xz" ]; then
+    rm -rf /tmp/ComfyUI-0.33 && mkdir -p /tmp/ComfyUI-0.33 \
+      && tar -xJf "$G/comfy033/ComfyUI-0.33.tar.xz" -C /tmp/ComfyUI-0.33 || return 1
+    any=1; stamp "install033: ComfyUI 0.33 source extracted"
+  fi
+  [ "$any" = 1 ] || stamp "install033: nothing of 0.33 was carried in this call"
+}
+
 stage_env() {
   nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   nproc; free -g | head -2
   $PY - <<'EOF'
-import importlib, sys
+import importlib, os, sys
 print(sys.version)
 for name in ("torch", "torchvision", "torchaudio", "transformers", "huggingface_hub", "safetensors", "peft",
              "accelerate", "diffusers", "deepspeed", "av", "sqlalchemy", "alembic", "pydantic", "pytest",
-             "pytest_timeout", "bitsandbytes", "lycoris", "playwright"):
+             "pytest_timeout", "bitsandbytes", "lycoris", "playwright", "comfy_aimdo", "comfy_kitchen"):
     try:
         m = importlib.import_module(name)
         print(f"{name} {getattr(m, '__version__', '?')}")
@@ -118,7 +140,7 @@ for name in ("torch", "torchvision", "torchaudio", "transformers", "huggingface_
 import torch
 print("cuda", torch.cuda.is_available(), torch.version.cuda, torch.cuda.get_device_name(0),
       torch.cuda.get_device_capability(0))
-sys.path.insert(0, "/tmp/ComfyUI")
+sys.path.insert(0, os.environ["COMFYUI_PATH"])
 import comfy.model_management as mm
 print("comfy device", mm.get_torch_device(), "supports_fp8_compute", mm.supports_fp8_compute(mm.get_torch_device()))
 import deepspeed.ops  # noqa
@@ -264,7 +286,7 @@ stage_tests() {  # FILES...
 for stage in "$@"; do
   case "$stage" in
     tests:*) read -ra files <<< "${stage#tests:}"; stage_tests "${files[@]}" 2>&1 | tee -a "$OUTD/tests.log" ;;
-    install|env|e2e|fp8|bench|memory|fit|sdxl) "stage_$stage" 2>&1 | tee -a "$OUTD/$stage.log"
+    install|install033|env|e2e|fp8|bench|memory|fit|sdxl) "stage_$stage" 2>&1 | tee -a "$OUTD/$stage.log"
       [ "$stage" = install ] && [ ! -f /tmp/site/.ingraph-installed ] && { stamp "install failed"; exit 1; } ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac

@@ -163,7 +163,9 @@ def test_a_comfyui_server_on_the_card_leaves_it_to_the_trainer(assets, tmp_path)
         comfy_mib, how = per_process[server.proc.pid], "the driver's figure for its process"
     else:
         comfy_mib, how = training - idle - trainer_mib - 600, "the card's use less the trainer's and a context"
-    print(f"on {torch.cuda.get_device_name(0)}: while training, ComfyUI held {comfy_mib:.0f} MiB ({how}; its torch "
+    dynamic = "aimdo" in log.lower() or "dynamicvram" in log.lower().replace(" ", "")
+    print(f"on {torch.cuda.get_device_name(0)} (ComfyUI's log names dynamic VRAM: {dynamic}): while training, "
+          f"ComfyUI held {comfy_mib:.0f} MiB ({how}; its torch "
           f"allocator {comfy_torch_mib:.0f} MiB reserved), the trainer reserved {trainer_mib:.0f} MiB at its peak")
     assert comfy_torch_mib < 256, stats
     assert comfy_mib < 1024, (comfy_mib, how, idle, training, per_process)  # a context; the UNet alone is 1.6 GB
