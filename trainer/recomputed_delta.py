@@ -7,7 +7,8 @@ LoRA holds 0.1). Here dW is built without autograd in the forward pass and dropp
 more (from the factors, as cheap as the forward's) for the input's gradient and the factors' gradients, which come
 out as peft's own: the same operations, one product done twice. LyCORIS-based trainers hold no dW either.
 
-Linear layers only, and not with rank dropout (its random rows would be drawn again): those keep peft's path. Not
+Linear and 2-D convolution layers (zero padding given as numbers), and not with rank dropout (its random rows would be
+drawn again): the others keep peft's path. Not
 under ZeRO-3 either, which gathers a layer's parameters around its own forward and backward hooks only. A hook
 registered on a factor with Tensor.register_hook runs twice a backward pass (once inside this backward's own
 autograd.grad); post-accumulate hooks, which DeepSpeed's ZeRO-1/2 use, run once.
@@ -19,18 +20,29 @@ import types
 import torch
 
 
+def _convolution(layer) -> tuple | None:
+    """A 2-D convolution's (stride, padding, dilation, groups), or None for a linear layer."""
+    base = layer.get_base_layer()
+    if not isinstance(base, torch.nn.Conv2d):
+        return None
+    return tuple(base.stride), tuple(base.padding), tuple(base.dilation), base.groups
+
+
 class _ChangeRecomputed(torch.autograd.Function):
-    """F.linear(x, dW) for `layer`'s adapter, dW made by `layer.get_delta_weight` here and again in backward;
-    `params`: the layer's trained tensors (dW's inputs), given so that their gradients are returned."""
+    """F.linear(x, dW) (or F.conv2d) for `layer`'s adapter, dW made by `layer.get_delta_weight` here and again in
+    backward; `params`: the layer's trained tensors (dW's inputs), given so that their gradients are returned."""
 
     @staticmethod
     def forward(ctx, x, layer, adapter, *params):
         with torch.no_grad():
             change = layer.get_delta_weight(adapter)
             x_cast = layer._cast_input_dtype(x, change.dtype)  # peft's own cast, so the same product
-        ctx.layer, ctx.adapter, ctx.x_dtype = layer, adapter, x.dtype
+        ctx.layer, ctx.adapter, ctx.x_dtype, ctx.conv = layer, adapter, x.dtype, _convolution(layer)
         ctx.save_for_backward(x_cast, *params)
-        return torch.nn.functional.linear(x_cast, change)
+        if ctx.conv is None:
+            return torch.nn.functional.linear(x_cast, change)
+        stride, padding, dilation, groups = ctx.conv
+        return torch.nn.functional.conv2d(x_cast, change, None, stride, padding, dilation, groups)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -41,10 +53,20 @@ class _ChangeRecomputed(torch.autograd.Function):
             change = ctx.layer.get_delta_weight(ctx.adapter)
         grad_out = grad_out.to(change.dtype)  # under autocast the forward's product ran in its lower precision
         grad_x = grad_change = None
-        if ctx.needs_input_grad[0]:
-            grad_x = grad_out.matmul(change.detach()).to(ctx.x_dtype)
-        if any(ctx.needs_input_grad[3:]):
-            grad_change = grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(x_cast.reshape(-1, x_cast.shape[-1]))
+        wants_x, wants_change = ctx.needs_input_grad[0], any(ctx.needs_input_grad[3:])
+        if ctx.conv is not None:  # the convolution's own backward, as autograd runs it
+            stride, padding, dilation, groups = ctx.conv
+            grad_x, grad_change, _ = torch.ops.aten.convolution_backward(
+                grad_out, x_cast, change.detach(), None, stride, padding, dilation, False, [0] * len(stride), groups,
+                [wants_x, wants_change, False])
+            grad_x = grad_x.to(ctx.x_dtype) if wants_x else None
+        else:
+            if wants_x:
+                grad_x = grad_out.matmul(change.detach()).to(ctx.x_dtype)
+            if wants_change:
+                grad_change = grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(
+                    x_cast.reshape(-1, x_cast.shape[-1]))
+        if wants_change:
             grads = torch.autograd.grad(change, params, grad_change.to(change.dtype), allow_unused=True)
         else:
             grads = (None,) * len(params)
@@ -60,13 +82,16 @@ def _delta_activations(layer, adapter_name, input, *args, **kwargs):
 
 
 def recompute_weight_changes(model: torch.nn.Module) -> int:
-    """Every peft LoHa or LoKr Linear layer of `model` without rank dropout makes its weight change again in the
-    backward pass instead of keeping it. Returns the number of layers changed."""
-    from peft.tuners.loha.layer import Linear as LoHaLinear
-    from peft.tuners.lokr.layer import Linear as LoKrLinear
+    """Every peft LoHa or LoKr Linear or Conv2d layer of `model` without rank dropout makes its weight change again
+    in the backward pass instead of keeping it. Returns the number of layers changed."""
+    from peft.tuners.loha.layer import Conv2d as LoHaConv2d, Linear as LoHaLinear
+    from peft.tuners.lokr.layer import Conv2d as LoKrConv2d, Linear as LoKrLinear
     changed = 0
     for layer in model.modules():
-        if not isinstance(layer, (LoHaLinear, LoKrLinear)) or any(layer.rank_dropout.values()):
+        if not isinstance(layer, (LoHaLinear, LoKrLinear, LoHaConv2d, LoKrConv2d)) or any(layer.rank_dropout.values()):
+            continue
+        base = layer.get_base_layer()
+        if isinstance(base, torch.nn.Conv2d) and (isinstance(base.padding, str) or base.padding_mode != "zeros"):
             continue
         layer._get_delta_activations = types.MethodType(_delta_activations, layer)
         changed += 1

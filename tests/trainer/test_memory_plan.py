@@ -517,13 +517,16 @@ def test_a_resume_reads_the_settings_its_run_began_with_only_from_its_own_signed
     assert earlier_choice(spec, 10) is None  # another run's record
 
 
-@pytest.mark.parametrize("kind,checkpointed", [("lokr", False), ("loha", False), ("lokr", True)])
+@pytest.mark.parametrize("kind,checkpointed,targets", [("lokr", False, "attention_ff"), ("loha", False, "attention_ff"),
+                                                      ("lokr", True, "attention_ff"), ("lokr", False, "all_layers"),
+                                                      ("loha", False, "all_layers")])
 def test_loha_and_lokr_make_their_weight_change_again_in_backward_with_the_same_gradients(tiny_unet, kind,
-                                                                                          checkpointed):
+                                                                                          checkpointed, targets):
     """peft's LoHa and LoKr hand each layer's whole weight change to the matmul, which saves it for the backward
     pass (a weight's bytes per adapted layer); the trainer makes it again there instead (trainer/recomputed_delta.py),
     except under ZeRO-3. The same loss and gradients, and the saved bytes fall by at least the changes' size; with
-    the blocks checkpointed (as gradient checkpointing and block swap run them) the same gradients."""
+    the blocks checkpointed (as gradient checkpointing and block swap run them) the same gradients; "all_layers":
+    the convolutions too."""
     sys.path.insert(0, str(REPO))
     from tools.prepare_run import _bootstrap
     _bootstrap()
@@ -537,8 +540,8 @@ def test_loha_and_lokr_make_their_weight_change_again_in_backward_with_the_same_
 
     def step(zero_stage: int):
         family = load_family(ModelSpec(path=str(tiny_unet)), precision="bf16")
-        targets = family.adapter_targets("attention_ff")
-        params = inject_adapter(family.diffusion_model, targets, kind, 4, 4.0, 0.0, zero_stage)
+        names = family.adapter_targets(targets, kind)
+        params = inject_adapter(family.diffusion_model, names, kind, 4, 4.0, 0.0, zero_stage)
         family.prepare_for_training()
         if checkpointed:
             from ingraph_trainer.trainer.parallel.memory import enable_gradient_checkpointing
@@ -548,6 +551,8 @@ def test_loha_and_lokr_make_their_weight_change_again_in_backward_with_the_same_
             for p in params:
                 p.copy_(torch.randn(p.shape) * 0.3)
         recomputed = sum("_get_delta_activations" in vars(m) for m in family.diffusion_model.modules())
+        convolutions = sum("_get_delta_activations" in vars(m) and isinstance(m.get_base_layer(), torch.nn.Conv2d)
+                           for m in family.diffusion_model.modules())
         weights = {p.untyped_storage().data_ptr() for p in family.diffusion_model.parameters()}
         saved, kept = {}, []
 
@@ -558,7 +563,7 @@ def test_loha_and_lokr_make_their_weight_change_again_in_backward_with_the_same_
                 kept.append(t)
             return t
         # a change is saved only where its layer's input needs a gradient (not the text's keys and values)
-        layers = [family.diffusion_model.get_submodule(name) for name in targets]
+        layers = [family.diffusion_model.get_submodule(name) for name in names]
         changes = [0]
         hooks = [layer.register_forward_pre_hook(
             lambda m, args: changes.__setitem__(0, changes[0] + m.weight.numel() * params[0].element_size()
@@ -572,10 +577,12 @@ def test_loha_and_lokr_make_their_weight_change_again_in_backward_with_the_same_
         loss = out.float().square().mean()
         loss.backward()
         changes = changes[0]
-        return loss.item(), [p.grad.float().clone() for p in params], sum(saved.values()), recomputed, changes
+        return (loss.item(), [p.grad.float().clone() for p in params], sum(saved.values()), recomputed, changes,
+                convolutions)
 
-    kept_loss, kept_grads, kept_saved, none, changes = step(zero_stage=3)
-    loss, grads, saved, recomputed, _ = step(zero_stage=0)
+    kept_loss, kept_grads, kept_saved, none, changes, _ = step(zero_stage=3)
+    loss, grads, saved, recomputed, _, convolutions = step(zero_stage=0)
+    assert (convolutions > 0) == (targets == "all_layers")
     # preconditions: the two paths ran, on layers whose change is saved
     assert none == 0 and recomputed > 10 and len(grads) == len(kept_grads) > 0 and changes > 0
     assert loss == pytest.approx(kept_loss, rel=1e-6)
