@@ -12,7 +12,8 @@
 #   e2e      the trainer program end to end on the embedded default (tiny SD1.5), 64 px and 512 px, on the GPU
 #   fp8      a tiny SD1.5 UNet as UNETLoader fp8_e4m3fn and fp8_e4m3fn_fast: LoRA training, then the evaluate task
 #   bench    bench/gpu.py $BENCH_ARGS (the Train node vs TrainLoraNode vs a bare loop, through a ComfyUI server on the GPU)
-#   memory   bench/block_swap.py (copy ahead vs blocking copies) and bench/memory_plan.py (predicted vs peak) on the GPU
+#   memory   bench/block_swap.py (copy ahead vs blocking copies), bench/memory_plan.py (predicted vs peak) and
+#            bench/adapter_memory.py (LoKr's weight change kept vs made again) on the GPU
 #   fit      issue 30's figures: "auto" on the budget of a 12 GB card for SDXL at 1024 px, of a 24 GB card for the
 #            Flux.1-dev architecture on an fp8 base (bench/memory_plan.py; builds a 5 GB and a 12 GB random file)
 #   sdxl     issue 29's figure: bench/gpu.py --model sdxl at 1024 px, LoKr and the bare loop (beside SimpleTuner's)
@@ -257,7 +258,10 @@ stage_memory() {  # issue 30 on a card: block swap's copy ahead against blocking
   local swap=$?
   (cd "$REPO" && timeout -k 10 "${MEMORY_TIMEOUT:-240}" $PY bench/memory_plan.py --work "$W/memory_plan" \
       --settings lora lora_ckpt lora_fp8 lora_swap6 lokr_all --steps 2)
-  stamp "memory exit: block_swap.py $swap, memory_plan.py $?"
+  local plan=$?
+  (cd "$REPO" && timeout -k 10 "${MEMORY_TIMEOUT:-240}" $PY bench/adapter_memory.py \
+      --checkpoint "$W/memory_plan/realsize_sd15.safetensors" --targets all_layers --resolution 1024)
+  stamp "memory exit: block_swap.py $swap, memory_plan.py $plan, adapter_memory.py $?"
 }
 
 stage_fit() {
