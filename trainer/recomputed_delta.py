@@ -8,16 +8,20 @@ more (from the factors, as cheap as the forward's) for the input's gradient and 
 out as peft's own: the same operations, one product done twice. LyCORIS-based trainers hold no dW either.
 
 Linear and 2-D convolution layers (zero padding given as numbers), and not with rank dropout (its random rows would be
-drawn again): the others keep peft's path. Not
-under ZeRO-3 either, which gathers a layer's parameters around its own forward and backward hooks only. A hook
-registered on a factor with Tensor.register_hook runs twice a backward pass (once inside this backward's own
-autograd.grad); post-accumulate hooks, which DeepSpeed's ZeRO-1/2 use, run once.
+drawn again): the others keep peft's path. Not under ZeRO-3 either, which gathers a layer's parameters around its own
+forward and backward hooks only. A hook registered on a factor with Tensor.register_hook runs twice a backward pass
+(once inside this backward's own autograd.grad); post-accumulate hooks, which DeepSpeed's ZeRO-1/2 use, run once.
 """
 from __future__ import annotations
 
 import types
 
 import torch
+
+
+def _factors(layer) -> list:
+    """The layer's trained tensors, dW's inputs: the Function's inputs and, in its backward, what dW is made from."""
+    return [p for p in layer.parameters() if p.requires_grad]
 
 
 def _convolution(layer) -> tuple | None:
@@ -47,8 +51,7 @@ class _ChangeRecomputed(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x_cast, *_ = ctx.saved_tensors  # the factors are saved for autograd's check that none changed in place
-        # the layer's own factors: under checkpointing the saved ones come back as detached copies
-        params = [p for p in ctx.layer.parameters() if p.requires_grad]
+        params = _factors(ctx.layer)  # its own: under checkpointing the saved ones come back as detached copies
         with torch.enable_grad():
             change = ctx.layer.get_delta_weight(ctx.adapter)
         grad_out = grad_out.to(change.dtype)  # under autocast the forward's product ran in its lower precision
@@ -75,7 +78,7 @@ class _ChangeRecomputed(torch.autograd.Function):
 
 def _delta_activations(layer, adapter_name, input, *args, **kwargs):
     """peft's _get_delta_activations, bound to each layer (a deep copy of the model binds to its copy)."""
-    params = [p for p in layer.parameters() if p.requires_grad]
+    params = _factors(layer)
     if not torch.is_grad_enabled() or not params:  # evaluation, previews: nothing is kept in any case
         return type(layer)._get_delta_activations(layer, adapter_name, input, *args, **kwargs)
     return _ChangeRecomputed.apply(input, layer, adapter_name, *params)

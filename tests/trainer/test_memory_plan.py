@@ -17,6 +17,22 @@ ONE_QUANTILE = dict(train__eval_quantiles=[0.5], train__eval_items=1)
 GiB = 2 ** 30
 
 
+def saved_tensor_counter(model, block=lambda: None):
+    """(pack, saved): a saved_tensors_hooks pack function noting each storage autograd saves once, the model's weights
+    apart, in `saved` as storage -> (bytes, block() when first saved). Every tensor noted is kept alive, so no storage
+    is freed and its address reused by another meanwhile."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved, kept = {}, []
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in weights and key not in saved:
+            saved[key] = (t.untyped_storage().nbytes(), block())
+            kept.append(t)
+        return t
+    return pack, saved
+
+
 @pytest.mark.parametrize("latent_hw,attention,kind", [((16, 16), "this machine's", "lora"),
                                                      ((24, 16), "this machine's", "lora"),
                                                      ((16, 16), "pytorch", "lora"),
@@ -58,18 +74,11 @@ def test_the_meta_pass_counts_exactly_what_a_real_forward_saves(tiny_unet, laten
     blocks = family.checkpoint_blocks()
     profile = activation_profile(family, inputs, blocks, torch.bfloat16, torch.device("cpu"))
 
-    weights = {p.untyped_storage().data_ptr() for p in family.diffusion_model.parameters()}
-    saved, current, kept = {}, [None], []  # kept: no saved storage is freed and its address reused meanwhile
+    current = [None]
     index = {id(b): i for i, b in enumerate(blocks)}
     hooks = [b.register_forward_pre_hook(lambda m, a: current.__setitem__(0, index[id(m)])) for b in blocks]
     hooks += [b.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)) for b in blocks]
-
-    def count(t):
-        key = t.untyped_storage().data_ptr()
-        if key not in weights and key not in saved:
-            saved[key] = (t.untyped_storage().nbytes(), current[0])
-            kept.append(t)
-        return t
+    count, saved = saved_tensor_counter(family.diffusion_model, lambda: current[0])
     x, timestep, kwargs = inputs
     with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
         family.diffusion_model(x.to(torch.bfloat16), timestep, transformer_options={}, **kwargs)
@@ -553,15 +562,7 @@ def test_loha_and_lokr_make_their_weight_change_again_in_backward_with_the_same_
         recomputed = sum("_get_delta_activations" in vars(m) for m in family.diffusion_model.modules())
         convolutions = sum("_get_delta_activations" in vars(m) and isinstance(m.get_base_layer(), torch.nn.Conv2d)
                            for m in family.diffusion_model.modules())
-        weights = {p.untyped_storage().data_ptr() for p in family.diffusion_model.parameters()}
-        saved, kept = {}, []
-
-        def count(t):
-            key = t.untyped_storage().data_ptr()
-            if key not in weights and key not in saved:
-                saved[key] = t.untyped_storage().nbytes()
-                kept.append(t)
-            return t
+        count, saved = saved_tensor_counter(family.diffusion_model)
         # a change is saved only where its layer's input needs a gradient (not the text's keys and values)
         layers = [family.diffusion_model.get_submodule(name) for name in names]
         changes = [0]
@@ -577,8 +578,8 @@ def test_loha_and_lokr_make_their_weight_change_again_in_backward_with_the_same_
         loss = out.float().square().mean()
         loss.backward()
         changes = changes[0]
-        return (loss.item(), [p.grad.float().clone() for p in params], sum(saved.values()), recomputed, changes,
-                convolutions)
+        return (loss.item(), [p.grad.float().clone() for p in params], sum(size for size, _ in saved.values()),
+                recomputed, changes, convolutions)
 
     kept_loss, kept_grads, kept_saved, none, changes, _ = step(zero_stage=3)
     loss, grads, saved, recomputed, _, convolutions = step(zero_stage=0)
