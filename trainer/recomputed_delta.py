@@ -54,7 +54,9 @@ class _ChangeRecomputed(torch.autograd.Function):
         params = _factors(ctx.layer)  # its own: under checkpointing the saved ones come back as detached copies
         with torch.enable_grad():
             change = ctx.layer.get_delta_weight(ctx.adapter)
-        grad_out = grad_out.to(change.dtype)  # under autocast the forward's product ran in its lower precision
+        # under autocast the forward's product ran in its lower precision, and this backward runs without it: the
+        # change comes back in the factors' dtype, and the input and the incoming gradient are cast to it
+        grad_out, x_cast = grad_out.to(change.dtype), x_cast.to(change.dtype)
         grad_x = grad_change = None
         wants_x, wants_change = ctx.needs_input_grad[0], any(ctx.needs_input_grad[3:])
         if ctx.conv is not None:  # the convolution's own backward, as autograd runs it

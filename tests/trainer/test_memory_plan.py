@@ -606,3 +606,36 @@ def test_rank_dropout_and_zero3_keep_peft_s_own_lokr_path():
         return sum("_get_delta_activations" in vars(m) for m in model.modules())
     assert patched(0.0) == 2
     assert patched(0.1) == 0 and patched(0.0, zero_stage=3) == 0
+
+
+@pytest.mark.parametrize("kind", ["loha", "lokr"])
+def test_a_weight_change_made_again_trains_under_autocast_like_peft_s(kind):
+    """Under autocast LoHa's change is made in bf16 (its factors' matmuls; LoKr's Kronecker product stays fp32)
+    while the backward runs without autocast, where the change comes back in fp32: the recomputed backward casts to
+    one dtype (LoHa's mixed-dtype matmul raised) and its gradients are peft's to bf16's precision; a linear and a
+    convolution layer."""
+    from ingraph_trainer.trainer.adapters import inject_adapter
+
+    def grads(recomputed: bool):
+        torch.manual_seed(3)
+        model = torch.nn.Sequential(torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.Flatten(2),
+                                    torch.nn.Linear(36, 24))
+        params = inject_adapter(model, ["0", "2"], kind, 4, 4.0, 0.0, 0 if recomputed else 3)
+        with torch.no_grad():
+            for p in params:  # every factor non-zero (peft starts one at zero)
+                p.copy_(torch.randn(p.shape) * 0.3)
+        assert sum("_get_delta_activations" in vars(m) for m in model.modules()) == (2 if recomputed else 0)
+        x = torch.randn(2, 8, 6, 6, requires_grad=True)
+        dtypes = []  # (peft casts each layer's result back to its input's dtype)
+        model[2].get_base_layer().register_forward_hook(lambda m, args, out: dtypes.append(out.dtype))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        assert dtypes == [torch.bfloat16]  # precondition: the forward ran under autocast
+        out.float().square().mean().backward()
+        return [x.grad, *(p.grad for p in params)]
+
+    mine, peft_s = grads(recomputed=True), grads(recomputed=False)
+    assert len(mine) == len(peft_s) > 2
+    for a, b in zip(mine, peft_s):
+        assert b.abs().max() > 0
+        assert torch.allclose(a.float(), b.float(), rtol=3e-2, atol=3e-2 * b.abs().max().item()), (a - b).abs().max()
