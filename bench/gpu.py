@@ -266,7 +266,7 @@ def bare_loop(opts, checkpoint: Path) -> dict:
     print(f"bare PyTorch loop (UNet bf16, peft LoRA rank {opts.rank} on {len(names)} linear layers): "
           f"{result['s_step']:.4f} s/step; peak allocated {gib(peak)}; forward+backward {total_flops / 1e12:.2f} TFLOP "
           f"per step", flush=True)
-    del unet, optimizer, params
+    del unet, model, optimizer, params  # the checkpoint too: its memory goes back before the next case
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
@@ -387,7 +387,7 @@ def main(argv=None):
         seconds, gigabytes = SIMPLETUNER_SDXL_LOKR
         ratios.append(f"lokr/SimpleTuner (SDXL LoKr at 1024 px on an H100, its published run; ours at batch "
                       f"{opts.batch}) s/step {lokr['s_step'] / seconds:.3f}, memory {gib(lokr.get('peak_gib'))} "
-                      f"against {gigabytes:.0f} GiB")
+                      f"allocated (the driver's: {gib(lokr.get('driver_gib'))}) against its {gigabytes:.0f} GiB")
     print("ratios: " + ("; ".join(ratios) or "n/a"))
     if not opts.work:
         shutil.rmtree(work, ignore_errors=True)

@@ -193,41 +193,46 @@ def main(argv=None):
     if not checkpoint.exists() and not (opts.only and not opts.sdxl):  # SDXL's latents come from its VAE
         print(f"building {checkpoint}", flush=True)
         build_sd15(checkpoint)
-    runs = []
-    if not opts.only:
+    # each model's rows run straight after its files are made, and the table is written after every row: a run that
+    # hits its time limit while building the next model keeps what it measured
+    def sd15():
         images = write_images(work / "images", 2, opts.resolution)
         base = prepare(checkpoint, images, work / "base_run", {"train.steps": 1}, resolution=opts.resolution)
-        runs += [("SD1.5", base, name, opts.resolution) for name in opts.settings]
-    if opts.sdxl:
+        return [("SD1.5", base, name, opts.resolution) for name in opts.settings]
+
+    def sdxl():
         unet = opts.sdxl_unet or work / "realsize_sdxl_unet.safetensors"
         if not unet.exists():
             print(f"building {unet}", flush=True)
             build_sdxl_unet(unet)
         size = opts.sdxl_resolution or opts.resolution
-        sdxl = prepare_sdxl(unet, checkpoint, write_images(work / f"images{size}", 2, size), work, size)
-        runs += [("SDXL", sdxl, name, size) for name in opts.sdxl_settings]
-    if opts.flux:
+        spec = prepare_sdxl(unet, checkpoint, write_images(work / f"images{size}", 2, size), work, size)
+        return [("SDXL", spec, name, size) for name in opts.sdxl_settings]
+
+    def flux():
         blocks = opts.flux_blocks
         flux_file = opts.flux_file or work / f"realsize_flux_{blocks[0]}_{blocks[1]}_fp8.safetensors"
         if not flux_file.exists():
             print(f"building {flux_file}", flush=True)
             build_flux(flux_file, blocks=blocks)
-        flux = prepare_flux(flux_file, work, opts.flux_resolution)
-        runs += [("Flux", flux, name, opts.flux_resolution) for name in opts.flux_settings]
+        spec = prepare_flux(flux_file, work, opts.flux_resolution)
+        return [("Flux", spec, name, opts.flux_resolution) for name in opts.flux_settings]
+
     rows = []
-    for model, spec, name, size in runs:
-        row = run_setting(spec, work, name, opts.steps, opts.timeout)
-        row.update(model=model, resolution=size)
-        rows.append(row)
-        parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in row["parts"].items() if v)
-        step = "n/a" if row["s_step"] is None else f"{row['s_step']:.3f} s/step"
-        print(f"{model:6s} {size:4d} px {name:14s} predicted {row['predicted'] / GiB:6.2f} GiB  measured "
-              f"{row['measured'] / GiB:6.2f} GiB  ratio {row['ratio']:.3f}  ({parts}; {row['chosen']}; {step}; "
-              f"{row['seconds']:.0f} s)", flush=True)
-        if row["budget"]:
-            print(f"  on a budget of {row['budget'] / GiB:.2f} GiB: measured {row['measured'] / GiB:.2f} GiB "
-                  f"{'fits' if row['measured'] <= row['budget'] else 'DOES NOT FIT'}", flush=True)
-    (work / "memory_plan.json").write_text(json.dumps(rows, indent=1))
+    for model_runs in [m for m, wanted in ((sd15, not opts.only), (sdxl, opts.sdxl), (flux, opts.flux)) if wanted]:
+        for model, spec, name, size in model_runs():
+            row = run_setting(spec, work, name, opts.steps, opts.timeout)
+            row.update(model=model, resolution=size)
+            rows.append(row)
+            parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in row["parts"].items() if v)
+            step = "n/a" if row["s_step"] is None else f"{row['s_step']:.3f} s/step"
+            print(f"{model:6s} {size:4d} px {name:14s} predicted {row['predicted'] / GiB:6.2f} GiB  measured "
+                  f"{row['measured'] / GiB:6.2f} GiB  ratio {row['ratio']:.3f}  ({parts}; {row['chosen']}; {step}; "
+                  f"{row['seconds']:.0f} s)", flush=True)
+            if row["budget"]:
+                print(f"  on a budget of {row['budget'] / GiB:.2f} GiB: measured {row['measured'] / GiB:.2f} GiB "
+                      f"{'fits' if row['measured'] <= row['budget'] else 'DOES NOT FIT'}", flush=True)
+            (work / "memory_plan.json").write_text(json.dumps(rows, indent=1))
     worst = max(rows, key=lambda r: abs(r["ratio"] - 1.0))
     print(f"worst ratio predicted/measured: {worst['ratio']:.3f} ({worst['model']} {worst['name']} at "
           f"{worst['resolution']} px)")

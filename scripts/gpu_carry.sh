@@ -97,7 +97,7 @@ fi
 if [[ " $* " == *" --snapshot "* ]]; then
   rm -rf "$GPU_DIR/repo" && mkdir -p "$GPU_DIR/repo"
   git -C "$REPO" archive HEAD | tar -x -C "$GPU_DIR/repo"
-  git -C "$REPO" rev-parse HEAD > "$GPU_DIR/repo.commit"
+  git -C "$REPO" rev-parse HEAD > "$GPU_DIR/repo/.commit"  # inside: it travels with the snapshot
 fi
 
 ls -l "$WHL" >&2

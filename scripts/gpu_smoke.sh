@@ -17,8 +17,10 @@
 #   fit      issue 30's figures: "auto" on the budget of a 12 GB card for SDXL at 1024 px, of a 24 GB card for the
 #            Flux.1-dev architecture on an fp8 base (bench/memory_plan.py; builds a 5 GB and a 12 GB random file)
 #   sdxl     issue 29's figure: bench/gpu.py --model sdxl at 1024 px, LoKr and the bare loop (beside SimpleTuner's)
-#            fit and sdxl each take minutes (fit writes about 19 GB of random files): give each a call of its own,
-#            fit first with FIT_TIMEOUT under the time left, or shrink Flux (FLUX_BLOCKS=4,8) where time is short
+#            fit and sdxl each take minutes (fit writes about 19 GB of random files): set SDXL_TIMEOUT and FIT_TIMEOUT
+#            to fit the call (docs/development.md), or shrink Flux (FLUX_BLOCKS=4,8) where time is short
+# Every stage but install and install033 needs install's work on this machine (a machine given back is bare): it
+# stops the script with exit 3 and one line where that is missing.
 #   tests:F  pytest on the files F (the GPU tier: "tests:-m gpu tests/trainer/test_gpu.py"); F is split on spaces, so a -k
 #            expression of several words goes in PYTEST_K (INGRAPH_SKIP_DISTILL_QUALITY=1 INGRAPH_SKIP_CHROMA_GRAPH=1), junit XML to $OUT
 # Code runs from .gpu/repo (a fixed `git archive HEAD`), never from the live tree.
@@ -35,6 +37,7 @@ export INGRAPH_TEST_ARTIFACTS=/tmp/test-artifacts
 PY="${PY:-python3}"
 W=/tmp/gpu-work
 mkdir -p "$W"
+SD15="$W/realsize_sd15.safetensors"  # the full-size SD1.5 random checkpoint, built once by whichever stage needs it
 T0=$(date +%s)
 stamp() { echo "[gpu_smoke +$(( $(date +%s) - T0 ))s] $*"; }
 
@@ -104,7 +107,7 @@ stage_install() {
   cp -r "$G/whl/stub/." /tmp/site/
   rm -rf /tmp/ComfyUI && mkdir -p /tmp/ComfyUI && tar -xJf "$G/comfy/ComfyUI.tar.xz" -C /tmp/ComfyUI || return 1
   touch /tmp/site/.ingraph-installed
-  stamp "install: done; repo snapshot $(cat "$G/repo.commit" 2>/dev/null)"
+  stamp "install: done; repo snapshot $(cat "$REPO/.commit" 2>/dev/null)"
 }
 
 stage_install033() {
@@ -254,19 +257,21 @@ stage_bench() {
 
 stage_memory() {  # issue 30 on a card: block swap's copy ahead against blocking copies; the plan against the peak
   stamp "bench/block_swap.py and bench/memory_plan.py"
-  (cd "$REPO" && timeout -k 10 "${MEMORY_TIMEOUT:-240}" $PY bench/block_swap.py --swap 8 --steps 6 --resolution 1024)
+  (cd "$REPO" && timeout -k 10 "${MEMORY_TIMEOUT:-170}" $PY bench/block_swap.py --swap 8 --steps 6 --resolution 1024)
   local swap=$?
-  (cd "$REPO" && timeout -k 10 "${MEMORY_TIMEOUT:-240}" $PY bench/memory_plan.py --work "$W/memory_plan" \
-      --settings lora lora_ckpt lora_fp8 lora_swap6 lokr_all --steps 2)
+  (cd "$REPO" && timeout -k 10 "${MEMORY_TIMEOUT:-170}" $PY bench/memory_plan.py --work "$W/memory_plan" \
+      --checkpoint "$SD15" --settings lora lora_ckpt lora_fp8 lora_swap6 lokr_all --steps 2)
   local plan=$?
-  (cd "$REPO" && timeout -k 10 "${MEMORY_TIMEOUT:-240}" $PY bench/adapter_memory.py \
-      --checkpoint "$W/memory_plan/realsize_sd15.safetensors" --targets all_layers --resolution 1024)
+  (cd "$REPO" && timeout -k 10 "${MEMORY_TIMEOUT:-170}" $PY bench/adapter_memory.py \
+      --checkpoint "$SD15" --targets all_layers --resolution 1024)
   stamp "memory exit: block_swap.py $swap, memory_plan.py $plan, adapter_memory.py $?"
 }
 
 stage_fit() {
   stamp "bench/memory_plan.py: SDXL 1024 px in a 12 GB card's budget, Flux fp8 in a 24 GB one"
-  (cd "$REPO" && timeout -k 10 "${FIT_TIMEOUT:-480}" $PY bench/memory_plan.py --work "$W/fit" --only --sdxl \
+  # (each model's figure is printed as soon as it is measured: SDXL's stands where Flux's runs out of time)
+  (cd "$REPO" && timeout -k 10 "${FIT_TIMEOUT:-480}" $PY bench/memory_plan.py --work "$W/fit" --checkpoint "$SD15" \
+      --only --sdxl \
       --sdxl-resolution 1024 --sdxl-settings card_12GB --flux --flux-blocks "${FLUX_BLOCKS:-19,38}" \
       --flux-settings card_24GB --steps 4)
   stamp "fit exit $?"
@@ -287,7 +292,22 @@ stage_tests() {  # FILES...
   stamp "pytest exit $?"
 }
 
+# every stage but the installs runs on what they left: a machine given back between calls comes back bare
+needs_install() {
+  [ -f /tmp/site/.ingraph-installed ] && [ -f /tmp/ComfyUI/main.py ] && [ -d "$REPO/trainer" ] || {
+    echo "gpu_smoke: $1 needs the install stage first on this machine (a fresh one is bare): carry .gpu/whl" \
+         ".gpu/comfy .gpu/repo and put install before it" >&2; return 1; }
+  if [ "${COMFY:-}" = "0.33" ] && { [ ! -d /tmp/site033/comfy_kitchen ] || [ ! -f /tmp/ComfyUI-0.33/main.py ]; }; then
+    echo "gpu_smoke: COMFY=0.33 $1 needs install033 from .gpu/kitchen and from .gpu/whl033 .gpu/comfy033 on this" \
+         "machine first (ComfyUI 0.33 imports comfy_kitchen unconditionally)" >&2; return 1
+  fi
+}
 for stage in "$@"; do
+  case "$stage" in
+    install|install033) ;;
+    tests:*|env|e2e|fp8|bench|memory|fit|sdxl) needs_install "$stage" || exit 3 ;;
+    *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
   case "$stage" in
     tests:*) read -ra files <<< "${stage#tests:}"; stage_tests "${files[@]}" 2>&1 | tee -a "$OUTD/tests.log" ;;
     install|install033|env|e2e|fp8|bench|memory|fit|sdxl) "stage_$stage" 2>&1 | tee -a "$OUTD/$stage.log"
