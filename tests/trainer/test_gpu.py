@@ -1,7 +1,8 @@
 """The GPU tier (`pytest -m gpu`): what only a real CUDA card shows. Skipped with one line where there is none.
 
-Run on a lent GPU machine with scripts/gpu_smoke.sh's `gpu` stage; the CPU suite guards the same decisions with faked
-CUDA facts (tests/unit/test_unit.py). Each test says which device its figures hold on."""
+Run on a lent GPU machine with scripts/gpu_smoke.sh's "tests:tests/trainer/test_gpu.py" stage
+(docs/development.md); the CPU suite guards the same decisions with faked CUDA facts (tests/unit/test_unit.py).
+Each test says which device its figures hold on."""
 from __future__ import annotations
 
 import os
