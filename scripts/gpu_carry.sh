@@ -5,12 +5,9 @@
 #                    here, and stub/ (a stand-in comfyui_frontend_package: ComfyUI's server exits without one)
 #   $GPU_DIR/comfy/  ComfyUI.tar.xz, the source of COMFYUI_PATH without tests and .git
 #   $GPU_DIR/repo/   (only with --snapshot) `git archive HEAD` of this repo, so a run sees a fixed commit
-# Each folder is under 64 MiB, the most one device call carries; carry whl in a first call that installs into
-# /tmp/site, then comfy + repo in a second one right after it (the machine keeps /tmp for 30 s after a call):
-#   call 1 (carry .gpu/whl):  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-#                             .gpu/whl/*.whl && cp -r .gpu/whl/stub/. /tmp/site/
-#   call 2 (carry .gpu/comfy .gpu/repo): export PYTHONPATH=/tmp/site; mkdir -p /tmp/ComfyUI && \
-#                             tar -xJf .gpu/comfy/ComfyUI.tar.xz -C /tmp/ComfyUI; export COMFYUI_PATH=/tmp/ComfyUI; ...
+# Each folder is under 64 MiB, the most one device call carries; whl, comfy and repo together are about 57 MiB, so
+# every call carries those three and begins with scripts/gpu_smoke.sh's install stage (skipped on a machine still
+# warm from the call before; a machine given back comes back bare): docs/development.md, "On a lent GPU machine".
 # With --with-0.33 it also builds what ComfyUI 0.33 needs there (issue 27 on a card: dynamic VRAM, quantized layouts):
 #   $GPU_DIR/whl033/   0.33's extra requirements the 0.3.x set lacks (comfy-aimdo, blake3, simpleeval), at the versions
 #                      its requirements.txt pins

@@ -7,7 +7,8 @@
 #   install033  ComfyUI 0.33's extras (scripts/gpu_carry.sh --with-0.33), whichever this call carried: .gpu/whl033 and
 #            .gpu/kitchen into /tmp/site033, .gpu/comfy033 into /tmp/ComfyUI-0.33. COMFY=0.33 then runs every other
 #            stage against 0.33 (its extras first on PYTHONPATH), e.g. COMFY=0.33 bash scripts/gpu_smoke.sh env
-#            "tests:-m gpu tests/trainer/test_gpu.py tests/trainer/test_quantized_bases.py"
+#            "tests:tests/trainer/test_gpu.py tests/trainer/test_quantized_bases.py" (no -m gpu: it would deselect
+#            the quantized bases' tests, which are not marked)
 #   env      versions, the GPU, and whether ComfyUI, DeepSpeed and diffusers import
 #   e2e      the trainer program end to end on the embedded default (tiny SD1.5), 64 px and 512 px, on the GPU
 #   fp8      a tiny SD1.5 UNet as UNETLoader fp8_e4m3fn and fp8_e4m3fn_fast: LoRA training, then the evaluate task
@@ -101,7 +102,9 @@ for run in sys.argv[1:]:
 EOF
 
 stage_install() {
-  if [ -f /tmp/site/.ingraph-installed ] && [ -f /tmp/ComfyUI/main.py ]; then stamp "install: already done"; return 0; fi
+  if [ -f /tmp/site/.ingraph-installed ] && [ -f /tmp/ComfyUI/main.py ]; then
+    stamp "install: already done; repo snapshot $(cat "$REPO/.commit" 2>/dev/null)"; return 0
+  fi
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$G"/whl/*.whl \
     || return 1
   cp -r "$G/whl/stub/." /tmp/site/
@@ -262,6 +265,7 @@ stage_memory() {  # issue 30 on a card: block swap's copy ahead against blocking
   (cd "$REPO" && timeout -k 10 "${MEMORY_TIMEOUT:-170}" $PY bench/memory_plan.py --work "$W/memory_plan" \
       --checkpoint "$SD15" --settings lora lora_ckpt lora_fp8 lora_swap6 lokr_all --steps 2)
   local plan=$?
+  cp "$W/memory_plan/memory_plan.json" "$OUTD/memory_plan.json" 2>/dev/null  # $W does not come back; $OUT does
   (cd "$REPO" && timeout -k 10 "${MEMORY_TIMEOUT:-170}" $PY bench/adapter_memory.py \
       --checkpoint "$SD15" --targets all_layers --resolution 1024)
   stamp "memory exit: block_swap.py $swap, memory_plan.py $plan, adapter_memory.py $?"
@@ -274,7 +278,9 @@ stage_fit() {
       --only --sdxl \
       --sdxl-resolution 1024 --sdxl-settings card_12GB --flux --flux-blocks "${FLUX_BLOCKS:-19,38}" \
       --flux-settings card_24GB --steps 4)
-  stamp "fit exit $?"
+  local fit=$?
+  cp "$W/fit/memory_plan.json" "$OUTD/fit_memory_plan.json" 2>/dev/null  # whatever rows were measured
+  stamp "fit exit $fit"
 }
 
 stage_sdxl() {
@@ -302,11 +308,16 @@ needs_install() {
          "machine first (ComfyUI 0.33 imports comfy_kitchen unconditionally)" >&2; return 1
   fi
 }
+for stage in "$@"; do  # every name checked before any stage runs: a typo at the end costs no minutes first
+  case "$stage" in
+    install|install033|tests:*|env|e2e|fp8|bench|memory|fit|sdxl) ;;
+    *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+done
 for stage in "$@"; do
   case "$stage" in
     install|install033) ;;
-    tests:*|env|e2e|fp8|bench|memory|fit|sdxl) needs_install "$stage" || exit 3 ;;
-    *) echo "unknown stage $stage" >&2; exit 2 ;;
+    *) needs_install "$stage" || exit 3 ;;
   esac
   case "$stage" in
     tests:*) read -ra files <<< "${stage#tests:}"; stage_tests "${files[@]}" 2>&1 | tee -a "$OUTD/tests.log" ;;

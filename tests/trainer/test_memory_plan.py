@@ -613,7 +613,7 @@ def test_a_weight_change_made_again_trains_under_autocast_like_peft_s(kind):
     """Under autocast LoHa's change is made in bf16 (its factors' matmuls; LoKr's Kronecker product stays fp32)
     while the backward runs without autocast, where the change comes back in fp32: the recomputed backward casts to
     one dtype (LoHa's mixed-dtype matmul raised) and its gradients are peft's to bf16's precision; a linear and a
-    convolution layer."""
+    convolution layer. LoKr's case, whose dtypes never differed, checks the gradients alone."""
     from ingraph_trainer.trainer.adapters import inject_adapter
 
     def grads(recomputed: bool):
@@ -626,11 +626,13 @@ def test_a_weight_change_made_again_trains_under_autocast_like_peft_s(kind):
                 p.copy_(torch.randn(p.shape) * 0.3)
         assert sum("_get_delta_activations" in vars(m) for m in model.modules()) == (2 if recomputed else 0)
         x = torch.randn(2, 8, 6, 6, requires_grad=True)
-        dtypes = []  # (peft casts each layer's result back to its input's dtype)
-        model[2].get_base_layer().register_forward_hook(lambda m, args, out: dtypes.append(out.dtype))
+        changes = []  # each weight change the linear layer makes, the forward's first
+        make_change = model[2].get_delta_weight
+        model[2].get_delta_weight = lambda *args, **kwargs: changes.append(make_change(*args, **kwargs)) or changes[-1]
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(x)
-        assert dtypes == [torch.bfloat16]  # precondition: the forward ran under autocast
+        # precondition: the forward made LoHa's change in bf16, what the backward's fp32 one met (LoKr's stays fp32)
+        assert changes[0].dtype == (torch.bfloat16 if kind == "loha" else torch.float32), changes[0].dtype
         out.float().square().mean().backward()
         return [x.grad, *(p.grad for p in params)]
 
