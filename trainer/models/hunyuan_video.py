@@ -40,6 +40,12 @@ class HunyuanVideoFamily(ModelFamily):
         return self.diffusion_model.params.guidance_embed
 
     def check_settings(self, spec) -> None:
+        if getattr(self.diffusion_model, "time_r_in", None) is not None:
+            # ComfyUI's forward takes the interval's end from the sampler's schedule (transformer_options' sigmas
+            # and sample_sigmas), which a training step has none of: the first step failed with KeyError 'sigmas'
+            raise UnsupportedSetting(f"model: this {self.display_name} model is a mean-flow (step-distilled) release "
+                                     "(it has time_r_in): its forward reads the sampler's step schedule, which "
+                                     f"training has not; train on the base {self.display_name} model")
         super().check_settings(spec)
         if spec.train.guidance != 1.0 and not self.guidance_distilled:
             raise UnsupportedSetting("train.guidance: this HunyuanVideo model has no guidance input; leave "
@@ -49,10 +55,7 @@ class HunyuanVideoFamily(ModelFamily):
         return [*self.diffusion_model.double_blocks, *self.diffusion_model.single_blocks]
 
     def pipeline_layers(self):
-        model = self.diffusion_model
-        if getattr(model, "time_r_in", None) is not None:
-            raise UnsupportedSetting(f"distributed.pipeline_stages: this {self.display_name} model's mean-flow time "
-                                     "input (time_r_in) does not cross pipeline stages; use 1 stage")
+        model = self.diffusion_model  # (a mean-flow model is refused before: check_settings)
         return [HunyuanVideoBegin(self), *(HunyuanVideoDoubleBlock(b) for b in model.double_blocks),
                 *(HunyuanVideoSingleBlock(b, first=n == 0, text_first=joint_sequence_text_first(model))
                   for n, b in enumerate(model.single_blocks)),
@@ -182,9 +185,10 @@ class HunyuanVideo15Family(HunyuanVideoFamily):
 
     @classmethod
     def scratch_state_dict(cls, seed: int = 0, hidden_size: int = 128, depth: int = 1, depth_single_blocks: int = 1,
-                           context_in_dim: int = 64, **_):
+                           context_in_dim: int = 64, meanflow: bool = False, **_):
         """What ComfyUI's detection makes of a 1.5 file: 32 noise + 32 image-condition + 1 mask input channels, the
-        vision projection 1152 wide (SigLIP's; ComfyUI's class needs it), the type embedding."""
+        vision projection 1152 wide (SigLIP's; ComfyUI's class needs it), the type embedding; `meanflow`: the
+        step-distilled release's second time input (time_r_in), which check_settings refuses."""
         import comfy.ops
         from comfy.ldm.hunyuan_video.model import HunyuanVideo, HunyuanVideoParams
         from ..comfy_compat import build_dit
@@ -192,6 +196,6 @@ class HunyuanVideo15Family(HunyuanVideoFamily):
             HunyuanVideo, HunyuanVideoParams, in_channels=65, out_channels=32, patch_size=[1, 1, 1], vec_in_dim=None,
             context_in_dim=context_in_dim, hidden_size=hidden_size, mlp_ratio=4.0, num_heads=hidden_size // 128,
             depth=depth, depth_single_blocks=depth_single_blocks, axes_dim=[16, 56, 56], theta=256, qkv_bias=True,
-            guidance_embed=False, byt5=False, meanflow=False, use_cond_type_embedding=True, vision_in_dim=1152,
+            guidance_embed=False, byt5=False, meanflow=meanflow, use_cond_type_embedding=True, vision_in_dim=1152,
             meanflow_sum=True, operations=comfy.ops.disable_weight_init)
         return random_state_dict(model, seed)
