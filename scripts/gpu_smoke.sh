@@ -20,11 +20,11 @@
 #   sdxl     issue 29's figure: bench/gpu.py --model sdxl at 1024 px, LoKr and the bare loop (beside SimpleTuner's)
 #            fit and sdxl each take minutes (fit writes about 19 GB of random files): set SDXL_TIMEOUT and FIT_TIMEOUT
 #            to fit the call (docs/development.md), or shrink Flux (FLUX_BLOCKS=4,8) where time is short
-# Every stage but install and install033 needs install's work on this machine (a machine given back is bare): it
-# stops the script with exit 3 and one line where that is missing.
 #   tests:F  pytest on the files F (the GPU tier: "tests:-m gpu tests/trainer/test_gpu.py"); F is split on spaces, so a -k
 #            expression of several words goes in PYTEST_K (INGRAPH_SKIP_DISTILL_QUALITY=1 INGRAPH_SKIP_CHROMA_GRAPH=1), junit XML to $OUT
 # Code runs from .gpu/repo (a fixed `git archive HEAD`), never from the live tree.
+# Every stage but install and install033 needs install's work on this machine (a machine given back is bare): it
+# stops the script with exit 3 and one line where that is missing.
 set -uo pipefail
 ROOT="$(pwd)"
 G="$ROOT/${GPU_DIR:-.gpu}"
@@ -101,8 +101,10 @@ for run in sys.argv[1:]:
     print("SUMMARY " + json.dumps(out))
 EOF
 
+installed() { [ -f /tmp/site/.ingraph-installed ] && [ -f /tmp/ComfyUI/main.py ]; }  # install's work is here
+
 stage_install() {
-  if [ -f /tmp/site/.ingraph-installed ] && [ -f /tmp/ComfyUI/main.py ]; then
+  if installed; then
     stamp "install: already done; repo snapshot $(cat "$REPO/.commit" 2>/dev/null)"; return 0
   fi
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$G"/whl/*.whl \
@@ -300,7 +302,7 @@ stage_tests() {  # FILES...
 
 # every stage but the installs runs on what they left: a machine given back between calls comes back bare
 needs_install() {
-  [ -f /tmp/site/.ingraph-installed ] && [ -f /tmp/ComfyUI/main.py ] && [ -d "$REPO/trainer" ] || {
+  installed && [ -d "$REPO/trainer" ] || {
     echo "gpu_smoke: $1 needs the install stage first on this machine (a fresh one is bare): carry .gpu/whl" \
          ".gpu/comfy .gpu/repo and put install before it" >&2; return 1; }
   if [ "${COMFY:-}" = "0.33" ] && { [ ! -d /tmp/site033/comfy_kitchen ] || [ ! -f /tmp/ComfyUI-0.33/main.py ]; }; then
@@ -322,7 +324,7 @@ for stage in "$@"; do
   case "$stage" in
     tests:*) read -ra files <<< "${stage#tests:}"; stage_tests "${files[@]}" 2>&1 | tee -a "$OUTD/tests.log" ;;
     install|install033|env|e2e|fp8|bench|memory|fit|sdxl) "stage_$stage" 2>&1 | tee -a "$OUTD/$stage.log"
-      [ "$stage" = install ] && [ ! -f /tmp/site/.ingraph-installed ] && { stamp "install failed"; exit 1; } ;;
+      [ "$stage" = install ] && ! installed && { stamp "install failed"; exit 1; } ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done

@@ -256,7 +256,6 @@ def test_day0_family_is_detected_its_loss_is_comfyuis_and_its_lora_loads_whole(n
     lora_loads_whole_in_comfyui(family, caplog)
 
 
-
 def test_a_mean_flow_hunyuan_video_15_is_refused_naming_the_model_not_failed_at_its_first_step():
     """HunyuanVideo 1.5's step-distilled release (time_r_in, "meanflow" to ComfyUI's detection) reads the sampler's
     step schedule in its forward, which a training step has not: refused by check_settings (the node's and the
@@ -284,6 +283,7 @@ def test_a_mean_flow_hunyuan_video_15_is_refused_naming_the_model_not_failed_at_
     mean_flow.prepare_for_training()  # why: what the refusal spares the user, still so in this ComfyUI
     with pytest.raises(KeyError, match="sigmas"), torch.no_grad():
         mean_flow.loss(_batch(*DAY0_FAMILIES["hunyuan_video15"][2:4]), reduce=False)
+
 
 def first_adapted_layer_takes_gradients(family, batch):
     """The loss's gradient reaches the first layer the attention preset adapts (the rest frozen): the trainer's
