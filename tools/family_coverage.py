@@ -132,7 +132,9 @@ WHY_NOT = {
     "LongCatImage": "generic family (its Flux blocks' residuals made out of place, its text-length rope shift as its "
                     "_apply_model adds it)",
     "HunyuanImage21": "generic family (its Flux blocks' residuals made out of place); a caption with quoted text "
-                      "trains with the ByT5 glyph embedding its encoder gives it (test_image_families.py)",
+                      "trains with the ByT5 glyph embedding its encoder gives it (test_image_families.py); its "
+                      "step-distilled (mean-flow) release is refused, naming the model (its forward reads the "
+                      "sampler's step schedule)",
     "HunyuanDiT": "generic family, on its Chinese CLIP's embedding and mask and its mT5 embedding and mask (the text "
                   "cache keeps the encoder's extra outputs, as CLIPTextEncode puts them into the conditioning)",
     "HunyuanDiT1": "generic family, on its Chinese CLIP's embedding and mask and its mT5 embedding and mask (the text "

@@ -14,6 +14,7 @@ as its width, so the smallest model it detects is the full 17B one.
 from __future__ import annotations
 
 import json
+import re
 import os
 from pathlib import Path
 
@@ -256,33 +257,45 @@ def test_day0_family_is_detected_its_loss_is_comfyuis_and_its_lora_loads_whole(n
     lora_loads_whole_in_comfyui(family, caplog)
 
 
-def test_a_mean_flow_hunyuan_video_15_is_refused_naming_the_model_not_failed_at_its_first_step():
-    """HunyuanVideo 1.5's step-distilled release (time_r_in, "meanflow" to ComfyUI's detection) reads the sampler's
-    step schedule in its forward, which a training step has not: refused by check_settings (the node's and the
-    trainer's check, before anything starts) with a message naming the model and what to train on, where its first
-    step failed with KeyError 'sigmas'; the base release is not refused."""
+@pytest.mark.parametrize("model", ["HunyuanVideo 1.5", "HunyuanImage 2.1"])
+def test_a_mean_flow_hunyuan_model_is_refused_naming_the_model_not_failed_at_its_first_step(model):
+    """The step-distilled releases of ComfyUI's HunyuanVideo layout (time_r_in, "meanflow" to ComfyUI's detection):
+    HunyuanVideo 1.5's (its family) and HunyuanImage 2.1's (the generic family's) read the sampler's step schedule in
+    their forward, which a training step has not: refused by check_settings (the node's and the trainer's check,
+    before anything starts) with a message naming the model and what to train on, where their first step failed
+    with KeyError 'sigmas'; the base releases are not refused."""
     bootstrap_comfy()
-    import comfy.model_base
     import comfy.sd
+    import comfy.supported_models
     from ingraph_trainer.trainer import models
     from ingraph_trainer.trainer.spec import RunSpec
-    if not hasattr(comfy.model_base, "HunyuanVideo15"):
-        pytest.skip("skipped: this ComfyUI has no HunyuanVideo15 (0.33 and later have)")
-    builder = models.HunyuanVideo15Family
+    from tools.family_coverage import CLASS_BUILT, class_state_dict
+    class_name = {"HunyuanVideo 1.5": "HunyuanVideo15", "HunyuanImage 2.1": "HunyuanImage21"}[model]
+    if class_name not in {c.__name__ for c in comfy.supported_models.models}:
+        pytest.skip(f"skipped: this ComfyUI has no {class_name} (0.33 and later have)")
 
     def family(meanflow: bool):
-        state = builder.scratch_state_dict(0, **builder.scratch_sizes["tiny"], meanflow=meanflow)
+        if class_name == "HunyuanVideo15":
+            builder = models.HunyuanVideo15Family
+            state = builder.scratch_state_dict(0, **builder.scratch_sizes["tiny"], meanflow=meanflow)
+        else:
+            config, metadata = CLASS_BUILT[class_name]
+            state = class_state_dict(class_name, {**config, "meanflow": meanflow}, metadata)
         patcher = comfy.sd.load_diffusion_model_state_dict(state, model_options={"dtype": torch.float32})
+        assert type(patcher.model).__name__ == class_name  # precondition: detected as the model it stands for
         return models.family_for(patcher.model, patcher=patcher)
     mean_flow, base = family(meanflow=True), family(meanflow=False)
-    assert mean_flow.name == "hunyuan_video15" and mean_flow.diffusion_model.time_r_in is not None  # preconditions
+    assert mean_flow.diffusion_model.time_r_in is not None and base.diffusion_model.time_r_in is None
+    assert mean_flow.name == {"HunyuanVideo15": "hunyuan_video15", "HunyuanImage21": "generic"}[class_name]
     base.check_settings(RunSpec())
-    with pytest.raises(UnsupportedSetting, match="model: this HunyuanVideo 1.5 model is a mean-flow .*train on the "
-                                                 "base HunyuanVideo 1.5 model"):
+    with pytest.raises(UnsupportedSetting, match=f"model: this {re.escape(mean_flow.display_name)} model is a "
+                                                 "mean-flow .*train on the model's base release"):
         mean_flow.check_settings(RunSpec())
     mean_flow.prepare_for_training()  # why: what the refusal spares the user, still so in this ComfyUI
+    latent, text = {"HunyuanVideo15": DAY0_FAMILIES["hunyuan_video15"][2:4],
+                    "HunyuanImage21": ((64, 8, 8), (7, 3584))}[class_name]
     with pytest.raises(KeyError, match="sigmas"), torch.no_grad():
-        mean_flow.loss(_batch(*DAY0_FAMILIES["hunyuan_video15"][2:4]), reduce=False)
+        mean_flow.loss(_batch(latent, text), reduce=False)
 
 
 def first_adapted_layer_takes_gradients(family, batch):

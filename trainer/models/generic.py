@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .base import ModelFamily, UnsupportedSetting, block_lists, is_comfy_model
+from .hunyuan_video import refuse_mean_flow
 from .residuals import residuals_out_of_place
 
 # AuraFlow names its projections w1q..w2o (text and image streams) and c_fc1/c_fc2/c_proj; Kandinsky 5 its
@@ -56,6 +57,7 @@ class GenericFamily(ModelFamily):
         return True
 
     def check_settings(self, spec) -> None:
+        refuse_mean_flow(self)  # HunyuanImage 2.1's distilled release
         super().check_settings(spec)
         if self.anima and spec.train.batch_size > 1:
             raise UnsupportedSetting("train.batch_size: Anima's captions each have their own number of T5 tokens, "

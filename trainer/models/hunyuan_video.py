@@ -14,6 +14,17 @@ ATTENTION = (r"double_blocks\.\d+\.(img|txt)_attn\.(qkv|proj)$", r"single_blocks
 FEED_FORWARD = (r"double_blocks\.\d+\.(img|txt)_mlp\.[02]$",)
 
 
+def refuse_mean_flow(family: ModelFamily) -> None:
+    """Refuses a mean-flow (step-distilled) model of ComfyUI's HunyuanVideo layout (time_r_in: HunyuanVideo 1.5's
+    and HunyuanImage 2.1's distilled releases, the latter the generic family's). Its forward takes the interval's
+    end from the sampler's schedule (transformer_options' sigmas and sample_sigmas), which a training step has none
+    of: the first step failed with KeyError 'sigmas'."""
+    if getattr(family.diffusion_model, "time_r_in", None) is not None:
+        raise UnsupportedSetting(f"model: this {family.display_name} model is a mean-flow (step-distilled) release "
+                                 "(it has time_r_in): its forward reads the sampler's step schedule, which training "
+                                 "has not; train on the model's base release")
+
+
 class HunyuanVideoFamily(ModelFamily):
     name = "hunyuan_video"
     display_name = "HunyuanVideo"
@@ -40,12 +51,7 @@ class HunyuanVideoFamily(ModelFamily):
         return self.diffusion_model.params.guidance_embed
 
     def check_settings(self, spec) -> None:
-        if getattr(self.diffusion_model, "time_r_in", None) is not None:
-            # ComfyUI's forward takes the interval's end from the sampler's schedule (transformer_options' sigmas
-            # and sample_sigmas), which a training step has none of: the first step failed with KeyError 'sigmas'
-            raise UnsupportedSetting(f"model: this {self.display_name} model is a mean-flow (step-distilled) release "
-                                     "(it has time_r_in): its forward reads the sampler's step schedule, which "
-                                     f"training has not; train on the base {self.display_name} model")
+        refuse_mean_flow(self)
         super().check_settings(spec)
         if spec.train.guidance != 1.0 and not self.guidance_distilled:
             raise UnsupportedSetting("train.guidance: this HunyuanVideo model has no guidance input; leave "
