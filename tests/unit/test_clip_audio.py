@@ -188,6 +188,7 @@ def test_cached_sound_reaches_the_trainers_batches_with_noise_of_its_own(tmp_pat
 
     class NoAudio:
         display_name, reference_input = "Wan", None
+        latent_channels = 4  # the stand-in VAE's
 
     class AudioVideo(NoAudio):
         display_name, takes_audio = "LTX-2", True

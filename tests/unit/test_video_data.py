@@ -391,6 +391,7 @@ def test_references_and_clips_reach_the_trainer_batch(tmp_path):
 
     class NoReferences:
         display_name, reference_input = "SDXL", None
+        latent_channels = 4  # the stand-in VAE's
 
         def read_dataset(self, dataset):
             pass
@@ -440,6 +441,7 @@ def test_references_the_model_cannot_take_or_the_eval_set_lacks_are_refused_at_s
 
     class StartImage:
         display_name, reference_input = "Wan 2.2 image-to-video", "start_image"
+        latent_channels = 4  # the stand-in VAE's
 
         def read_dataset(self, dataset):
             pass
@@ -474,6 +476,7 @@ def test_evaluate_refuses_references_the_model_cannot_take_before_anything_runs(
 
     class NoReferences:
         display_name, reference_input = "SDXL", None
+        latent_channels = 4  # the stand-in VAE's
 
         def set_objective(self, **_):
             pass

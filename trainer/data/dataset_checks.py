@@ -67,10 +67,28 @@ def check_image_sizes(dataset, family, where: str = "data.manifest"):
 def check_dataset_for_family(dataset, family, where: str = "data.manifest"):
     """What every task that runs a family on a dataset checks first (training, distillation, the Evaluate node):
     the reference images its items carry, their sizes, and the text encoder's extras its captions carry."""
+    _check_latent_channels(dataset, family, where)
     _check_reference_input(dataset, family, where)
     check_image_sizes(dataset, family, where)
     _check_text_extras(dataset, family, where)
     _check_audio(dataset, family, where)
+
+
+def _check_latent_channels(dataset, family, where: str):
+    """Latents cached with another model's VAE (an SDXL VAE's 4 channels for a Flux model's 16) are refused at
+    start-up, naming the setting and the fix: they failed at the first step with the model's first layer's shape
+    error. The trainer's check, on its cached datasets (the graph's dataset holds no latents, only their keys)."""
+    from .loading import CachedDataset
+    for part, name in _parts(dataset, where):
+        if not isinstance(part, CachedDataset) or not len(part):
+            continue
+        expected = family.latent_channels or family.base_model.latent_format.latent_channels
+        channels = part.latent(0).shape[0]  # [C, H, W], a clip's [C, T, H, W]
+        if channels != expected:
+            from ..models.base import UnsupportedSetting
+            raise UnsupportedSetting(f"{name}: its latents have {channels} channels, and this {family.display_name} "
+                                     f"model takes {expected}: they were cached with another model's VAE; connect "
+                                     "this model's own VAE to Cache Latents' vae and cache them again")
 
 
 def _texts(part, caption_dropout: float = 0.0) -> dict[str, str]:

@@ -70,6 +70,7 @@ class ModelFamily:
     target_patterns: dict[str, tuple[str, ...]] = {}
     diffusers_format = False  # whether the diffusers (peft) LoRA layout exists for this family
     latent_ndim = 4  # dims of a latent batch the diffusion model takes (5: video models, B C T H W)
+    latent_channels: int | None = None  # of the (video) latents its model takes; None: its latent format's (its VAE's)
     # how the model takes an item's reference images (Batch.references): None (it takes none),
     # "reference_latents" (Flux Kontext, Qwen-Image-Edit: ComfyUI's ReferenceLatent conditioning) or
     # "start_image" (Wan image-to-video: the concat latent and mask WanImageToVideo builds)
@@ -212,9 +213,7 @@ class ModelFamily:
 
     def to_model_layout(self, latents: torch.Tensor) -> torch.Tensor:
         """A cached latent batch in the layout the diffusion model takes (images as 1-frame videos, say)."""
-        if latents.dim() == 4 and self.latent_ndim == 5:
-            return latents.unsqueeze(2)
-        return latents
+        return latents.unsqueeze(2) if latents.dim() == 4 and self.latent_ndim == 5 else latents
 
     def prepare_latents(self, latents: torch.Tensor) -> torch.Tensor:
         return self.base_model.process_latent_in(self.to_model_layout(latents))

@@ -37,6 +37,7 @@ class MiniMaxH3Family(AudioVideoStreams, ModelFamily):
     target_patterns = {"attention": ATTENTION, "attention_ff": ATTENTION + FEED_FORWARD}
     needs_audio = True  # ComfyUI samples it with sound, always
     reads_timestep_value = True
+    latent_channels = 24  # its video VAE's (ComfyUI's MiniMaxH3Video); its latent format is the packed AV one's, 32
 
     @classmethod
     def matches(cls, base_model) -> bool:
