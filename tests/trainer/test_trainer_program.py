@@ -77,24 +77,29 @@ def test_bad_spec_exits_2_naming_the_field(two_step_run, tmp_path):
     assert len(errors) == 1 and "train.steps: must be at least 1" in errors[0]["message"]
 
 
-def test_latents_cached_with_another_models_vae_are_refused_at_start_naming_the_setting(two_step_run, tmp_path):
-    """A dataset whose latents were cached with another model's VAE (16 channels, as a Flux or SD3 VAE gives) for
-    the tiny SD1.5 model (4): the run ends at start-up, before any step, with one error event naming data.manifest,
-    both channel counts and the fix. It failed at its first step with the UNet's first convolution's shape error."""
+@pytest.mark.parametrize("wrong", ["latents", "captions"])
+def test_a_dataset_cached_for_another_model_is_refused_at_start_naming_the_setting(two_step_run, tmp_path, wrong):
+    """A dataset whose latents were cached with another model's VAE (16 channels, as a Flux or SD3 VAE gives), or
+    whose captions were encoded with another model's text encoder (2048 wide, as SDXL's gives), for the tiny SD1.5
+    model (4 channels, 768 wide): the run ends at start-up, before any step, with one error event naming
+    data.manifest, both figures and the fix. It failed with the UNet's first convolution's, or its first
+    cross-attention's, shape error."""
     import torch
     from clip_caching import SyntheticClip
     from media_files import cached_captions
     from ingraph_trainer.trainer.data.loading import load_cached_dataset
+    channels, width = (16, 768) if wrong == "latents" else (4, 2048)
 
-    class SDTextEncoder(SyntheticClip):  # the tiny UNet's text width: the latents are all that is wrong
+    class TextEncoder(SyntheticClip):
         def encode_from_tokens(self, text, return_pooled=True, return_dict=True):
-            return {"cond": torch.full((1, 77, 768), float(len(text))), "pooled_output": None}
+            return {"cond": torch.full((1, 77, width), float(len(text))), "pooled_output": None}
     spec, _ = two_step_run
     manifest = re.search(r'(?m)^manifest = "(.*)"$', spec.read_text()).group(1)
-    assert load_cached_dataset(manifest).latent(0).shape[0] == 4  # precondition: the run's own are the model's
+    ours = load_cached_dataset(manifest)
+    assert ours.latent(0).shape[0] == 4 and ours.text(0)["cond"].shape[-1] == 768  # precondition: the model's
     (tmp_path / "data").mkdir()
-    _, cached, _ = cached_captions(tmp_path / "data", SDTextEncoder(), {"cat": "a cat"}, latent_channels=16)
-    assert cached.latent(0).shape[0] == 16
+    _, cached, _ = cached_captions(tmp_path / "data", TextEncoder(), {"cat": "a cat"}, latent_channels=channels)
+    assert (cached.latent(0).shape[0], cached.text(0)["cond"].shape[-1]) == (channels, width)
     other = tmp_path / "run" / "run.toml"
     other.parent.mkdir()
     other.write_text(spec.read_text().replace(f'"{manifest}"', f'"{tmp_path / "data" / "m.json"}"')
@@ -104,9 +109,13 @@ def test_latents_cached_with_another_models_vae_are_refused_at_start_naming_the_
     assert proc.returncode != 0 and events, proc.stderr[-3000:]
     assert not [e for e in events if e["type"] == "step"]
     (error,) = [e for e in events if e["type"] == "error"]
-    assert "data.manifest: its latents have 16 channels, and this SD1.x/SD2.x UNet model takes 4: they were " \
-           "cached with another model's VAE; connect this model's own VAE to Cache Latents' vae" in error["message"], \
-        error
+    expected = {"latents": "data.manifest: its latents have 16 channels, and this SD1.x/SD2.x UNet model takes 4: "
+                           "they were cached with another model's VAE; connect this model's own VAE to Cache "
+                           "Latents' vae",
+                "captions": "data.manifest: its captions' embeddings are 2048 wide, and this SD1.x/SD2.x UNet model "
+                            "takes 768: they were encoded with another model's text encoder; connect this model's "
+                            "own CLIP to Cache Text Embeddings' clip"}[wrong]
+    assert expected in error["message"], error
 
 
 def test_stdout_noise_never_becomes_an_event(two_step_run):

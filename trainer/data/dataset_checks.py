@@ -67,17 +67,20 @@ def check_image_sizes(dataset, family, where: str = "data.manifest"):
 def check_dataset_for_family(dataset, family, where: str = "data.manifest"):
     """What every task that runs a family on a dataset checks first (training, distillation, the Evaluate node):
     the reference images its items carry, their sizes, and the text encoder's extras its captions carry."""
-    _check_latent_channels(dataset, family, where)
+    _check_encoders(dataset, family, where)
     _check_reference_input(dataset, family, where)
     check_image_sizes(dataset, family, where)
     _check_text_extras(dataset, family, where)
     _check_audio(dataset, family, where)
 
 
-def _check_latent_channels(dataset, family, where: str):
-    """Latents cached with another model's VAE (an SDXL VAE's 4 channels for a Flux model's 16) are refused at
-    start-up, naming the setting and the fix: they failed at the first step with the model's first layer's shape
-    error. The trainer's check, on its cached datasets (the graph's dataset holds no latents, only their keys)."""
+def _check_encoders(dataset, family, where: str):
+    """Latents cached with another model's VAE (an SDXL VAE's 4 channels for a Flux model's 16), or captions encoded
+    with another model's text encoder (SD1.x's CLIP-L, 768 wide, for SDXL's 2048), are refused at start-up naming
+    the setting and the fix: they failed at the first step with a layer's shape error. The trainer's check, on its
+    cached datasets (the graph's dataset holds no latents, only their keys); the text where the family names the
+    layer its text embedding enters (ModelFamily.text_input_layer)."""
+    from ..models.base import UnsupportedSetting
     from .loading import CachedDataset
     for part, name in _parts(dataset, where):
         if not isinstance(part, CachedDataset) or not len(part):
@@ -85,10 +88,25 @@ def _check_latent_channels(dataset, family, where: str):
         expected = family.latent_channels or family.base_model.latent_format.latent_channels
         channels = part.latent(0).shape[0]  # [C, H, W], a clip's [C, T, H, W]
         if channels != expected:
-            from ..models.base import UnsupportedSetting
             raise UnsupportedSetting(f"{name}: its latents have {channels} channels, and this {family.display_name} "
                                      f"model takes {expected}: they were cached with another model's VAE; connect "
                                      "this model's own VAE to Cache Latents' vae and cache them again")
+        expected, width = text_width(family), part.text(0)["cond"].shape[-1]
+        if expected is not None and width != expected:
+            raise UnsupportedSetting(f"{name}: its captions' embeddings are {width} wide, and this "
+                                     f"{family.display_name} model takes {expected}: they were encoded with another "
+                                     "model's text encoder; connect this model's own CLIP to Cache Text Embeddings' "
+                                     "clip and encode them again")
+
+
+def text_width(family) -> int | None:
+    """The width of the text embedding the family's model takes: the in_features of its text_input_layer, or None
+    where the family names none (the generic family's models, text through connectors: LTX-2)."""
+    import re
+    pattern = getattr(family, "text_input_layer", None)
+    if not pattern:
+        return None
+    return next((m.in_features for n, m in family.diffusion_model.named_modules() if re.search(pattern, n)), None)
 
 
 def _texts(part, caption_dropout: float = 0.0) -> dict[str, str]:

@@ -12,6 +12,7 @@ from .stages import StageInput, ends_here
 
 class ChromaFamily(ModelFamily):
     name = "chroma"
+    text_input_layer = r"^txt_in$"
     display_name = "Chroma"
     base_model_version = "chroma"
     target_patterns = {"attention": ATTENTION, "attention_ff": ATTENTION + FEED_FORWARD}

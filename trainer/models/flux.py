@@ -20,6 +20,7 @@ FEED_FORWARD = (r"double_blocks\.\d+\.(img|txt)_mlp\.[02]$",)
 
 class FluxFamily(ReferenceLatentsInput, ModelFamily):
     name = "flux"
+    text_input_layer = r"^txt_in$"  # Flux.2's too
     display_name = "Flux"
     base_model_version = "flux1"
     target_patterns = {"attention": ATTENTION, "attention_ff": ATTENTION + FEED_FORWARD}

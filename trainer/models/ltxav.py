@@ -29,6 +29,7 @@ AUDIO_FEED_FORWARD = (r"transformer_blocks\.\d+\.audio_ff\.net\.(0\.proj|2)$",)
 
 
 class LTXAVFamily(AudioVideoStreams, LTXVFamily):
+    text_input_layer = None  # its text reaches the blocks through its own connectors (extra_conds), not LTX-Video's
     name = "ltxav"
     display_name = "LTX-2"
     base_model_version = "ltxav"

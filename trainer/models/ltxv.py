@@ -15,6 +15,7 @@ FEED_FORWARD = (r"transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)$",)
 
 class LTXVFamily(ModelFamily):
     name = "ltxv"
+    text_input_layer = r"^caption_projection\.linear_1$"
     display_name = "LTX-Video"
     base_model_version = "ltxv"
     latent_ndim = 5

@@ -15,6 +15,7 @@ FEED_FORWARD = (_BLOCKS + r"feed_forward\.w[123]$",)
 
 class Lumina2Family(ModelFamily):
     name = "lumina2"
+    text_input_layer = r"^cap_embedder\.1$"  # after its RMSNorm
     display_name = "Lumina 2"
     base_model_version = "lumina2"
     target_patterns = {"attention": ATTENTION, "attention_ff": ATTENTION + FEED_FORWARD}

@@ -21,6 +21,7 @@ TEXT_WIDTH = 3584  # Qwen2.5-VL 7B's hidden size: ComfyUI fixes the model's text
 
 class QwenImageFamily(ReferenceLatentsInput, ModelFamily):
     name = "qwen_image"
+    text_input_layer = r"^txt_in$"
     display_name = "Qwen-Image"
     base_model_version = "qwen_image"
     latent_ndim = 5

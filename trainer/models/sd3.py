@@ -12,6 +12,7 @@ FEED_FORWARD = (r"joint_blocks\.\d+\.(context_block|x_block)\.mlp\.fc[12]$",)
 
 class SD3Family(ModelFamily):
     name = "sd3"
+    text_input_layer = r"^context_embedder$"
     display_name = "SD3"
     base_model_version = "sd3"
     target_patterns = {"attention": ATTENTION, "attention_ff": ATTENTION + FEED_FORWARD}

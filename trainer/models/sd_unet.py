@@ -18,6 +18,7 @@ def is_unet(base_model) -> bool:
 
 class SDUNetFamily(ModelFamily):
     name = "sd_unet"
+    text_input_layer = r"attn2\.to_k$"  # cross-attention's key: SD1.x/SD2.x's and SDXL's
     display_name = "SD1.x/SD2.x UNet"
     diffusers_format = True
     target_patterns = {"attention": UNET_ATTENTION, "attention_ff": UNET_ATTENTION + UNET_FEED_FORWARD}

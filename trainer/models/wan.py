@@ -53,6 +53,7 @@ def wan_variant(base_model) -> str | None:
 
 class WanFamily(ModelFamily):
     name = "wan"
+    text_input_layer = r"^text_embedding\.0$"
     display_name = "Wan 2.1"
     base_model_version = "wan2.1"
     latent_ndim = 5
