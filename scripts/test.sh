@@ -37,6 +37,7 @@ TIER_033="${INGRAPH_033_TESTS:-tests --ignore=tests/trainer/test_distributed.py 
   --deselect=tests/trainer/test_trainer_program.py::test_8bit_adamw_with_optimizer_offload_under_zero1
   --deselect=tests/trainer/test_trainer_program.py::test_out_of_memory_at_step_3_names_the_step_and_what_would_fit_and_step_2_resumes
   --deselect=tests/trainer/test_trainer_program.py::test_nan_at_step_3_ends_the_run_and_step_2_resumes
+  --deselect=tests/trainer/test_trainer_program.py::test_a_dataset_cached_for_another_model_is_refused_at_start_naming_the_setting
   --deselect=tests/trainer/test_trainer_program.py::test_by_hand_a_finished_run_is_not_trained_again_unasked_and_progress_is_printed
   --deselect=tests/trainer/test_trainer_program.py::test_the_trainer_and_the_client_started_by_another_python_say_which_one_to_use
   --deselect=tests/comfyui/test_run_control.py::test_trainer_exits_within_10s_when_comfyui_dies
