@@ -966,6 +966,27 @@ def test_pixart_is_refused_below_the_size_its_position_embedding_divides_by_zero
     check_dataset_for_family(cached((256, 256)), family)
 
 
+def test_hunyuan_video_is_refused_at_sizes_its_unpadded_patches_do_not_divide():
+    """ComfyUI's HunyuanVideo cuts the 8x latent into 2x2 patches without padding: 72 px items (a multiple of 8,
+    which the dataset allows with buckets off) failed at the first step with a shape error; they are refused at
+    start-up naming the size and 16 px. HunyuanVideo 1.5's 1x1 patches take them."""
+    from ingraph_trainer.trainer.data.dataset_checks import check_dataset_for_family
+    from ingraph_trainer.trainer.models.base import UnsupportedSetting
+    from ingraph_trainer.trainer.models.hunyuan_video import HunyuanVideo15Family, HunyuanVideoFamily
+
+    def family(cls, patch):
+        made = object.__new__(cls)
+        made.diffusion_model, made.reference_input = types.SimpleNamespace(patch_size=[1, patch, patch]), None
+        return made
+
+    def cached(*sizes):
+        return types.SimpleNamespace(buckets=list(sizes), reference_slots=0)
+    with pytest.raises(UnsupportedSetting, match=r"data\.manifest: items of 72x64 px: .*multiples of 16 px"):
+        check_dataset_for_family(cached((64, 64, 17), (72, 64)), family(HunyuanVideoFamily, 2))
+    check_dataset_for_family(cached((64, 64, 17), (80, 96)), family(HunyuanVideoFamily, 2))
+    check_dataset_for_family(cached((72, 64)), family(HunyuanVideo15Family, 1))
+
+
 def test_deepspeeds_engine_start_leaves_block_swaps_weights_in_host_memory():
     """Issue 30: DeepSpeed's engine moved its whole module to the device as it started, so block swap could not fit
     a model larger than the card under DeepSpeed. Started through the trainer's layout, the real engine (ZeRO-1, bf16,

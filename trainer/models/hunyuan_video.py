@@ -58,6 +58,16 @@ class HunyuanVideoFamily(ModelFamily):
             raise UnsupportedSetting("train.guidance: this HunyuanVideo model has no guidance input; leave "
                                      "guidance at 1")
 
+    def image_size_problem(self, width: int, height: int) -> str | None:
+        # ComfyUI's HunyuanVideo cuts the VAE's 8x latent into patches without padding (1.5's patches are 1x1):
+        # other sizes failed at the first step with a shape error
+        patch = self.diffusion_model.patch_size[-1]
+        if width % (8 * patch) or height % (8 * patch):
+            return (f"{self.display_name} cuts its latent into {patch}x{patch} patches without padding, so both "
+                    f"sides must be multiples of {8 * patch} px; set the dataset's resolution to a multiple of "
+                    f"{8 * patch}, or turn aspect buckets on")
+        return None
+
     def checkpoint_blocks(self):
         return [*self.diffusion_model.double_blocks, *self.diffusion_model.single_blocks]
 
