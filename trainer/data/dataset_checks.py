@@ -66,7 +66,8 @@ def check_image_sizes(dataset, family, where: str = "data.manifest"):
 
 def check_dataset_for_family(dataset, family, where: str = "data.manifest"):
     """What every task that runs a family on a dataset checks first (training, distillation, the Evaluate node):
-    the reference images its items carry, their sizes, and the text encoder's extras its captions carry."""
+    that its latents and captions come from the model's own VAE and text encoder, the reference images its items
+    carry, their sizes, the text encoder's extras its captions carry, and their sound."""
     _check_encoders(dataset, family, where)
     _check_reference_input(dataset, family, where)
     check_image_sizes(dataset, family, where)
@@ -75,18 +76,25 @@ def check_dataset_for_family(dataset, family, where: str = "data.manifest"):
 
 
 def _check_encoders(dataset, family, where: str):
-    """Latents cached with another model's VAE (an SDXL VAE's 4 channels for a Flux model's 16), or captions encoded
-    with another model's text encoder (SD1.x's CLIP-L, 768 wide, for SDXL's 2048), are refused at start-up naming
-    the setting and the fix: they failed at the first step with a layer's shape error. The trainer's check, on its
-    cached datasets (the graph's dataset holds no latents, only their keys); the text where the family names the
-    layer its text embedding enters (ModelFamily.text_input_layer)."""
+    """Latents cached with another model's VAE (an SDXL VAE's 4 channels for a Flux model's 16, a Wan VAE's video
+    latents for a Flux model's image latents), or captions encoded with another model's text encoder (SD1.x's
+    CLIP-L, 768 wide, for SDXL's 2048), are refused at start-up naming the setting and the fix: they failed at the
+    first step with a layer's shape error. The trainer's check, on its cached datasets (the graph's dataset holds no
+    latents, only their keys); the text where the family names the layer its text embedding enters
+    (ModelFamily.text_input_layer)."""
     from ..models.base import UnsupportedSetting
     from .loading import CachedDataset
     for part, name in _parts(dataset, where):
         if not isinstance(part, CachedDataset) or not len(part):
             continue
         expected = family.latent_channels or family.base_model.latent_format.latent_channels
-        channels = part.latent(0).shape[0]  # [C, H, W], a clip's [C, T, H, W]
+        latent = part.latent(0)  # [C, H, W]; a video VAE's [C, T, H, W]
+        if latent.dim() + 1 > family.latent_ndim:  # (a batch's dims: the model's forward failed unpacking them)
+            raise UnsupportedSetting(f"{name}: its latents are a video VAE's ([C, T, H, W]: {list(latent.shape)}), "
+                                     f"and this {family.display_name} model takes an image VAE's [C, H, W]: they were "
+                                     "cached with another model's VAE; connect this model's own VAE to Cache Latents' "
+                                     "vae and cache them again")
+        channels = latent.shape[0]
         if channels != expected:
             raise UnsupportedSetting(f"{name}: its latents have {channels} channels, and this {family.display_name} "
                                      f"model takes {expected}: they were cached with another model's VAE; connect "
