@@ -41,18 +41,20 @@ def check_family_settings(model, train, adapter, file_format: str, distributed=N
 
 
 def check_dataset_for_model(model, dataset, title: str, where: str = "dataset"):
-    """Refuses, before anything is handed off or launched, a dataset whose reference images or sound the MODEL's
-    family cannot take: the trainer's rule (trainer.data.dataset_checks.check_dataset_for_family, which leaves the
-    items' sizes to the trainer: the graph's dataset holds its bucket settings, not the sizes), naming the node's
-    input (`where`)."""
+    """Refuses, before anything is handed off or launched, a dataset the MODEL's family cannot take (latents or
+    captions cached with another model's VAE or text encoder, read from the first item's shard headers in the
+    cache; reference images or sound it takes none of): the trainer's rule
+    (trainer.data.dataset_checks.check_dataset_for_family, which leaves the items' sizes to the trainer: the graph's
+    dataset holds its bucket settings, not the sizes), naming the node's input (`where`)."""
     from ..trainer.data.dataset_checks import check_dataset_for_family
     from ..trainer.models import UnsupportedSetting
+    from .paths import cache_root
     try:
         family = model.family()
     except ValueError as exc:  # a model no family takes (an objective the trainer has not: EDM, ...)
         raise ValueError(f"{title}: {exc}") from None
     try:
-        check_dataset_for_family(dataset, family, where)
+        check_dataset_for_family(dataset, family, where, cache_root())
     except UnsupportedSetting as exc:
         raise ValueError(f"{title} ({family.display_name} model): {exc}") from None
 

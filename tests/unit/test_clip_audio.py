@@ -188,7 +188,7 @@ def test_cached_sound_reaches_the_trainers_batches_with_noise_of_its_own(tmp_pat
 
     class NoAudio:
         display_name, reference_input = "Wan", None
-        latent_channels = 4  # the stand-in VAE's
+        latent_channels, latent_ndim = 4, 5  # the stand-in VAE's channels; a video model's B C T H W
 
     class AudioVideo(NoAudio):
         display_name, takes_audio = "LTX-2", True

@@ -132,7 +132,7 @@ def test_ltxv_text_encoders_attention_mask_is_cached_beside_the_embedding_and_ba
     from ingraph_trainer.trainer.models.ltxv import LTXVFamily
     spec = SimpleNamespace(manifest=manifest, prior_manifest=None, shuffle=True, caption_dropout=0.0)
     ltxv = SimpleNamespace(display_name="LTX-Video", reference_input=None, reads_text_mask=LTXVFamily.reads_text_mask,
-                           read_dataset=lambda dataset: None, latent_channels=4)
+                           read_dataset=lambda dataset: None, latent_channels=4, latent_ndim=5)
     assert build_training_data(spec, 2, 0, ltxv)[0] is not None
     with pytest.raises(ValueError, match="attention mask, which LTX-Video reads and pipeline stages"):
         build_training_data(spec, 2, 0, ltxv, pipeline_stages=2)

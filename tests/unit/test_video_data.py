@@ -391,7 +391,7 @@ def test_references_and_clips_reach_the_trainer_batch(tmp_path):
 
     class NoReferences:
         display_name, reference_input = "SDXL", None
-        latent_channels = 4  # the stand-in VAE's
+        latent_channels, latent_ndim = 4, 4  # the stand-in VAE's channels; an image model's B C H W
 
         def read_dataset(self, dataset):
             pass
@@ -441,7 +441,7 @@ def test_references_the_model_cannot_take_or_the_eval_set_lacks_are_refused_at_s
 
     class StartImage:
         display_name, reference_input = "Wan 2.2 image-to-video", "start_image"
-        latent_channels = 4  # the stand-in VAE's
+        latent_channels, latent_ndim = 4, 5  # the stand-in VAE's channels; a video model's B C T H W
 
         def read_dataset(self, dataset):
             pass
@@ -476,7 +476,7 @@ def test_evaluate_refuses_references_the_model_cannot_take_before_anything_runs(
 
     class NoReferences:
         display_name, reference_input = "SDXL", None
-        latent_channels = 4  # the stand-in VAE's
+        latent_channels, latent_ndim = 4, 4  # the stand-in VAE's channels; an image model's B C H W
 
         def set_objective(self, **_):
             pass
@@ -485,7 +485,7 @@ def test_evaluate_refuses_references_the_model_cannot_take_before_anything_runs(
             pass
 
     class StartImage(NoReferences):
-        display_name, reference_input = "Wan 2.1 image-to-video", "start_image"
+        display_name, reference_input, latent_ndim = "Wan 2.1 image-to-video", "start_image", 5
 
     data = tmp_path / "edit"
     data.mkdir()
@@ -502,6 +502,7 @@ def test_evaluate_refuses_references_the_model_cannot_take_before_anything_runs(
         raise AssertionError("the MODEL was handed off before the dataset was checked")
     monkeypatch.setattr(model_source, "release_comfy_models", handed_off)
     monkeypatch.setattr(GraphModel, "prediction", "epsilon")
+    monkeypatch.setenv("INGRAPH_CACHE_DIR", str(tmp_path / "cache"))  # the node reads the shards' headers there
     for family, refused in ((NoReferences(), "SDXL takes none"), (StartImage(), "takes one start image per item")):
         monkeypatch.setattr(models, "family_for", lambda *_, f=family, **__: f)
         with pytest.raises(ValueError, match=f"Evaluate \\({family.display_name} model\\): dataset: its items carry "
@@ -522,6 +523,67 @@ def test_evaluate_refuses_references_the_model_cannot_take_before_anything_runs(
                                                  "carry 2 reference image.*SDXL takes none"):
         run_evaluation(spec, events)
     assert events.emitted == []
+
+
+def test_a_dataset_cached_for_another_model_is_refused_at_queue_time_before_the_model_is_handed_off(
+        tmp_path, monkeypatch):
+    """The node reads the first item's shard headers in ComfyUI's cache (dataset_checks._check_encoders, the
+    trainer's rule): latents of another VAE's channels, a video VAE's latents for an image model, or captions of
+    another text encoder's width are refused naming the node's input, before the MODEL is handed off or a trainer
+    launched; the matching model goes on to the hand-off."""
+    from types import SimpleNamespace
+
+    import ingraph_trainer.runner.model_source as model_source
+    from ingraph_trainer.trainer.graph_model import GraphModel
+    import ingraph_trainer.trainer.models as models
+    from ingraph_trainer.runner.node_run import NodeCall, run_task
+    from ingraph_trainer.runner.session import RunDatasets
+    from ingraph_trainer.trainer.spec import RunSpec, TrainSpec
+
+    class Family:  # an image model that takes the stand-in VAE's 4 channels and 8-wide text (SyntheticClip's)
+        display_name, reference_input, latent_channels, latent_ndim = "SDXL", None, 4, 4
+        text_input_layer, diffusion_model = r"^txt_in$", torch.nn.ModuleDict({"txt_in": torch.nn.Linear(8, 2)})
+
+        def read_dataset(self, dataset):
+            pass
+    monkeypatch.setenv("INGRAPH_CACHE_DIR", str(tmp_path / "cache"))
+    store = CacheStore(tmp_path / "cache")
+    datasets = {}
+    for name, vae in (("image", ImageVAE()), ("clip", VideoVAE())):
+        (tmp_path / name).mkdir()
+        write_image(tmp_path / name / "cat.png") if name == "image" else write_video(tmp_path / name / "cat.mp4", 9)
+        dataset, _, _ = cached(tmp_path / name, store, vae, frame_buckets="1, 9", fps=8)
+        datasets[name], _, _ = encode_text(dataset, SyntheticClip(), store)
+    store.close()
+
+    class HandedOff(Exception):
+        pass
+
+    def handed_off(*_):
+        raise HandedOff
+    monkeypatch.setattr(model_source, "release_comfy_models", handed_off)
+    monkeypatch.setattr(GraphModel, "prediction", "epsilon")
+
+    def queued(family, dataset):
+        monkeypatch.setattr(models, "family_for", lambda *_, **__: family)
+        run_task(RunSpec(task="evaluate", train=TrainSpec(steps=1, eval_quantiles=[0.5], batch_size=1,
+                                                          precision="fp32")),
+                 SimpleNamespace(model=None), RunDatasets(dataset), None,
+                 NodeCall("Evaluate", "1", None, lambda *_: print, lambda: None))
+    with pytest.raises(HandedOff):
+        queued(Family(), datasets["image"])
+    flux = Family()
+    flux.display_name, flux.latent_channels = "Flux", 16
+    with pytest.raises(ValueError, match=r"Evaluate \(Flux model\): dataset: its latents have 4 channels, and this "
+                                         r"Flux model takes 16: .*connect this model's own VAE to Cache Latents' vae"):
+        queued(flux, datasets["image"])
+    with pytest.raises(ValueError, match=r"dataset: its latents are a video VAE's \(\[C, T, H, W\]: \[4, 3, "):
+        queued(Family(), datasets["clip"])
+    wide = Family()
+    wide.diffusion_model = torch.nn.ModuleDict({"txt_in": torch.nn.Linear(16, 2)})
+    with pytest.raises(ValueError, match=r"dataset: its captions' embeddings are 8 wide, and this SDXL model takes "
+                                         r"16: .*Cache Text Embeddings' clip"):
+        queued(wide, datasets["image"])
 
 
 # --- through the graph ----------------------------------------------------------------------------------------

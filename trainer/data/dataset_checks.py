@@ -64,47 +64,72 @@ def check_image_sizes(dataset, family, where: str = "data.manifest"):
                 raise UnsupportedSetting(f"{name}: items of {bucket[0]}x{bucket[1]} px: {problem}")
 
 
-def check_dataset_for_family(dataset, family, where: str = "data.manifest"):
-    """What every task that runs a family on a dataset checks first (training, distillation, the Evaluate node):
-    that its latents and captions come from the model's own VAE and text encoder, the reference images its items
-    carry, their sizes, the text encoder's extras its captions carry, and their sound."""
-    _check_encoders(dataset, family, where)
+def check_dataset_for_family(dataset, family, where: str = "data.manifest", cache_root=None):
+    """What every task that runs a family on a dataset checks first (training, distillation, the Evaluate node; the
+    node at queue time too, on the graph's dataset: its cache's `cache_root`): that its latents and captions come
+    from the model's own VAE and text encoder, the reference images its items carry, their sizes, the text
+    encoder's extras its captions carry, and their sound."""
+    _check_encoders(dataset, family, where, cache_root)
     _check_reference_input(dataset, family, where)
     check_image_sizes(dataset, family, where)
     _check_text_extras(dataset, family, where)
     _check_audio(dataset, family, where)
 
 
-def _check_encoders(dataset, family, where: str):
+def _check_encoders(dataset, family, where: str, cache_root=None):
     """Latents cached with another model's VAE (an SDXL VAE's 4 channels for a Flux model's 16, a Wan VAE's video
     latents for a Flux model's image latents), or captions encoded with another model's text encoder (SD1.x's
-    CLIP-L, 768 wide, for SDXL's 2048), are refused at start-up naming the setting and the fix: they failed at the
-    first step with a layer's shape error. The trainer's check, on its cached datasets (the graph's dataset holds no
-    latents, only their keys); the text where the family names the layer its text embedding enters
-    (ModelFamily.text_input_layer)."""
+    CLIP-L, 768 wide, for SDXL's 2048), are refused naming the setting and the fix: they failed at the first step
+    with a layer's shape error. Read from the first item's shard headers; the text where the family names the layer
+    its text embedding enters (ModelFamily.text_input_layer)."""
     from ..models.base import UnsupportedSetting
-    from .loading import CachedDataset
     for part, name in _parts(dataset, where):
-        if not isinstance(part, CachedDataset) or not len(part):
+        shapes = _first_item_shapes(part, cache_root)
+        if shapes is None:
             continue
-        expected = family.latent_channels or family.base_model.latent_format.latent_channels
-        latent = part.latent(0)  # [C, H, W]; a video VAE's [C, T, H, W]
-        if latent.dim() + 1 > family.latent_ndim:  # (a batch's dims: the model's forward failed unpacking them)
-            raise UnsupportedSetting(f"{name}: its latents are a video VAE's ([C, T, H, W]: {list(latent.shape)}), "
-                                     f"and this {family.display_name} model takes an image VAE's [C, H, W]: they were "
+        latent, text = shapes  # [C, H, W] (a video VAE's [C, T, H, W]); [tokens, width]
+        if len(latent) + 1 > family.latent_ndim:  # (a batch's dims: the model's forward failed unpacking them)
+            raise UnsupportedSetting(f"{name}: its latents are a video VAE's ([C, T, H, W]: {list(latent)}), and "
+                                     f"this {family.display_name} model takes an image VAE's [C, H, W]: they were "
                                      "cached with another model's VAE; connect this model's own VAE to Cache Latents' "
                                      "vae and cache them again")
-        channels = latent.shape[0]
-        if channels != expected:
-            raise UnsupportedSetting(f"{name}: its latents have {channels} channels, and this {family.display_name} "
-                                     f"model takes {expected}: they were cached with another model's VAE; connect "
-                                     "this model's own VAE to Cache Latents' vae and cache them again")
-        expected, width = text_width(family), part.text(0)["cond"].shape[-1]
-        if expected is not None and width != expected:
-            raise UnsupportedSetting(f"{name}: its captions' embeddings are {width} wide, and this "
+        if latent[0] != latent_channels(family):
+            raise UnsupportedSetting(f"{name}: its latents have {latent[0]} channels, and this "
+                                     f"{family.display_name} model takes {latent_channels(family)}: they were cached "
+                                     "with another model's VAE; connect this model's own VAE to Cache Latents' vae "
+                                     "and cache them again")
+        expected = text_width(family)
+        if expected is not None and text[-1] != expected:
+            raise UnsupportedSetting(f"{name}: its captions' embeddings are {text[-1]} wide, and this "
                                      f"{family.display_name} model takes {expected}: they were encoded with another "
                                      "model's text encoder; connect this model's own CLIP to Cache Text Embeddings' "
                                      "clip and encode them again")
+
+
+def _first_item_shapes(part, cache_root):
+    """(latent shape, caption embedding shape) of a dataset part's first item, from its cache shards' headers: a
+    cached dataset's (the trainer's), or the graph's TrainingDataset's under `cache_root` (the node's, at queue
+    time: a shard missing or damaged there is left to the trainer's verified read to name). None: nothing cached."""
+    from ...cache.shards import shard_shapes
+    from .loading import CachedDataset
+    if isinstance(part, CachedDataset):
+        return (shard_shapes(part.root, "latent", part.latent_keys[0])["latent"],
+                shard_shapes(part.root, "text", part.text_keys[0])["cond"]) if len(part) else None
+    item = next(iter(getattr(part, "items", ())), None)
+    if cache_root is None or item is None or not (item.latent and item.text):
+        return None
+    try:
+        return (shard_shapes(cache_root, "latent", item.latent)["latent"],
+                shard_shapes(cache_root, "text", item.text)["cond"])
+    except ValueError:
+        return None
+
+
+def latent_channels(family) -> int:
+    """The channels of the latents the family's model takes: its own figure where its latent format's differs
+    (ModelFamily.latent_channels: MiniMax H3's packed audio-video format), else its latent format's, as ComfyUI's
+    empty latents have."""
+    return family.latent_channels or family.base_model.latent_format.latent_channels
 
 
 def text_width(family) -> int | None:

@@ -57,7 +57,7 @@ from ..adapters import inject_adapter
 from ..data.batch_mix import StepBatches, build_training_data, micro_batch_slots
 from ..run.checkpoint import Checkpointer
 from ..comfy_env import import_comfy
-from ..data.dataset_checks import distillation_audio_problem, text_inputs_beside_the_embedding
+from ..data.dataset_checks import distillation_audio_problem, latent_channels, text_inputs_beside_the_embedding
 from ..device import training_device
 from .distill_networks import (Denoiser, GanHead, Network, Networks, fake_score_spec, frozen, held_weight_bytes,
                                peak_rss_per_rank)
@@ -141,8 +141,7 @@ class Distiller(DMD2Objective, TrainingTask):
             head = None
             if dd.gan_weight > 0:  # one fake score only (DistillSpec.problems)
                 torch.manual_seed(t.seed + 2)
-                channels = fake.base_model.latent_format.latent_channels
-                head = GanHead(channels).to(fake.weight_dtype())
+                head = GanHead(latent_channels(fake)).to(fake.weight_dtype())
                 fake_params = fake_params + list(head.parameters())
             network = Network(spec, Denoiser(fake, head), fake_params)
             fake_spec = fake_score_spec(spec)
