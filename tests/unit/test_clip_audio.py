@@ -212,7 +212,7 @@ def test_cached_sound_reaches_the_trainers_batches_with_noise_of_its_own(tmp_pat
     assert prior_problems(dataset, dataset) == []
 
 
-def test_distillation_and_models_without_audio_refuse_a_dataset_with_sound_at_queue_time(tmp_path):
+def test_distillation_and_models_without_audio_refuse_a_dataset_with_sound_at_queue_time(tmp_path, monkeypatch):
     """The Distill node refuses a dataset whose clips' sound is cached (distillation runs on video alone), naming
     its input, before the model is handed off; so does the trainer's Distiller at start, for a spec written by hand.
     A Train node whose model takes no audio stream refuses it at queue time too (the trainer's rule, on the graph's
@@ -222,6 +222,7 @@ def test_distillation_and_models_without_audio_refuse_a_dataset_with_sound_at_qu
     from ingraph_trainer.trainer.data.dataset_checks import distillation_audio_problem
     from ingraph_trainer.trainer.spec import DistillSpec, RunSpec
 
+    monkeypatch.setenv("INGRAPH_CACHE_DIR", str(tmp_path / "cache"))  # where the node reads the shards' headers
     store = CacheStore(tmp_path / "cache")
     folder = clips_with_sound(tmp_path / "data")
     dataset, _, _ = cache(folder, store, StandInAudioVAE())
@@ -238,7 +239,7 @@ def test_distillation_and_models_without_audio_refuse_a_dataset_with_sound_at_qu
     class Model:  # the graph's MODEL, as the runner's trainer-side view (GraphModel) answers for it
         def __init__(self, takes_audio):
             self.family_ = SimpleNamespace(display_name="LTX-2" if takes_audio else "Wan", reference_input=None,
-                                           takes_audio=takes_audio)
+                                           takes_audio=takes_audio, latent_channels=4, latent_ndim=5)
 
         def family(self):
             return self.family_
