@@ -987,41 +987,6 @@ def test_hunyuan_video_is_refused_at_sizes_its_unpadded_patches_do_not_divide():
     check_dataset_for_family(cached((72, 64)), family(HunyuanVideo15Family, 1))
 
 
-def test_a_video_vaes_latents_are_refused_for_an_image_model_and_taken_by_a_video_model():
-    """Wan 2.1's VAE gives 16 channels as Flux's does, as [C, T, H, W]: cached for a Flux model they passed the
-    channel check and failed at the first step ('too many values to unpack' in ComfyUI's Flux forward); refused at
-    start-up naming the setting. The same latents are a Wan model's, and an image VAE's a Flux model's."""
-    import torch
-    from ingraph_trainer.trainer.data.dataset_checks import check_dataset_for_family
-    from ingraph_trainer.trainer.data.loading import CachedDataset
-    from ingraph_trainer.trainer.models.base import UnsupportedSetting
-    from ingraph_trainer.trainer.models.flux import FluxFamily
-    from ingraph_trainer.trainer.models.wan import WanFamily
-
-    class Cached(CachedDataset):  # one cached item: its latent and caption
-        def __init__(self, latent):
-            self.latent_keys, self.buckets, self.reference_slots = ["item"], [(64, 64)], 0
-            self._latent = latent
-
-        def latent(self, i):
-            return self._latent
-
-        def text(self, i):
-            return {"cond": torch.zeros(8, 4096)}
-
-    def family(cls):
-        made = object.__new__(cls)
-        made.base_model = types.SimpleNamespace(latent_format=types.SimpleNamespace(latent_channels=16))
-        made.diffusion_model, made.reference_input, made.latent_channels = torch.nn.Module(), None, None
-        return made
-    video, image = Cached(torch.zeros(16, 1, 8, 8)), Cached(torch.zeros(16, 8, 8))
-    with pytest.raises(UnsupportedSetting, match=r"data\.manifest: its latents are a video VAE's \(\[C, T, H, W\]: "
-                                                 r"\[16, 1, 8, 8\]\), and this Flux model takes an image VAE's"):
-        check_dataset_for_family(video, family(FluxFamily))
-    check_dataset_for_family(image, family(FluxFamily))
-    check_dataset_for_family(video, family(WanFamily))
-
-
 def test_deepspeeds_engine_start_leaves_block_swaps_weights_in_host_memory():
     """Issue 30: DeepSpeed's engine moved its whole module to the device as it started, so block swap could not fit
     a model larger than the card under DeepSpeed. Started through the trainer's layout, the real engine (ZeRO-1, bf16,

@@ -5,6 +5,7 @@ stand-in VAE; one graph run trains Wan on clips and an image with ComfyUI's own 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -391,7 +392,7 @@ def test_references_and_clips_reach_the_trainer_batch(tmp_path):
 
     class NoReferences:
         display_name, reference_input = "SDXL", None
-        latent_channels, latent_ndim = 4, 4  # the stand-in VAE's channels; an image model's B C H W
+        latent_channels, latent_ndim = 4, 5  # the stand-in video VAE's latents (the items are clips and stills)
 
         def read_dataset(self, dataset):
             pass
@@ -528,9 +529,11 @@ def test_evaluate_refuses_references_the_model_cannot_take_before_anything_runs(
 def test_a_dataset_cached_for_another_model_is_refused_at_queue_time_before_the_model_is_handed_off(
         tmp_path, monkeypatch):
     """The node reads the first item's shard headers in ComfyUI's cache (dataset_checks._check_encoders, the
-    trainer's rule): latents of another VAE's channels, a video VAE's latents for an image model, or captions of
-    another text encoder's width are refused naming the node's input, before the MODEL is handed off or a trainer
-    launched; the matching model goes on to the hand-off."""
+    trainer's rule): latents of another VAE's channels, a video VAE's latents for an image model (Wan 2.1's 16
+    channels for Flux's 16 failed at the first step with 'too many values to unpack'), or captions of another text
+    encoder's width are refused naming the node's input, before the MODEL is handed off or a trainer launched; the
+    matching model goes on to the hand-off. The trainer refuses them the same way at start-up, naming
+    data.manifest (a run spec written by hand)."""
     from types import SimpleNamespace
 
     import ingraph_trainer.runner.model_source as model_source
@@ -579,11 +582,29 @@ def test_a_dataset_cached_for_another_model_is_refused_at_queue_time_before_the_
         queued(flux, datasets["image"])
     with pytest.raises(ValueError, match=r"dataset: its latents are a video VAE's \(\[C, T, H, W\]: \[4, 3, "):
         queued(Family(), datasets["clip"])
+    video = Family()
+    video.display_name, video.latent_ndim = "Wan", 5
+    with pytest.raises(HandedOff):
+        queued(video, datasets["clip"])
     wide = Family()
     wide.diffusion_model = torch.nn.ModuleDict({"txt_in": torch.nn.Linear(16, 2)})
     with pytest.raises(ValueError, match=r"dataset: its captions' embeddings are 8 wide, and this SDXL model takes "
                                          r"16: .*Cache Text Embeddings' clip"):
         queued(wide, datasets["image"])
+
+    # the trainer, on the manifests the node writes
+    from ingraph_trainer.trainer.data.dataset_checks import check_dataset_for_family
+    from ingraph_trainer.trainer.data.loading import load_cached_dataset
+    from ingraph_trainer.trainer.models.base import UnsupportedSetting
+    image, clip = (load_cached_dataset(str(write_manifest(tmp_path / f"{name}.json", datasets[name],
+                                                          tmp_path / "cache"))) for name in ("image", "clip"))
+    check_dataset_for_family(image, Family())
+    check_dataset_for_family(clip, video)
+    for family, dataset, refused in ((flux, image, "its latents have 4 channels"),
+                                     (Family(), clip, "its latents are a video VAE's"),
+                                     (wide, image, "its captions' embeddings are 8 wide")):
+        with pytest.raises(UnsupportedSetting, match=f"^data.manifest: {re.escape(refused)}"):
+            check_dataset_for_family(dataset, family)
 
 
 # --- through the graph ----------------------------------------------------------------------------------------
