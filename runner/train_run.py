@@ -43,9 +43,8 @@ def check_family_settings(model, train, adapter, file_format: str, distributed=N
 def check_dataset_for_model(model, dataset, title: str, where: str = "dataset"):
     """Refuses, before anything is handed off or launched, a dataset the MODEL's family cannot take (latents or
     captions cached with another model's VAE or text encoder, read from the first item's shard headers in the
-    cache; reference images or sound it takes none of): the trainer's rule
-    (trainer.data.dataset_checks.check_dataset_for_family, which leaves the items' sizes to the trainer: the graph's
-    dataset holds its bucket settings, not the sizes), naming the node's input (`where`)."""
+    cache; reference images or sound it takes none of; item sizes it cannot run at): the trainer's rule
+    (trainer.data.dataset_checks.check_dataset_for_family), naming the node's input (`where`)."""
     from ..trainer.data.dataset_checks import check_dataset_for_family
     from ..trainer.models import UnsupportedSetting
     from .paths import cache_root

@@ -969,7 +969,7 @@ def test_pixart_is_refused_below_the_size_its_position_embedding_divides_by_zero
 def test_hunyuan_video_is_refused_at_sizes_its_unpadded_patches_do_not_divide():
     """ComfyUI's HunyuanVideo cuts the 8x latent into 2x2 patches without padding: 72 px items (a multiple of 8,
     which the dataset allows with buckets off) failed at the first step with a shape error; they are refused at
-    start-up naming the size and 16 px. HunyuanVideo 1.5's 1x1 patches take them."""
+    start-up naming the size and 16 px, and by the node at queue time. HunyuanVideo 1.5's 1x1 patches take them."""
     from ingraph_trainer.trainer.data.dataset_checks import check_dataset_for_family
     from ingraph_trainer.trainer.models.base import UnsupportedSetting
     from ingraph_trainer.trainer.models.hunyuan_video import HunyuanVideo15Family, HunyuanVideoFamily
@@ -985,6 +985,11 @@ def test_hunyuan_video_is_refused_at_sizes_its_unpadded_patches_do_not_divide():
         check_dataset_for_family(cached((64, 64, 17), (72, 64)), family(HunyuanVideoFamily, 2))
     check_dataset_for_family(cached((64, 64, 17), (80, 96)), family(HunyuanVideoFamily, 2))
     check_dataset_for_family(cached((72, 64)), family(HunyuanVideo15Family, 1))
+    # the graph's dataset, at queue time: its buckets are its settings, its items have their sizes
+    items = [types.SimpleNamespace(bucket=(64, 64)), types.SimpleNamespace(bucket=(72, 64))]
+    graph = types.SimpleNamespace(buckets=object(), reference_slots=0, items=items)
+    with pytest.raises(UnsupportedSetting, match=r"^dataset: items of 72x64 px: .*multiples of 16 px"):
+        check_dataset_for_family(graph, family(HunyuanVideoFamily, 2), "dataset")
 
 
 def test_deepspeeds_engine_start_leaves_block_swaps_weights_in_host_memory():

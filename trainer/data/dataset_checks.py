@@ -51,13 +51,15 @@ def _check_reference_input(dataset, family, where: str = "data.manifest"):
 
 
 def check_image_sizes(dataset, family, where: str = "data.manifest"):
-    """Fails at start-up, naming the setting and the size, where an item's size is one the family's model cannot
-    run at (ModelFamily.image_size_problem), rather than at the first step. `dataset`: a cached dataset (the
-    graph's TrainingDataset holds bucket settings, not the items' sizes: the trainer checks it at start-up)."""
+    """Fails before the first step, naming the setting and the size, where an item's size is one the family's model
+    cannot run at (ModelFamily.image_size_problem). `dataset`: a cached dataset (its items' buckets), or the graph's
+    TrainingDataset (its items', at queue time)."""
     size_problem = getattr(family, "image_size_problem", None)  # a ModelFamily's (reference_input's duck typing)
     for part, name in _parts(dataset, where):
         sizes = getattr(part, "buckets", None)
-        for bucket in sorted(set(sizes)) if isinstance(sizes, list) and size_problem else ():
+        if not isinstance(sizes, list):  # the graph's dataset: its buckets are its settings, each item has its own
+            sizes = [item.bucket for item in getattr(part, "items", ())]
+        for bucket in sorted(set(sizes)) if size_problem else ():
             problem = size_problem(int(bucket[0]), int(bucket[1]))
             if problem:
                 from ..models.base import UnsupportedSetting
