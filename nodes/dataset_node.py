@@ -78,7 +78,8 @@ class LoadTrainingImages(io.ComfyNode):
                                         "clips: each becomes items of the longest of these frame counts that fits "
                                         "it (at fps), combined with the aspect buckets; every batch holds one "
                                         "frame count. Wan's and HunyuanVideo's VAEs want 4k+1 frames (1, 17, "
-                                        "33 ...), LTX-Video's and LTX-2's 8k+1 (1, 9, 17, 25 ...). Images are 1-frame items. A subfolder is a folder of "
+                                        "33 ...), LTX-Video's and LTX-2's 8k+1 (1, 9, 17, 25 ...). Images are "
+                                        "1-frame items. A subfolder is a folder of "
                                         "frames when its images are one numbered sequence (0001.png, 0002.png "
                                         "... without gaps or captions of their own); any other subfolder is read "
                                         "as images (the log says which was which)."),
