@@ -27,8 +27,8 @@ def parse_quantiles(text: str, name: str = "quantiles", allow_empty: bool = Fals
 
 
 def check_new_evaluation(draft: RunSpec, model, datasets, node) -> None:
-    """An evaluation's refusals before its MODEL is handed off (runner.node_run.TASK_RUNS): a dataset whose
-    reference images or sound the MODEL's family cannot take."""
+    """An evaluation's refusals before its MODEL is handed off (runner.node_run.TASK_RUNS): a dataset the MODEL's
+    family cannot take (train_run.check_dataset_for_model)."""
     check_dataset_for_model(model, datasets.train, node.title)
 
 

@@ -92,8 +92,8 @@ def timed(function, *args):
 
 def check_new_training(draft, model, datasets, node):
     """A new Train LoRA run's refusals before anything is written: what the MODEL's family cannot honour (its
-    settings, the dataset's reference images and sound), and prior images the trainer could not mix into the
-    training batches."""
+    settings; a dataset it cannot take: check_dataset_for_model), and prior images the trainer could not mix into
+    the training batches."""
     check_family_settings(model, draft.train, draft.adapter, draft.output.format, draft.distributed, title=node.title)
     check_dataset_for_model(model, datasets.train, node.title)
     if datasets.eval is not None:

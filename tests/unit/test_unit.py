@@ -969,7 +969,8 @@ def test_pixart_is_refused_below_the_size_its_position_embedding_divides_by_zero
 def test_hunyuan_video_is_refused_at_sizes_its_unpadded_patches_do_not_divide():
     """ComfyUI's HunyuanVideo cuts the 8x latent into 2x2 patches without padding: 72 px items (a multiple of 8,
     which the dataset allows with buckets off) failed at the first step with a shape error; they are refused at
-    start-up naming the size and 16 px, and by the node at queue time. HunyuanVideo 1.5's 1x1 patches take them."""
+    start-up naming the size and 16 px, and by the node at queue time. The rule is HunyuanVideo 1's: 1.5's 1x1
+    patches never refuse (its 16x VAE's own crop sets its sizes)."""
     from ingraph_trainer.trainer.data.dataset_checks import check_dataset_for_family
     from ingraph_trainer.trainer.models.base import UnsupportedSetting
     from ingraph_trainer.trainer.models.hunyuan_video import HunyuanVideo15Family, HunyuanVideoFamily

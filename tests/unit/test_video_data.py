@@ -543,8 +543,12 @@ def test_a_dataset_cached_for_another_model_is_refused_at_queue_time_before_the_
     from ingraph_trainer.runner.session import RunDatasets
     from ingraph_trainer.trainer.spec import RunSpec, TrainSpec
 
-    class Family:  # an image model that takes the stand-in VAE's 4 channels and 8-wide text (SyntheticClip's)
-        display_name, reference_input, latent_channels, latent_ndim = "SDXL", None, 4, 4
+    from ingraph_trainer.trainer.models.flux import FluxFamily
+    from ingraph_trainer.trainer.models.wan import WanFamily
+
+    class Family:  # an image model (its batches' dims, Flux's and SDXL's) that takes the stand-in VAE's 4 channels
+        display_name, reference_input, latent_channels = "SDXL", None, 4  # and SyntheticClip's 8-wide text
+        latent_ndim = FluxFamily.latent_ndim
         text_input_layer, diffusion_model = r"^txt_in$", torch.nn.ModuleDict({"txt_in": torch.nn.Linear(8, 2)})
 
         def read_dataset(self, dataset):
@@ -583,7 +587,7 @@ def test_a_dataset_cached_for_another_model_is_refused_at_queue_time_before_the_
     with pytest.raises(ValueError, match=r"dataset: its latents are a video VAE's \(\[C, T, H, W\]: \[4, 3, "):
         queued(Family(), datasets["clip"])
     video = Family()
-    video.display_name, video.latent_ndim = "Wan", 5
+    video.display_name, video.latent_ndim = "Wan", WanFamily.latent_ndim
     with pytest.raises(HandedOff):
         queued(video, datasets["clip"])
     wide = Family()

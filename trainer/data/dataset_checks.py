@@ -111,20 +111,24 @@ def _check_encoders(dataset, family, where: str, cache_root=None):
 def _first_item_shapes(part, cache_root):
     """(latent shape, caption embedding shape) of a dataset part's first item, from its cache shards' headers: a
     cached dataset's (the trainer's), or the graph's TrainingDataset's under `cache_root` (the node's, at queue
-    time: a shard missing or damaged there is left to the trainer's verified read to name). None: nothing cached."""
+    time: a shard missing or damaged there is left to the trainer's verified read to name). None: nothing cached,
+    or shards that hold no latent or embedding (the pack writes none such)."""
     from ...cache.shards import shard_shapes
     from .loading import CachedDataset
     if isinstance(part, CachedDataset):
-        return (shard_shapes(part.root, "latent", part.latent_keys[0])["latent"],
-                shard_shapes(part.root, "text", part.text_keys[0])["cond"]) if len(part) else None
-    item = next(iter(getattr(part, "items", ())), None)
-    if cache_root is None or item is None or not (item.latent and item.text):
+        root, keys = part.root, (part.latent_keys[:1], part.text_keys[:1])
+    else:
+        item = next(iter(getattr(part, "items", ())), None) if cache_root is not None else None
+        root, keys = cache_root, ([item.latent], [item.text]) if item is not None else ([], [])
+    if root is None or not all(k and k[0] for k in keys):
         return None
     try:
-        return (shard_shapes(cache_root, "latent", item.latent)["latent"],
-                shard_shapes(cache_root, "text", item.text)["cond"])
+        latent, text = shard_shapes(root, "latent", keys[0][0]), shard_shapes(root, "text", keys[1][0])
     except ValueError:
+        if isinstance(part, CachedDataset):
+            raise  # the trainer's: names the shard missing or damaged
         return None
+    return (latent["latent"], text["cond"]) if "latent" in latent and "cond" in text else None
 
 
 def latent_channels(family) -> int:
