@@ -95,9 +95,10 @@ def _check_encoders(dataset, family, where: str, cache_root=None):
                                      f"this {family.display_name} model takes an image VAE's [C, H, W]: they were "
                                      "cached with another model's VAE; connect this model's own VAE to Cache Latents' "
                                      "vae and cache them again")
-        if latent[0] != latent_channels(family):
+        channels = latent_channels(family)
+        if latent[0] != channels:
             raise UnsupportedSetting(f"{name}: its latents have {latent[0]} channels, and this "
-                                     f"{family.display_name} model takes {latent_channels(family)}: they were cached "
+                                     f"{family.display_name} model takes {channels}: they were cached "
                                      "with another model's VAE; connect this model's own VAE to Cache Latents' vae "
                                      "and cache them again")
         expected = text_width(family)
@@ -115,18 +116,19 @@ def _first_item_shapes(part, cache_root):
     or shards that hold no latent or embedding (the pack writes none such)."""
     from ...cache.shards import shard_shapes
     from .loading import CachedDataset
-    if isinstance(part, CachedDataset):
-        root, keys = part.root, (part.latent_keys[:1], part.text_keys[:1])
+    trainers = isinstance(part, CachedDataset)
+    if trainers:
+        root, keys = part.root, (part.latent_keys[0], part.text_keys[0]) if len(part) else ("", "")
     else:
         item = next(iter(getattr(part, "items", ())), None) if cache_root is not None else None
-        root, keys = cache_root, ([item.latent], [item.text]) if item is not None else ([], [])
-    if root is None or not all(k and k[0] for k in keys):
+        root, keys = cache_root, (item.latent, item.text) if item is not None else ("", "")
+    if not all(keys):
         return None
     try:
-        latent, text = shard_shapes(root, "latent", keys[0][0]), shard_shapes(root, "text", keys[1][0])
+        latent, text = shard_shapes(root, "latent", keys[0]), shard_shapes(root, "text", keys[1])
     except ValueError:
-        if isinstance(part, CachedDataset):
-            raise  # the trainer's: names the shard missing or damaged
+        if trainers:
+            raise  # names the shard missing or damaged
         return None
     return (latent["latent"], text["cond"]) if "latent" in latent and "cond" in text else None
 
