@@ -151,14 +151,15 @@ def test_zero_stages_match_zero_0(prepared, two_process_zero0, stage):
         assert (started["memory_plan"]["host_parts"].get("offloaded weights", 0) > 0) == bool(offload)
 
 
-@pytest.mark.parametrize("zero_stage", [0, 3])
-def test_two_process_stop_then_resume_matches_uninterrupted(prepared, two_process_zero0, zero_stage):
-    """Rank 0 reads STOP and both ranks follow it: the same step saved, exit 0; the resumed run is exact. Under
-    ZeRO-3 both launches load their weights into partitions (none offloaded), and the steps before and after the
-    stop follow ZeRO-0's to 1e-5 (the layouts' parity bound: ZeRO-3's parity with ZeRO-0, as the other stages'
-    above)."""
+def test_two_process_stop_then_resume_matches_uninterrupted(prepared, two_process_zero0):
+    """Rank 0 reads STOP and both ranks follow it: the same step saved, exit 0. Under ZeRO-3, so both launches load
+    their weights into partitions (none offloaded) and the resume reads each process's partition of the checkpoint;
+    the steps before and after the stop follow ZeRO-0's uninterrupted run to 1e-5 (the layouts' parity bound, as the
+    other stages' above: a resume a batch or a noise draw off is off by far more). One stop and resume, not one per
+    stage (suite time): ZeRO-0's resume reads the same sampler and random state, and a one-process resume is held
+    to the bit (test_plain_engine, test_trainer_program)."""
     from ingraph_trainer.runner.launcher import deepspeed_launch_command
-    spec = prepared(**COMMON, distributed__processes=2, distributed__zero_stage=zero_stage)
+    spec = prepared(**COMMON, distributed__processes=2, distributed__zero_stage=3)
     run_dir = spec.parent
     proc = subprocess.Popen([*deepspeed_launch_command(sys.executable, 2), TRAINER, "--config", str(spec)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -185,17 +186,12 @@ def test_two_process_stop_then_resume_matches_uninterrupted(prepared, two_proces
     assert len(started) == 2 and started[-1]["start_step"] == 1
     finished = [e for e in read_events(run_dir) if e["type"] == "finished"]
     assert finished[-1]["stopped"] is False and finished[-1]["steps"] == 5
-    if zero_stage == 3:
-        assert all(e["load_memory"].get("partitioned") is True for e in started)
-        assert not any(e["memory_plan"]["host_parts"].get("offloaded weights", 0) for e in started)
-        ref, got = step_losses(two_process_zero0), step_losses(run_dir)
-        assert len(ref) == len(got) == 5  # step 1 before the stop, steps 2-5 after the resume
-        assert max(abs(a - b) for a, b in zip(ref, got)) < 1e-5, (ref, got)
-        adapters_agree(two_process_zero0, run_dir)
-        return
-    a, b = load_file(two_process_zero0 / "lora.safetensors"), load_file(run_dir / "lora.safetensors")
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
+    assert all(e["load_memory"].get("partitioned") is True for e in started)
+    assert not any(e["memory_plan"]["host_parts"].get("offloaded weights", 0) for e in started)
+    ref, got = step_losses(two_process_zero0), step_losses(run_dir)
+    assert len(ref) == len(got) == 5  # step 1 before the stop, steps 2-5 after the resume
+    assert max(abs(a - b) for a, b in zip(ref, got)) < 1e-5, (ref, got)
+    adapters_agree(two_process_zero0, run_dir)
 
 
 def _free_port() -> int:
