@@ -36,11 +36,15 @@ def losses_through_stages(family, batch, layers):
 def assert_stages_compute_the_models_loss(family, batch) -> None:
     """Through stage boundaries the pipeline layers give the model's own per-sample loss (to 1e-6), backward
     crosses every boundary as the engine's does, and each layer computes with its own weights only (and no weight
-    is held by two layers). The family's text_input_layer, where it names one, reads the width of the batch's text
-    (the start-up check's: trainer.data.dataset_checks.text_width)."""
-    from ingraph_trainer.trainer.data.dataset_checks import text_width
+    is held by two layers). The family's text_input_layer, where it names one, reads the width of the batch's text,
+    and its pooled_input_layer that of the batch's pooled vector where the model takes one (the start-up check's:
+    trainer.data.dataset_checks.text_width, pooled_width)."""
+    from ingraph_trainer.trainer.data.dataset_checks import pooled_width, text_width
     if family.text_input_layer:  # the start-up check reads the text width this model takes where this batch runs
         assert text_width(family) == batch.cond.shape[-1], (family.name, text_width(family), batch.cond.shape)
+    model = family.diffusion_model
+    if batch.pooled is not None and (getattr(model, "vector_in", None) or getattr(model, "y_embedder", None)):
+        assert pooled_width(family) == batch.pooled.shape[-1], (family.name, pooled_width(family), batch.pooled.shape)
     with torch.no_grad():
         expected = family.loss(batch, reduce=False)
     layers = family.pipeline_layers()

@@ -611,6 +611,52 @@ def test_a_dataset_cached_for_another_model_is_refused_at_queue_time_before_the_
             check_dataset_for_family(dataset, family)
 
 
+def test_captions_whose_pooled_vector_is_narrower_than_the_model_takes_are_refused(tmp_path, monkeypatch):
+    """Flux's T5 and CLIP-L captions for an SD3 model: the same 4096-wide embeddings, pooled vectors of 768 for its
+    2048, which failed in its y_embedder at the first step. The pooled vector's width is read from the first item's
+    text shard, by the trainer (data.manifest) and by the node at queue time (the graph's dataset in its cache); one
+    as wide passes, and so does a wider one (Flux's and HunyuanVideo's models read its first part, as ComfyUI's
+    sampler gives it), and captions without one (the model then takes none)."""
+    from ingraph_trainer.trainer.data.dataset_checks import check_dataset_for_family
+    from ingraph_trainer.trainer.data.loading import load_cached_dataset
+    from ingraph_trainer.trainer.models.base import UnsupportedSetting
+    from ingraph_trainer.trainer.models.sd3 import SD3Family
+
+    class PooledClip(SyntheticClip):
+        def get_sd(self):  # another text encoder: its captions' cache keys are its own
+            return {"w": torch.ones(2)}
+
+        def encode_from_tokens(self, text, return_pooled=True, return_dict=True):
+            return {**super().encode_from_tokens(text), "pooled_output": torch.ones(1, 4)}
+
+    def family_taking(pooled: int):
+        family = type("SD3", (), {"display_name": "SD3", "latent_channels": 4, "latent_ndim": 4,
+                                  "reference_input": None, "text_input_layer": SD3Family.text_input_layer,
+                                  "pooled_input_layer": SD3Family.pooled_input_layer})()
+        family.diffusion_model = torch.nn.ModuleDict({  # SD3's layers' names: their widths are read
+            "context_embedder": torch.nn.Linear(8, 2),
+            "y_embedder": torch.nn.ModuleDict({"mlp": torch.nn.Sequential(torch.nn.Linear(pooled, 2))})})
+        return family
+    store = CacheStore(tmp_path / "cache")
+    (tmp_path / "images").mkdir()
+    write_image(tmp_path / "images" / "cat.png")
+    dataset, _, _ = cached(tmp_path / "images", store, ImageVAE())
+    graph = {name: encode_text(dataset, clip, store)[0] for name, clip in (("pooled", PooledClip()),
+                                                                          ("none", SyntheticClip()))}
+    store.close()
+    for name, part in graph.items():
+        manifest = load_cached_dataset(str(write_manifest(tmp_path / f"{name}.json", part, tmp_path / "cache")))
+        for dataset, where, root in ((manifest, "data.manifest", None), (part, "dataset", tmp_path / "cache")):
+            for pooled in (4, 2):
+                check_dataset_for_family(dataset, family_taking(pooled), where, cache_root=root)
+            if name == "none":
+                check_dataset_for_family(dataset, family_taking(6), where, cache_root=root)
+                continue
+            with pytest.raises(UnsupportedSetting, match=f"^{where}: its captions' pooled vectors are 4 wide, and "
+                                                         "this SD3 model takes 6: .*Cache Text Embeddings' clip"):
+                check_dataset_for_family(dataset, family_taking(6), where, cache_root=root)
+
+
 # --- through the graph ----------------------------------------------------------------------------------------
 
 @pytest.mark.comfyui

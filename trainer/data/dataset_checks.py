@@ -82,14 +82,16 @@ def _check_encoders(dataset, family, where: str, cache_root=None):
     """Latents cached with another model's VAE (an SDXL VAE's 4 channels for a Flux model's 16, a Wan VAE's video
     latents for a Flux model's image latents), or captions encoded with another model's text encoder (SD1.x's
     CLIP-L, 768 wide, for SDXL's 2048), are refused naming the setting and the fix: they failed at the first step
-    with a layer's shape error. Read from the first item's shard headers; the text where the family names the layer
-    its text embedding enters (ModelFamily.text_input_layer)."""
+    with a layer's shape error; so are pooled vectors narrower than the model takes (Flux's T5 and CLIP-L captions
+    for an SD3 model: the same 4096-wide embeddings, but pooled vectors of 768 for its 2048). Read from the first
+    item's shard headers; the text where the family names the layer its text embedding and pooled vector enter
+    (ModelFamily.text_input_layer, pooled_input_layer)."""
     from ..models.base import UnsupportedSetting
     for part, name in _parts(dataset, where):
         shapes = _first_item_shapes(part, cache_root)
         if shapes is None:
             continue
-        latent, text = shapes  # [C, H, W] (a video VAE's [C, T, H, W]); [tokens, width]
+        latent, text, pooled = shapes  # [C, H, W] (a video VAE's [C, T, H, W]); [tokens, width]; [width] or None
         if len(latent) + 1 > family.latent_ndim:  # (a batch's dims: the model's forward failed unpacking them)
             raise UnsupportedSetting(f"{name}: its latents are a video VAE's ([C, T, H, W]: {list(latent)}), and "
                                      f"this {family.display_name} model takes an image VAE's [C, H, W]: they were "
@@ -101,19 +103,22 @@ def _check_encoders(dataset, family, where: str, cache_root=None):
                                      f"{family.display_name} model takes {channels}: they were cached "
                                      "with another model's VAE; connect this model's own VAE to Cache Latents' vae "
                                      "and cache them again")
-        expected = text_width(family)
-        if expected is not None and text[-1] != expected:
-            raise UnsupportedSetting(f"{name}: its captions' embeddings are {text[-1]} wide, and this "
-                                     f"{family.display_name} model takes {expected}: they were encoded with another "
-                                     "model's text encoder; connect this model's own CLIP to Cache Text Embeddings' "
-                                     "clip and encode them again")
+        # a pooled vector wider than the model takes is read in part, as ComfyUI's sampler gives it (Flux's and
+        # HunyuanVideo's models take its first 768: SD3's captions' CLIP-L part); a narrower one fails its layer
+        for what, shape, expected, wrong in (("embeddings", text, text_width(family), int.__ne__),
+                                             ("pooled vectors", pooled, pooled_width(family), int.__lt__)):
+            if expected is not None and shape is not None and wrong(int(shape[-1]), expected):
+                raise UnsupportedSetting(f"{name}: its captions' {what} are {shape[-1]} wide, and this "
+                                         f"{family.display_name} model takes {expected}: they were encoded with "
+                                         "another model's text encoder; connect this model's own CLIP to Cache Text "
+                                         "Embeddings' clip and encode them again")
 
 
 def _first_item_shapes(part, cache_root):
-    """(latent shape, caption embedding shape) of a dataset part's first item, from its cache shards' headers: a
-    cached dataset's (the trainer's), or the graph's TrainingDataset's under `cache_root` (the node's, at queue
-    time: a shard missing or damaged there is left to the trainer's verified read to name). None: nothing cached,
-    or shards that hold no latent or embedding (the pack writes none such)."""
+    """(latent shape, caption embedding shape, pooled vector shape or None) of a dataset part's first item, from its
+    cache shards' headers: a cached dataset's (the trainer's), or the graph's TrainingDataset's under `cache_root`
+    (the node's, at queue time: a shard missing or damaged there is left to the trainer's verified read to name).
+    None: nothing cached, or shards that hold no latent or embedding (the pack writes none such)."""
     from ...cache.shards import shard_shapes
     from .loading import CachedDataset
     trainers = isinstance(part, CachedDataset)
@@ -130,7 +135,7 @@ def _first_item_shapes(part, cache_root):
         if trainers:
             raise  # names the shard missing or damaged
         return None
-    return (latent["latent"], text["cond"]) if "latent" in latent and "cond" in text else None
+    return (latent["latent"], text["cond"], text.get("pooled")) if "latent" in latent and "cond" in text else None
 
 
 def latent_channels(family) -> int:
@@ -143,8 +148,18 @@ def latent_channels(family) -> int:
 def text_width(family) -> int | None:
     """The width of the text embedding the family's model takes: the in_features of its text_input_layer, or None
     where the family names none (the generic family's models, text through connectors: LTX-2)."""
+    return _input_width(family, getattr(family, "text_input_layer", None))
+
+
+def pooled_width(family) -> int | None:
+    """The width of the pooled text vector the family's model takes (Flux's and HunyuanVideo's CLIP-L 768, SD3's
+    2048): the in_features of its pooled_input_layer; None where the family names none or its model has no such
+    layer (Flux.2, Chroma, HunyuanVideo 1.5)."""
+    return _input_width(family, getattr(family, "pooled_input_layer", None))
+
+
+def _input_width(family, pattern: str | None) -> int | None:
     import re
-    pattern = getattr(family, "text_input_layer", None)
     if not pattern:
         return None
     return next((m.in_features for n, m in family.diffusion_model.named_modules() if re.search(pattern, n)), None)

@@ -72,6 +72,7 @@ class ModelFamily:
     latent_ndim = 4  # dims of a latent batch the diffusion model takes (5: video models, B C T H W)
     latent_channels: int | None = None  # of the (video) latents its model takes; None: its latent format's (its VAE's)
     text_input_layer: str | None = None  # (regex) the first layer taking the text embedding: its width; None: unread
+    pooled_input_layer: str | None = None  # (regex) the layer taking the pooled text vector: its width; None: unread
     # how the model takes an item's reference images (Batch.references): None (it takes none),
     # "reference_latents" (Flux Kontext, Qwen-Image-Edit: ComfyUI's ReferenceLatent conditioning) or
     # "start_image" (Wan image-to-video: the concat latent and mask WanImageToVideo builds)

@@ -13,6 +13,7 @@ FEED_FORWARD = (r"joint_blocks\.\d+\.(context_block|x_block)\.mlp\.fc[12]$",)
 class SD3Family(ModelFamily):
     name = "sd3"
     text_input_layer = r"^context_embedder$"
+    pooled_input_layer = r"^y_embedder\.mlp\.0$"  # CLIP-L's and CLIP-G's pooled vectors, joined
     display_name = "SD3"
     base_model_version = "sd3"
     target_patterns = {"attention": ATTENTION, "attention_ff": ATTENTION + FEED_FORWARD}
