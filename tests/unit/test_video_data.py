@@ -611,15 +611,19 @@ def test_a_dataset_cached_for_another_model_is_refused_at_queue_time_before_the_
             check_dataset_for_family(dataset, family)
 
 
-def test_captions_whose_pooled_vector_is_narrower_than_the_model_takes_are_refused(tmp_path, monkeypatch):
+def test_captions_whose_pooled_vector_the_model_cannot_take_are_refused(tmp_path):
     """Flux's T5 and CLIP-L captions for an SD3 model: the same 4096-wide embeddings, pooled vectors of 768 for its
     2048, which failed in its y_embedder at the first step. The pooled vector's width is read from the first item's
-    text shard, by the trainer (data.manifest) and by the node at queue time (the graph's dataset in its cache); one
-    as wide passes, and so does a wider one (Flux's and HunyuanVideo's models read its first part, as ComfyUI's
-    sampler gives it), and captions without one (the model then takes none)."""
+    text shard, by the trainer (data.manifest) and by the node at queue time (the graph's dataset in its cache). One
+    as wide passes, and so do captions without one (the model then takes none). A wider one is refused for SD3,
+    whose model takes it whole, and passes for Flux and HunyuanVideo, whose models read its first part, as
+    ComfyUI's sampler gives it; a narrower one is refused for all."""
+    from ingraph_trainer.cache.shards import shard_shapes
     from ingraph_trainer.trainer.data.dataset_checks import check_dataset_for_family
     from ingraph_trainer.trainer.data.loading import load_cached_dataset
     from ingraph_trainer.trainer.models.base import UnsupportedSetting
+    from ingraph_trainer.trainer.models.flux import FluxFamily
+    from ingraph_trainer.trainer.models.hunyuan_video import HunyuanVideoFamily
     from ingraph_trainer.trainer.models.sd3 import SD3Family
 
     class PooledClip(SyntheticClip):
@@ -629,13 +633,20 @@ def test_captions_whose_pooled_vector_is_narrower_than_the_model_takes_are_refus
         def encode_from_tokens(self, text, return_pooled=True, return_dict=True):
             return {**super().encode_from_tokens(text), "pooled_output": torch.ones(1, 4)}
 
-    def family_taking(pooled: int):
-        family = type("SD3", (), {"display_name": "SD3", "latent_channels": 4, "latent_ndim": 4,
-                                  "reference_input": None, "text_input_layer": SD3Family.text_input_layer,
-                                  "pooled_input_layer": SD3Family.pooled_input_layer})()
-        family.diffusion_model = torch.nn.ModuleDict({  # SD3's layers' names: their widths are read
-            "context_embedder": torch.nn.Linear(8, 2),
-            "y_embedder": torch.nn.ModuleDict({"mlp": torch.nn.Sequential(torch.nn.Linear(pooled, 2))})})
+    def taking(real, pooled: int):  # the family's rules, on a model whose layers have its layers' names
+        family = type(real.display_name, (), {
+            "display_name": real.display_name, "latent_channels": 4, "latent_ndim": 4, "reference_input": None,
+            "text_input_layer": r"^txt$", "pooled_input_layer": real.pooled_input_layer,
+            "pooled_read_in_part": real.pooled_read_in_part})()
+        pooled_layer = {SD3Family: ("y_embedder", "mlp", "0")}.get(real, ("vector_in", "in_layer"))
+        model = torch.nn.Module()
+        model.txt = torch.nn.Linear(8, 2)
+        parent = model
+        for name in pooled_layer[:-1]:
+            parent.add_module(name, torch.nn.Module())
+            parent = getattr(parent, name)
+        parent.add_module(pooled_layer[-1], torch.nn.Linear(pooled, 2))
+        family.diffusion_model = model
         return family
     store = CacheStore(tmp_path / "cache")
     (tmp_path / "images").mkdir()
@@ -646,15 +657,20 @@ def test_captions_whose_pooled_vector_is_narrower_than_the_model_takes_are_refus
     store.close()
     for name, part in graph.items():
         manifest = load_cached_dataset(str(write_manifest(tmp_path / f"{name}.json", part, tmp_path / "cache")))
+        shapes = shard_shapes(tmp_path / "cache", "text", part.items[0].text)
+        assert ("pooled" in shapes) == (name == "pooled"), shapes  # what the captions carry
         for dataset, where, root in ((manifest, "data.manifest", None), (part, "dataset", tmp_path / "cache")):
-            for pooled in (4, 2):
-                check_dataset_for_family(dataset, family_taking(pooled), where, cache_root=root)
-            if name == "none":
-                check_dataset_for_family(dataset, family_taking(6), where, cache_root=root)
-                continue
-            with pytest.raises(UnsupportedSetting, match=f"^{where}: its captions' pooled vectors are 4 wide, and "
-                                                         "this SD3 model takes 6: .*Cache Text Embeddings' clip"):
-                check_dataset_for_family(dataset, family_taking(6), where, cache_root=root)
+            for real in (SD3Family, FluxFamily, HunyuanVideoFamily):
+                check_dataset_for_family(dataset, taking(real, 4), where, cache_root=root)
+                # 6: narrower than the model takes; 2: wider (read in part by Flux's and HunyuanVideo's models)
+                refused = set() if name == "none" else {6, 2} if real is SD3Family else {6}
+                for pooled in (6, 2):
+                    if pooled not in refused:
+                        check_dataset_for_family(dataset, taking(real, pooled), where, cache_root=root)
+                        continue
+                    with pytest.raises(UnsupportedSetting, match=f"^{where}: its captions' pooled vectors are 4 wide, "
+                                       f"and this {real.display_name} model takes {pooled}: .*Cache Text Embeddings'"):
+                        check_dataset_for_family(dataset, taking(real, pooled), where, cache_root=root)
 
 
 # --- through the graph ----------------------------------------------------------------------------------------

@@ -82,10 +82,11 @@ def _check_encoders(dataset, family, where: str, cache_root=None):
     """Latents cached with another model's VAE (an SDXL VAE's 4 channels for a Flux model's 16, a Wan VAE's video
     latents for a Flux model's image latents), or captions encoded with another model's text encoder (SD1.x's
     CLIP-L, 768 wide, for SDXL's 2048), are refused naming the setting and the fix: they failed at the first step
-    with a layer's shape error; so are pooled vectors narrower than the model takes (Flux's T5 and CLIP-L captions
-    for an SD3 model: the same 4096-wide embeddings, but pooled vectors of 768 for its 2048). Read from the first
-    item's shard headers; the text where the family names the layer its text embedding and pooled vector enter
-    (ModelFamily.text_input_layer, pooled_input_layer)."""
+    with a layer's shape error; so are pooled vectors of another width (Flux's T5 and CLIP-L captions for an SD3
+    model: the same 4096-wide embeddings, but pooled vectors of 768 for its 2048), but for a wider one where the
+    model reads its first part (ModelFamily.pooled_read_in_part). Read from the first item's shard headers; the
+    text where the family names the layer its text embedding and pooled vector enter (ModelFamily.text_input_layer,
+    pooled_input_layer)."""
     from ..models.base import UnsupportedSetting
     for part, name in _parts(dataset, where):
         shapes = _first_item_shapes(part, cache_root)
@@ -103,10 +104,11 @@ def _check_encoders(dataset, family, where: str, cache_root=None):
                                      f"{family.display_name} model takes {channels}: they were cached "
                                      "with another model's VAE; connect this model's own VAE to Cache Latents' vae "
                                      "and cache them again")
-        # a pooled vector wider than the model takes is read in part, as ComfyUI's sampler gives it (Flux's and
-        # HunyuanVideo's models take its first 768: SD3's captions' CLIP-L part); a narrower one fails its layer
+        # a pooled vector wider than the model takes is read in part where its model slices it, as ComfyUI's sampler
+        # gives it (Flux's and HunyuanVideo's take the first 768: SD3's captions' CLIP-L part); SD3's takes it whole
+        pooled_wrong = int.__lt__ if getattr(family, "pooled_read_in_part", False) else int.__ne__
         for what, shape, expected, wrong in (("embeddings", text, text_width(family), int.__ne__),
-                                             ("pooled vectors", pooled, pooled_width(family), int.__lt__)):
+                                             ("pooled vectors", pooled, pooled_width(family), pooled_wrong)):
             if expected is not None and shape is not None and wrong(int(shape[-1]), expected):
                 raise UnsupportedSetting(f"{name}: its captions' {what} are {shape[-1]} wide, and this "
                                          f"{family.display_name} model takes {expected}: they were encoded with "

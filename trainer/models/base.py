@@ -73,6 +73,7 @@ class ModelFamily:
     latent_channels: int | None = None  # of the (video) latents its model takes; None: its latent format's (its VAE's)
     text_input_layer: str | None = None  # (regex) the first layer taking the text embedding: its width; None: unread
     pooled_input_layer: str | None = None  # (regex) the layer taking the pooled text vector: its width; None: unread
+    pooled_read_in_part = False  # whether its model reads the first part of a wider pooled vector (Flux's y[:, :768])
     # how the model takes an item's reference images (Batch.references): None (it takes none),
     # "reference_latents" (Flux Kontext, Qwen-Image-Edit: ComfyUI's ReferenceLatent conditioning) or
     # "start_image" (Wan image-to-video: the concat latent and mask WanImageToVideo builds)
@@ -84,8 +85,7 @@ class ModelFamily:
     # whether the model's extra_conds reads the text encoder's attention mask (Batch.text_mask), which it is then
     # handed where cached (batch_mix refuses pipeline stages, which do not carry it)
     reads_text_mask = False
-    # whether the model takes an audio stream beside the video (Batch.audio): a dataset with audio latents is
-    # refused for a family without one, before the first step
+    # whether the model takes an audio stream beside the video (Batch.audio; a dataset with it is refused without)
     takes_audio = False
     needs_audio = False  # whether its model always generates sound (MiniMax H3): a dataset without any is refused
     reads_timestep_value = False  # whether its forward reads it (MiniMax H3's): the memory plan's meta pass gives it

@@ -22,6 +22,7 @@ class FluxFamily(ReferenceLatentsInput, ModelFamily):
     name = "flux"
     text_input_layer = r"^txt_in$"  # Flux.2's too
     pooled_input_layer = r"^vector_in\.in_layer$"  # CLIP-L's pooled vector (Flux.2 and Chroma take none)
+    pooled_read_in_part = True
     display_name = "Flux"
     base_model_version = "flux1"
     target_patterns = {"attention": ATTENTION, "attention_ff": ATTENTION + FEED_FORWARD}

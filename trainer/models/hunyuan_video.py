@@ -29,6 +29,7 @@ class HunyuanVideoFamily(ModelFamily):
     name = "hunyuan_video"
     text_input_layer = r"^txt_in\.input_embedder$"  # 1.5's too
     pooled_input_layer = r"^vector_in\.in_layer$"  # CLIP-L's pooled vector (1.5 takes none)
+    pooled_read_in_part = True
     display_name = "HunyuanVideo"
     base_model_version = "hunyuan_video"
     latent_ndim = 5
