@@ -23,8 +23,8 @@ sys.path.insert(1, str(REPO / "tests" / "helpers"))
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 # The suite runs several torch processes at once (the server, a run, the next run's standby warming, this session)
 # on a few cores. OpenMP's default wait spins a waiting thread for a while, burning the core another process's
-# thread needs; waiting asleep, a run's preview beside a warming standby took 0.7 s, not 3.6 s, and the starting
-# graphs' test 35 s, not 41 s (2 cores). The numbers are the same: only how an idle thread waits changes.
+# thread needs; waiting asleep, a tiny SDXL run's one-step preview beside a warming standby took 0.6 s, not 3.6 s,
+# and the ComfyUI 0.33 tier 386 s, not 421 s (2 cores). The numbers are the same: only how an idle thread waits.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from tools.comfy_server import ComfyServer, comfyui_available, comfyui_path  # noqa: E402
