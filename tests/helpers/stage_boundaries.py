@@ -43,7 +43,7 @@ def assert_stages_compute_the_models_loss(family, batch) -> None:
     if family.text_input_layer:  # the start-up check reads the text width this model takes where this batch runs
         assert text_width(family) == batch.cond.shape[-1], (family.name, text_width(family), batch.cond.shape)
     model = family.diffusion_model
-    if batch.pooled is not None and (getattr(model, "vector_in", None) or getattr(model, "y_embedder", None)):
+    if batch.pooled is not None and any(getattr(model, n, None) is not None for n in ("vector_in", "y_embedder")):
         assert pooled_width(family) == batch.pooled.shape[-1], (family.name, pooled_width(family), batch.pooled.shape)
     with torch.no_grad():
         expected = family.loss(batch, reduce=False)

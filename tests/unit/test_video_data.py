@@ -618,6 +618,8 @@ def test_captions_whose_pooled_vector_the_model_cannot_take_are_refused(tmp_path
     as wide passes, and so do captions without one (the model then takes none). A wider one is refused for SD3,
     whose model takes it whole, and passes for Flux and HunyuanVideo, whose models read its first part, as
     ComfyUI's sampler gives it; a narrower one is refused for all."""
+    from types import SimpleNamespace
+
     from ingraph_trainer.cache.shards import shard_shapes
     from ingraph_trainer.trainer.data.dataset_checks import check_dataset_for_family
     from ingraph_trainer.trainer.data.loading import load_cached_dataset
@@ -633,21 +635,15 @@ def test_captions_whose_pooled_vector_the_model_cannot_take_are_refused(tmp_path
         def encode_from_tokens(self, text, return_pooled=True, return_dict=True):
             return {**super().encode_from_tokens(text), "pooled_output": torch.ones(1, 4)}
 
-    def taking(real, pooled: int):  # the family's rules, on a model whose layers have its layers' names
-        family = type(real.display_name, (), {
-            "display_name": real.display_name, "latent_channels": 4, "latent_ndim": 4, "reference_input": None,
-            "text_input_layer": r"^txt$", "pooled_input_layer": real.pooled_input_layer,
-            "pooled_read_in_part": real.pooled_read_in_part})()
-        pooled_layer = {SD3Family: ("y_embedder", "mlp", "0")}.get(real, ("vector_in", "in_layer"))
-        model = torch.nn.Module()
-        model.txt = torch.nn.Linear(8, 2)
-        parent = model
-        for name in pooled_layer[:-1]:
-            parent.add_module(name, torch.nn.Module())
-            parent = getattr(parent, name)
-        parent.add_module(pooled_layer[-1], torch.nn.Linear(pooled, 2))
-        family.diffusion_model = model
-        return family
+    def taking(real, pooled: int):  # the family's rules, on a model whose pooled layer has its model's name
+        layer = torch.nn.Linear(pooled, 2)
+        takes_pooled = ({"y_embedder": torch.nn.ModuleDict({"mlp": torch.nn.Sequential(layer)})} if real is SD3Family
+                        else {"vector_in": torch.nn.ModuleDict({"in_layer": layer})})
+        return SimpleNamespace(
+            display_name=real.display_name, latent_channels=4, latent_ndim=4, reference_input=None,
+            text_input_layer=r"^txt$", pooled_input_layer=real.pooled_input_layer,
+            pooled_read_in_part=real.pooled_read_in_part,
+            diffusion_model=torch.nn.ModuleDict({"txt": torch.nn.Linear(8, 2), **takes_pooled}))
     store = CacheStore(tmp_path / "cache")
     (tmp_path / "images").mkdir()
     write_image(tmp_path / "images" / "cat.png")
