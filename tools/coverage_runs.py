@@ -47,7 +47,7 @@ def cache_batch(batch, cache_root: Path, name: str):
     def key(what: str) -> str:  # a cache key is a digest, as encoding.latent_key and text_key make them
         return hashlib.sha256(f"{name}/{what}".encode()).hexdigest()
     height, width = batch.latents.shape[-2:]
-    video = batch.latents.dim() == 5
+    video = batch.latents.dim() == 5 and batch.latents.shape[2] > 1  # (one latent frame: a video VAE's image)
     frames = 4 * (batch.latents.shape[2] - 1) + 1 if video else 0  # a 4x temporal VAE's frames for its latents
     store = CacheStore(cache_root)
     items = []

@@ -445,12 +445,15 @@ LATENT_SIDE = {"PixArtAlpha": 64, "PixArtSigma": 64, "ChromaRadiance": 32, "ZIma
 
 def latent_shape(family, kind: str, side: int = 8) -> tuple:
     """The latent batch a family's tiny model trains on: video models (a video family's, or the generic family on
-    a video class) on 3 latent frames; everything else on image latents (the family lays them out as its model
-    takes them: Qwen-Image's one-frame videos, say)."""
+    a video class) on 3 latent frames; everything else on image latents, one-frame videos where the model's VAE is a
+    video VAE (Qwen-Image's, Krea 2's: ComfyUI's VAE gives an image [C, 1, H, W] there, and the trainer refuses an
+    image VAE's latents for such a model)."""
     channels = VIDEO_CHANNELS_OF_CLASS.get(type(family.base_model.model_config).__name__,
                                            family.base_model.latent_format.latent_channels)
     video = family.name in VIDEO_FAMILIES or (family.name == "generic" and kind == "video")
-    return (2, channels, 3, 4, 8) if video else (2, channels, side, side)
+    if video:
+        return 2, channels, 3, 4, 8
+    return (2, channels, 1, side, side) if family.latent_ndim == 5 else (2, channels, side, side)
 
 
 def random_batch(family, builder: str, shape: tuple, generator):

@@ -763,7 +763,7 @@ def test_anima_trains_on_each_captions_t5_token_ids_as_comfyuis_sampler_reads_th
     clip = _tiny_anima_text_encoder()
     # the same number of Qwen3 tokens, not of T5 tokens (5 and 8, 5 and 7)
     captions = {"cat": "a cat on a mat", "dog": "an aardvark"}
-    dataset, cached, by_name = cached_captions(tmp_path, clip, captions, latent_channels=16)
+    dataset, cached, by_name = cached_captions(tmp_path, clip, captions, latent_channels=16, video=True)
     check_dataset_for_family(cached, family)
 
     conditioning = clip.encode_from_tokens(clip.tokenize(captions["cat"]), return_dict=True)  # CLIPTextEncode's

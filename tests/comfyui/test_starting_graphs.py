@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from conftest import CHECKPOINT_NAME, ON_COMFYUI_033, REPO, comfyui_path, comfyui_version, tiny_models
 from family_graphs import (EDIT_FOLDER, FAMILY_FOLDER, FAMILY_TINY_MODELS, IMAGE_TINY_MODELS, VAE_CHANNELS,
-                           merged, run_events)
+                           VIDEO_VAE_CHANNELS, merged, run_events)
 from family_graphs import family_models, image_family_models, video_model_files, video_models_in_server  # noqa: F401
 from tools.starting_graphs import RECIPES, api_graph, needs_comfyui
 
@@ -32,15 +32,15 @@ STAND_INS = {
     "start_sd15_lora": ("sd_unet", None, None, None, FAMILY_FOLDER),
     "start_sdxl_lora": ("sdxl", "tiny_sdxl.safetensors", "sdxl", "tiny_taesd4.safetensors", FAMILY_FOLDER),
     "start_flux_dev_lora_fp8": ("flux", "tiny_flux.safetensors", "flux", "tiny_taesd16.safetensors", FAMILY_FOLDER),
-    "start_wan22_5b_video_lora": ("wan", "tiny_wan22_ti2v.safetensors", "wan", VAE_CHANNELS[48], FAMILY_FOLDER),
+    "start_wan22_5b_video_lora": ("wan", "tiny_wan22_ti2v.safetensors", "wan", VIDEO_VAE_CHANNELS[48],
+                                  FAMILY_FOLDER),
     "start_qwen_image_edit_lora": ("qwen_image", "tiny_qwen_image.safetensors", "qwen_image",
                                    "tiny_wan_vae.safetensors", EDIT_FOLDER),
     # ComfyUI 0.33's: the tiny models are put in by day0_models below; Flux.2's VAE is the 128-channel TAE
     "start_flux2_dev_lora": ("flux2", "tiny_flux2.safetensors", "flux2", VAE_CHANNELS[128], FAMILY_FOLDER),
     "start_z_image_lora": ("lumina2", "tiny_z_image.safetensors", "z_image", VAE_CHANNELS[16], FAMILY_FOLDER),
-    # LTX-2: the tiny one that tests/helpers/family_graphs.py writes (sized by its file's metadata), Flux.2's TAE for the
-    # 128 latent channels, images as one-frame videos
-    "start_ltx2_video_lora": ("ltxav", "tiny_ltxav.safetensors", "ltxav", VAE_CHANNELS[128], FAMILY_FOLDER),
+    # LTX-2: the tiny one that tests/helpers/family_graphs.py writes (sized by its file's metadata), LTX-2's TAE
+    "start_ltx2_video_lora": ("ltxav", "tiny_ltxav.safetensors", "ltxav", VIDEO_VAE_CHANNELS[128], FAMILY_FOLDER),
 }
 # the recipes this ComfyUI loads (Flux.2 and Z-Image: 0.33 and later)
 HERE = sorted(name for name, recipe in RECIPES.items() if needs_comfyui(recipe) <= comfyui_version(comfyui_path()))
@@ -126,10 +126,6 @@ def with_tiny_stand_ins(name: str, graph: dict) -> dict:
     graph["8"]["inputs"].update(width=64, height=64, steps=1, every=1000)
     if name != "start_qwen_image_edit_lora":
         graph["8"]["inputs"]["cfg"] = 1.0
-    if vae in VAE_CHANNELS.values() and graph["1"]["inputs"]["unet_name"].startswith("tiny_wan"):
-        # the 48-channel stand-in VAE is an image TAESD, which cannot decode the video latent a preview makes
-        # (the real graph's Wan 2.2 VAE does); there is no tiny Wan 2.2 video VAE
-        del graph["8"], graph["9"]["inputs"]["previews"]
     graph["9"]["inputs"].update(steps=1, save_every=0, output_name=name, eval_items=0)
     return graph
 

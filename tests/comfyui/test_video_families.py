@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import ON_COMFYUI_033
-from family_graphs import REFERENCE_FOLDER, VAE_CHANNELS, VIDEO_MODELS, merged, run_events
+from family_graphs import REFERENCE_FOLDER, VIDEO_MODELS, VIDEO_VAE_CHANNELS, merged, run_events
 from family_graphs import bootstrap_comfy, sampling_graph, saved_latent, training_graph
 from family_graphs import video_model_files, video_models_in_server  # noqa: F401  (fixtures)
 from stage_boundaries import assert_stages_compute_the_models_loss
@@ -408,7 +408,7 @@ def test_every_video_family_trains_in_one_graph_and_loads_in_lora_loader(video_m
         _, _, _, name, variant, channels, text = VIDEO_MODELS[stem]
         model = {"class_type": "UNETLoader", "inputs": {"unet_name": f"{stem}.safetensors", "weight_dtype": "default"}}
         graph = training_graph("wan", f"video_{stem}", model=model, text_family=text)
-        graph["2"]["inputs"]["vae_name"] = VAE_CHANNELS[channels]
+        graph["2"]["inputs"]["vae_name"] = VIDEO_VAE_CHANNELS[channels]
         if variant not in (None, "t2v"):
             graph["4"]["inputs"]["folder"] = REFERENCE_FOLDER
         graphs[stem] = graph
@@ -490,7 +490,7 @@ def test_ltx2_trains_its_audio_stream_on_clips_with_sound_through_the_graph(vide
     talking_and_waving(folder, frames=16, fps=8)
     model = {"class_type": "UNETLoader", "inputs": {"unet_name": f"{stem}.safetensors", "weight_dtype": "default"}}
     graph = training_graph("wan", "ltx2_sound", model=model, text_family="ltxav")
-    graph["2"]["inputs"]["vae_name"] = VAE_CHANNELS[128]
+    graph["2"]["inputs"]["vae_name"] = VIDEO_VAE_CHANNELS[128]
     graph["4"]["inputs"].update(folder="ingraph_ltx2_sound", frame_buckets="1", fps=8.0)
     graph["20"] = {"class_type": "InGraphTestStandInAudioVAE", "inputs": {}}
     graph["5"]["inputs"]["audio_vae"] = ["20", 0]

@@ -172,20 +172,30 @@ def video_model_files(tmp_path_factory):
 
 
 REFERENCE_FOLDER = "ingraph_family_start"  # the family images, each with a start image (name.ref.png) beside it
-VAE_CHANNELS = {16: "tiny_taesd16.safetensors", 48: "tiny_taesd48.safetensors", 128: "tiny_taesd128.safetensors"}
+# latent width -> an image VAE (a TAESD) VAELoader loads by that name, for the image models
+VAE_CHANNELS = {16: "tiny_taesd16.safetensors", 128: "tiny_taesd128.safetensors"}
 if ON_COMFYUI_033:  # its 128-channel TAESD is Flux.2's (32 channels, 2x2 packed), which VAELoader knows by name only
     VAE_CHANNELS[128] = "taef2"
+# latent width -> a video VAE for the video models, whose latents are [C, T, H, W] (an image VAE's are refused):
+# ComfyUI 0.33's TAEHV (taew2_1, taew2_2, taeltx_2), 8x in space for 16 channels, 16x for 48, 32x for 128; 0.3.64
+# has none this small (the video-model graph tests that use them run on 0.33)
+VIDEO_VAE_CHANNELS = {16: "tiny_taehv16.safetensors", 48: "tiny_taehv48.safetensors",
+                      128: "tiny_taehv128.safetensors"}
 
 
 def write_tiny_vaes(comfy, names: dict[int, str]) -> None:
-    """A random-weight TAESD of each latent width in `names` (width -> VAELoader's name, VAE_CHANNELS') in the
-    server's models folders."""
+    """A random-weight VAE of each latent width in `names` (width -> VAELoader's name: VAE_CHANNELS' TAESDs,
+    VIDEO_VAE_CHANNELS' TAEHVs) in the server's models folders."""
     bootstrap_comfy()
     from comfy.taesd.taesd import TAESD
 
     from ingraph_trainer.trainer.models.base import init_weights
     from tools.tiny_models import _save
     for channels, name in names.items():
+        if name in VIDEO_VAE_CHANNELS.values():
+            from comfy.taesd.taehv import TAEHV  # (0.33 and later)
+            _save(init_weights(TAEHV(latent_channels=channels), 2).state_dict(), comfy.dir("models", "vae") / name)
+            continue
         taesd = init_weights(TAESD(latent_channels=channels), 2)
         if name == "taef2":  # VAELoader's image TAE: an encoder and a decoder file in vae_approx
             for part in ("encoder", "decoder"):
@@ -208,6 +218,8 @@ def video_models_in_server(comfy, video_model_files):
     for path in video_model_files.values():
         shutil.copy(path, unets / path.name)
     write_tiny_vaes(comfy, VAE_CHANNELS)
+    if ON_COMFYUI_033:
+        write_tiny_vaes(comfy, VIDEO_VAE_CHANNELS)
     plain, with_start = comfy.dir("input", FAMILY_FOLDER), comfy.dir("input", REFERENCE_FOLDER)
     for source in sorted(comfy.dir("input", IMAGE_FOLDER).iterdir())[:4]:  # two images and their captions
         (plain / source.name).write_bytes(source.read_bytes())

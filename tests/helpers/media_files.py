@@ -65,10 +65,11 @@ def write_image(path: Path, level: int = 128, size=(SIDE, SIDE)):
     return path
 
 
-def cached_captions(folder: Path, clip, captions: dict[str, str], latent_channels: int = 4):
+def cached_captions(folder: Path, clip, captions: dict[str, str], latent_channels: int = 4, video: bool = False):
     """A folder of one flat image per caption (name.png beside name.txt), cached through the pack's own Cache Latents
-    (a stand-in VAE giving zero latents: the captions are the point) and Cache Text Embeddings with `clip`:
-    (the graph's dataset, the trainer's CachedDataset of its manifest, item index by name)."""
+    (a stand-in VAE giving zero latents: the captions are the point; a video VAE's one-frame [C, 1, H, W] for a video
+    model) and Cache Text Embeddings with `clip`: (the graph's dataset, the trainer's CachedDataset of its manifest,
+    item index by name)."""
     import torch
     from PIL import Image
 
@@ -88,7 +89,7 @@ def cached_captions(folder: Path, clip, captions: dict[str, str], latent_channel
             return {"w": torch.ones(1)}
 
         def encode(self, pixels):
-            return torch.zeros(1, latent_channels, 8, 8)
+            return torch.zeros(1, latent_channels, *(1,) * video, 8, 8)
     store = CacheStore(folder / "cache")
     dataset = scan_image_folder(images, buckets=BucketSettings(resolution=SIDE, enabled=False))
     dataset, _, _ = encode_latents(dataset, VAE(), store)

@@ -108,7 +108,7 @@ def test_ltxv_text_encoders_attention_mask_is_cached_beside_the_embedding_and_ba
         p.data.copy_(torch.randn(p.shape, generator=g))
     # 4 tokens padded to 128, and 256 tokens (T5 gives "cat" one token, then its end token): no padding
     captions = {"short": "a cat", "long": " ".join(["cat"] * 255)}
-    _, cached, by_name = cached_captions(tmp_path, clip, captions)
+    _, cached, by_name = cached_captions(tmp_path, clip, captions, video=True)
     manifest = str(tmp_path / "m.json")
     expected = {name: clip.encode_from_tokens(clip.tokenize(captions[name]),
                                               return_dict=True)["attention_mask"][0] for name in by_name}

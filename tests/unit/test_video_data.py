@@ -26,6 +26,9 @@ from ingraph_trainer.cache.video import clip_spans, parse_frame_buckets, probe_c
 class ImageVAE(VideoVAE):
     latent_dim = 2
 
+    def get_sd(self):  # another VAE: its latents are cached under other keys
+        return {"w": torch.ones(2)}
+
     def encode(self, pixels):
         self.encoded.append(pixels.shape[0])
         return torch.nn.functional.avg_pool2d(pixels.movedim(-1, 1), 8)[:, :1].repeat(1, 4, 1, 1)
@@ -435,7 +438,7 @@ def test_references_the_model_cannot_take_or_the_eval_set_lacks_are_refused_at_s
         for slot in ("ref", "ref2")[:references]:
             write_image(data / f"cat.{slot}.png", 90)
         store = CacheStore(tmp_path / "cache")
-        dataset, _, _ = cached(data, store, ImageVAE())
+        dataset, _, _ = cached(data, store, VideoVAE())  # the video model's own VAE
         dataset, _, _ = encode_text(dataset, SyntheticClip(), store)
         store.close()
         return str(write_manifest(tmp_path / f"{name}.json", dataset, tmp_path / "cache"))
@@ -494,23 +497,24 @@ def test_evaluate_refuses_references_the_model_cannot_take_before_anything_runs(
     write_image(data / "cat.ref.png", 90)
     write_image(data / "cat.ref2.png", 30)
     store = CacheStore(tmp_path / "cache")
-    dataset, _, _ = cached(data, store, ImageVAE())
-    dataset, _, _ = encode_text(dataset, SyntheticClip(), store)
+    dataset, video_dataset = ((encode_text(cached(data, store, vae)[0], SyntheticClip(), store)[0])
+                              for vae in (ImageVAE(), VideoVAE()))  # each model's own VAE's latents
     store.close()
-    assert dataset.reference_slots == 2
+    assert dataset.reference_slots == video_dataset.reference_slots == 2
 
     def handed_off(*_):
         raise AssertionError("the MODEL was handed off before the dataset was checked")
     monkeypatch.setattr(model_source, "release_comfy_models", handed_off)
     monkeypatch.setattr(GraphModel, "prediction", "epsilon")
     monkeypatch.setenv("INGRAPH_CACHE_DIR", str(tmp_path / "cache"))  # the node reads the shards' headers there
-    for family, refused in ((NoReferences(), "SDXL takes none"), (StartImage(), "takes one start image per item")):
+    for family, refused, graphs in ((NoReferences(), "SDXL takes none", dataset),
+                                    (StartImage(), "takes one start image per item", video_dataset)):
         monkeypatch.setattr(models, "family_for", lambda *_, f=family, **__: f)
         with pytest.raises(ValueError, match=f"Evaluate \\({family.display_name} model\\): dataset: its items carry "
                                              f"2 reference image.*{refused}"):
             run_task(RunSpec(task="evaluate", train=TrainSpec(steps=1, eval_quantiles=[0.5], batch_size=1,
                                                               precision="fp32")),
-                     SimpleNamespace(model=None), RunDatasets(dataset), None,
+                     SimpleNamespace(model=None), RunDatasets(graphs), None,
                      NodeCall("Evaluate", "1", None, lambda *_: print, lambda: None))
 
     # the trainer's evaluate task checks again (a run spec written by hand), before any event or model
@@ -584,12 +588,19 @@ def test_a_dataset_cached_for_another_model_is_refused_at_queue_time_before_the_
     with pytest.raises(ValueError, match=r"Evaluate \(Flux model\): dataset: its latents have 4 channels, and this "
                                          r"Flux model takes 16: .*connect this model's own VAE to Cache Latents' vae"):
         queued(flux, datasets["image"])
-    with pytest.raises(ValueError, match=r"dataset: its latents are a video VAE's \(\[C, T, H, W\]: \[4, 3, "):
+    with pytest.raises(ValueError, match=r"dataset: its latents are a video VAE's \[C, T, H, W\] \(\[4, 3, "
+                                         r".*and this SDXL model takes an image VAE's \[C, H, W\]"):
         queued(Family(), datasets["clip"])
     video = Family()
     video.display_name, video.latent_ndim = "Wan", WanFamily.latent_ndim
     with pytest.raises(HandedOff):
         queued(video, datasets["clip"])
+    # an image VAE's latents (a Flux VAE's for Qwen-Image or Wan) trained before, as one-frame videos of latents the
+    # model was never made for
+    with pytest.raises(ValueError, match=r"dataset: its latents are an image VAE's \[C, H, W\] \(\[4, 8, 8\]\), "
+                                         r"and this Wan model takes a video VAE's \[C, T, H, W\]: .*connect this "
+                                         r"model's own VAE to Cache Latents' vae"):
+        queued(video, datasets["image"])
     wide = Family()
     wide.diffusion_model = torch.nn.ModuleDict({"txt_in": torch.nn.Linear(16, 2)})
     with pytest.raises(ValueError, match=r"dataset: its captions' embeddings are 8 wide, and this SDXL model takes "
@@ -606,6 +617,7 @@ def test_a_dataset_cached_for_another_model_is_refused_at_queue_time_before_the_
     check_dataset_for_family(clip, video)
     for family, dataset, refused in ((flux, image, "its latents have 4 channels"),
                                      (Family(), clip, "its latents are a video VAE's"),
+                                     (video, image, "its latents are an image VAE's"),
                                      (wide, image, "its captions' embeddings are 8 wide")):
         with pytest.raises(UnsupportedSetting, match=f"^data.manifest: {re.escape(refused)}"):
             check_dataset_for_family(dataset, family)

@@ -82,22 +82,25 @@ def _check_encoders(dataset, family, where: str, cache_root=None):
     """Latents cached with another model's VAE (an SDXL VAE's 4 channels for a Flux model's 16, a Wan VAE's video
     latents for a Flux model's image latents), or captions encoded with another model's text encoder (SD1.x's
     CLIP-L, 768 wide, for SDXL's 2048), are refused naming the setting and the fix: they failed at the first step
-    with a layer's shape error; so are pooled vectors of another width (Flux's T5 and CLIP-L captions for an SD3
-    model: the same 4096-wide embeddings, but pooled vectors of 768 for its 2048), but for a wider one where the
-    model reads its first part (ModelFamily.pooled_read_in_part). Read from the first item's shard headers; the
-    text where the family names the layer its text embedding and pooled vector enter (ModelFamily.text_input_layer,
-    pooled_input_layer)."""
+    with a layer's shape error; so are a Flux VAE's image latents for a Qwen-Image or Wan model, which trained
+    without an error as one-frame videos of latents the model never sees (every VAE of a model on video latents
+    gives an image one frame: [C, 1, H, W]); so are pooled vectors of another width (Flux's T5 and CLIP-L captions
+    for an SD3 model: the same 4096-wide embeddings, but pooled vectors of 768 for its 2048), but for a wider one
+    where the model reads its first part (ModelFamily.pooled_read_in_part). Read from the first item's shard
+    headers; the text where the family names the layer its text embedding and pooled vector enter
+    (ModelFamily.text_input_layer, pooled_input_layer)."""
     from ..models.base import UnsupportedSetting
     for part, name in _parts(dataset, where):
         shapes = _first_item_shapes(part, cache_root)
         if shapes is None:
             continue
         latent, text, pooled = shapes  # [C, H, W] (a video VAE's [C, T, H, W]); [tokens, width]; [width] or None
-        if len(latent) + 1 > family.latent_ndim:  # (a batch's dims: the model's forward failed unpacking them)
-            raise UnsupportedSetting(f"{name}: its latents are a video VAE's ([C, T, H, W]: {list(latent)}), and "
-                                     f"this {family.display_name} model takes an image VAE's [C, H, W]: they were "
-                                     "cached with another model's VAE; connect this model's own VAE to Cache Latents' "
-                                     "vae and cache them again")
+        if len(latent) + 1 != family.latent_ndim:  # (a batch's dims, which the model takes)
+            kinds = {3: "an image VAE's [C, H, W]", 4: "a video VAE's [C, T, H, W]"}
+            raise UnsupportedSetting(f"{name}: its latents are {kinds.get(len(latent), 'of another VAE')} "
+                                     f"({list(latent)}), and this {family.display_name} model takes "
+                                     f"{kinds[family.latent_ndim - 1]}: they were cached with another model's VAE; "
+                                     "connect this model's own VAE to Cache Latents' vae and cache them again")
         channels = latent_channels(family)
         if latent[0] != channels:
             raise UnsupportedSetting(f"{name}: its latents have {latent[0]} channels, and this "
