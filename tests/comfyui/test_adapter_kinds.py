@@ -11,7 +11,7 @@ import json
 import pytest
 from safetensors import safe_open
 
-from conftest import ON_COMFYUI_033, evaluate_on_one_image, load_workflow
+from conftest import evaluate_on_one_image, load_workflow, on_033_tier_alone
 from ingraph_trainer.trainer.spec import DEFAULT_EVAL_QUANTILES_TEXT
 
 pytestmark = pytest.mark.comfyui
@@ -27,11 +27,9 @@ KEY_PARTS = {"LoRA": {"lora_up.weight", "lora_down.weight", "alpha"},
 # LoRA: test_comfyui_training, test_export_formats. LoHa and DoRA load through ComfyUI 0.33's LoRA code, what users run
 # today; LoKr, whose keys peft factors in the most ways, through both ComfyUIs' (suite time)
 @pytest.mark.parametrize("kind", [
-    pytest.param("LoHa", marks=pytest.mark.skipif(not ON_COMFYUI_033, reason="skipped: LoHa loads through ComfyUI "
-                                                  "0.33's LoRA code here, what users run today (suite time)")),
+    pytest.param("LoHa", marks=on_033_tier_alone("LoHa loads through ComfyUI's LoRA code")),
     "LoKr",
-    pytest.param("DoRA", marks=pytest.mark.skipif(not ON_COMFYUI_033, reason="skipped: DoRA loads through ComfyUI "
-                                                  "0.33's LoRA code here, what users run today (suite time)"))])
+    pytest.param("DoRA", marks=on_033_tier_alone("DoRA loads through ComfyUI's LoRA code"))])
 def test_adapter_kind_loads_in_comfyui_and_reproduces_the_trainer(kind, comfy, client):
     wf = {k: v for k, v in load_workflow().items() if k in {"1", "2", "3", "4", "5", "6"}}
     # LoHa and LoKr on convolutions too (kohya's LoCon); DoRA trains linear layers only

@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ON_COMFYUI_033, SUITE_EVAL_QUANTILES, tiny_models
+from conftest import ON_COMFYUI_033, SUITE_EVAL_QUANTILES, on_033_tier_alone, tiny_models
 from ingraph_trainer.runner.evaluation_run import parse_quantiles
 from ingraph_trainer.trainer.models import UnsupportedSetting
 from ingraph_trainer.trainer.spec import DEFAULT_EVAL_QUANTILES_TEXT
@@ -428,9 +428,9 @@ def edit_sampling_graph(family: str, vae: str, lora_name: str, prefix: str) -> d
     return graph
 
 
-@pytest.mark.skipif(not ON_COMFYUI_033, reason="skipped: these families through the graph run on ComfyUI 0.33, what "
-                    "users run today (suite time); what is each family's own runs on both (test_family_detected_and_"
-                    "its_loss_is_comfyuis, test_qwen_image_edit_trains_on_reference_latents_as_comfyui_runs_them)")
+@on_033_tier_alone("these families through the graph run; what is each family's own runs on both "
+                   "(test_family_detected_and_its_loss_is_comfyuis, test_qwen_image_edit_trains_on_reference_latents_"
+                   "as_comfyui_runs_them)")
 def test_image_families_train_in_one_graph_and_load_in_lora_loader(image_family_models, client):
     """One prompt trains Lumina 2, Qwen-Image-Edit and Flux Kontext (the edit models on items with reference
     images; Chroma: its own test) 2 steps each (fp32, 64 px images, captions from a synthetic encoder of each family's

@@ -391,9 +391,9 @@ GRAPH_MODELS = [stem for stem in VIDEO_MODELS if stem != "tiny_wan21_t2v"]
 
 
 @pytest.mark.skipif(not ON_COMFYUI_033, reason="skipped: every video family through the graph runs on ComfyUI 0.33, "
-                    "what users run today (suite time); what is each family's own runs on both (test_comfyui_detects_"
-                    "each_tiny_video_model_and_the_family_loss_is_comfyuis, the Wan and HunyuanVideo image-to-video "
-                    "graph tests)")
+                    "whose TAEHV is a video VAE small enough for each one's latents (0.3.64's are hundreds of "
+                    "millions of parameters); what is each family's own runs on both (test_comfyui_detects_each_tiny_"
+                    "video_model_and_the_family_loss_is_comfyuis, the Wan and HunyuanVideo image-to-video graph tests)")
 def test_every_video_family_trains_in_one_graph_and_loads_in_lora_loader(video_models_in_server, client):
     """One prompt trains each tiny video model 2 steps (fp32) through the graph: the Wan image-to-video models on
     images with a start image beside each (name.ref.png, handed to the model as WanImageToVideo does), the others
