@@ -21,11 +21,13 @@ def bootstrap_comfy():
 # two of the example images: few forward passes a run (evaluation at one quantile: training_graph's eval_quantiles)
 FAMILY_FOLDER = "ingraph_family"
 
-# family → (VAE file, dtype the tiny model is stored in); Flux cannot be made small (see tools/tiny_models.py)
+# family → (VAE file, dtype the tiny model is stored in); Flux cannot be made small (see tools/tiny_models.py); Wan
+# takes a video VAE's latents (an image VAE's are refused), the tiny Wan 2.1 VAE's
 FAMILIES = {"sdxl": ("tiny_taesd4.safetensors", "fp32"), "sd3": ("tiny_taesd16.safetensors", "fp32"),
-            "flux": ("tiny_taesd16.safetensors", "bf16"), "wan": ("tiny_taesd16.safetensors", "fp32")}
+            "flux": ("tiny_taesd16.safetensors", "bf16"), "wan": ("tiny_wan_vae.safetensors", "fp32")}
 FAMILY_TINY_MODELS = dict(families={family: dtype for family, (_, dtype) in FAMILIES.items()},
-                   vae16="tiny_taesd16.safetensors", vae4="tiny_taesd4.safetensors")  # conftest.tiny_models
+                          vae16="tiny_taesd16.safetensors", vae4="tiny_taesd4.safetensors",
+                          wan_vae="tiny_wan_vae.safetensors")  # conftest.tiny_models
 
 
 @pytest.fixture(scope="module")
