@@ -598,8 +598,9 @@ def test_a_dataset_cached_for_another_model_is_refused_at_queue_time_before_the_
     # an image VAE's latents (a Flux VAE's for Qwen-Image or Wan) trained before, as one-frame videos of latents the
     # model was never made for
     with pytest.raises(ValueError, match=r"dataset: its latents are an image VAE's \[C, H, W\] \(\[4, 8, 8\]\), "
-                                         r"and this Wan model takes a video VAE's \[C, T, H, W\]: .*connect this "
-                                         r"model's own VAE to Cache Latents' vae"):
+                                         r"and this Wan model takes a video VAE's \[C, T, H, W\] \(its own VAE is a "
+                                         r"video VAE, which makes an image one frame: \[C, 1, H, W\]\): .*connect "
+                                         r"this model's own VAE to Cache Latents' vae"):
         queued(video, datasets["image"])
     wide = Family()
     wide.diffusion_model = torch.nn.ModuleDict({"txt_in": torch.nn.Linear(16, 2)})

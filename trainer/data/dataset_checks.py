@@ -97,10 +97,12 @@ def _check_encoders(dataset, family, where: str, cache_root=None):
         latent, text, pooled = shapes  # [C, H, W] (a video VAE's [C, T, H, W]); [tokens, width]; [width] or None
         if len(latent) + 1 != family.latent_ndim:  # (a batch's dims, which the model takes)
             kinds = {3: "an image VAE's [C, H, W]", 4: "a video VAE's [C, T, H, W]"}
+            own = " (its own VAE is a video VAE, which makes an image one frame: [C, 1, H, W])" \
+                if family.latent_ndim == 5 else ""
             raise UnsupportedSetting(f"{name}: its latents are {kinds.get(len(latent), 'of another VAE')} "
                                      f"({list(latent)}), and this {family.display_name} model takes "
-                                     f"{kinds[family.latent_ndim - 1]}: they were cached with another model's VAE; "
-                                     "connect this model's own VAE to Cache Latents' vae and cache them again")
+                                     f"{kinds[family.latent_ndim - 1]}{own}: they were cached with another model's "
+                                     "VAE; connect this model's own VAE to Cache Latents' vae and cache them again")
         channels = latent_channels(family)
         if latent[0] != channels:
             raise UnsupportedSetting(f"{name}: its latents have {latent[0]} channels, and this "

@@ -214,7 +214,7 @@ class ModelFamily:
         self.flow_shift, self.guidance = flow_shift, guidance
 
     def to_model_layout(self, latents: torch.Tensor) -> torch.Tensor:
-        """A cached latent batch in the layout the diffusion model takes (images as 1-frame videos, say)."""
+        """A latent batch in the model's layout: 4-D as 1-frame videos for a video-latent model (not a dataset's)."""
         return latents.unsqueeze(2) if latents.dim() == 4 and self.latent_ndim == 5 else latents
 
     def prepare_latents(self, latents: torch.Tensor) -> torch.Tensor:
