@@ -630,8 +630,9 @@ def test_hunyuan_video_i2v_trains_as_comfyui_samples_it_without_a_start_image(co
 
 
 def test_the_generic_family_lays_an_image_dataset_out_as_one_frame_videos_for_a_video_model():
-    """A video class the generic family trains (its latent format has a frame axis) takes B C T H W: cached image
-    latents (B C H W) become one-frame videos, as the video families make them; an image class keeps them."""
+    """A video class the generic family trains (its latent format has a frame axis) takes B C T H W: a B C H W
+    batch becomes one-frame videos, as the video families lay it out (a dataset's come from the model's video VAE,
+    an image already one frame: dataset_checks refuses an image VAE's); an image class keeps them."""
     from types import SimpleNamespace
     bootstrap_comfy()
     import comfy.latent_formats

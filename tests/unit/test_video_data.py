@@ -497,7 +497,7 @@ def test_evaluate_refuses_references_the_model_cannot_take_before_anything_runs(
     write_image(data / "cat.ref.png", 90)
     write_image(data / "cat.ref2.png", 30)
     store = CacheStore(tmp_path / "cache")
-    dataset, video_dataset = ((encode_text(cached(data, store, vae)[0], SyntheticClip(), store)[0])
+    dataset, video_dataset = (encode_text(cached(data, store, vae)[0], SyntheticClip(), store)[0]
                               for vae in (ImageVAE(), VideoVAE()))  # each model's own VAE's latents
     store.close()
     assert dataset.reference_slots == video_dataset.reference_slots == 2

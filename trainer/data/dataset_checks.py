@@ -79,16 +79,17 @@ def check_dataset_for_family(dataset, family, where: str = "data.manifest", cach
 
 
 def _check_encoders(dataset, family, where: str, cache_root=None):
-    """Latents cached with another model's VAE (an SDXL VAE's 4 channels for a Flux model's 16, a Wan VAE's video
-    latents for a Flux model's image latents), or captions encoded with another model's text encoder (SD1.x's
-    CLIP-L, 768 wide, for SDXL's 2048), are refused naming the setting and the fix: they failed at the first step
-    with a layer's shape error; so are a Flux VAE's image latents for a Qwen-Image or Wan model, which trained
-    without an error as one-frame videos of latents the model never sees (every VAE of a model on video latents
-    gives an image one frame: [C, 1, H, W]); so are pooled vectors of another width (Flux's T5 and CLIP-L captions
-    for an SD3 model: the same 4096-wide embeddings, but pooled vectors of 768 for its 2048), but for a wider one
-    where the model reads its first part (ModelFamily.pooled_read_in_part). Read from the first item's shard
-    headers; the text where the family names the layer its text embedding and pooled vector enter
-    (ModelFamily.text_input_layer, pooled_input_layer)."""
+    """Refuses, naming the setting and the fix, latents cached with another model's VAE and captions encoded with
+    another model's text encoder, read from the first item's shard headers:
+    - latents of other dimensions: a Wan VAE's video latents for a Flux model (its first step failed unpacking them),
+      or a Flux VAE's image latents for a Qwen-Image or Wan model (they trained without an error, as one-frame videos
+      of latents the model never sees: every VAE of a model on video latents gives an image one frame, [C, 1, H, W]);
+    - latents of other channels (an SDXL VAE's 4 for a Flux model's 16: a shape error at the first step);
+    - captions of another width (SD1.x's CLIP-L, 768 wide, for SDXL's 2048), where the family names the layer its
+      text embedding enters (ModelFamily.text_input_layer);
+    - pooled vectors of another width (Flux's T5 and CLIP-L captions for SD3: the same 4096-wide embeddings, pooled
+      vectors of 768 for its 2048), where the family names the layer they enter (pooled_input_layer); a wider one
+      passes where the model reads its first part (pooled_read_in_part)."""
     from ..models.base import UnsupportedSetting
     for part, name in _parts(dataset, where):
         shapes = _first_item_shapes(part, cache_root)

@@ -47,8 +47,8 @@ class GenericFamily(ModelFamily):
         self.anima = is_comfy_model(base_model, "Anima")
         self.display_name = f"generic ({type(base_model.model_config).__name__})"
         self.base_model_version = type(base_model.model_config).__name__.lower()
-        # a video class (its latent format has a frame axis) takes B C T H W: an image dataset's latents become
-        # one-frame videos, as the video families make them
+        # a video class (its latent format has a frame axis) takes B C T H W, as its video VAE gives them (an image
+        # one frame); an image VAE's latents are refused for it (dataset_checks)
         if getattr(base_model.latent_format, "latent_dimensions", 2) == 3:
             self.latent_ndim = 5
 
